@@ -1,0 +1,28 @@
+"""``hpc-rlhf <command>``: one console script; each command lives in its own module."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "plan": ("hpc_rlhf.cli.plan", "placement and per-GPU memory of a recipe, without loading a model"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        width = max(map(len, COMMANDS))
+        lines = [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+        print("usage: hpc-rlhf <command> [args]\n\ncommands:\n" + "\n".join(lines))
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nhpc-rlhf: unknown command {argv[0]!r}", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(0)
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""The typed config tree.
+
+Every section forbids unknown keys, so a typo such as ``algo.kl.init_cof`` fails
+before any model loads, naming the key. Names follow OpenRLHF's flags where one
+exists (see ``docs/openrlhf_flags.md``). This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+AdvantageEstimator = Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
+GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys and wrong types fail loudly."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelRole(Section):
+    """A model hosted by a role group (actor, critic, ref, reward)."""
+
+    pretrain: str | None = Field(None, description="local HF model folder (config.json + weights)")
+    num_params_b: float | None = Field(
+        None, gt=0, description="model size in billions of parameters, used by `plan` when no local config.json"
+    )
+    num_ranks: int | None = Field(
+        None, ge=1, description="ranks of this role when not colocated (disaggregated placement)"
+    )
+    offload: bool = Field(False, description="keep parameters on CPU between uses (frozen roles)")
+
+
+class TrainedRole(ModelRole):
+    learning_rate: float = Field(1e-6, gt=0)
+    lr_warmup_ratio: float = Field(0.03, ge=0, le=1)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine schedule floor as a fraction of the peak LR")
+    weight_decay: float = Field(0.0, ge=0)
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    max_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
+
+
+class ActorConfig(TrainedRole):
+    pass
+
+
+class CriticConfig(TrainedRole):
+    learning_rate: float = Field(9e-6, gt=0)
+    value_head_prefix: str = "score"
+
+
+class RefConfig(ModelRole):
+    pass
+
+
+class RewardConfig(ModelRole):
+    value_head_prefix: str = "score"
+    reward_func_path: str | None = Field(None, description="Python file defining reward_func(queries, prompts, labels)")
+    remote_url: list[str] = Field(default_factory=list, description="OpenRLHF /get_reward servers")
+    normalize: bool = False
+
+
+class RolloutConfig(Section):
+    backend: Literal["vllm", "transformers"] = "transformers"
+    num_engines: int | None = Field(None, ge=1, description="rollout engines; default fills the rollout ranks")
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks per rollout engine")
+    n_samples_per_prompt: int = Field(4, ge=1)
+    rollout_batch_size: int = Field(8, ge=1, description="prompts per step")
+    micro_rollout_batch_size: int = Field(8, ge=1, description="samples per experience forward")
+    generate_max_len: int = Field(64, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    max_tokens_per_gpu: int | None = Field(None, ge=1)
+    async_num_tasks: int = Field(64, ge=1)
+
+
+class VllmConfig(Section):
+    gpu_memory_utilization: float = Field(0.5, gt=0, lt=1)
+    enable_sleep: bool = True
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+
+
+class LoraConfig(Section):
+    rank: int = Field(0, ge=0, description="0 disables LoRA")
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["all-linear"])
+    load_in_4bit: bool = False
+
+
+class DeepSpeedConfig(Section):
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    adam_offload: bool = False
+    gradient_checkpointing: bool = False
+    param_dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU")
+    tensor_parallel_size: int = Field(1, ge=1)
+    ring_attn_size: int = Field(1, ge=1)
+    ring_head_stride: int = Field(1, ge=1)
+    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3"] = "auto"
+    use_liger_kernel: bool = False
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+
+class KLConfig(Section):
+    init_coef: float = Field(0.0, ge=0, description="0 disables the reference model")
+    estimator: Literal["k1", "k2", "k3"] = "k1"
+    use_loss: bool = Field(False, description="KL as a loss term (GRPO style) instead of folded into rewards")
+    target: float | None = Field(None, gt=0, description="adaptive KL controller target; None = fixed")
+    horizon: int = Field(10000, ge=1)
+
+
+class AlgoConfig(Section):
+    advantage_estimator: AdvantageEstimator = "group_norm"
+    gamma: float = Field(1.0, ge=0, le=1)
+    lambd: float = Field(1.0, ge=0, le=1)
+    kl: KLConfig = Field(default_factory=KLConfig)
+    eps_clip_low: float = Field(0.2, gt=0)
+    eps_clip_high: float = Field(0.2, gt=0)
+    dual_clip: float | None = Field(None, gt=1)
+    value_clip: float | None = Field(0.5, gt=0)
+    policy_loss_type: Literal["ppo", "gspo"] = "ppo"
+    loss_agg_mode: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    entropy_loss_coef: float = Field(0.0, ge=0)
+    aux_loss_coef: float = Field(0.0, ge=0)
+    no_advantage_std_norm: bool = False
+    reward_clip_range: tuple[float, float] | None = None
+    normalize_reward: bool = False
+    is_correction: Literal["none", "tis", "icepop", "seq_mask_tis"] = "none"
+    is_truncation: tuple[float, float] = (0.5, 2.0)
+    dynamic_filtering: bool = False
+    dynamic_filtering_reward_range: tuple[float, float] = (0.0, 1.0)
+    overlong_buffer_len: int | None = Field(None, ge=1)
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.advantage_estimator == "gae"
+
+    @property
+    def needs_ref(self) -> bool:
+        return self.kl.init_coef > 0
+
+
+class TrainConfig(Section):
+    output_dir: str = "runs/default"
+    seed: int = 42
+    max_epochs: int = Field(1, ge=1, description="PPO epochs over each rollout batch")
+    num_episodes: int = Field(1, ge=1, description="passes over the prompt data")
+    max_steps: int | None = Field(None, ge=1)
+    train_batch_size: int = Field(8, ge=1, description="samples per optimizer step (global)")
+    micro_train_batch_size: int = Field(4, ge=1, description="samples per forward/backward per rank")
+    colocate_all: bool = Field(True, description="every rank hosts every enabled role (hybrid engine)")
+    colocate_actor_ref: bool = False
+    colocate_critic_reward: bool = False
+    packing_samples: bool = False
+    use_dynamic_batch: bool = False
+    max_tokens_per_gpu: int | None = Field(None, ge=1)
+    agent_func_path: str | None = None
+    async_train: bool = False
+    async_queue_size: int = Field(1, ge=1)
+    max_staleness: int = Field(1, ge=0)
+    partial_rollout: bool = False
+    collective_timeout_s: int = Field(1800, ge=1)
+    watchdog_timeout_s: int | None = Field(None, ge=1)
+
+
+class DataConfig(Section):
+    prompt_data: list[str] = Field(default_factory=list, description="files or save_to_disk folders")
+    prompt_data_probs: list[float] | None = None
+    input_key: str = "input"
+    label_key: str | None = None
+    input_template: str | None = None
+    apply_chat_template: bool = False
+    max_samples: int | None = Field(None, ge=1)
+    prompt_max_len: int = Field(1024, ge=1)
+    max_len: int | None = Field(None, ge=1, description="prompt + response token budget")
+    skip_bad_rows: bool = False
+
+    @model_validator(mode="after")
+    def _probs_match_data(self) -> DataConfig:
+        if self.prompt_data_probs is not None and len(self.prompt_data_probs) != len(self.prompt_data):
+            raise ValueError(
+                f"data.prompt_data_probs has {len(self.prompt_data_probs)} entries but data.prompt_data "
+                f"has {len(self.prompt_data)}; give one probability per dataset"
+            )
+        return self
+
+
+class CkptConfig(Section):
+    path: str | None = Field(None, description="default: <train.output_dir>/ckpt")
+    save_steps: int | None = Field(None, ge=1)
+    max_num: int = Field(3, ge=1)
+    load: bool = False
+
+
+class LoggerConfig(Section):
+    logging_steps: int = Field(1, ge=1)
+    use_tensorboard: bool = True
+    use_wandb: bool = False
+    wandb_project: str = "hpc-rlhf"
+    wandb_run_name: str | None = None
+
+
+class SlurmConfig(Section):
+    partition: str | None = None
+    time: str = "04:00:00"
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(8, ge=0)
+    cpus_per_task: int | None = Field(None, ge=1)
+    account: str | None = None
+    signal_grace_s: int = Field(300, ge=1, description="warning signal this many seconds before the time limit")
+    requeue: bool = True
+
+
+class RunConfig(Section):
+    """The whole run. Sections are named as users address them on the command line."""
+
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    ref: RefConfig = Field(default_factory=RefConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
+    ds: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    ckpt: CkptConfig = Field(default_factory=CkptConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+
+    @model_validator(mode="after")
+    def _cross_section_rules(self) -> RunConfig:
+        groups = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+        if groups % self.train.train_batch_size != 0:
+            raise ValueError(
+                f"rollout.rollout_batch_size x rollout.n_samples_per_prompt = {groups} samples per step "
+                f"must be a multiple of train.train_batch_size = {self.train.train_batch_size}"
+            )
+        if self.algo.advantage_estimator in GROUP_ESTIMATORS and self.rollout.n_samples_per_prompt < 2:
+            raise ValueError(
+                f"algo.advantage_estimator={self.algo.advantage_estimator} needs a group per prompt: "
+                "set rollout.n_samples_per_prompt >= 2"
+            )
+        if self.train.async_train and self.train.colocate_all:
+            raise ValueError(
+                "train.async_train=true needs a disaggregated layout (rollout overlaps training); "
+                "set train.colocate_all=false and give each role its num_ranks"
+            )
+        if self.reward.remote_url and self.reward.reward_func_path:
+            raise ValueError("set only one of reward.remote_url and reward.reward_func_path")
+        return self
+
+    @property
+    def needs_reward_model(self) -> bool:
+        """A reward-model role gets ranks only when no function or remote server scores."""
+        r = self.reward
+        return r.pretrain is not None and not r.remote_url and r.reward_func_path is None

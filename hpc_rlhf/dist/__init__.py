@@ -1,0 +1,20 @@
+"""Launch environment, role placement, process groups and the controller channel.
+
+``launch_env`` and ``placement`` are torch-free; import ``world`` / ``channel`` explicitly when a
+process group is needed.
+"""
+
+from hpc_rlhf.dist.launch_env import LaunchEnv, LaunchEnvError, detect_launch_env, expand_nodelist
+from hpc_rlhf.dist.placement import Placement, PlacementError, RoleGrid, build_placement, enabled_roles
+
+__all__ = [
+    "LaunchEnv",
+    "LaunchEnvError",
+    "Placement",
+    "PlacementError",
+    "RoleGrid",
+    "build_placement",
+    "detect_launch_env",
+    "enabled_roles",
+    "expand_nodelist",
+]

@@ -1,0 +1,239 @@
+"""Assign ranks of the world to roles. Pure Python: `plan` runs it on a login node.
+
+Layouts:
+- fully colocated (``train.colocate_all``): every enabled role on every rank, time-shared;
+- partially colocated (``train.colocate_actor_ref`` / ``train.colocate_critic_reward``): ref shares
+  the actor's ranks, reward shares the critic's;
+- disaggregated: disjoint consecutive rank ranges, in the order actor, ref, critic, reward, rollout.
+
+Inside a training role the ranks form a (dp, sp, tp) grid with tp fastest: tensor-parallel peers are
+neighbours (same node, fast links), then sequence-parallel (ring attention), then data-parallel.
+A rollout group is split into engines of ``rollout.tensor_parallel_size`` consecutive ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hpc_rlhf.config.schema import RunConfig
+
+ROLES = ("actor", "ref", "critic", "reward", "rollout")
+TRAINED_ROLES = ("actor", "critic")
+
+
+class PlacementError(ValueError):
+    """The requested layout cannot be built; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class RoleGrid:
+    """Ranks of one role and how they split into parallel subgroups.
+
+    ``tp_groups`` are consecutive runs of ``tp_size`` ranks; ``sp_groups`` collect ranks with the same
+    (dp, tp) index; ``dp_groups`` collect ranks with the same (sp, tp) index.
+    """
+
+    role: str
+    ranks: tuple[int, ...]
+    tp_size: int = 1
+    sp_size: int = 1
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.ranks) // (self.tp_size * self.sp_size)
+
+    def _coords(self, rank: int) -> tuple[int, int, int]:
+        i = self.ranks.index(rank)
+        tp = i % self.tp_size
+        sp = (i // self.tp_size) % self.sp_size
+        dp = i // (self.tp_size * self.sp_size)
+        return dp, sp, tp
+
+    def dp_rank(self, rank: int) -> int:
+        return self._coords(rank)[0]
+
+    def sp_rank(self, rank: int) -> int:
+        return self._coords(rank)[1]
+
+    def tp_rank(self, rank: int) -> int:
+        return self._coords(rank)[2]
+
+    def _group(self, keep: tuple[bool, bool, bool]) -> list[tuple[int, ...]]:
+        """Groups of ranks sharing the coordinates where ``keep`` is True."""
+        buckets: dict[tuple[int, ...], list[int]] = {}
+        for r in self.ranks:
+            key = tuple(c for c, k in zip(self._coords(r), keep, strict=True) if k)
+            buckets.setdefault(key, []).append(r)
+        return [tuple(v) for _, v in sorted(buckets.items())]
+
+    @property
+    def tp_groups(self) -> list[tuple[int, ...]]:
+        return self._group((True, True, False))
+
+    @property
+    def sp_groups(self) -> list[tuple[int, ...]]:
+        return self._group((True, False, True))
+
+    @property
+    def dp_groups(self) -> list[tuple[int, ...]]:
+        return self._group((False, True, True))
+
+    def dp_leaders(self) -> tuple[int, ...]:
+        """One rank per data-parallel replica (tp rank 0, sp rank 0): where shards are delivered."""
+        return tuple(r for r in self.ranks if self._coords(r)[1:] == (0, 0))
+
+
+@dataclass(frozen=True)
+class Placement:
+    world_size: int
+    layout: str  # "colocated" | "partial" | "disaggregated"
+    roles: dict[str, RoleGrid] = field(default_factory=dict)
+
+    @property
+    def controller_rank(self) -> int:
+        return 0
+
+    def roles_of(self, rank: int) -> list[str]:
+        return [name for name, grid in self.roles.items() if rank in grid.ranks]
+
+    def describe(self) -> list[dict[str, object]]:
+        rows = []
+        for name, grid in self.roles.items():
+            rows.append(
+                {
+                    "role": name,
+                    "ranks": _compact_ranges(grid.ranks),
+                    "num_ranks": len(grid.ranks),
+                    "dp": grid.dp_size,
+                    "tp": grid.tp_size,
+                    "sp": grid.sp_size,
+                }
+            )
+        return rows
+
+
+def _compact_ranges(ranks: tuple[int, ...]) -> str:
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(f"{start}" if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(parts)
+
+
+def enabled_roles(cfg: RunConfig) -> list[str]:
+    """Roles the run needs; the others get no ranks."""
+    roles = ["actor"]
+    if cfg.algo.needs_ref:
+        roles.append("ref")
+    if cfg.algo.needs_critic:
+        roles.append("critic")
+    if cfg.needs_reward_model:
+        roles.append("reward")
+    roles.append("rollout")
+    return roles
+
+
+def _grid(cfg: RunConfig, role: str, ranks: tuple[int, ...]) -> RoleGrid:
+    if role == "rollout":
+        tp = cfg.rollout.tensor_parallel_size
+        grid = RoleGrid(role, ranks, tp_size=tp)
+        if len(ranks) % tp:
+            raise PlacementError(
+                f"rollout has {len(ranks)} ranks, not a multiple of rollout.tensor_parallel_size={tp}"
+            )
+        engines = cfg.rollout.num_engines
+        if engines is not None and engines * tp != len(ranks):
+            raise PlacementError(
+                f"rollout.num_engines={engines} x rollout.tensor_parallel_size={tp} = {engines * tp} "
+                f"but the rollout role has {len(ranks)} ranks; set rollout.num_engines={len(ranks) // tp}"
+            )
+        return grid
+    tp, sp = cfg.ds.tensor_parallel_size, cfg.ds.ring_attn_size
+    if len(ranks) % (tp * sp):
+        raise PlacementError(
+            f"{role} has {len(ranks)} ranks, not a multiple of ds.tensor_parallel_size={tp} x "
+            f"ds.ring_attn_size={sp}; change {role}.num_ranks or the parallel sizes"
+        )
+    return RoleGrid(role, ranks, tp_size=tp, sp_size=sp)
+
+
+def _role_size(cfg: RunConfig, role: str) -> int | None:
+    if role == "rollout":
+        n = cfg.rollout.num_engines
+        return None if n is None else n * cfg.rollout.tensor_parallel_size
+    return getattr(cfg, role).num_ranks
+
+
+def build_placement(cfg: RunConfig, world_size: int) -> Placement:
+    """Map ``world_size`` ranks to the roles that ``cfg`` enables.
+
+    Raises:
+        PlacementError: sizes do not add up; the message names the keys to change.
+    """
+    if world_size < 1:
+        raise PlacementError(f"world size must be >= 1, got {world_size}")
+    roles = enabled_roles(cfg)
+    everyone = tuple(range(world_size))
+    if cfg.train.colocate_all:
+        for role in roles:
+            size = _role_size(cfg, role)
+            if size is not None and size != world_size and role == "rollout":
+                tp = cfg.rollout.tensor_parallel_size
+                raise PlacementError(
+                    f"train.colocate_all: rollout.num_engines={cfg.rollout.num_engines} x "
+                    f"rollout.tensor_parallel_size={tp} = {size} ranks, but every rank hosts rollout "
+                    f"({world_size}); set rollout.num_engines={world_size // tp} or drop it"
+                )
+            if size is not None and size != world_size:
+                key = f"{role}.num_ranks"
+                raise PlacementError(
+                    f"train.colocate_all puts every role on all {world_size} ranks, but {key} asks for "
+                    f"{size}; drop {key} or set train.colocate_all=false"
+                )
+        return Placement(world_size, "colocated", {r: _grid(cfg, r, everyone) for r in roles})
+
+    shares = {}
+    if cfg.train.colocate_actor_ref and "ref" in roles:
+        shares["ref"] = "actor"
+    if cfg.train.colocate_critic_reward and "reward" in roles and "critic" in roles:
+        shares["reward"] = "critic"
+    owners = [r for r in roles if r not in shares]
+    sizes = {r: _role_size(cfg, r) for r in owners}
+    missing = [r for r, s in sizes.items() if s is None]
+    fixed = sum(s for s in sizes.values() if s is not None)
+    if len(missing) > 1:
+        keys = ", ".join("rollout.num_engines" if r == "rollout" else f"{r}.num_ranks" for r in missing)
+        raise PlacementError(f"disaggregated layout: set the rank counts of all but one role (missing: {keys})")
+    if missing:
+        left = world_size - fixed
+        if left < 1:
+            raise PlacementError(
+                f"the roles with fixed sizes use {fixed} of {world_size} ranks, leaving none for {missing[0]}"
+            )
+        sizes[missing[0]] = left
+    total = sum(sizes.values())
+    if total != world_size:
+        detail = ", ".join(f"{r}={s}" for r, s in sizes.items())
+        raise PlacementError(
+            f"disaggregated layout needs {total} ranks ({detail}) but the world has {world_size}; "
+            "change the role sizes or the number of tasks"
+        )
+    grids: dict[str, RoleGrid] = {}
+    start = 0
+    for role in owners:
+        ranks = tuple(range(start, start + sizes[role]))
+        grids[role] = _grid(cfg, role, ranks)
+        start += sizes[role]
+    for role, owner in shares.items():
+        own_size = _role_size(cfg, role)
+        if own_size is not None and own_size != len(grids[owner].ranks):
+            raise PlacementError(
+                f"{role} is colocated with {owner} ({len(grids[owner].ranks)} ranks) but {role}.num_ranks="
+                f"{own_size}; drop {role}.num_ranks"
+            )
+        grids[role] = _grid(cfg, role, grids[owner].ranks)
+    ordered = {r: grids[r] for r in roles}
+    return Placement(world_size, "partial" if shares else "disaggregated", ordered)

@@ -1,0 +1,118 @@
+"""Bring up the one torch.distributed world and the role process groups in it."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hpc_rlhf.dist.launch_env import LaunchEnv, detect_launch_env
+from hpc_rlhf.dist.placement import Placement
+
+log = logging.getLogger(__name__)
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_world(timeout_s: int = 1800, env: LaunchEnv | None = None, backend: str | None = None) -> LaunchEnv:
+    """Initialise torch.distributed from the launcher's variables (idempotent).
+
+    NCCL with one GPU per rank (``cuda:local_rank``) when CUDA is present, gloo otherwise.
+    """
+    env = env or detect_launch_env()
+    if dist.is_initialized():
+        return env
+    env.export()
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    log.info("rank %d/%d up (%s, %s, master %s:%d)", env.rank, env.world_size, env.launcher, backend,
+             env.master_addr, env.master_port)
+    return env
+
+
+def comm_device() -> torch.device:
+    """Where tensors must live for collectives on the default backend."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@dataclass
+class RoleGroups:
+    """This rank's process groups for one role. ``None`` for groups this rank is not in."""
+
+    role: str
+    ranks: tuple[int, ...]
+    group: dist.ProcessGroup | None
+    controller_group: dist.ProcessGroup | None  # role ranks plus rank 0, for controller traffic
+    controller_ranks: tuple[int, ...]
+    dp_group: dist.ProcessGroup | None = None
+    tp_group: dist.ProcessGroup | None = None
+    sp_group: dist.ProcessGroup | None = None
+    dp_leaders: tuple[int, ...] = ()
+    dp_rank_of: dict[int, int] = field(default_factory=dict)  # global rank -> dp rank in this role
+
+
+@dataclass
+class WorldGroups:
+    placement: Placement
+    rank: int
+    roles: dict[str, RoleGroups] = field(default_factory=dict)
+
+    def has_role(self, role: str) -> bool:
+        return role in self.roles and self.rank in self.roles[role].ranks
+
+    @property
+    def is_controller(self) -> bool:
+        return self.rank == self.placement.controller_rank
+
+
+def _new_group(ranks: tuple[int, ...], rank: int, cache: dict) -> dist.ProcessGroup | None:
+    """Create (or reuse) a group; every rank must call this in the same order for every group."""
+    key = tuple(sorted(ranks))
+    if key not in cache:
+        cache[key] = dist.new_group(list(key))
+    return cache[key] if rank in key else None
+
+
+def build_world_groups(placement: Placement) -> WorldGroups:
+    """Create every role's groups collectively. All ranks must call this with the same placement."""
+    rank = dist.get_rank()
+    if dist.get_world_size() != placement.world_size:
+        raise RuntimeError(
+            f"placement is for {placement.world_size} ranks but the world has {dist.get_world_size()}"
+        )
+    cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    out = WorldGroups(placement=placement, rank=rank)
+    for name, grid in placement.roles.items():
+        controller_ranks = tuple(sorted({placement.controller_rank, *grid.ranks}))
+        groups = RoleGroups(
+            role=name,
+            ranks=grid.ranks,
+            group=_new_group(grid.ranks, rank, cache),
+            controller_group=_new_group(controller_ranks, rank, cache),
+            controller_ranks=controller_ranks,
+            dp_leaders=grid.dp_leaders(),
+            dp_rank_of={r: grid.dp_rank(r) for r in grid.ranks},
+        )
+        for attr, subgroups in (("dp_group", grid.dp_groups), ("tp_group", grid.tp_groups),
+                                ("sp_group", grid.sp_groups)):
+            for members in subgroups:
+                handle = _new_group(members, rank, cache)
+                if handle is not None:
+                    setattr(groups, attr, handle)
+        out.roles[name] = groups
+    return out

@@ -1,0 +1,42 @@
+"""Run a function on N gloo ranks in fresh processes (one torch.distributed world per call)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple, results: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+    )
+    from hpc_rlhf.dist.world import init_world
+
+    init_world(timeout_s=120, backend="gloo")
+    results[rank] = fn(rank, world_size, *args)
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_on_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on every rank; return the per-rank results.
+
+    ``fn`` must be a module-level function (it is pickled into spawned processes).
+    """
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.spawn(_entry, args=(fn, world_size, _free_port(), args, results), nprocs=world_size, join=True)
+    return [results[r] for r in range(world_size)]
