@@ -1,0 +1,69 @@
+"""Pure RL math over tensors: advantages, KL, losses, aggregation, corrections, filtering.
+
+Imports only torch. Nothing here touches ``torch.distributed``: functions
+take counts (global token count, dp size) as arguments instead.
+"""
+
+from hpc_rlhf.algos.advantages import (
+    ESTIMATORS,
+    compute_advantages,
+    discounted_returns,
+    dr_grpo_rewards,
+    gae_advantages,
+    group_norm_rewards,
+    last_action_index,
+    reinforce_baseline_rewards,
+    rloo_rewards,
+    token_level_rewards,
+)
+from hpc_rlhf.algos.aggregation import AGGREGATION_MODES, aggregate_loss, count_tokens_and_seqs
+from hpc_rlhf.algos.controllers import (
+    AdaptiveKLController,
+    FixedKLController,
+    RunningRewardNormalizer,
+)
+from hpc_rlhf.algos.corrections import CORRECTION_MODES, rollout_importance_weights
+from hpc_rlhf.algos.filtering import dynamic_filter_mask, overlong_penalty
+from hpc_rlhf.algos.kl import KL_ESTIMATORS, kl_estimate
+from hpc_rlhf.algos.losses import (
+    POLICY_LOSS_TYPES,
+    entropy_from_logits,
+    policy_loss,
+    total_loss,
+    value_loss,
+)
+from hpc_rlhf.algos.masking import fill_masked, masked_mean, masked_sum, masked_whiten
+
+__all__ = [
+    "AGGREGATION_MODES",
+    "CORRECTION_MODES",
+    "ESTIMATORS",
+    "KL_ESTIMATORS",
+    "POLICY_LOSS_TYPES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "RunningRewardNormalizer",
+    "aggregate_loss",
+    "compute_advantages",
+    "count_tokens_and_seqs",
+    "discounted_returns",
+    "dr_grpo_rewards",
+    "dynamic_filter_mask",
+    "entropy_from_logits",
+    "fill_masked",
+    "gae_advantages",
+    "group_norm_rewards",
+    "kl_estimate",
+    "last_action_index",
+    "masked_mean",
+    "masked_sum",
+    "masked_whiten",
+    "overlong_penalty",
+    "policy_loss",
+    "reinforce_baseline_rewards",
+    "rloo_rewards",
+    "rollout_importance_weights",
+    "token_level_rewards",
+    "total_loss",
+    "value_loss",
+]

@@ -1,0 +1,200 @@
+"""Per-token policy / value losses, entropy, and the total-loss combiner.
+
+Losses here are per token, shape (B, T), 0 on masked positions; turn them
+into a scalar with :func:`hpc_rlhf.algos.aggregation.aggregate_loss` so the
+micro-batch / data-parallel contract holds. Sign convention: losses are
+minimised, so a positive advantage makes ``logprobs`` go up.
+
+Stats are detached scalars over the *local* micro-batch, for logging only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hpc_rlhf.algos.masking import as_bool_mask, fill_masked, masked_mean
+
+POLICY_LOSS_TYPES = ("ppo", "gspo")
+
+
+def _sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) -> (B, 1): masked mean of the log-ratio per row (0 for empty rows)."""
+    return masked_mean(log_ratio, mask, dim=1).unsqueeze(1)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    loss_type: str = "ppo",
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+    importance_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate policy loss, per token.
+
+    ``ppo``: token ratio ``r_t = exp(logprobs - old_logprobs)``,
+    ``loss_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)``
+    (Schulman et al. 2017, arXiv:1707.06347). ``clip_eps_high > clip_eps_low`` is
+    DAPO's clip-higher (Yu et al. 2025, arXiv:2503.14476).
+
+    ``gspo``: sequence ratio ``s_i = exp(mean_t (logprobs - old_logprobs))`` used
+    for every token of row i, with GSPO-token's gradient
+    ``s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)]`` (Zheng et al. 2025,
+    arXiv:2507.18071). Aggregate with ``seq_mean_token_mean`` to get the paper's
+    objective; the GSPO paper uses eps of order 3e-4 / 4e-4.
+
+    Dual clip (Ye et al. 2020, arXiv:1912.09729): for ``A_t < 0`` the loss is capped
+    at ``-dual_clip * A_t`` so a huge ratio on a bad token cannot dominate.
+
+    Args:
+        logprobs: (B, T) current policy log-probs (carries the gradient).
+        old_logprobs: (B, T) log-probs of the rollout policy, recomputed by the trainer.
+        advantages: (B, T).
+        action_mask: (B, T) bool.
+        loss_type: ``ppo`` | ``gspo``.
+        clip_eps_low, clip_eps_high: ratio band ``[1 - low, 1 + high]``; high defaults to low.
+        dual_clip: constant c > 1, or None.
+        importance_weights: (B, T) rollout/trainer mismatch weights (see
+            ``hpc_rlhf.algos.corrections``) multiplied into the loss; detached here.
+    Returns:
+        ``(loss (B, T) fp32, stats)`` with stats ``clip_fraction`` (fraction of
+        action tokens whose surrogate is clipped), ``dual_clip_fraction``,
+        ``approx_kl`` (k3 of old vs new, masked mean), ``ratio_mean``.
+    """
+    if loss_type not in POLICY_LOSS_TYPES:
+        raise ValueError(
+            f"unknown policy loss_type {loss_type!r}; choose one of {POLICY_LOSS_TYPES}"
+        )
+    if clip_eps_high is None:
+        clip_eps_high = clip_eps_low
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    mask = as_bool_mask(action_mask)
+    logprobs = fill_masked(logprobs.float(), mask)
+    old_logprobs = fill_masked(old_logprobs.float(), mask)
+    advantages = fill_masked(advantages.float(), mask)
+    log_ratio = logprobs - old_logprobs
+
+    if loss_type == "ppo":
+        ratio = torch.exp(log_ratio)
+    else:
+        seq_log_ratio = _sequence_log_ratio(log_ratio, mask).detach()
+        # Value equals s_i; d/dlogprobs_t = s_i (token-level gradient of GSPO-token).
+        ratio = torch.exp(seq_log_ratio + logprobs - logprobs.detach())
+
+    surrogate = ratio * advantages
+    clipped_surrogate = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high) * advantages
+    objective = torch.minimum(surrogate, clipped_surrogate)
+    is_dual_clipped = torch.zeros_like(mask)
+    if dual_clip is not None:
+        is_dual_clipped = (advantages < 0) & (dual_clip * advantages > objective)
+        capped = torch.maximum(objective, dual_clip * advantages)
+        objective = torch.where(advantages < 0, capped, objective)
+    loss = -objective
+    if importance_weights is not None:
+        loss = loss * fill_masked(importance_weights.detach().float(), mask)
+    loss = fill_masked(loss, mask)
+
+    with torch.no_grad():
+        is_clipped = clipped_surrogate < surrogate
+        stats = {
+            "clip_fraction": masked_mean(is_clipped.float(), mask),
+            "dual_clip_fraction": masked_mean(is_dual_clipped.float(), mask),
+            "approx_kl": masked_mean(torch.expm1(-log_ratio) + log_ratio, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    action_mask: torch.Tensor,
+    value_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token critic loss ``0.5 * (V - R)^2``, optionally PPO-clipped.
+
+    With ``value_clip = c``: ``V_clip = old_V + clamp(V - old_V, -c, c)`` and
+    ``loss = 0.5 * max((V - R)^2, (V_clip - R)^2)`` (the pessimistic PPO2 value
+    clipping of OpenAI baselines; Andrychowicz et al. 2020, arXiv:2006.05990, §3.2).
+
+    Args:
+        values: (B, T) current critic values (carries the gradient).
+        old_values: (B, T) values at rollout time.
+        returns: (B, T) value targets (from GAE).
+        action_mask: (B, T) bool.
+        value_clip: c, or None for the unclipped loss.
+    Returns:
+        ``(loss (B, T) fp32, stats)`` with ``value_clip_fraction``.
+    """
+    mask = as_bool_mask(action_mask)
+    values = fill_masked(values.float(), mask)
+    old_values = fill_masked(old_values.float(), mask)
+    returns = fill_masked(returns.float(), mask)
+    squared_error = (values - returns).square()
+    is_clipped = torch.zeros_like(mask)
+    if value_clip is not None:
+        clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)
+        clipped_error = (clipped_values - returns).square()
+        is_clipped = clipped_error > squared_error
+        squared_error = torch.maximum(squared_error, clipped_error)
+    loss = fill_masked(0.5 * squared_error, mask)
+    stats = {"value_clip_fraction": masked_mean(is_clipped.float(), mask).detach()}
+    return loss, stats
+
+
+def entropy_from_logits(logits: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token entropy of the policy's next-token distribution, in fp32.
+
+    ``H_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_{t,v}``.
+
+    Args:
+        logits: (B, T, V), already aligned so ``logits[:, t]`` predicts action token t.
+        action_mask: (B, T) bool.
+    Returns:
+        (B, T) fp32 entropy, 0 on masked positions. Maximise it (an entropy bonus)
+        by subtracting ``entropy_coef * aggregate_loss(entropy, ...)`` from the loss,
+        see :func:`total_loss`.
+    """
+    mask = as_bool_mask(action_mask)
+    logits = fill_masked(logits.float(), mask.unsqueeze(-1))
+    log_z = torch.logsumexp(logits, dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    entropy = log_z - (probs * logits).sum(dim=-1)
+    return fill_masked(entropy, mask)
+
+
+def total_loss(
+    pg_loss: torch.Tensor,
+    *,
+    kl_loss: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    aux_loss: torch.Tensor | None = None,
+    aux_loss_coef: float = 0.0,
+    num_micro_batches: int = 1,
+) -> torch.Tensor:
+    """Scalar actor loss = policy + kl_coef * KL - entropy_coef * H + aux_loss_coef * aux / m.
+
+    ``pg_loss`` (policy-gradient loss), ``kl_loss`` and ``entropy`` are scalars already produced by
+    :func:`aggregate_loss` for this micro-batch, so they obey its sum-over-micro-
+    batches contract. ``aux_loss`` is the MoE router load-balancing loss
+    (Fedus et al. 2021, Switch Transformer, arXiv:2101.03961) the model returns
+    as a per-forward *mean*; dividing it by ``num_micro_batches`` (the number of
+    micro-batches this rank accumulates before an optimizer step) makes the
+    accumulated sum a mean over micro-batches too.
+    """
+    loss = pg_loss
+    if kl_loss is not None and kl_coef != 0.0:
+        loss = loss + kl_coef * kl_loss
+    if entropy is not None and entropy_coef != 0.0:
+        loss = loss - entropy_coef * entropy
+    if aux_loss is not None and aux_loss_coef != 0.0:
+        loss = loss + aux_loss_coef * aux_loss / num_micro_batches
+    return loss
