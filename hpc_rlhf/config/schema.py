@@ -44,7 +44,9 @@ class TrainedRole(ModelRole):
 
 
 class ActorConfig(TrainedRole):
-    pass
+    build_tiny: bool = Field(
+        False, description="create a tiny char-level Llama at actor.pretrain if missing (CPU recipes, tests)"
+    )
 
 
 class CriticConfig(TrainedRole):
@@ -124,7 +126,9 @@ class AlgoConfig(Section):
     dual_clip: float | None = Field(None, gt=1)
     value_clip: float | None = Field(0.5, gt=0)
     policy_loss_type: Literal["ppo", "gspo"] = "ppo"
-    loss_agg_mode: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    loss_agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = (
+        "token_mean"
+    )
     entropy_loss_coef: float = Field(0.0, ge=0)
     aux_loss_coef: float = Field(0.0, ge=0)
     no_advantage_std_norm: bool = False
@@ -180,6 +184,10 @@ class DataConfig(Section):
     prompt_max_len: int = Field(1024, ge=1)
     max_len: int | None = Field(None, ge=1, description="prompt + response token budget")
     skip_bad_rows: bool = False
+    synthetic_task: Literal["arithmetic"] | None = Field(
+        None, description="write a seeded task to data.prompt_data[0] if that file is missing (CPU recipes)"
+    )
+    synthetic_num_samples: int = Field(512, ge=1)
 
     @model_validator(mode="after")
     def _probs_match_data(self) -> DataConfig:

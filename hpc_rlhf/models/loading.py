@@ -1,0 +1,74 @@
+"""Load the models of each role from local HF folders, and compute values and scores with them.
+
+The critic and the reward model are ``AutoModelForSequenceClassification`` with one label: their linear
+head is called ``score`` like OpenRLHF's value head, so a reward model trained elsewhere loads as is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+
+def resolve_dtype(param_dtype: str, on_gpu: bool) -> torch.dtype:
+    """``auto`` means bf16 on GPU and fp32 on CPU (bf16 matmul is ~500x slower on CPU)."""
+    if param_dtype == "auto":
+        return torch.bfloat16 if on_gpu else torch.float32
+    return torch.bfloat16 if param_dtype == "bf16" else torch.float32
+
+
+def resolve_attn_implementation(requested: str, on_gpu: bool) -> str:
+    """Pick flash-attn where present, else SDPA; say so when falling back."""
+    if requested in ("eager", "sdpa"):
+        return requested
+    has_flash = on_gpu and importlib.util.find_spec("flash_attn") is not None
+    if requested == "auto":
+        return "flash_attention_2" if has_flash else "sdpa"
+    if not has_flash:
+        log.warning("ds.attn_implementation=%s needs flash-attn on a GPU; falling back to sdpa", requested)
+        return "sdpa"
+    return requested
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa") -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+
+
+def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa") -> PreTrainedModel:
+    """A critic or reward model: base transformer + linear ``score`` head with one output."""
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation
+    )
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    return model
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) mask -> (B, T) positions counting only real tokens (left padding starts at 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token values of a critic: (B, T) ids -> (B, T) fp32, the ``score`` head on every hidden state.
+
+    ``model`` may be a training-engine wrapper; its ``module`` is used (ZeRO hooks live on the modules).
+    """
+    model = getattr(model, "module", model)
+    base = getattr(model, model.base_model_prefix)
+    hidden = base(input_ids=input_ids, attention_mask=attention_mask,
+                  position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Reward-model score of each sequence: the value at its last real token. (B, T) -> (B,) fp32."""
+    values = token_values(model, input_ids, attention_mask)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(attention_mask)
+    last = torch.where(attention_mask.bool(), positions, -1).max(dim=-1).values
+    return values.gather(1, last.unsqueeze(1)).squeeze(1)

@@ -1,0 +1,62 @@
+"""Build a small Llama and a character-level tokenizer locally, saved like a real checkpoint.
+
+Used by the CPU recipes, the quickstart and the tests: nothing is downloaded. The folder holds
+``config.json``, safetensors weights and a ``PreTrainedTokenizerFast``, so every code path loads it with
+the same ``from_pretrained`` calls as a real model.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+CHARS = string.digits + string.ascii_letters + " +-*/=?.,:;!()'\"\n"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['content'] }}\n"
+    "{% elif m['role'] == 'assistant' %}A: {{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}A: {% endif %}"
+)
+DEFAULT_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """Each character is a token; special tokens for padding, begin and end of sequence."""
+    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, UNK, *CHARS])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS,
+                                  unk_token=UNK, padding_side="left")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_tiny_model(path: str | Path, seed: int = 0, max_position_embeddings: int = 512, **sizes: int) -> Path:
+    """Create (once) a tiny Llama + tokenizer at ``path``; safe when several ranks call it at once."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
+            return path
+        tok = build_char_tokenizer()
+        config = LlamaConfig(
+            vocab_size=len(tok), max_position_embeddings=max_position_embeddings,
+            pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+            tie_word_embeddings=True, **{**DEFAULT_SIZES, **sizes},
+        )
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        tmp = path.with_name(path.name + ".tmp")
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "hpc_rlhf_tiny.json").write_text(json.dumps({"seed": seed, **sizes}))
+        tmp.rename(path)
+    return path

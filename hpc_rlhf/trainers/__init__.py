@@ -1,0 +1,1 @@
+"""Training loops: online RL (PPO family) and, later, SFT / RM / DPO / KTO."""

@@ -1,0 +1,107 @@
+"""What the controller computes between phases: rewards, sample selection, advantages, counts, metrics.
+
+No process groups here: these functions see the whole step batch on rank 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hpc_rlhf.agents.scoring import score_trajectories
+from hpc_rlhf.algos import compute_advantages, dynamic_filter_mask, kl_estimate, masked_mean, overlong_penalty
+from hpc_rlhf.config.schema import RunConfig
+
+
+def attach_rewards(trajectories: list, state: Any, model_scores: dict | None) -> list:
+    """Set ``reward`` / ``score`` on every trajectory from the reward model or the reward function."""
+    if model_scores is not None:
+        for t, s in zip(trajectories, model_scores["scores"].tolist(), strict=True):
+            t.reward = t.score = float(s)
+        return trajectories
+    score_trajectories(trajectories, state.reward_fn, state.tokenizer)
+    return trajectories
+
+
+def select_samples(trajectories: list, cfg: RunConfig) -> list:
+    """Overlong penalty, DAPO dynamic filtering, then trim to whole training batches.
+
+    Filtering drops whole prompt groups; the remainder is cut to a multiple of
+    ``train.train_batch_size`` (whole groups first) so every optimizer step sees a full batch.
+    """
+    algo, n = cfg.algo, cfg.rollout.n_samples_per_prompt
+    if algo.overlong_buffer_len is not None:
+        lengths = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.float32)
+        penalty = overlong_penalty(lengths, cfg.rollout.generate_max_len, algo.overlong_buffer_len,
+                                   algo.overlong_penalty_factor)
+        for t, p in zip(trajectories, penalty.tolist(), strict=True):
+            t.extra_logs["overlong_penalty"] = p
+            t.reward += p
+    if algo.dynamic_filtering:
+        scores = torch.tensor([t.score if t.score is not None else t.reward for t in trajectories])
+        low, high = algo.dynamic_filtering_reward_range
+        keep = dynamic_filter_mask(scores, n, low, high).tolist()
+        trajectories = [t for t, k in zip(trajectories, keep, strict=True) if k]
+    usable = len(trajectories) - len(trajectories) % cfg.train.train_batch_size
+    return trajectories[:usable]
+
+
+def make_advantages(batch: dict[str, torch.Tensor], cfg: RunConfig, state: Any) -> dict[str, torch.Tensor]:
+    """Advantages and returns for the whole step batch (whitening and group baselines are global)."""
+    algo = cfg.algo
+    mask = batch["action_mask"]
+    rewards = batch["rewards"]
+    if algo.normalize_reward:
+        state.reward_normalizer.update(rewards)
+        rewards = state.reward_normalizer.normalize(rewards)
+    out: dict[str, torch.Tensor] = {}
+    folded_kl = None
+    if "ref_logprobs" in batch:
+        kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], mask, algo.kl.estimator)
+        out["kl"] = kl
+        if not algo.kl.use_loss:
+            folded_kl = kl
+    advantages, returns = compute_advantages(
+        algo.advantage_estimator, rewards, mask, cfg.rollout.n_samples_per_prompt,
+        values=batch.get("values"), kl=folded_kl, kl_coef=state.kl_controller.value if folded_kl is not None else 0.0,
+        gamma=algo.gamma, lambd=algo.lambd, reward_clip_range=algo.reward_clip_range,
+        norm_adv_by_std=not algo.no_advantage_std_norm,
+    )
+    out["advantages"], out["returns"] = advantages, returns
+    return out
+
+
+def minibatch_counts(action_mask: torch.Tensor, dp_size: int, rows_per_minibatch: int) -> dict[str, list[int]]:
+    """Global action-token and row counts of each mini-batch.
+
+    The batch is cut into ``dp_size`` contiguous shards; mini-batch ``i`` is rows
+    ``[i*m, (i+1)*m)`` of every shard. These counts normalise the loss exactly (``aggregate_loss``).
+    """
+    rows = action_mask.shape[0]
+    shard = rows // dp_size
+    num_tokens, num_seqs = [], []
+    for i in range(shard // rows_per_minibatch):
+        picked = torch.cat([action_mask[d * shard + i * rows_per_minibatch : d * shard + (i + 1) * rows_per_minibatch]
+                            for d in range(dp_size)])
+        num_tokens.append(int(picked.sum()))
+        num_seqs.append(int(picked.any(dim=1).sum()))
+    return {"num_tokens": num_tokens, "num_seqs": num_seqs}
+
+
+def rollout_metrics(trajectories: list, batch: dict | None, generation_s: float) -> dict[str, float]:
+    """Reward, length and throughput of the step's rollouts (before filtering for the reward mean)."""
+    lengths = [len(t.response_ids) for t in trajectories]
+    generated = sum(sum(t.action_mask) for t in trajectories)
+    row: dict[str, float] = {
+        "reward": sum(t.reward for t in trajectories) / len(trajectories),
+        "score": sum(t.score if t.score is not None else t.reward for t in trajectories) / len(trajectories),
+        "response_length": sum(lengths) / len(lengths),
+        "truncated_fraction": sum(t.truncated for t in trajectories) / len(trajectories),
+        "rollout_tokens_per_s": generated / max(generation_s, 1e-9),
+        "num_samples": float(len(trajectories)),
+        "num_trained_samples": float(0 if batch is None else batch["sequences"].shape[0]),
+    }
+    if batch is not None and "kl" in batch:
+        row["kl"] = float(masked_mean(batch["kl"], batch["action_mask"]))
+    return row

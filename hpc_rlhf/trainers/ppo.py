@@ -1,0 +1,255 @@
+"""Online RL (PPO, REINFORCE++, GRPO, RLOO, ...) in one torch.distributed world.
+
+Every rank runs :meth:`PPOTrainer.fit`; each phase is collective only over the ranks of the roles it
+touches (plus rank 0, the controller), so the same script reads as one story on every rank:
+
+    prompts -> generate (rollout ranks) -> rewards -> ref / critic / old logprobs (role ranks)
+    -> advantages (controller) -> train critic + actor (role ranks) -> weight sync -> metrics
+
+Colocated runs time-share each rank: wake rollout -> generate -> sleep -> reload training states ->
+train -> sync -> offload.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hpc_rlhf.config.schema import RunConfig
+from hpc_rlhf.dist.channel import broadcast_to_role, gather_from_role, scatter_to_role
+from hpc_rlhf.dist.world import WorldGroups
+from hpc_rlhf.trainers import ppo_setup
+from hpc_rlhf.trainers.controller_math import (
+    attach_rewards,
+    make_advantages,
+    minibatch_counts,
+    rollout_metrics,
+    select_samples,
+)
+from hpc_rlhf.trainers.experience import cat_rows, pack_trajectories, split_rows
+from hpc_rlhf.trainers.ppo_workers import forward_logprobs, forward_values, train_actor, train_critic
+from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _split_even(items: list[Any], parts: int) -> list[list[Any]]:
+    """Split a list into ``parts`` contiguous chunks whose sizes differ by at most one."""
+    bounds = np.linspace(0, len(items), parts + 1).round().astype(int)
+    return [items[bounds[i] : bounds[i + 1]] for i in range(parts)]
+
+
+class PPOTrainer:
+    def __init__(self, cfg: RunConfig, world: WorldGroups) -> None:
+        self.cfg, self.world = cfg, world
+        self.rank = world.rank
+        seed_everything(cfg.train.seed + self.rank)
+        self.tokenizer = ppo_setup.load_tokenizer(cfg)
+        # The controller alone reads the data; every rank needs the step count for its LR schedule.
+        self.data = ppo_setup.ControllerState(cfg, self.tokenizer) if world.is_controller else None
+        box = [self.data.num_steps if self.data else None]
+        dist.broadcast_object_list(box, src=0)
+        self.num_steps: int = box[0]
+        self.roles = ppo_setup.build_roles(cfg, world, self.tokenizer, self.num_steps)
+        self.metrics = MetricsLogger(cfg.train.output_dir, cfg.logger, cfg.model_dump(mode="json")) \
+            if world.is_controller else None
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> list[dict[str, Any]]:
+        history = []
+        progress = ppo_setup.progress_bar(self.num_steps, self.world.is_controller)
+        for step in range(1, self.num_steps + 1):
+            timer = PhaseTimer()
+            with timer("step"):
+                prompts = self.data.next_prompts() if self.world.is_controller else None
+                with timer("generation"):
+                    trajectories = self.generate(prompts, step)
+                with timer("reward"):
+                    trajectories = self.score(trajectories)
+                with timer("make_experience"):
+                    batch = self.make_experience(trajectories)
+                with timer("train"):
+                    train_stats = self.train(batch)
+                with timer("weight_sync"):
+                    self.sync_weights()
+            if self.world.is_controller:
+                row = {**rollout_metrics(trajectories, batch, timer.seconds["generation"]), **train_stats,
+                       **timer.metrics(), "kl_coef": self.data.kl_controller.value}
+                self.data.after_step(row)
+                self.metrics.log(step, row)
+                history.append(row)
+                progress.set_postfix(reward=f"{row['reward']:.3f}", refresh=False)
+            progress.update(1)
+        progress.close()
+        self.export()
+        if self.metrics:
+            self.metrics.close()
+        return history
+
+    # ------------------------------------------------------------------ phases
+    def generate(self, prompts: list | None, step: int) -> list | None:
+        """Scatter prompts over the rollout engines; each runs the agent executor; gather trajectories."""
+        groups = self.world.roles["rollout"]
+        if self.rank not in groups.controller_ranks:
+            return None
+        shards = _split_even(prompts, len(groups.dp_leaders)) if self.rank == 0 else None
+        mine = scatter_to_role(shards, groups)
+        result = None
+        if self.rank in groups.ranks:
+            rollout = self.roles.rollout
+            rollout.engine.wake_up()
+            # One seed per (step, engine) keeps sampling reproducible and different across engines.
+            seed = self.cfg.train.seed * 100_003 + step * 1_009 + groups.dp_rank_of[self.rank]
+            result = rollout.executor.run(mine, rollout.engine.generate, rollout.sampling(seed),
+                                          self.cfg.rollout.n_samples_per_prompt)
+            if self.cfg.train.colocate_all:
+                rollout.engine.sleep()
+        gathered = gather_from_role(result, groups)
+        return [t for part in gathered for t in part] if self.rank == 0 else None
+
+    def score(self, trajectories: list | None) -> list | None:
+        """Rewards from a function, a reward-model role or labels; overlong penalty; filtering."""
+        reward_groups = self.world.roles.get("reward")
+        model_scores = None
+        if reward_groups is not None and self.rank in reward_groups.controller_ranks:
+            batch = pack_trajectories(trajectories, self.tokenizer.pad_token_id) if self.rank == 0 else None
+            model_scores = self._role_forward("reward", batch, ("sequences", "attention_mask"),
+                                              lambda m, s: {"scores": m.scores(s)})
+        if self.rank != 0:
+            return None
+        trajectories = attach_rewards(trajectories, self.data, model_scores)
+        return select_samples(trajectories, self.cfg)
+
+    def make_experience(self, trajectories: list | None) -> dict | None:
+        """Padded tensors plus the logprobs/values each enabled role computes on its ranks."""
+        cfg = self.cfg
+        batch = None
+        if self.rank == 0 and trajectories:
+            batch = pack_trajectories(trajectories, self.tokenizer.pad_token_id)
+            batch["rewards"] = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+        if not self._broadcast_flag(batch is not None):
+            return None  # dynamic filtering removed every group: skip the update this step
+        keys = ("sequences", "attention_mask", "action_mask")
+        temperature = cfg.rollout.temperature
+        micro = cfg.rollout.micro_rollout_batch_size
+        if self.roles.need_old_logprobs:
+            out = self._role_forward("actor", batch, keys, lambda m, s: {
+                "old_logprobs": forward_logprobs(m, s, micro, temperature)})
+            if self.rank == 0:
+                batch.update(out)
+        if "ref" in self.world.roles:
+            out = self._role_forward("ref", batch, keys, lambda m, s: {
+                "ref_logprobs": forward_logprobs(m, s, micro, temperature)})
+            if self.rank == 0:
+                batch.update(out)
+        if "critic" in self.world.roles:
+            out = self._role_forward("critic", batch, keys, lambda m, s: {"values": forward_values(m, s, micro)})
+            if self.rank == 0:
+                batch.update(out)
+        if self.rank == 0:
+            batch.update(make_advantages(batch, cfg, self.data))
+        return batch if self.rank == 0 else {}
+
+    def train(self, batch: dict | None) -> dict[str, float]:
+        """Critic then actor updates on their ranks; returns stats averaged over dp ranks (rank 0)."""
+        if batch is None:
+            return {"skipped_update": 1.0}
+        stats: dict[str, float] = {}
+        for role, fn in (("critic", train_critic), ("actor", train_actor)):
+            if role not in self.world.roles:
+                continue
+            groups = self.world.roles[role]
+            if self.rank not in groups.controller_ranks:
+                continue
+            dp = len(groups.dp_leaders)
+            shards = None
+            if self.rank == 0:
+                shards = split_rows(self._train_view(batch, role), dp)
+                counts = minibatch_counts(batch["action_mask"], dp, self.cfg.train.train_batch_size // dp)
+                for shard in shards:
+                    shard.update(counts)
+            shard = scatter_to_role(shards, groups)
+            result = None
+            if self.rank in groups.ranks:
+                engine = getattr(self.roles, role)
+                engine.reload_states()
+                result = fn(engine, shard, self.cfg, dp)
+                if not self.cfg.train.colocate_all:  # colocated: offloaded after the weight sync
+                    engine.offload_states()
+            gathered = gather_from_role(result, groups)
+            if self.rank == 0:
+                for k in gathered[0]:
+                    stats[k] = float(np.mean([g[k] for g in gathered]))
+        return stats
+
+    def sync_weights(self) -> None:
+        """Actor -> rollout engines: in-process when colocated, bucketed broadcast when disaggregated."""
+        actor, rollout = self.world.roles["actor"], self.world.roles["rollout"]
+        if self.cfg.train.colocate_all:
+            self.roles.rollout.engine.wake_up()
+            for bucket in self.roles.actor.gathered_state_dict_items():
+                self.roles.rollout.engine.update_weights(bucket)
+            self.roles.rollout.engine.reset_prefix_cache()
+            self.roles.actor.offload_states()
+            return
+        if self.rank in actor.ranks:
+            # Gathering is collective over the actor ranks; rank 0 forwards each bucket.
+            for bucket in self.roles.actor.gathered_state_dict_items():
+                if self.rank == 0:
+                    broadcast_to_role(dict(bucket), rollout)
+            if self.rank == 0:
+                broadcast_to_role(None, rollout)
+        elif self.rank in rollout.ranks:
+            while (bucket := broadcast_to_role(None, rollout)) is not None:
+                self.roles.rollout.engine.update_weights(bucket.items())
+            self.roles.rollout.engine.reset_prefix_cache()
+
+    def export(self) -> None:
+        """Write the final actor in HF format (safetensors + tokenizer) into the run directory."""
+        if self.rank in self.world.roles["actor"].ranks:
+            self.roles.actor.save_hf(str(Path(self.cfg.train.output_dir) / "model"), tokenizer=self.tokenizer)
+        dist.barrier()
+
+    # ------------------------------------------------------------------ plumbing
+    def _broadcast_flag(self, value: bool) -> bool:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return bool(box[0])
+
+    def _role_forward(self, role: str, batch: dict | None, keys: tuple[str, ...], fn) -> dict | None:
+        """Scatter ``batch[keys]`` over the role's dp ranks, run ``fn(engine, shard)``, gather on rank 0."""
+        groups = self.world.roles[role]
+        if self.rank not in groups.controller_ranks:
+            return None
+        shards = split_rows({k: batch[k] for k in keys}, len(groups.dp_leaders)) if self.rank == 0 else None
+        shard = scatter_to_role(shards, groups)
+        result = None
+        if self.rank in groups.ranks:
+            engine = getattr(self.roles, role)
+            result = fn(engine, shard)
+        gathered = gather_from_role(result, groups)
+        return cat_rows(gathered) if self.rank == 0 else None
+
+    def _train_view(self, batch: dict, role: str) -> dict:
+        keys = ["sequences", "attention_mask", "action_mask"]
+        if role == "critic":
+            keys += ["values", "returns"]
+        else:
+            keys += ["advantages", "rollout_logprobs"]
+            keys += [k for k in ("old_logprobs", "ref_logprobs") if k in batch]
+        view = {k: batch[k] for k in keys}
+        if role == "actor":
+            view["kl_coef"] = self.data.kl_controller.value if self.cfg.algo.kl.use_loss else 0.0
+        return view

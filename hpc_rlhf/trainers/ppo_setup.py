@@ -1,0 +1,178 @@
+"""Build what a PPO-family run needs on each rank: tokenizer, controller state, role engines.
+
+Kept apart from the loop so ``ppo.py`` reads as the step story.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from hpc_rlhf.agents.executor import AgentExecutor, SingleTurnExecutor
+from hpc_rlhf.agents.rewards import RewardFunction
+from hpc_rlhf.algos import AdaptiveKLController, FixedKLController, RunningRewardNormalizer
+from hpc_rlhf.config.schema import RunConfig
+from hpc_rlhf.data.prompts import PromptDataset, PromptStream
+from hpc_rlhf.dist.world import WorldGroups
+from hpc_rlhf.engines.rollout_base import RolloutEngine, SamplingParams
+from hpc_rlhf.models.loading import (
+    load_causal_lm,
+    load_value_model,
+    resolve_attn_implementation,
+    resolve_dtype,
+    sequence_scores,
+)
+
+
+class SetupError(ValueError):
+    """The run cannot start; the message names the key to change."""
+
+
+def load_tokenizer(cfg: RunConfig):
+    if cfg.actor.pretrain is None:
+        raise SetupError("actor.pretrain is not set: give a local HF model folder")
+    tok = AutoTokenizer.from_pretrained(cfg.actor.pretrain)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def optimizer_steps(cfg: RunConfig, num_steps: int) -> int:
+    """Optimizer steps over the run: the LR schedule's horizon."""
+    samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+    return max(1, num_steps * cfg.train.max_epochs * samples // cfg.train.train_batch_size)
+
+
+class ControllerState:
+    """Everything only rank 0 owns: prompt stream, reward function, KL controller, reward statistics."""
+
+    def __init__(self, cfg: RunConfig, tokenizer: Any) -> None:
+        self.cfg, self.tokenizer = cfg, tokenizer
+        if not cfg.reward.reward_func_path and not cfg.reward.remote_url and cfg.reward.pretrain is None:
+            raise SetupError("no reward source: set reward.reward_func_path, reward.pretrain or reward.remote_url")
+        dataset = PromptDataset.from_config(cfg.data, tokenizer, seed=cfg.train.seed)
+        self.stream = PromptStream(dataset, cfg.rollout.rollout_batch_size, seed=cfg.train.seed,
+                                   num_episodes=cfg.train.num_episodes)
+        self.num_steps = self.stream.num_batches
+        if cfg.train.max_steps is not None:
+            self.num_steps = min(self.num_steps, cfg.train.max_steps)
+        self.reward_fn = RewardFunction(cfg.reward.reward_func_path) if cfg.reward.reward_func_path else None
+        kl = cfg.algo.kl
+        self.kl_controller = (AdaptiveKLController(kl.init_coef, kl.target, kl.horizon) if kl.target
+                              else FixedKLController(kl.init_coef))
+        self.reward_normalizer = RunningRewardNormalizer()
+
+    def next_prompts(self) -> list:
+        return self.stream.next_batch()
+
+    def after_step(self, row: dict[str, float]) -> None:
+        if "kl" in row:
+            self.kl_controller.update(row["kl"], int(row["num_samples"]))
+
+
+@dataclass
+class RolloutSide:
+    engine: RolloutEngine
+    executor: AgentExecutor
+    rollout_cfg: Any
+    stop_token_ids: list[int]
+
+    def sampling(self, seed: int) -> SamplingParams:
+        return SamplingParams.from_rollout_config(self.rollout_cfg, self.stop_token_ids, seed=seed)
+
+
+class RewardModelRole:
+    """The reward-model role: a frozen sequence scorer (value head ``score``)."""
+
+    def __init__(self, engine: Any, micro_batch_size: int) -> None:
+        self.engine, self.micro = engine, micro_batch_size
+
+    @torch.no_grad()
+    def scores(self, shard: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B, T) sequences -> (B,) scores, ``micro_batch_size`` rows per forward."""
+        rows, m = shard["sequences"].shape[0], self.micro
+        return torch.cat([sequence_scores(self.engine.module, shard["sequences"][i : i + m],
+                                          shard["attention_mask"][i : i + m]) for i in range(0, rows, m)])
+
+
+@dataclass
+class Roles:
+    """The engines this rank hosts (``None`` for roles it does not host)."""
+
+    actor: Any = None
+    critic: Any = None
+    ref: Any = None
+    reward: RewardModelRole | None = None
+    rollout: RolloutSide | None = None
+    need_old_logprobs: bool = True
+
+
+def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool) -> RolloutEngine:
+    dtype = resolve_dtype(cfg.ds.param_dtype, on_gpu)
+    if cfg.rollout.backend == "vllm":
+        from hpc_rlhf.engines.vllm_rollout import VllmRolloutEngine
+
+        return VllmRolloutEngine.from_config(cfg, tokenizer)
+    from hpc_rlhf.engines.transformers_rollout import TransformersRolloutEngine
+
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    model = load_causal_lm(cfg.actor.pretrain, dtype, resolve_attn_implementation(cfg.ds.attn_implementation, on_gpu))
+    return TransformersRolloutEngine(model.to(device).eval(), eos_token_id=tokenizer.eos_token_id,
+                                     pad_token_id=tokenizer.pad_token_id, device=device)
+
+
+def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: int) -> Roles:
+    """Create the engines of every role this rank hosts. Collective within each role group."""
+    from hpc_rlhf.engines.deepspeed_engine import FrozenEngine, TrainEngine
+
+    on_gpu = torch.cuda.is_available()
+    dtype = resolve_dtype(cfg.ds.param_dtype, on_gpu)
+    attn = resolve_attn_implementation(cfg.ds.attn_implementation, on_gpu)
+    samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+    roles = Roles()
+    # Exactly on-policy (one epoch, one optimizer step per rollout, no KL needing them): the
+    # current logprobs are the old ones, so the extra actor forward is skipped.
+    roles.need_old_logprobs = not (cfg.train.max_epochs == 1 and samples == cfg.train.train_batch_size
+                                   and "ref" not in world.roles)
+    for role in ("actor", "critic"):
+        if role not in world.roles:
+            continue
+        dp = len(world.roles[role].dp_leaders)
+        if cfg.train.train_batch_size % (dp * cfg.train.micro_train_batch_size):
+            raise SetupError(f"train.train_batch_size={cfg.train.train_batch_size} must be a multiple of "
+                             f"{role} data-parallel size {dp} x train.micro_train_batch_size="
+                             f"{cfg.train.micro_train_batch_size}")
+        if world.has_role(role):
+            path = getattr(cfg, role).pretrain or cfg.actor.pretrain
+            factory = (lambda p=path: load_causal_lm(p, dtype, attn)) if role == "actor" else \
+                (lambda p=path: load_value_model(p, dtype, attn))
+            engine = TrainEngine.create(
+                factory, cfg.ds, getattr(cfg, role), train_batch_size=cfg.train.train_batch_size,
+                micro_train_batch_size=cfg.train.micro_train_batch_size,
+                num_training_steps=optimizer_steps(cfg, num_steps), dp_group=world.roles[role].dp_group,
+                on_gpu=on_gpu)
+            setattr(roles, role, engine)
+    if world.has_role("ref"):
+        path = cfg.ref.pretrain or cfg.actor.pretrain
+        roles.ref = FrozenEngine.create(lambda: load_causal_lm(path, dtype, attn), cfg.ds, cfg.ref,
+                                        micro_batch_size=cfg.rollout.micro_rollout_batch_size,
+                                        dp_group=world.roles["ref"].dp_group, on_gpu=on_gpu)
+    if world.has_role("reward"):
+        path = cfg.reward.pretrain
+        engine = FrozenEngine.create(lambda: load_value_model(path, dtype, attn), cfg.ds, cfg.reward,
+                                     micro_batch_size=cfg.rollout.micro_rollout_batch_size,
+                                     dp_group=world.roles["reward"].dp_group, on_gpu=on_gpu)
+        roles.reward = RewardModelRole(engine, cfg.rollout.micro_rollout_batch_size)
+    if world.has_role("rollout"):
+        executor = SingleTurnExecutor(tokenizer, cfg.data.prompt_max_len)
+        roles.rollout = RolloutSide(_rollout_engine(cfg, tokenizer, on_gpu), executor, cfg.rollout,
+                                    [tokenizer.eos_token_id])
+    return roles
+
+
+def progress_bar(total: int, enabled: bool) -> tqdm:
+    return tqdm(total=total, desc="steps", disable=not enabled, dynamic_ncols=True)

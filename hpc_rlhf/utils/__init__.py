@@ -1,0 +1,1 @@
+"""Logging, timers and small helpers shared by the trainers."""
