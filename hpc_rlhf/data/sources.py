@@ -1,0 +1,167 @@
+"""Reading local data files into rows, and mixing several sources by probability.
+
+Supported inputs (local only: this toolkit never reaches the Hugging Face hub):
+
+* ``*.jsonl``: JSON lines (one object per line, blank lines ignored),
+* ``*.json``: a top-level list of objects, ``{"data": [...]}``, or JSON lines in a ``.json`` file,
+* ``*.parquet``,
+* a folder written by ``datasets.Dataset.save_to_disk`` (a ``DatasetDict`` folder uses its
+  ``train`` split, or its only split).
+
+Heavy readers (pyarrow, datasets) are imported inside the function that needs them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+SUPPORTED_FORMATS = ".jsonl, .json, .parquet, or a datasets.save_to_disk folder"
+
+
+class DataError(ValueError):
+    """A data file or row is unusable. The message names the file, the row and the key."""
+
+    def __init__(self, message: str, *, path: str | None = None, row: int | None = None, key: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.row = row
+        self.key = key
+
+
+def row_error(path: str, row: int, key: str | None, reason: str) -> DataError:
+    where = f"{path}: row {row}" + (f": key {key!r}" if key is not None else "")
+    return DataError(f"{where}: {reason}", path=path, row=row, key=key)
+
+
+def _read_jsonl(path: str, text: str | None = None) -> list[Any]:
+    rows: list[Any] = []
+    lines = text.splitlines() if text is not None else open(path, encoding="utf-8").read().splitlines()
+    for line_number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise DataError(
+                f"{path}: row {len(rows)} (line {line_number}): invalid JSON: {err.msg} at column {err.colno}",
+                path=path, row=len(rows),
+            ) from None
+    return rows
+
+
+def _read_json(path: str) -> list[Any]:
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return _read_jsonl(path, text)  # JSON lines saved with a .json suffix
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        data = data["data"]
+    if isinstance(data, dict):  # a single object is treated as one row (a one-line jsonl)
+        data = [data]
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON list of objects, got {type(data).__name__}", path=path)
+    return data
+
+
+def _read_parquet(path: str) -> list[Any]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+def _read_saved_dataset(path: str) -> list[Any]:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(path)
+    except Exception as err:  # datasets raises FileNotFoundError / ValueError variants
+        raise DataError(
+            f"{path}: a folder must be written by datasets' save_to_disk ({err})", path=path
+        ) from err
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" in loaded:
+            loaded = loaded["train"]
+        elif len(loaded) == 1:
+            loaded = next(iter(loaded.values()))
+        else:
+            raise DataError(
+                f"{path}: DatasetDict with splits {sorted(loaded)} and no 'train' split; "
+                "save the split you want to train on", path=path,
+            )
+    return loaded.to_list()
+
+
+def read_rows(path: str) -> list[Any]:
+    """All rows of one local data source, in file order (rows are not validated here)."""
+    if os.path.isdir(path):
+        return _read_saved_dataset(path)
+    if not os.path.exists(path):
+        raise DataError(
+            f"{path}: no such file or folder (prompt data must be local: {SUPPORTED_FORMATS})", path=path
+        )
+    lower = path.lower()
+    if lower.endswith(".jsonl"):
+        return _read_jsonl(path)
+    if lower.endswith(".json"):
+        return _read_json(path)
+    if lower.endswith(".parquet"):
+        return _read_parquet(path)
+    raise DataError(f"{path}: unsupported format; use {SUPPORTED_FORMATS}", path=path)
+
+
+def proportional_counts(total: int, probs: list[float]) -> list[int]:
+    """Split ``total`` samples over sources proportionally to ``probs`` (largest remainder).
+
+    The counts sum to exactly ``total``; ties go to the earlier source, so the split is deterministic.
+    """
+    if any((not math.isfinite(p)) or p < 0 for p in probs) or sum(probs) <= 0:
+        raise DataError(f"data.prompt_data_probs must be non-negative with a positive sum, got {probs}")
+    weights = np.asarray(probs, dtype=np.float64) / float(sum(probs))
+    exact = weights * total
+    counts = np.floor(exact).astype(np.int64)
+    remainder = total - int(counts.sum())
+    order = sorted(range(len(probs)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[:remainder]:
+        counts[i] += 1
+    return [int(c) for c in counts]
+
+
+def draw_indices(size: int, count: int, rng: np.random.Generator) -> list[int]:
+    """``count`` indices into a source of ``size`` rows: whole shuffled passes, then a shuffled part.
+
+    Over-sampling repeats every row before any row repeats twice; under-sampling takes a random subset.
+    """
+    if count == 0:
+        return []
+    if size == 0:
+        raise DataError("cannot draw samples from a source with no usable rows")
+    full_passes, rest = divmod(count, size)
+    picked = [int(i) for _ in range(full_passes) for i in rng.permutation(size)]
+    picked.extend(int(i) for i in rng.permutation(size)[:rest])
+    return picked
+
+
+def mixture_plan(sizes: list[int], probs: list[float], total: int, seed: int) -> list[tuple[int, int]]:
+    """Deterministic mixture: ``(source, row)`` pairs, counts proportional to ``probs``, interleaved.
+
+    Like OpenRLHF's ``interleave_datasets`` the sources are interleaved with the given
+    probabilities, but the number of samples per source is fixed exactly
+    (``proportional_counts``) rather than left to chance, so a mixture of 70/30 over 1000
+    samples has exactly 700 and 300.
+    """
+    rng = np.random.default_rng(seed)
+    counts = proportional_counts(total, probs)
+    plan: list[tuple[int, int]] = []
+    for source, (size, count) in enumerate(zip(sizes, counts)):
+        if count and size == 0:
+            raise DataError(f"source {source} has no usable rows but data.prompt_data_probs gives it {probs[source]}")
+        plan.extend((source, row) for row in draw_indices(size, count, rng))
+    order = rng.permutation(len(plan))
+    return [plan[i] for i in order]

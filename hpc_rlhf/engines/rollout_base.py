@@ -1,0 +1,136 @@
+"""The rollout interface: token ids in, token ids and per-token logprobs out.
+
+Every rollout backend (vLLM on GPU, the hand-written transformers engine anywhere) implements
+:class:`RolloutEngine`. The controller and agent executors only ever see these types; no backend
+object leaks out. This module imports no torch at runtime so that the controller can build requests
+on a process that never loads a model.
+
+Conventions shared by all engines (tests hold both engines to them):
+
+* ``GenerationRequest`` ``i`` with ``n`` samples yields ``n`` consecutive ``GenerationResult`` with
+  ``request_index == i``, in request order.
+* ``output_logprobs[t]`` is the logprob of ``output_ids[t]`` under the *temperature-scaled* full
+  distribution ``log_softmax(logits / temperature)`` - the same quantity the trainer recomputes for
+  the importance ratio. ``top_p`` / ``top_k`` change which tokens can be *sampled*, not the reported
+  logprob (see each engine for the exact vLLM caveat). With ``temperature == 0`` (greedy) the logprob
+  is taken from the unscaled distribution (temperature treated as 1).
+* A generation ends when a token of ``stop_token_ids`` (or the engine's eos) is produced - that token
+  *is* included in ``output_ids`` with its logprob, ``finish_reason == "stop"`` - or when
+  ``max_new_tokens`` tokens were produced without one, ``finish_reason == "length"``. A stop token that
+  is also the last allowed token counts as ``"stop"``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+    from hpc_rlhf.config.schema import RolloutConfig
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters (a subset of vLLM's, same meaning).
+
+    ``top_k == -1`` and ``top_p == 1.0`` disable truncation; ``temperature == 0`` is greedy.
+    ``stop_token_ids`` should include eos (the caller knows the tokenizer; engines also stop on their
+    own eos). ``seed`` makes sampling reproducible (see each engine for its granularity).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
+
+    @classmethod
+    def from_rollout_config(
+        cls, rollout: RolloutConfig, stop_token_ids: list[int], seed: int | None = None
+    ) -> SamplingParams:
+        """Sampling parameters of the ``rollout`` config section (``generate_max_len`` new tokens)."""
+        return cls(
+            max_new_tokens=rollout.generate_max_len,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            stop_token_ids=list(stop_token_ids),
+            seed=seed,
+        )
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt (token ids) sampled ``n`` times with ``params``."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_ids) == 0:
+            raise ValueError("GenerationRequest.prompt_ids is empty: every prompt needs at least one token")
+        if self.n < 1:
+            raise ValueError(f"GenerationRequest.n must be >= 1, got {self.n}")
+
+
+@dataclass
+class GenerationResult:
+    """One sample. Request ``i`` produces ``n`` consecutive results with ``request_index == i``."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: FinishReason
+    request_index: int
+
+
+class RolloutEngine(ABC):
+    """A generation backend. All methods are collective over the engine's ranks (tensor parallel)."""
+
+    @abstractmethod
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Generate every request in one batched call; results in request order, ``n`` per request."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load weights by HF parameter name (``*ForCausalLM.state_dict()`` names).
+
+        May be called several times with buckets of a full state dict; an unknown name or a shape
+        mismatch raises, naming the parameter. Cached prefixes computed with the old weights are
+        invalidated before the next ``generate``.
+        """
+
+    @abstractmethod
+    def sleep(self) -> None:
+        """Free accelerator memory (weights and caches) until :meth:`wake_up`; no-op where nothing to free."""
+
+    @abstractmethod
+    def wake_up(self) -> None:
+        """Restore what :meth:`sleep` freed."""
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prompt prefixes (needed after a weight update); no-op without a prefix cache."""
+
+
+def num_results(requests: list[GenerationRequest]) -> int:
+    """How many results ``generate(requests)`` returns."""
+    return sum(request.n for request in requests)

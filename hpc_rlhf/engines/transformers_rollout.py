@@ -1,0 +1,311 @@
+"""Rollout on a plain transformers model: KV-cache generation written by hand.
+
+Runs everywhere (CPU tests and quickstart, GPU fallback when vLLM is absent). ``model.generate`` is
+avoided on purpose: we need per-row sampling parameters, per-token logprobs of the sampling
+distribution, our own stop rule, and pruning of finished rows.
+
+How one ``generate`` call works:
+
+1. **One prefill for all prompts.** The ``R`` prompts of the call are left-padded into one batch;
+   the 2-D attention mask hides the padding and ``position_ids = cumsum(mask) - 1`` makes every prompt
+   start at position 0, so a padded row computes exactly what it would alone.
+2. **n samples share their prompt's prefill.** The first-token logits and the ``DynamicCache`` rows
+   are replicated ``n`` times (``Cache.batch_select_indices`` with a repeat-interleave index), so the
+   prompt is computed once per request, not once per sample.
+3. **Decode with pruning.** Each step samples one token per active row. Rows that hit a stop token or
+   their own ``max_new_tokens`` leave the batch: their KV rows are dropped with
+   ``batch_select_indices`` (one gather per step in which something finished - the same order of cost
+   as the ``torch.cat`` that ``DynamicLayer.update`` already does every step). Later forwards only pay
+   for live rows. The loop ends when no row is left.
+
+Sampling (per row, rows may differ): ``scaled = logits / temperature``; top-k then top-p (on the
+top-k-renormalised distribution, as vLLM) mask ``scaled``; the token is drawn by an exponential race
+``argmax(p / q), q ~ Exp(1)`` (same law as multinomial, no host sync). ``temperature == 0`` rows take
+``argmax(logits)``. The reported logprob is ``log_softmax(scaled)[token]`` over the *full* vocabulary
+(temperature applied, top-k/top-p NOT applied): the quantity the trainer recomputes with
+``logits / temperature``, so the rollout/trainer ratio is 1 up to numerics even with truncation.
+
+Randomness: one ``torch.Generator`` per call on the model's device. Its seed is derived from the
+requests' ``seed`` values when any is set (same seeds + same weights + same batch => same outputs),
+else from the engine seed and a call counter (a run is reproducible, consecutive calls differ).
+Unlike vLLM's per-request seeds, a sample depends on the whole call's batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from hpc_rlhf.engines.rollout_base import GenerationRequest, GenerationResult, RolloutEngine
+
+
+@dataclass
+class _RowParams:
+    """Per-sample sampling parameters as device tensors, indexed like the active batch."""
+
+    temperature: torch.Tensor  # [S] float, 0 = greedy
+    top_p: torch.Tensor  # [S] float
+    top_k: torch.Tensor  # [S] long, <= 0 = off
+    max_new_tokens: torch.Tensor  # [S] long
+    stop_ids: torch.Tensor  # [S, K] long, -1 padded (K >= 1)
+    # call-level flags, computed once on the host so that sampling needs no per-step device sync;
+    # they stay valid (conservative) for any subset of rows
+    all_greedy: bool = False
+    any_greedy: bool = False
+    any_truncation: bool = False
+
+    def select(self, index: torch.Tensor) -> _RowParams:
+        tensors = (self.temperature, self.top_p, self.top_k, self.max_new_tokens, self.stop_ids)
+        return _RowParams(*(t[index] for t in tensors), self.all_greedy, self.any_greedy, self.any_truncation)
+
+
+_TENSOR_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_ids")
+
+
+def call_seed(requests: list[GenerationRequest], fallback: int) -> int:
+    """A 63-bit seed for a whole call: from the requests' seeds if any, else ``fallback``."""
+    seeds = [r.params.seed for r in requests if r.params.seed is not None]
+    if not seeds:
+        return fallback
+    digest = hashlib.sha256(repr(seeds).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask ``logits`` [A, V] to each row's top-k, then top-p (nucleus) set; returns a new tensor.
+
+    ``top_k <= 0`` and ``top_p >= 1`` disable the respective filter. Top-p is computed on the
+    distribution renormalised after top-k and always keeps the most likely token (vLLM's order).
+    """
+    vocab = logits.size(-1)
+    sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+    if bool((top_p < 1).any()):
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before > top_p[:, None], float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_index, sorted_logits)
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: _RowParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits`` [A, V] (float32); returns ``(tokens [A], logprobs [A])``."""
+    greedy = params.temperature == 0
+    scale = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
+    scaled = logits / scale[:, None]
+    logprobs_full = scaled.log_softmax(dim=-1)
+    if params.all_greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        filtered = scaled
+        if params.any_truncation:
+            filtered = apply_top_k_top_p(scaled, params.top_k, params.top_p)
+        probs = filtered.softmax(dim=-1)
+        race = torch.empty_like(probs).exponential_(generator=generator)
+        tokens = (probs / race).argmax(dim=-1)
+        if params.any_greedy:
+            tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    return tokens, logprobs_full.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class TransformersRolloutEngine(RolloutEngine):
+    """Batched KV-cache generation on a ``*ForCausalLM`` (see the module docstring).
+
+    Args:
+        model: a causal LM; switched to eval mode during ``generate`` (its mode is restored after).
+        eos_token_id: always ends a sequence (like vLLM without ``ignore_eos``); None to rely on
+            ``stop_token_ids`` only.
+        pad_token_id: filler id for left padding (never attended to); defaults to eos or 0.
+        device: where generation runs; defaults to the model's device. The model is moved there.
+        seed: engine seed for calls whose requests carry no seed.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        eos_token_id: int | None,
+        pad_token_id: int | None,
+        device: torch.device | str | None = None,
+        *,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id if pad_token_id is not None else (eos_token_id or 0)
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.model.to(self.device)
+        self.seed = seed
+        self._num_calls = 0
+        self._asleep = False
+        self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.inference_mode()
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        if not requests:
+            return []
+        if self._asleep:
+            raise RuntimeError("TransformersRolloutEngine.generate called while asleep: call wake_up() first")
+        seed = call_seed(requests, fallback=self.seed * 1_000_003 + self._num_calls)
+        self._num_calls += 1
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self._generate(requests, seed)
+        finally:
+            self.model.train(was_training)
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        """Next-token logits [B, V] (float32) of the last position of each row."""
+        kwargs = {"logits_to_keep": 1} if self._accepts_logits_to_keep else {}
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=cache, use_cache=True, **kwargs)
+        return out.logits[:, -1, :].float()
+
+    def _generate(self, requests: list[GenerationRequest], seed: int) -> list[GenerationResult]:
+        device = self.device
+        num_requests = len(requests)
+        samples_per_request = torch.tensor([r.n for r in requests], device=device)
+        # sample s belongs to request sample_request[s]; samples of a request are consecutive
+        sample_request = torch.repeat_interleave(torch.arange(num_requests, device=device), samples_per_request)
+        num_samples = int(sample_request.numel())
+        params = self._row_params(requests, sample_request)
+        max_steps = max(r.params.max_new_tokens for r in requests)
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+
+        # 1. prefill every prompt once, left-padded
+        prompt_lens = [len(r.prompt_ids) for r in requests]
+        max_prompt = max(prompt_lens)
+        input_ids = torch.full((num_requests, max_prompt), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((num_requests, max_prompt), dtype=torch.long)
+        for i, r in enumerate(requests):
+            input_ids[i, max_prompt - prompt_lens[i]:] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            attention_mask[i, max_prompt - prompt_lens[i]:] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+
+        # 2. replicate per sample; the KV copy is folded into the first gather of the loop
+        logits = logits[sample_request]
+        attention_mask = attention_mask[sample_request]
+        next_position = position_ids[sample_request, -1] + 1
+        active = torch.arange(num_samples, device=device)  # global sample id of each active row
+        row_params = params
+        pending_gather = None if num_samples == num_requests else sample_request  # cache rows to keep
+
+        out_tokens = torch.full((num_samples, max_steps), self.pad_token_id, dtype=torch.long, device=device)
+        out_logprobs = torch.zeros((num_samples, max_steps), dtype=torch.float32, device=device)
+        out_lengths = torch.zeros(num_samples, dtype=torch.long, device=device)
+        stopped = torch.zeros(num_samples, dtype=torch.bool, device=device)
+
+        # 3. decode, dropping finished rows
+        for step in range(max_steps):
+            tokens, logprobs = sample_tokens(logits, row_params, generator)
+            out_tokens[active, step] = tokens
+            out_logprobs[active, step] = logprobs
+            hit_stop = (tokens[:, None] == row_params.stop_ids).any(dim=-1)
+            finished = hit_stop | (row_params.max_new_tokens <= step + 1)
+            if bool(finished.any()):
+                done = active[finished]
+                out_lengths[done] = step + 1
+                stopped[done] = hit_stop[finished]
+                keep = (~finished).nonzero(as_tuple=True)[0]
+                if keep.numel() == 0:
+                    break
+                active, tokens, row_params = active[keep], tokens[keep], row_params.select(keep)
+                attention_mask, next_position = attention_mask[keep], next_position[keep]
+                pending_gather = keep if pending_gather is None else pending_gather[keep]
+            if pending_gather is not None:
+                cache.batch_select_indices(pending_gather)
+                pending_gather = None
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.size(0), 1))], dim=-1)
+            logits = self._forward(tokens[:, None], attention_mask, next_position[:, None], cache)
+            next_position = next_position + 1
+        return self._results(requests, sample_request, out_tokens, out_logprobs, out_lengths, stopped)
+
+    def _row_params(self, requests: list[GenerationRequest], sample_request: torch.Tensor) -> _RowParams:
+        stop_lists = []
+        for r in requests:
+            stops = list(r.params.stop_token_ids)
+            if self.eos_token_id is not None and self.eos_token_id not in stops:
+                stops.append(self.eos_token_id)
+            stop_lists.append(stops)
+        width = max(1, max(len(s) for s in stop_lists))
+        stop_ids = torch.full((len(requests), width), -1, dtype=torch.long)
+        for i, stops in enumerate(stop_lists):
+            stop_ids[i, :len(stops)] = torch.tensor(stops, dtype=torch.long)
+        per_request = _RowParams(
+            temperature=torch.tensor([r.params.temperature for r in requests], dtype=torch.float32),
+            top_p=torch.tensor([r.params.top_p for r in requests], dtype=torch.float32),
+            top_k=torch.tensor([r.params.top_k for r in requests], dtype=torch.long),
+            max_new_tokens=torch.tensor([r.params.max_new_tokens for r in requests], dtype=torch.long),
+            stop_ids=stop_ids,
+            all_greedy=all(r.params.temperature == 0 for r in requests),
+            any_greedy=any(r.params.temperature == 0 for r in requests),
+            any_truncation=any(r.params.top_k > 0 or r.params.top_p < 1 for r in requests),
+        )
+        on_device = _RowParams(*(getattr(per_request, name).to(self.device) for name in _TENSOR_FIELDS),
+                               per_request.all_greedy, per_request.any_greedy, per_request.any_truncation)
+        return on_device.select(sample_request)
+
+    @staticmethod
+    def _results(requests, sample_request, out_tokens, out_logprobs, out_lengths, stopped) -> list[GenerationResult]:
+        # one device->host copy for the whole call
+        tokens, logprobs = out_tokens.tolist(), out_logprobs.tolist()
+        lengths, stopped, owners = out_lengths.tolist(), stopped.tolist(), sample_request.tolist()
+        results = []
+        for s, i in enumerate(owners):
+            n = lengths[s]
+            results.append(GenerationResult(
+                prompt_ids=list(requests[i].prompt_ids),
+                output_ids=tokens[s][:n],
+                output_logprobs=logprobs[s][:n],
+                finish_reason="stop" if stopped[s] else "length",
+                request_index=i,
+            ))
+        return results
+
+    # ------------------------------------------------------------------ weights and memory
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # state_dict(keep_vars=True) lists tied weights under every name (lm_head.weight and
+        # model.embed_tokens.weight), which named_parameters() would deduplicate away.
+        targets = self.model.state_dict(keep_vars=True)
+        for name, tensor in named_tensors:
+            target = targets.get(name)
+            if target is None:
+                raise KeyError(f"update_weights: unknown parameter name {name!r} for "
+                               f"{type(self.model).__name__} (expected HF state_dict names)")
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"update_weights: shape mismatch for {name!r}: model has "
+                                 f"{tuple(target.shape)}, got {tuple(tensor.shape)}")
+            target.data.copy_(tensor)
+
+    def sleep(self) -> None:
+        if self.device.type == "cpu" or self._asleep:
+            return
+        self.model.to("cpu")
+        self._asleep = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        if not self._asleep:
+            return
+        self.model.to(self.device)
+        self._asleep = False
+
+    def reset_prefix_cache(self) -> None:
+        """No cache survives a ``generate`` call, so there is nothing to reset."""

@@ -1,0 +1,249 @@
+"""Rollout on vLLM, inside our torch.distributed world (GPU only).
+
+vLLM runs in-process with ``distributed_executor_backend="external_launcher"``: every rank that
+constructs :class:`VllmRolloutEngine` hosts one vLLM worker (no extra processes, no Ray, no HTTP).
+vLLM reads ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` from the environment (our launch layer sets
+them) and builds its tensor-parallel groups of ``tensor_parallel_size`` consecutive ranks over the
+world. Consequences the caller must honour:
+
+* every rank of the world constructs the engine (colocated layout); ranks of one TP group must call
+  ``generate`` with identical requests, and ``seed`` must be identical on all ranks, so that every
+  TP rank samples the same tokens (vLLM's torchrun example makes the same demand);
+* the engine seed and per-request seeds make a call reproducible; with ``n > 1`` and a request seed,
+  vLLM seeds sample ``j`` with ``seed + j``.
+
+Logprobs: the engine asks vLLM for ``logprobs=0`` (only the sampled token) with
+``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2), i.e. the logprob after temperature - our
+convention (see :mod:`hpc_rlhf.engines.rollout_base`). Caveat: vLLM's processed logprobs are taken
+*after* top-k/top-p masking (renormalised over the kept tokens), whereas the transformers engine and
+the trainer use the full temperature-scaled distribution; they agree exactly when ``top_p == 1`` and
+``top_k == -1`` (the RLHF default). Greedy requests report the unscaled logprob in both engines.
+
+Stop rule: vLLM stops on the tokenizer's eos (``ignore_eos=False``) and on ``stop_token_ids``; the
+stop token is kept in ``token_ids``. vLLM reports ``"length"`` when the stop token is also the last
+allowed token; :func:`results_from_vllm_outputs` reports ``"stop"`` there, as the transformers engine.
+
+Weight sync (colocated): ``update_weights`` hands the named tensors of a bucket to the local worker's
+``model.load_weights`` through ``LLM.collective_rpc`` with a callable. With external_launcher the
+executor is in-process, so the call is a plain function call on this rank's worker - no
+serialisation, the tensors are not copied before vLLM's own (TP-sharding) weight loaders copy them
+into place. vLLM's loader maps HF names (fused qkv / gate_up, tied embeddings).
+
+Everything that does not need vLLM (parameter translation, output conversion, the lazy import) is a
+pure helper, unit-tested with vLLM-shaped fakes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from hpc_rlhf.engines.rollout_base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from hpc_rlhf.config.schema import RunConfig
+
+
+VLLM_INSTALL_HINT = (
+    "VllmRolloutEngine needs vLLM, which is not installed in this environment: "
+    "pip install hpc-rlhf[gpu] (or set rollout.backend=transformers to roll out without vLLM)"
+)
+
+
+def import_vllm() -> Any:
+    """Import vLLM lazily, failing with an actionable message."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(VLLM_INSTALL_HINT) from exc
+    return vllm
+
+
+# ---------------------------------------------------------------------------- pure helpers
+
+
+def vllm_sampling_kwargs(params: SamplingParams, n: int) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` for one request (no vLLM needed)."""
+    return {
+        "n": n,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,  # -1 disables in every vLLM version we target
+        "max_tokens": params.max_new_tokens,
+        "stop_token_ids": list(params.stop_token_ids),
+        "logprobs": 0,  # the sampled token's logprob only
+        "seed": params.seed,
+        "detokenize": False,  # token in, token out: skip vLLM's detokenizer work
+    }
+
+
+def to_vllm_sampling_params(params: SamplingParams, n: int = 1, *, sampling_params_cls: Any = None) -> Any:
+    """A ``vllm.SamplingParams`` (or ``sampling_params_cls(**kwargs)``, for tests) for one request."""
+    if sampling_params_cls is None:
+        sampling_params_cls = import_vllm().SamplingParams
+    return sampling_params_cls(**vllm_sampling_kwargs(params, n))
+
+
+def _sampled_logprobs(token_ids: Sequence[int], logprobs: Any, where: str) -> list[float]:
+    """Logprob of each sampled token from vLLM's per-position ``{token_id: Logprob}`` mappings."""
+    if logprobs is None:
+        raise ValueError(f"{where}: vLLM returned no logprobs (SamplingParams.logprobs must be 0)")
+    if len(logprobs) != len(token_ids):
+        raise ValueError(f"{where}: {len(token_ids)} tokens but {len(logprobs)} logprob entries")
+    values = []
+    for position, token_id in enumerate(token_ids):
+        entry = logprobs[position]
+        if token_id not in entry:
+            raise ValueError(f"{where}: sampled token {token_id} missing from logprobs at position {position}")
+        values.append(float(entry[token_id].logprob))
+    return values
+
+
+def results_from_vllm_outputs(outputs: Sequence[Any], requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    """Convert ``LLM.generate`` outputs (one ``RequestOutput`` per request, in order) to our results.
+
+    Each ``RequestOutput.outputs`` holds ``n`` ``CompletionOutput`` (``index``, ``token_ids``,
+    ``logprobs``, ``finish_reason``); they are emitted in ``index`` order.
+    """
+    if len(outputs) != len(requests):
+        raise ValueError(f"vLLM returned {len(outputs)} outputs for {len(requests)} requests")
+    results = []
+    for request_index, (output, request) in enumerate(zip(outputs, requests)):
+        completions = sorted(output.outputs, key=lambda c: getattr(c, "index", 0))
+        if len(completions) != request.n:
+            raise ValueError(f"request {request_index}: asked n={request.n}, vLLM returned {len(completions)}")
+        stop_ids = set(request.params.stop_token_ids)
+        for completion in completions:
+            where = f"request {request_index} sample {getattr(completion, 'index', '?')}"
+            token_ids = [int(t) for t in completion.token_ids]
+            reason = completion.finish_reason
+            if reason == "length" and token_ids and token_ids[-1] in stop_ids:
+                reason = "stop"  # stop token on the last allowed position: a complete answer
+            if reason not in ("stop", "length"):
+                raise RuntimeError(f"{where}: unexpected vLLM finish_reason {reason!r}")
+            results.append(GenerationResult(
+                prompt_ids=list(request.prompt_ids),
+                output_ids=token_ids,
+                output_logprobs=_sampled_logprobs(token_ids, completion.logprobs, where),
+                finish_reason=reason,
+                request_index=request_index,
+            ))
+    return results
+
+
+def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs on this rank's vLLM worker (``collective_rpc`` passes the worker first)."""
+    worker.model_runner.model.load_weights(weights=weights)
+
+
+# ---------------------------------------------------------------------------- engine
+
+
+class VllmRolloutEngine(RolloutEngine):
+    """vLLM ``LLM`` with the external launcher; see the module docstring for the contract.
+
+    Args:
+        model_path: local HF model folder (config, tokenizer, weights) loaded by vLLM.
+        tensor_parallel_size: ranks per engine (consecutive ranks of the world).
+        seed: engine seed; must be equal on every rank of a TP group.
+        sleep_level: 1 offloads weights to host RAM on ``sleep`` (safe default); 2 discards them
+            (cheaper, valid only when a full ``update_weights`` follows every ``wake_up``).
+        llm_kwargs: further ``vllm.LLM`` / ``EngineArgs`` keywords (``dtype``, ``max_model_len`` ...).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        seed: int = 0,
+        enforce_eager: bool = False,
+        enable_prefix_caching: bool = True,
+        enable_sleep_mode: bool = True,
+        sleep_level: int = 1,
+        logprobs_mode: str = "processed_logprobs",
+        **llm_kwargs: Any,
+    ) -> None:
+        vllm = import_vllm()
+        self._vllm = vllm
+        self.enable_sleep_mode = enable_sleep_mode
+        self.sleep_level = sleep_level
+        self._asleep = False
+        self._prefix_cache_stale = False
+        self.llm = vllm.LLM(
+            model=model_path,
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend="external_launcher",
+            enable_sleep_mode=enable_sleep_mode,
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            logprobs_mode=logprobs_mode,
+            **llm_kwargs,
+        )
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, tokenizer: Any = None, **llm_kwargs: Any) -> VllmRolloutEngine:
+        """Build from a resolved run config: the actor's weights, ``rollout`` and ``vllm`` sections.
+
+        ``tokenizer`` is accepted so both backends are built alike; vLLM loads the tokenizer of
+        ``actor.pretrain`` itself (it is only used for the eos id: we pass and return token ids).
+        """
+        del tokenizer
+        if not cfg.actor.pretrain:
+            raise ValueError("rollout.backend=vllm needs actor.pretrain (a local HF model folder) to load vLLM from")
+        max_model_len = cfg.data.max_len or cfg.data.prompt_max_len + cfg.rollout.generate_max_len
+        llm_kwargs.setdefault("max_model_len", max_model_len)
+        return cls(
+            cfg.actor.pretrain,
+            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+            gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
+            seed=cfg.train.seed,
+            enforce_eager=cfg.vllm.enforce_eager,
+            enable_prefix_caching=cfg.vllm.enable_prefix_caching,
+            enable_sleep_mode=cfg.vllm.enable_sleep,
+            **llm_kwargs,
+        )
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        if not requests:
+            return []
+        if self._asleep:
+            raise RuntimeError("VllmRolloutEngine.generate called while asleep: call wake_up() first")
+        if self._prefix_cache_stale:
+            self.reset_prefix_cache()
+        prompts = [self._vllm.TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+        sampling = [to_vllm_sampling_params(r.params, r.n, sampling_params_cls=self._vllm.SamplingParams)
+                    for r in requests]
+        outputs = self.llm.generate(prompts, sampling_params=sampling, use_tqdm=False)
+        return results_from_vllm_outputs(outputs, requests)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        bucket = list(named_tensors)
+        if not bucket:
+            return
+        self.llm.collective_rpc(_load_weights_on_worker, args=(bucket,))
+        self._prefix_cache_stale = True  # cached KV was computed with the old weights
+
+    def sleep(self) -> None:
+        if not self.enable_sleep_mode or self._asleep:
+            return
+        self.llm.sleep(level=self.sleep_level)
+        self._asleep = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore memory; ``tags=["weights"]`` then ``["kv_cache"]`` lets a weight sync run before
+        the KV cache is re-allocated (lower peak memory when colocated with training)."""
+        if not self.enable_sleep_mode:
+            return
+        self.llm.wake_up(tags=tags)
+        if tags is None or "kv_cache" in tags:
+            self._asleep = False
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+        self._prefix_cache_stale = False
