@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from hpc_rlhf.config import ConfigError, RunConfig, load_config, save_resolved_config
+from hpc_rlhf.config import ConfigError, RunConfig, load_config
 
 
 def parse_run_args(prog: str, argv: list[str] | None) -> RunConfig:
@@ -45,7 +45,6 @@ def start_world(cfg: RunConfig):
     placement = build_placement(cfg, env.world_size)
     world = build_world_groups(placement)
     if env.rank == 0:
-        save_resolved_config(cfg, cfg.train.output_dir)
         for row in placement.describe():
             logging.getLogger("hpc_rlhf").info("role %(role)s on ranks %(ranks)s (dp %(dp)s, tp %(tp)s)", row)
     return env, world

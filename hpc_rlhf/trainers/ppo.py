@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.config.schema import RunConfig
+from hpc_rlhf.config import RunConfig, save_resolved_config
 from hpc_rlhf.dist.channel import broadcast_to_role, gather_from_role, scatter_to_role
 from hpc_rlhf.dist.world import WorldGroups
 from hpc_rlhf.trainers import ppo_setup
@@ -63,6 +63,8 @@ class PPOTrainer:
         dist.broadcast_object_list(box, src=0)
         self.num_steps: int = box[0]
         self.roles = ppo_setup.build_roles(cfg, world, self.tokenizer, self.num_steps)
+        if world.is_controller:
+            save_resolved_config(cfg, cfg.train.output_dir)
         self.metrics = MetricsLogger(cfg.train.output_dir, cfg.logger, cfg.model_dump(mode="json")) \
             if world.is_controller else None
 

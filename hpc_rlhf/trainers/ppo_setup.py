@@ -134,6 +134,10 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
     attn = resolve_attn_implementation(cfg.ds.attn_implementation, on_gpu)
     samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     roles = Roles()
+    if world.has_role("rollout"):
+        executor = SingleTurnExecutor(tokenizer, cfg.data.prompt_max_len)
+        roles.rollout = RolloutSide(_rollout_engine(cfg, tokenizer, on_gpu), executor, cfg.rollout,
+                                    [tokenizer.eos_token_id])
     # Exactly on-policy (one epoch, one optimizer step per rollout, no KL needing them): the
     # current logprobs are the old ones, so the extra actor forward is skipped.
     roles.need_old_logprobs = not (cfg.train.max_epochs == 1 and samples == cfg.train.train_batch_size
@@ -167,10 +171,6 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
                                      micro_batch_size=cfg.rollout.micro_rollout_batch_size,
                                      dp_group=world.roles["reward"].dp_group, on_gpu=on_gpu)
         roles.reward = RewardModelRole(engine, cfg.rollout.micro_rollout_batch_size)
-    if world.has_role("rollout"):
-        executor = SingleTurnExecutor(tokenizer, cfg.data.prompt_max_len)
-        roles.rollout = RolloutSide(_rollout_engine(cfg, tokenizer, on_gpu), executor, cfg.rollout,
-                                    [tokenizer.eos_token_id])
     return roles
 
 

@@ -112,7 +112,7 @@ def train_actor(engine: Any, shard: dict[str, Any], cfg: RunConfig, dp_size: int
                 if algo.kl.use_loss and "ref_logprobs" in shard:
                     kl = kl_estimate(logprobs, shard["ref_logprobs"][rows], mask, algo.kl.estimator)
                     kl_loss = aggregate_loss(kl, mask, algo.loss_agg_mode, **counts)
-                    stats["kl_loss_share"].append(float(kl_loss))
+                    stats["kl_loss_share"].append(float(kl_loss.detach()))
                 entropy = None
                 if algo.entropy_loss_coef > 0:
                     entropy = aggregate_loss(entropy_from_logits(logits, mask), mask, algo.loss_agg_mode, **counts)
@@ -121,7 +121,7 @@ def train_actor(engine: Any, shard: dict[str, Any], cfg: RunConfig, dp_size: int
                 engine.backward(loss)
                 step_info = engine.step()
                 # A micro-batch loss is a share of the mini-batch loss; summing shares gives the mean.
-                stats["policy_loss_share"].append(float(pg_loss))
+                stats["policy_loss_share"].append(float(pg_loss.detach()))
                 for k, v in pg_stats.items():
                     stats[k].append(float(v))
             if step_info.get("grad_norm") is not None:
@@ -149,7 +149,7 @@ def train_critic(engine: Any, shard: dict[str, Any], cfg: RunConfig, dp_size: in
                                       dp_size=dp_size)
                 engine.backward(loss)
                 step_info = engine.step()
-                stats["critic_loss_share"].append(float(loss))
+                stats["critic_loss_share"].append(float(loss.detach()))
                 for k, v in v_stats.items():
                     stats[f"critic/{k}"].append(float(v))
             if step_info.get("grad_norm") is not None:

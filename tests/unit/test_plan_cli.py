@@ -62,3 +62,13 @@ def test_zero_stage_sharding(stage, divisors):
     assert mem.weights_gib == pytest.approx(2 * gib / divisors[0])
     assert mem.grads_gib == pytest.approx(2 * gib / divisors[1])
     assert mem.optim_gib == pytest.approx(12 * gib / divisors[2])
+
+
+GPU_RECIPES = [p for p in sorted((ROOT / "configs").glob("*.yaml")) if load_config(p).rollout.backend == "vllm"]
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=lambda p: p.name)
+def test_gpu_recipes_pass_plan_on_their_slurm_request(recipe):
+    cfg = load_config(recipe)
+    assert plan(["--config", str(recipe), "--nodes", str(cfg.slurm.nodes),
+                 "--gpus-per-node", str(cfg.slurm.gpus_per_node)]) == 0

@@ -1,0 +1,1 @@
+"""Runtime facades: DeepSpeed training/inference engines (deepspeed_engine) and rollout engines."""

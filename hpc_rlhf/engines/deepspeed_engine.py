@@ -1,0 +1,504 @@
+"""DeepSpeed behind one facade: the only module of hpc_rlhf that imports deepspeed.
+
+``TrainEngine`` wraps a trainable role (actor, critic): ZeRO 0-3, AdamW, cosine LR with warmup,
+gradient clipping and accumulation. ``FrozenEngine`` wraps an inference-only role (reference model,
+reward model): ZeRO-3 partitioning when asked, no optimizer. Trainers call ``backward`` / ``step`` /
+``gathered_state_dict_items`` / ``save_checkpoint``; they never see deepspeed.
+
+The deepspeed JSON config is built by the pure function ``build_ds_config`` (unit-testable without a
+process group). deepspeed itself is imported lazily inside ``create`` so that importing this module is
+cheap and the light-import rule of the package holds for everything that does not build an engine.
+
+Process groups: ``dp_group=None`` means the role spans the whole world. A smaller ``dp_group`` is handed
+to DeepSpeed through a Megatron-style ``mpu`` object (and to ``zero.Init``). Limitations of DeepSpeed
+0.19.8 that then apply: ``save_checkpoint`` / ``load_checkpoint`` call ``dist.barrier()`` on the WORLD
+group, so every rank of the world must take part in them; and ``deepspeed.utils.groups.mpu`` is process
+global, so two engines with *different* dp groups must not live in one process (colocated layouts use
+the same group for every role, which is fine).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from hpc_rlhf.config.schema import DeepSpeedConfig, ModelRole, TrainedRole
+from hpc_rlhf.engines.lr_schedule import make_lr_lambda
+
+log = logging.getLogger(__name__)
+
+ADAM_EPS = 1e-8
+NO_PRINT_STEPS = 10**9  # deepspeed prints a progress line every `steps_per_print`; our logger does that
+
+
+# --------------------------------------------------------------------------------------------------
+# pure config building
+
+
+def resolve_dtype(ds_cfg: DeepSpeedConfig, on_gpu: bool) -> torch.dtype:
+    """``param_dtype=auto`` is bf16 on GPU and fp32 on CPU (bf16 matmul is ~500x slower on our CPUs)."""
+    if ds_cfg.param_dtype == "auto":
+        return torch.bfloat16 if on_gpu else torch.float32
+    return torch.bfloat16 if ds_cfg.param_dtype == "bf16" else torch.float32
+
+
+def gradient_accumulation_steps(train_batch_size: int, micro_train_batch_size: int, dp_size: int) -> int:
+    """``train_batch_size // (micro x dp)``; fails loudly when the global batch does not split evenly."""
+    per_step = micro_train_batch_size * dp_size
+    if train_batch_size % per_step != 0:
+        raise ValueError(
+            f"train_batch_size={train_batch_size} is not a multiple of micro_train_batch_size="
+            f"{micro_train_batch_size} x dp_size={dp_size} = {per_step}; change train.train_batch_size or "
+            "train.micro_train_batch_size"
+        )
+    return train_batch_size // per_step
+
+
+def build_ds_config(ds_cfg: DeepSpeedConfig, role_cfg: TrainedRole | None, *, train_batch_size: int,
+                    micro_train_batch_size: int, dp_size: int, on_gpu: bool, offload_params: bool = False,
+                    extra: dict | None = None) -> dict:
+    """The deepspeed JSON config of one role.
+
+    ``role_cfg=None`` builds an inference (frozen) config: no optimizer, no clipping; ZeRO stages 1-2
+    shard only optimizer state and gradients, so they collapse to stage 0 there. ``offload_params`` keeps
+    ZeRO-3 parameters on CPU (frozen roles with ``offload: true``; GPU only, it means nothing on CPU).
+    ``extra`` is deep-merged last (tests use it to force ZeRO-3 to partition tiny parameters).
+    """
+    trainable = role_cfg is not None
+    dtype = resolve_dtype(ds_cfg, on_gpu)
+    stage = ds_cfg.zero_stage if trainable or ds_cfg.zero_stage == 3 else 0
+    gas = gradient_accumulation_steps(train_batch_size, micro_train_batch_size, dp_size) if trainable else 1
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=False, contiguous_gradients=True)
+    if trainable and ds_cfg.adam_offload and stage > 0:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+    if offload_params and stage == 3 and on_gpu:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config: dict[str, Any] = {
+        "train_batch_size": micro_train_batch_size * dp_size * gas,
+        "train_micro_batch_size_per_gpu": micro_train_batch_size,
+        "gradient_accumulation_steps": gas,
+        "steps_per_print": NO_PRINT_STEPS,
+        "wall_clock_breakdown": False,
+        "zero_optimization": zero,
+        "prescale_gradients": False,
+    }
+    if dtype == torch.bfloat16:
+        # fp32 is the default; do not add fp16/bf16 sections on CPU fp32 runs.
+        config["bf16"] = {"enabled": True}
+        if trainable:
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
+    if trainable:
+        params: dict[str, Any] = {
+            "lr": role_cfg.learning_rate, "betas": list(role_cfg.adam_betas), "eps": ADAM_EPS,
+            "weight_decay": role_cfg.weight_decay,
+        }
+        if not on_gpu and "offload_optimizer" not in zero:
+            # torch.optim.AdamW instead of FusedAdam: no JIT-built op needed on CPU.
+            params["torch_adam"] = True
+        config["optimizer"] = {"type": "AdamW", "params": params}
+        config["gradient_clipping"] = role_cfg.max_norm
+        config["zero_allow_untested_optimizer"] = True
+    if extra:
+        _deep_merge(config, extra)
+    return config
+
+
+def _deep_merge(into: dict, update: dict) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _deep_merge(into[key], value)
+        else:
+            into[key] = copy.deepcopy(value)
+
+
+# --------------------------------------------------------------------------------------------------
+# process groups
+
+
+class _DataParallelMpu:
+    """Megatron-style mpu telling DeepSpeed: data parallel over ``dp_group``, no model parallelism.
+
+    DeepSpeed all-reduces gradient norms over ``get_model_parallel_group()`` whenever an mpu is set, so the
+    model-parallel group must be a real group containing only this rank (created with local
+    synchronization: the other ranks need not call anything).
+    """
+
+    _singletons: dict[int, ProcessGroup] = {}
+
+    def __init__(self, dp_group: ProcessGroup):
+        self._dp_group = dp_group
+        rank = dist.get_rank()
+        if rank not in self._singletons:
+            self._singletons[rank] = dist.new_group([rank], use_local_synchronization=True)
+        self._mp_group = self._singletons[rank]
+
+    def get_data_parallel_group(self):
+        return self._dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._dp_group)
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self._dp_group)
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self._dp_group)
+
+    def get_model_parallel_group(self):
+        return self._mp_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+
+def _init_deepspeed_dist() -> None:
+    """Make deepspeed.comm reuse our already initialised torch.distributed world (no new init)."""
+    import deepspeed
+
+    if not dist.is_initialized():
+        raise RuntimeError("call hpc_rlhf.dist.world.init_world() before building a DeepSpeed engine")
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
+
+
+def _dp_setup(dp_group: ProcessGroup | None) -> tuple[int, Any]:
+    """(dp_size, mpu or None). A dp group spanning the world is the same as none.
+
+    DeepSpeed keeps the mpu in the process-global ``deepspeed.utils.groups.mpu`` and only ever *sets* it
+    (``if self.mpu is not None: groups.mpu = self.mpu``), so a stale mpu from an earlier engine would
+    leak into a later world-spanning one; reset it here for every new engine.
+    """
+    from deepspeed.utils import groups
+
+    if dp_group is None or dist.get_world_size(dp_group) == dist.get_world_size():
+        mpu = None
+    else:
+        mpu = _DataParallelMpu(dp_group)
+    groups.mpu = mpu
+    return dist.get_world_size(dp_group), mpu
+
+
+def _build_model(model_factory: Callable[[], torch.nn.Module], config: dict, dp_group, mpu) -> torch.nn.Module:
+    """Call the factory, inside ``zero.Init`` under ZeRO-3 so no rank ever holds the full model."""
+    import deepspeed
+
+    if config["zero_optimization"]["stage"] != 3:
+        return model_factory()
+    # zero.Init patches torch.Tensor.__new__; a first import of torch._dynamo inside the context (e.g. a
+    # factory that imports transformers lazily) then dies with "TypeError: Signature mismatch between
+    # <function get_new_tensor_fn_for_dtype.<locals>.new_tensor ...> and <function tensor_pynew ...>".
+    import torch._dynamo  # noqa: F401
+
+    # dtype is left for zero.Init to infer from the config on purpose: in 0.19.8 an explicit
+    # dtype=torch.float32 is overridden to bf16 on the CPU accelerator (operator precedence in
+    # InsertPostInitMethodToModuleSubClasses._set_dtype), silently rounding weights and rotary buffers.
+    # transformers' from_pretrained must know ZeRO-3 is on (HfDeepSpeedConfig alive) so it initialises
+    # and loads the checkpoint into the partitioned parameters shard by shard; without it it writes
+    # into the empty local shards and fails ("index 0 is out of bounds for dimension 0 with size 0").
+    # It is unset right after: left alive it makes every later from_pretrained in the process (a
+    # rollout engine, an evaluation model on one rank) collective and partitioned.
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    hf_ds_config = HfDeepSpeedConfig(config)  # noqa: F841  (transformers holds a weak reference)
+    try:
+        with deepspeed.zero.Init(config_dict_or_path=config, data_parallel_group=dp_group, mpu=mpu):
+            return model_factory()
+    finally:
+        unset_hf_deepspeed_config()
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on biases and norm weights (1-D tensors), as in OpenRLHF / nanoGPT."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3 params are flattened partitions
+        (decay if len(shape) >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def _state_dict_entries(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters (each tensor once, first name wins for tied weights) then persistent buffers."""
+    seen: set[int] = set()
+    entries: list[tuple[str, torch.Tensor]] = []
+    for name, param in module.named_parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            entries.append((name, param))
+    for mod_name, mod in module.named_modules():
+        for buf_name, buf in mod.named_buffers(recurse=False):
+            if buf is None or buf_name in mod._non_persistent_buffers_set or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            entries.append((f"{mod_name}.{buf_name}" if mod_name else buf_name, buf))
+    return entries
+
+
+def _numel_bytes(tensor: torch.Tensor) -> int:
+    return getattr(tensor, "ds_numel", tensor.numel()) * tensor.element_size()
+
+
+def iter_gathered_state_dict(module: torch.nn.Module, zero_stage: int,
+                             bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Buckets of (name, full detached copy). Under ZeRO-3 every rank of the dp group must iterate."""
+    import deepspeed
+
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    entries = _state_dict_entries(module)
+    for index, (name, tensor) in enumerate(entries):
+        bucket.append((name, tensor))
+        size += _numel_bytes(tensor)
+        if size < bucket_bytes and index + 1 < len(entries):
+            continue
+        if zero_stage == 3:
+            params = [t for _, t in bucket if hasattr(t, "ds_id")]
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                yield [(n, t.data.detach().clone()) for n, t in bucket]
+        else:
+            yield [(n, t.data.detach().clone()) for n, t in bucket]
+        bucket, size = [], 0
+
+
+def _is_first(dp_group: ProcessGroup | None) -> bool:
+    return dist.get_rank(dp_group) == 0
+
+
+def _save_hf(module: torch.nn.Module, zero_stage: int, dp_group, output_dir: str, tokenizer=None) -> None:
+    state_dict: dict[str, torch.Tensor] = {}
+    first = _is_first(dp_group)
+    for bucket in iter_gathered_state_dict(module, zero_stage, 256 << 20):
+        if first:
+            state_dict.update((name, tensor.cpu()) for name, tensor in bucket)
+    if first:
+        # Written without module.save_pretrained: under ZeRO-3 transformers would try to gather the
+        # (already gathered) parameters collectively from this one rank and hang.
+        from huggingface_hub import save_torch_state_dict
+
+        os.makedirs(output_dir, exist_ok=True)
+        module.config.save_pretrained(output_dir)
+        if getattr(module, "generation_config", None) is not None:
+            module.generation_config.save_pretrained(output_dir)
+        save_torch_state_dict(state_dict, output_dir, max_shard_size="5GB")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+    dist.barrier(group=dp_group)
+
+
+# --------------------------------------------------------------------------------------------------
+# engines
+
+
+class TrainEngine:
+    """A model wrapped by DeepSpeed for one trainable role (actor, critic)."""
+
+    def __init__(self, engine, *, zero_stage: int, dp_group: ProcessGroup | None, on_gpu: bool,
+                 adam_offload: bool):
+        self.engine = engine
+        self.zero_stage = zero_stage
+        self.dp_group = dp_group
+        self.on_gpu = on_gpu
+        self._adam_offload = adam_offload
+        self._offloaded = False
+
+    @classmethod
+    def create(cls, model_factory: Callable[[], torch.nn.Module], ds_cfg: DeepSpeedConfig, role_cfg: TrainedRole,
+               *, train_batch_size: int, micro_train_batch_size: int, num_training_steps: int,
+               dp_group: ProcessGroup | None = None, on_gpu: bool | None = None,
+               extra_ds_config: dict | None = None) -> TrainEngine:
+        """Build the model (inside ``zero.Init`` for ZeRO-3), the optimizer, the LR schedule and the engine.
+
+        Collective over ``dp_group`` (default: the world). ``num_training_steps`` counts optimizer steps.
+        """
+        import deepspeed
+
+        _init_deepspeed_dist()
+        on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+        dp_size, mpu = _dp_setup(dp_group)
+        config = build_ds_config(ds_cfg, role_cfg, train_batch_size=train_batch_size,
+                                 micro_train_batch_size=micro_train_batch_size, dp_size=dp_size, on_gpu=on_gpu,
+                                 extra=extra_ds_config)
+        model = _build_model(model_factory, config, dp_group, mpu)
+        if ds_cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lr_lambda = make_lr_lambda(num_training_steps, role_cfg.lr_warmup_ratio, role_cfg.min_lr_ratio)
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=_param_groups(model, role_cfg.weight_decay), config=config,
+            lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda),
+            mpu=mpu, dist_init_required=False,
+        )
+        return cls(engine, zero_stage=config["zero_optimization"]["stage"], dp_group=dp_group, on_gpu=on_gpu,
+                   adam_offload=ds_cfg.adam_offload)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def forward(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    __call__ = forward
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Scale by 1/gradient_accumulation_steps and accumulate (DeepSpeed does both)."""
+        self.engine.backward(loss)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next ``step()`` applies the optimizer (call after ``backward``)."""
+        return bool(self.engine.is_gradient_accumulation_boundary())
+
+    def step(self) -> dict:
+        """End of a micro batch; the optimizer and LR schedule advance at the accumulation boundary.
+
+        Returns ``grad_norm`` (pre-clipping global norm; None between boundaries) and ``lr`` (the LR the
+        optimizer step used, or would use).
+        """
+        boundary = self.is_gradient_accumulation_boundary()
+        lr = float(self.engine.get_lr()[0])
+        fallback_norm = self._local_grad_norm() if boundary and self.zero_stage == 0 else None
+        self.engine.step()
+        grad_norm = self.engine.get_global_grad_norm() if boundary else None
+        if grad_norm is None:
+            grad_norm = fallback_norm
+        if isinstance(grad_norm, torch.Tensor):
+            grad_norm = grad_norm.item()
+        return {"grad_norm": None if grad_norm is None else float(grad_norm), "lr": lr}
+
+    def _local_grad_norm(self) -> float:
+        # ZeRO-0 fp32 clips through deepspeed.runtime.utils.clip_grad_norm_ and drops the norm
+        # (get_global_grad_norm() stays None). Gradients are already all-reduced at the boundary, so the
+        # local norm is the global one.
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken (restored by ``load_checkpoint``)."""
+        return int(self.engine.global_steps)
+
+    def train(self) -> None:
+        self.engine.train()
+
+    def eval(self) -> None:
+        self.engine.eval()
+
+    def _can_offload(self) -> bool:
+        # DeepSpeed 0.19 offload_states moves ZeRO-3 params, grads and optimizer state to host memory; it
+        # asserts against param offload and needs an accelerator to free. On CPU there is nothing to free.
+        return (self.on_gpu and self.zero_stage == 3 and not self._adam_offload
+                and hasattr(self.engine, "offload_states"))
+
+    def offload_states(self) -> None:
+        """Free accelerator memory between phases (colocated hybrid engine). No-op on CPU."""
+        if self._can_offload() and not self._offloaded:
+            self.engine.offload_states()
+            self._offloaded = True
+
+    def reload_states(self) -> None:
+        if self._offloaded:
+            self.engine.reload_states()
+            self._offloaded = False
+
+    def gathered_state_dict_items(self, bucket_bytes: int = 256 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Buckets of (name, full detached copy) covering each parameter once plus persistent buffers.
+
+        Tied weights appear once, under their first name. Under ZeRO-3 this is a collective over the dp
+        group: every rank of the role must exhaust the iterator.
+        """
+        yield from iter_gathered_state_dict(self.module, self.zero_stage, bucket_bytes)
+
+    def save_checkpoint(self, path: str, tag: str, client_state: dict | None = None) -> None:
+        """Weights, optimizer, LR schedule and ``client_state`` (collective; see module doc for subgroups)."""
+        self.engine.save_checkpoint(path, tag=tag, client_state=client_state or {}, save_latest=False)
+
+    def load_checkpoint(self, path: str, tag: str) -> dict:
+        """Restore what ``save_checkpoint`` wrote; returns its ``client_state``."""
+        load_path, client_state = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,
+                                                              load_lr_scheduler_states=True)
+        if load_path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint with tag {tag!r} under {path}")
+        return client_state or {}
+
+    def save_hf(self, output_dir: str, tokenizer=None) -> None:
+        """Rank 0 of the role writes a HF folder (safetensors); collective for all ranks of the role."""
+        _save_hf(self.module, self.zero_stage, self.dp_group, output_dir, tokenizer)
+
+
+class FrozenEngine:
+    """Inference-only role (reference model, reward model): ZeRO-3 partitioning when ``ds.zero_stage == 3``,
+    optional CPU parameter offload (``role_cfg.offload``, GPU only), eval mode, no optimizer."""
+
+    def __init__(self, engine, *, zero_stage: int, dp_group: ProcessGroup | None):
+        self.engine = engine
+        self.zero_stage = zero_stage
+        self.dp_group = dp_group
+
+    @classmethod
+    def create(cls, model_factory: Callable[[], torch.nn.Module], ds_cfg: DeepSpeedConfig, role_cfg: ModelRole,
+               *, micro_batch_size: int, dp_group: ProcessGroup | None = None, on_gpu: bool | None = None,
+               extra_ds_config: dict | None = None) -> FrozenEngine:
+        import deepspeed
+
+        _init_deepspeed_dist()
+        on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+        dp_size, mpu = _dp_setup(dp_group)
+        config = build_ds_config(ds_cfg, None, train_batch_size=micro_batch_size * dp_size,
+                                 micro_train_batch_size=micro_batch_size, dp_size=dp_size, on_gpu=on_gpu,
+                                 offload_params=role_cfg.offload, extra=extra_ds_config)
+        model = _build_model(model_factory, config, dp_group, mpu)
+        model.requires_grad_(False)
+        engine, *_ = deepspeed.initialize(model=model, config=config, mpu=mpu, dist_init_required=False)
+        engine.eval()
+        return cls(engine, zero_stage=config["zero_optimization"]["stage"], dp_group=dp_group)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @torch.no_grad()
+    def forward(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    __call__ = forward
+
+    def eval(self) -> None:
+        self.engine.eval()
+
+    def offload_states(self) -> None:
+        """No-op: frozen roles keep parameters where ``role_cfg.offload`` put them."""
+
+    def reload_states(self) -> None:
+        """No-op, for symmetry with ``TrainEngine``."""
+
+    def gathered_state_dict_items(self, bucket_bytes: int = 256 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        yield from iter_gathered_state_dict(self.module, self.zero_stage, bucket_bytes)

@@ -1,0 +1,149 @@
+"""Online RL on 2 and 4 gloo ranks with DeepSpeed roles, the transformers rollout engine and weight sync."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hpc_rlhf.utils.metrics import read_metrics
+from tests.multiproc.rl_fixtures import ROOT, grpo_overrides, make_assets, run_trainer
+from tests.multiproc.spawn import run_on_ranks
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return make_assets(tmp_path_factory.mktemp("assets"))
+
+
+def _fit(rank, world_size, overrides):
+    run_trainer(rank, world_size, overrides).fit()
+
+
+def test_grpo_colocated_reward_rises_and_export_loads(assets, tmp_path):
+    run_on_ranks(_fit, 2, grpo_overrides(assets, tmp_path, "train.max_steps=30"))
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    first = sum(r["reward"] for r in rows[:5]) / 5
+    last = sum(r["reward"] for r in rows[-5:]) / 5
+    assert last > first + 0.15, (first, last)
+    for key in ("policy_loss", "actor_grad_norm", "response_length", "rollout_tokens_per_s", "timing/generation",
+                "timing/make_experience", "timing/train", "timing/weight_sync", "timing/step"):
+        assert key in rows[-1], key
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert model.config.vocab_size == AutoModelForCausalLM.from_pretrained(assets["model"]).config.vocab_size
+    assert (tmp_path / "config.resolved.yaml").is_file()
+
+
+def _one_ppo_step(rank, world_size, overrides):
+    trainer = run_trainer(rank, world_size, overrides)
+    before = {name: t.clone() for b in trainer.roles.actor.gathered_state_dict_items() for name, t in b}
+    critic_before = {name: t.clone() for b in trainer.roles.critic.gathered_state_dict_items() for name, t in b}
+    trainer.fit()
+    after = {name: t for b in trainer.roles.actor.gathered_state_dict_items() for name, t in b}
+    critic_after = {name: t for b in trainer.roles.critic.gathered_state_dict_items() for name, t in b}
+    trainable = {n for n, p in trainer.roles.actor.module.named_parameters() if p.requires_grad}
+    unchanged = sorted(n for n in trainable if torch.equal(before[n], after[n]))
+    critic_changed = sum(not torch.equal(critic_before[n], critic_after[n]) for n in critic_before)
+    return {"unchanged": unchanged, "num_trainable": len(trainable), "critic_changed": critic_changed,
+            "critic_total": len(critic_before)}
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_ppo_gae_updates_every_actor_parameter_and_the_critic(assets, tmp_path, zero_stage):
+    overrides = grpo_overrides(
+        assets, tmp_path, "algo.advantage_estimator=gae", "rollout.n_samples_per_prompt=1",
+        "rollout.rollout_batch_size=16", "train.train_batch_size=16", "train.micro_train_batch_size=8",
+        "algo.kl.init_coef=0.01", "train.max_steps=1", f"ds.zero_stage={zero_stage}",
+        "critic.learning_rate=1e-3", "critic.lr_warmup_ratio=0")
+    results = run_on_ranks(_one_ppo_step, 2, overrides)
+    for r in results:
+        assert r["num_trainable"] > 0
+        assert r["unchanged"] == [], f"actor parameters did not change: {r['unchanged']}"
+        assert r["critic_changed"] == r["critic_total"]
+    row = read_metrics(tmp_path)[0]
+    assert "critic_loss" in row and "kl" in row and row["kl_coef"] == pytest.approx(0.01)
+
+
+def _disaggregated(rank, world_size, overrides):
+    from hpc_rlhf.engines.rollout_base import GenerationRequest, SamplingParams
+
+    trainer = run_trainer(rank, world_size, overrides)
+    assert trainer.world.placement.layout == "disaggregated"
+    trainer.fit()
+    out = {"roles": trainer.world.placement.roles_of(rank)}
+    if trainer.roles.rollout is not None:
+        engine = trainer.roles.rollout.engine
+        prompt = trainer.tokenizer("3+4=")["input_ids"]
+        greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+        out["generated"] = engine.generate([GenerationRequest(prompt, greedy)])[0].output_ids
+        out["weights"] = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    return out
+
+
+def test_disaggregated_4_ranks_syncs_weights_to_rollout(assets, tmp_path):
+    overrides = grpo_overrides(
+        assets, tmp_path, "train.colocate_all=false", "actor.num_ranks=2", "ref.num_ranks=1",
+        "rollout.num_engines=1", "algo.kl.init_coef=0.01", "algo.kl.use_loss=true", "train.max_steps=3")
+    results = run_on_ranks(_disaggregated, 4, overrides)
+    assert [r["roles"] for r in results] == [["actor"], ["actor"], ["ref"], ["rollout"]]
+    rollout = results[3]
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    initial = AutoModelForCausalLM.from_pretrained(assets["model"])
+    trained_sd = trained.state_dict()
+    for name, tensor in rollout["weights"].items():
+        assert torch.allclose(tensor, trained_sd[name]), name
+    assert any(not torch.equal(t, initial.state_dict()[n]) for n, t in rollout["weights"].items())
+    # Generation after the sync follows the trained weights (greedy = the trained model's argmax).
+    prompt = AutoTokenizer.from_pretrained(assets["model"])("3+4=")["input_ids"]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(6):
+            nxt = trained(ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+            if nxt.item() == trained.config.eos_token_id:
+                break
+    assert rollout["generated"] == ids[0, len(prompt):].tolist()
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 3 and "kl_loss" in rows[-1]
+
+
+def test_reward_model_role(assets, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    rm_dir = tmp_path / "rm"
+    rm = AutoModelForSequenceClassification.from_pretrained(assets["model"], num_labels=1)
+    rm.config.pad_token_id = rm.config.eos_token_id
+    rm.save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(assets["model"]).save_pretrained(rm_dir)
+    overrides = grpo_overrides(assets, tmp_path / "run", "reward.reward_func_path=null", f"reward.pretrain={rm_dir}",
+                               "train.max_steps=2")
+    run_on_ranks(_fit, 2, overrides)
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 2
+    # Scores come from the model: real-valued, not the 0/1 of the arithmetic function.
+    assert all(r["reward"] == r["score"] for r in rows)
+    assert len({round(r["reward"], 6) for r in rows}) == 2
+
+
+def test_raising_reward_function_fails_the_step_with_prompt_and_traceback(assets, tmp_path):
+    bad = tmp_path / "bad_reward.py"
+    bad.write_text(
+        "def reward_func(queries, prompts, labels, **kw):\n"
+        "    for p in prompts:\n"
+        "        if p.startswith('7+'):\n"
+        "            raise ZeroDivisionError('cannot score ' + p)\n"
+        "    return {'rewards': [0.0] * len(queries)}\n")
+    overrides = grpo_overrides(assets, tmp_path / "run", f"reward.reward_func_path={bad}", "train.max_steps=20")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "hpc_rlhf.cli.train_ppo",
+         *overrides], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert "ZeroDivisionError" in err and "cannot score 7+" in err
+    assert "bad_reward.py" in err
