@@ -7,6 +7,7 @@ import sys
 
 COMMANDS = {
     "plan": ("hpc_rlhf.cli.plan", "placement and per-GPU memory of a recipe, without loading a model"),
+    "serve-rm": ("hpc_rlhf.cli.serve_rm", "serve a reward model over HTTP (OpenRLHF /get_reward)"),
 }
 
 

@@ -62,6 +62,8 @@ class RewardConfig(ModelRole):
     value_head_prefix: str = "score"
     reward_func_path: str | None = Field(None, description="Python file defining reward_func(queries, prompts, labels)")
     remote_url: list[str] = Field(default_factory=list, description="OpenRLHF /get_reward servers")
+    remote_timeout_s: float = Field(60.0, gt=0)
+    remote_max_retries: int = Field(3, ge=0)
     normalize: bool = False
 
 
@@ -164,7 +166,9 @@ class TrainConfig(Section):
     packing_samples: bool = False
     use_dynamic_batch: bool = False
     max_tokens_per_gpu: int | None = Field(None, ge=1)
-    agent_func_path: str | None = None
+    agent_func_path: str | None = Field(None, description="Python file with AgentInstance / AgentExecutor")
+    agent_max_turns: int = Field(8, ge=1)
+    agent_step_timeout_s: float = Field(300.0, gt=0)
     async_train: bool = False
     async_queue_size: int = Field(1, ge=1)
     max_staleness: int = Field(1, ge=0)

@@ -52,15 +52,24 @@ class ControllerState:
 
     def __init__(self, cfg: RunConfig, tokenizer: Any) -> None:
         self.cfg, self.tokenizer = cfg, tokenizer
-        if not cfg.reward.reward_func_path and not cfg.reward.remote_url and cfg.reward.pretrain is None:
-            raise SetupError("no reward source: set reward.reward_func_path, reward.pretrain or reward.remote_url")
+        r = cfg.reward
+        if not (r.reward_func_path or r.remote_url or r.pretrain or cfg.train.agent_func_path):
+            raise SetupError("no reward source: set reward.reward_func_path, reward.pretrain, reward.remote_url "
+                             "or an agent (train.agent_func_path) whose environment returns rewards")
         dataset = PromptDataset.from_config(cfg.data, tokenizer, seed=cfg.train.seed)
         self.stream = PromptStream(dataset, cfg.rollout.rollout_batch_size, seed=cfg.train.seed,
                                    num_episodes=cfg.train.num_episodes)
         self.num_steps = self.stream.num_batches
         if cfg.train.max_steps is not None:
             self.num_steps = min(self.num_steps, cfg.train.max_steps)
-        self.reward_fn = RewardFunction(cfg.reward.reward_func_path) if cfg.reward.reward_func_path else None
+        self.reward_fn = None
+        if cfg.reward.reward_func_path:
+            self.reward_fn = RewardFunction(cfg.reward.reward_func_path)
+        elif cfg.reward.remote_url:
+            from hpc_rlhf.agents.remote_rm import RemoteRewardModel
+
+            self.reward_fn = RemoteRewardModel(cfg.reward.remote_url, timeout_s=cfg.reward.remote_timeout_s,
+                                               max_retries=cfg.reward.remote_max_retries)
         kl = cfg.algo.kl
         self.kl_controller = (AdaptiveKLController(kl.init_coef, kl.target, kl.horizon) if kl.target
                               else FixedKLController(kl.init_coef))
@@ -125,6 +134,18 @@ def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool) -> RolloutEngi
                                      pad_token_id=tokenizer.pad_token_id, device=device)
 
 
+def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
+    """Single-turn by default; the user's multi-turn agent file when ``train.agent_func_path`` is set."""
+    if not cfg.train.agent_func_path:
+        return SingleTurnExecutor(tokenizer, cfg.data.prompt_max_len)
+    from hpc_rlhf.agents.agent_loader import load_agent_executor
+
+    return load_agent_executor(cfg.train.agent_func_path, tokenizer, cfg.data.prompt_max_len,
+                               max_len=cfg.data.max_len, max_turns=cfg.train.agent_max_turns,
+                               num_concurrent=cfg.rollout.async_num_tasks,
+                               step_timeout_s=cfg.train.agent_step_timeout_s)
+
+
 def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: int) -> Roles:
     """Create the engines of every role this rank hosts. Collective within each role group."""
     from hpc_rlhf.engines.deepspeed_engine import FrozenEngine, TrainEngine
@@ -135,7 +156,7 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
     samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     roles = Roles()
     if world.has_role("rollout"):
-        executor = SingleTurnExecutor(tokenizer, cfg.data.prompt_max_len)
+        executor = _executor(cfg, tokenizer)
         roles.rollout = RolloutSide(_rollout_engine(cfg, tokenizer, on_gpu), executor, cfg.rollout,
                                     [tokenizer.eos_token_id])
     # Exactly on-policy (one epoch, one optimizer step per rollout, no KL needing them): the

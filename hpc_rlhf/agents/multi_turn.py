@@ -1,0 +1,584 @@
+"""Multi-turn agents (reset / step environments), token in / token out, with OpenRLHF's user API.
+
+A user file (``train.agent_func_path``) written for OpenRLHF works with only the import changed::
+
+    from hpc_rlhf.agents.multi_turn import AgentInstanceBase, MultiTurnAgentExecutor
+
+    class AgentInstance(AgentInstanceBase):
+        async def reset(self, states: dict, **kwargs) -> dict:
+            # states: {"observation": prompt text, "label": dataset label}
+            return {"observation": states["observation"]}      # the text the model is prompted with
+
+        async def step(self, states: dict, **kwargs) -> dict:
+            # states: {"observation_text": text before this turn's action (prompt + earlier actions and
+            #          feedback), "action_text": the model's latest turn, "label": ...,
+            #          "sampling_params": this turn's SamplingParams}
+            return {
+                "rewards": 1.0,                    # float or 1-element tensor
+                "scores": 1.0,                     # optional, default rewards (filtering / logging)
+                "environment_feedback": "...",     # text appended before the next turn ("" for none)
+                "done": False,                     # end the episode
+                "sampling_params": {"temperature": 0.6},  # optional overrides, kept for later turns
+                "extra_logs": {"name": 0.5},       # optional numbers, logged as means
+            }
+
+    class AgentExecutor(MultiTurnAgentExecutor):
+        pass      # or: def __init__(self): super().__init__(AgentInstance)
+
+One ``AgentInstance`` is created (no arguments; ``async def __init__`` is accepted too) per sample:
+a step with P prompts and n samples per prompt runs P*n independent episodes.
+
+Token in, token out
+-------------------
+The first prompt is the reset observation tokenized like single-turn prompts (``tokenize_prompts``,
+``prompt_max_len``, left truncation). After that no text is ever re-tokenized: turn k's prompt is
+``prompt_ids + response_ids`` so far, where ``response_ids`` concatenates each turn's generated
+token ids exactly as the engine returned them (``action_mask`` 1, the engine's ``rollout_logprobs``)
+and each ``environment_feedback`` tokenized on its own without special tokens (``action_mask`` 0,
+logprob 0.0). Feedback after the last turn (done, or out of turns) is not appended: nothing would be
+conditioned on it. ``action_text`` is the decoded turn with special tokens skipped (as vLLM's text).
+
+Budgets and ends
+----------------
+* ``max_len`` bounds prompt + response tokens; each turn asks for ``min(max_new_tokens, remaining)``
+  new tokens. Running out (or feedback that does not fit with room for one more token) ends the
+  episode with ``truncated=True``, ``finish_reason="max_len"``; the overflowing feedback is dropped.
+* ``max_turns`` bounds the model turns: ending there gives ``truncated=True``,
+  ``finish_reason="max_turns"``.
+* ``done`` from the environment ends the episode with ``truncated=False`` and the last
+  generation's finish reason (``"stop"`` / ``"length"``). The env sees every action, also the last.
+
+Rewards: ``Trajectory.reward`` is the *last* step's ``rewards`` (``reward_mode = "last"``; set
+``reward_mode = "sum"`` on your executor class to add the steps' rewards, as recent OpenRLHF
+versions do); ``score`` the last step's ``scores`` (default: the reward); ``extra_logs`` the last
+step's ``extra_logs`` plus ``num_turns``, ``agent_error`` and ``agent_timeout`` (0/1).
+
+Scheduling
+----------
+Episodes run concurrently on one asyncio loop, at most ``num_concurrent`` at a time, in *rounds*:
+start newly admitted episodes (create + ``reset``), make **one** ``generate`` call holding the next
+turn of every active episode (the engine is synchronous and batched; identical prompts with identical
+sampling parameters, e.g. the n samples of a prompt in turn 1, become one request with ``n`` > 1 so
+the engine shares the prefix), then run all ``step`` calls concurrently. When a sampling seed is set,
+each episode and turn gets its own seed derived from it (the n samples of a prompt must not share a
+seed on engines with per-request seeds, e.g. vLLM).
+
+Failures: a ``reset``/``step`` (or agent constructor) that raises, returns malformed output, or runs
+longer than ``step_timeout_s`` ends only its episode: reward 0.0, ``extra_logs["agent_error"] = 1``,
+``finish_reason`` ``"agent_error"`` / ``"agent_timeout"``, ``truncated=False``. Its tokens are kept
+but with ``action_mask`` 0 (``train_on_failed_episodes = False``), so an environment failure does
+not push the policy away from what it generated. Each failure is logged with its cause and counted
+in ``executor.last_run_stats``. Timed-out tasks are cancelled and never awaited, so an agent that
+ignores cancellation cannot hang the run. ``async`` methods must not block the loop; plain ``def``
+methods run in worker threads (they cannot be interrupted, only abandoned, on timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
+import hashlib
+import inspect
+import logging
+import math
+import threading
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, Trajectory
+from hpc_rlhf.data.prompts import Prompt, tokenize_prompts
+from hpc_rlhf.engines.rollout_base import GenerationRequest, GenerationResult, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_CANCEL_GRACE_S = 1.0  # how long cancelled agent tasks get to unwind when a run ends
+_SAMPLING_ALIASES = {"max_tokens": "max_new_tokens"}  # vLLM's names
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+class AgentInstanceBase(ABC):
+    """One environment episode. Subclass it and implement ``step`` (and usually ``reset``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    async def reset(self, states: dict, **kwargs: Any) -> dict:
+        """Return ``{"observation": str}``, the prompt text; ``states`` has ``observation`` and ``label``."""
+        return {"observation": states["observation"]}
+
+    @abstractmethod
+    async def step(self, states: dict, **kwargs: Any) -> dict:
+        """Judge ``states["action_text"]``; return rewards, scores, environment_feedback, done (see module doc)."""
+
+
+class AgentOutputError(ValueError):
+    """An agent's ``reset`` / ``step`` returned something the executor cannot use."""
+
+
+class AgentTimeoutError(TimeoutError):
+    """An agent call ran past ``step_timeout_s``."""
+
+
+@dataclass
+class _Episode:
+    """The state of one sample while it runs."""
+
+    index: int
+    group_index: int
+    prompt: Prompt
+    params: SamplingParams
+    agent: Any = None
+    prompt_text: str = ""
+    prompt_ids: list[int] = field(default_factory=list)
+    observation_text: str = ""
+    response_ids: list[int] = field(default_factory=list)
+    action_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    num_turns: int = 0
+    turn_params: SamplingParams | None = None
+    action_text: str = ""
+    last_finish: str = ""
+    reward: float = 0.0
+    score: float = 0.0
+    extra_logs: dict = field(default_factory=dict)
+    finished: bool = False
+    truncated: bool = False
+    finish_reason: str = ""
+    failure: str | None = None  # "agent_error" / "agent_timeout"
+
+    def end(self, finish_reason: str, truncated: bool = False) -> None:
+        self.finished, self.finish_reason, self.truncated = True, finish_reason, truncated
+
+
+@dataclass
+class _RunStats:
+    num_episodes: int = 0
+    agent_errors: int = 0
+    agent_timeouts: int = 0
+    generate_calls: int = 0
+    num_requests: int = 0
+    num_turns: int = 0
+    truncated_max_len: int = 0
+    truncated_max_turns: int = 0
+    max_active: int = 0
+
+
+class MultiTurnAgentExecutor(AgentExecutor):
+    """Runs ``AgentInstance`` episodes against the rollout engine (see the module docstring).
+
+    Args:
+        agent_instance_cls: the ``AgentInstance`` class (or set the class attribute of a subclass;
+            the loader fills it from the agent file).
+        tokenizer, prompt_max_len: as every executor; may be given later with :meth:`configure`.
+        max_len: prompt + response token budget per episode; None for no budget beyond ``max_turns``.
+        max_turns: model turns per episode.
+        num_concurrent: episodes alive at once (bounds environment load and open agent objects).
+        step_timeout_s: limit for each ``reset`` / ``step`` call; None for none.
+    """
+
+    agent_instance_cls: type | None = None
+    reward_mode: str = "last"  # or "sum"
+    train_on_failed_episodes: bool = False
+
+    def __init__(self, agent_instance_cls: type | None = None, tokenizer: Any = None,
+                 prompt_max_len: int | None = None, *, max_len: int | None = None, max_turns: int = 8,
+                 num_concurrent: int = 256, step_timeout_s: float | None = 300.0) -> None:
+        super().__init__(tokenizer, prompt_max_len)  # type: ignore[arg-type]
+        if agent_instance_cls is not None:
+            self.agent_instance_cls = agent_instance_cls
+        self.max_len = max_len
+        self.max_turns = max_turns
+        self.num_concurrent = num_concurrent
+        self.step_timeout_s = step_timeout_s
+        self.last_run_stats: dict[str, float] = {}
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def configure(self, *, tokenizer: Any, prompt_max_len: int, max_len: int | None = None,
+                  max_turns: int | None = None, num_concurrent: int | None = None,
+                  step_timeout_s: float | None | str = "unchanged") -> MultiTurnAgentExecutor:
+        """Set the run settings after construction (user executors are built with no arguments)."""
+        self.tokenizer, self.prompt_max_len, self.max_len = tokenizer, prompt_max_len, max_len
+        if max_turns is not None:
+            self.max_turns = max_turns
+        if num_concurrent is not None:
+            self.num_concurrent = num_concurrent
+        if step_timeout_s != "unchanged":
+            self.step_timeout_s = step_timeout_s  # type: ignore[assignment]
+        self._validate()
+        return self
+
+    def _validate(self) -> None:
+        cls = self.agent_instance_cls
+        if cls is None or not callable(getattr(cls, "step", None)):
+            raise ValueError(f"{type(self).__name__}: agent_instance_cls must be a class with a step() method, "
+                             f"got {cls!r}")
+        if self.tokenizer is None:
+            raise ValueError(f"{type(self).__name__}: no tokenizer (pass it or call configure())")
+        if self.prompt_max_len is None or self.prompt_max_len < 1:
+            raise ValueError(f"{type(self).__name__}: prompt_max_len must be >= 1, got {self.prompt_max_len}")
+        if self.max_len is not None and self.max_len < 2:
+            raise ValueError(f"max_len must be >= 2 (a prompt token and a response token), got {self.max_len}")
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.num_concurrent < 1:
+            raise ValueError(f"num_concurrent must be >= 1, got {self.num_concurrent}")
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0 or None, got {self.step_timeout_s}")
+        if self.reward_mode not in ("last", "sum"):
+            raise ValueError(f"reward_mode must be 'last' or 'sum', got {self.reward_mode!r}")
+
+    # ------------------------------------------------------------------ the contract
+
+    def run(self, prompts: list[Prompt], generate: GenerateFn, sampling: SamplingParams,
+            n_samples_per_prompt: int) -> list[Trajectory]:
+        if n_samples_per_prompt < 1:
+            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
+        self._validate()
+        stats = _RunStats(num_episodes=len(prompts) * n_samples_per_prompt)
+        episodes = [_Episode(index=g * n_samples_per_prompt + s, group_index=g, prompt=prompt, params=sampling)
+                    for g, prompt in enumerate(prompts) for s in range(n_samples_per_prompt)]
+        if episodes:
+            _run_coroutine(lambda: self._run_episodes(episodes, generate, stats))
+        trajectories = [self._trajectory(episode) for episode in episodes]
+        self.last_run_stats = dataclasses.asdict(stats)
+        failed = stats.agent_errors + stats.agent_timeouts
+        if failed:
+            logger.warning("multi-turn rollout: %d of %d episodes ended by agent failures (%d errors, %d timeouts)",
+                           failed, stats.num_episodes, stats.agent_errors, stats.agent_timeouts)
+        return trajectories
+
+    # ------------------------------------------------------------------ scheduling
+
+    async def _run_episodes(self, episodes: list[_Episode], generate: GenerateFn, stats: _RunStats) -> None:
+        waiting, active = deque(episodes), []
+        try:
+            while waiting or active:
+                admitted = [waiting.popleft() for _ in range(min(len(waiting), self.num_concurrent - len(active)))]
+                if admitted:
+                    await asyncio.gather(*(self._start(episode, stats) for episode in admitted))
+                    active += [episode for episode in admitted if not episode.finished]
+                if not active:
+                    continue
+                stats.max_active = max(stats.max_active, len(active))
+                self._generate_round(active, generate, stats)
+                await asyncio.gather(*(self._step(episode, stats) for episode in active))
+                active = [episode for episode in active if not episode.finished]
+        finally:
+            if self._threads is not None:
+                self._threads.shutdown(wait=False, cancel_futures=True)
+                self._threads = None
+
+    async def _start(self, episode: _Episode, stats: _RunStats) -> None:
+        try:
+            episode.agent = await self._agent_call(_create_agent, self.agent_instance_cls)
+            states = {"observation": episode.prompt.text, "label": episode.prompt.label}
+            reset = getattr(episode.agent, "reset", None)  # optional for duck-typed agents
+            result = await self._agent_call(reset, states) if reset is not None else states
+            if not isinstance(result, dict) or not isinstance(result.get("observation"), str):
+                raise AgentOutputError(f"reset must return a dict with a str 'observation', got {result!r:.200}")
+            episode.prompt_text = result["observation"]
+        except Exception as err:  # noqa: BLE001 - any agent failure ends only this episode
+            episode.prompt_text = episode.prompt.text
+            episode.prompt_ids = self._tokenize_prompt(episode.prompt_text)
+            self._fail(episode, "reset", err, stats)
+            return
+        episode.prompt_ids = self._tokenize_prompt(episode.prompt_text)
+        episode.observation_text = episode.prompt_text
+
+    def _tokenize_prompt(self, text: str) -> list[int]:
+        limit = self.prompt_max_len if self.max_len is None else min(self.prompt_max_len, self.max_len - 1)
+        return tokenize_prompts(self.tokenizer, [text], limit)[0]
+
+    def _remaining(self, episode: _Episode) -> int | None:
+        if self.max_len is None:
+            return None
+        return self.max_len - len(episode.prompt_ids) - len(episode.response_ids)
+
+    def _generate_round(self, active: list[_Episode], generate: GenerateFn, stats: _RunStats) -> None:
+        """One engine call with the next turn of every active episode; appends the actions."""
+        requests: list[GenerationRequest] = []
+        members: list[list[_Episode]] = []
+        by_key: dict[tuple, int] = {}
+        for episode in active:
+            remaining = self._remaining(episode)
+            cap = episode.params.max_new_tokens if remaining is None else min(episode.params.max_new_tokens, remaining)
+            params = dataclasses.replace(episode.params, max_new_tokens=cap,
+                                         stop_token_ids=list(episode.params.stop_token_ids))
+            sequence = episode.prompt_ids + episode.response_ids
+            key = (tuple(sequence), _params_key(params))
+            if key in by_key:
+                members[by_key[key]].append(episode)
+            else:
+                by_key[key] = len(requests)
+                if params.seed is not None:
+                    params.seed = _derive_seed(params.seed, episode.index, episode.num_turns)
+                requests.append(GenerationRequest(prompt_ids=sequence, params=params))
+                members.append([episode])
+            episode.turn_params = params
+        for request, group in zip(requests, members):
+            request.n = len(group)
+        stats.generate_calls += 1
+        stats.num_requests += len(requests)
+        results = _split_results(generate(requests), requests)
+        for group, group_results in zip(members, results):
+            for episode, result in zip(group, group_results):
+                self._append_action(episode, result)
+
+    def _append_action(self, episode: _Episode, result: GenerationResult) -> None:
+        output_ids = list(result.output_ids)
+        logprobs = [float(x) for x in result.output_logprobs]
+        if len(logprobs) != len(output_ids):
+            raise RuntimeError(f"rollout engine returned {len(output_ids)} tokens but {len(logprobs)} logprobs "
+                               f"(episode {episode.index}, turn {episode.num_turns + 1})")
+        episode.response_ids += output_ids
+        episode.action_mask += [1] * len(output_ids)
+        episode.logprobs += logprobs
+        episode.num_turns += 1
+        episode.last_finish = result.finish_reason
+        episode.action_text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+
+    async def _step(self, episode: _Episode, stats: _RunStats) -> None:
+        stats.num_turns += 1
+        states = {
+            "observation_text": episode.observation_text,
+            "action_text": episode.action_text,
+            "label": episode.prompt.label,
+            "sampling_params": episode.turn_params,
+        }
+        try:
+            parsed = _parse_step_output(await self._agent_call(episode.agent.step, states))
+            params = _apply_sampling(episode.params, parsed["sampling_params"])
+        except Exception as err:  # noqa: BLE001 - any agent failure ends only this episode
+            self._fail(episode, "step", err, stats)
+            return
+
+        reward = parsed["rewards"]
+        episode.reward = reward if self.reward_mode == "last" else episode.reward + reward
+        episode.score = parsed["scores"] if parsed["scores"] is not None else episode.reward
+        episode.extra_logs = parsed["extra_logs"]
+        episode.params = params
+        if parsed["done"]:
+            episode.end(episode.last_finish or "stop")
+            return
+        if episode.num_turns >= self.max_turns:
+            stats.truncated_max_turns += 1
+            episode.end("max_turns", truncated=True)
+            return
+        feedback = parsed["environment_feedback"]
+        feedback_ids = list(self.tokenizer.encode(feedback, add_special_tokens=False)) if feedback else []
+        remaining = self._remaining(episode)
+        if remaining is not None and len(feedback_ids) >= remaining:
+            stats.truncated_max_len += 1  # no room for the feedback plus one generated token
+            episode.end("max_len", truncated=True)
+            return
+        episode.observation_text += episode.action_text + feedback
+        episode.response_ids += feedback_ids
+        episode.action_mask += [0] * len(feedback_ids)
+        episode.logprobs += [0.0] * len(feedback_ids)
+
+    async def _agent_call(self, fn: Any, *args: Any) -> Any:
+        """Await ``fn(*args)`` under ``step_timeout_s``; a timed-out call is cancelled, never awaited."""
+        task = asyncio.ensure_future(self._invoke(fn, *args))
+        done, _ = await asyncio.wait({task}, timeout=self.step_timeout_s)
+        if not done:
+            task.cancel()
+            task.add_done_callback(_consume_result)
+            raise AgentTimeoutError(f"{getattr(fn, '__qualname__', fn)} did not return within "
+                                    f"step_timeout_s={self.step_timeout_s}")
+        return task.result()
+
+    async def _invoke(self, fn: Any, *args: Any) -> Any:
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args)
+        if self._threads is None:  # plain ``def`` agent methods must not block the loop
+            self._threads = concurrent.futures.ThreadPoolExecutor(
+                max_workers=min(32, self.num_concurrent), thread_name_prefix="hpc_rlhf_agent")
+        result = await asyncio.get_running_loop().run_in_executor(self._threads, functools.partial(fn, *args))
+        return await result if inspect.isawaitable(result) else result
+
+    def _fail(self, episode: _Episode, phase: str, err: BaseException, stats: _RunStats) -> None:
+        timeout = isinstance(err, AgentTimeoutError)
+        if timeout:
+            stats.agent_timeouts += 1
+        else:
+            stats.agent_errors += 1
+        first = stats.agent_errors + stats.agent_timeouts == 1
+        logger.warning(
+            "agent %s failed for sample %d (prompt %d, %s row %s) in turn %d: %s: %s",
+            phase, episode.index, episode.group_index, episode.prompt.source, episode.prompt.index,
+            episode.num_turns, type(err).__name__, err,
+            exc_info=(type(err), err, err.__traceback__) if first and not timeout else None)
+        episode.failure = "agent_timeout" if timeout else "agent_error"
+        episode.reward = episode.score = 0.0
+        episode.extra_logs = {}
+        episode.end(episode.failure)
+
+    def _trajectory(self, episode: _Episode) -> Trajectory:
+        mask, logprobs = episode.action_mask, episode.logprobs
+        if episode.failure is not None and not self.train_on_failed_episodes:
+            mask, logprobs = [0] * len(mask), [0.0] * len(logprobs)
+        extra_logs = {
+            **episode.extra_logs,
+            "num_turns": float(episode.num_turns),
+            "agent_error": float(episode.failure is not None),
+            "agent_timeout": float(episode.failure == "agent_timeout"),
+        }
+        trajectory = Trajectory(
+            prompt=episode.prompt_text, label=episode.prompt.label, prompt_ids=list(episode.prompt_ids),
+            response_ids=list(episode.response_ids), action_mask=list(mask), rollout_logprobs=list(logprobs),
+            reward=float(episode.reward), score=float(episode.score), truncated=episode.truncated,
+            finish_reason=episode.finish_reason, extra_logs=extra_logs, group_index=episode.group_index)
+        trajectory.check()
+        return trajectory
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+async def _create_agent(cls: type) -> Any:
+    """``cls()``, also for agent classes written with ``async def __init__`` (seen in OpenRLHF examples)."""
+    if inspect.iscoroutinefunction(getattr(cls, "__init__", None)):
+        agent = cls.__new__(cls)
+        await agent.__init__()
+        return agent
+    return cls()
+
+
+def _to_float(value: Any, name: str) -> float:
+    if hasattr(value, "numel") and value.numel() != 1:
+        raise AgentOutputError(f"step output {name!r} must be one number, got a tensor of shape {tuple(value.shape)}")
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AgentOutputError(f"step output {name!r} must be a number or a 1-element tensor, got {value!r:.100}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise AgentOutputError(f"step output {name!r} is {value}")
+    return value
+
+
+def _parse_step_output(output: Any) -> dict[str, Any]:
+    if not isinstance(output, dict):
+        raise AgentOutputError(f"step must return a dict, got {type(output).__name__}")
+    missing = [key for key in ("rewards", "done") if key not in output]
+    if missing:
+        raise AgentOutputError(f"step output lacks {missing} (has keys {sorted(output)})")
+    feedback = output.get("environment_feedback") or ""
+    if not isinstance(feedback, str):
+        raise AgentOutputError(f"step output 'environment_feedback' must be a str, got {type(feedback).__name__}")
+    extra_logs = output.get("extra_logs") or {}
+    if not isinstance(extra_logs, dict):
+        raise AgentOutputError(f"step output 'extra_logs' must be a dict, got {type(extra_logs).__name__}")
+    logs = {}
+    for name, value in extra_logs.items():
+        if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
+            value = value.item()
+        logs[name] = float(value) if isinstance(value, (bool, int, float)) else value
+    scores = output.get("scores")
+    return {
+        "rewards": _to_float(output["rewards"], "rewards"),
+        "scores": None if scores is None else _to_float(scores, "scores"),
+        "done": bool(output["done"]),
+        "environment_feedback": feedback,
+        "sampling_params": output.get("sampling_params"),
+        "extra_logs": logs,
+    }
+
+
+def _apply_sampling(current: SamplingParams, overrides: Any) -> SamplingParams:
+    """The episode's sampling parameters after a step's ``sampling_params`` (a dict of overrides)."""
+    if overrides is None:
+        return current
+    if isinstance(overrides, SamplingParams):
+        return overrides
+    if not isinstance(overrides, dict):
+        raise AgentOutputError(f"step output 'sampling_params' must be a dict of overrides or SamplingParams, "
+                               f"got {type(overrides).__name__}")
+    changes = {_SAMPLING_ALIASES.get(key, key): value for key, value in overrides.items()}
+    unknown = sorted(set(changes) - _SAMPLING_FIELDS)
+    if unknown:
+        raise AgentOutputError(f"step output 'sampling_params' has unknown keys {unknown}; "
+                               f"known: {sorted(_SAMPLING_FIELDS | set(_SAMPLING_ALIASES))}")
+    return dataclasses.replace(current, **changes)
+
+
+def _params_key(params: SamplingParams) -> tuple:
+    return (params.max_new_tokens, params.temperature, params.top_p, params.top_k,
+            tuple(params.stop_token_ids), params.seed)
+
+
+def _derive_seed(seed: int, episode_index: int, turn: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{episode_index}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") >> 1  # 31 bits: valid for every engine
+
+
+def _split_results(results: list[GenerationResult], requests: list[GenerationRequest]) -> list[list[GenerationResult]]:
+    """Results per request (``request.n`` each), tolerant of engines that return them out of order."""
+    expected = sum(request.n for request in requests)
+    if len(results) != expected:
+        raise RuntimeError(f"rollout engine returned {len(results)} results for {len(requests)} requests "
+                           f"({expected} samples)")
+    groups: list[list[GenerationResult]] = [[] for _ in requests]
+    for result in results:
+        if not 0 <= result.request_index < len(requests):
+            raise RuntimeError(f"rollout engine returned request_index {result.request_index} "
+                               f"outside [0, {len(requests)})")
+        groups[result.request_index].append(result)
+    for index, (group, request) in enumerate(zip(groups, requests)):
+        if len(group) != request.n:
+            raise RuntimeError(f"rollout engine returned {len(group)} samples for request {index}, "
+                               f"expected {request.n}")
+    return groups
+
+
+def _consume_result(task: asyncio.Future) -> None:
+    """Retrieve an abandoned task's outcome so asyncio does not warn about it."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _run_coroutine(factory: Any) -> Any:
+    """Run ``factory()`` on a private event loop (in a helper thread if this thread already runs one)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return _run_in_new_loop(factory())
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = _run_in_new_loop(factory())
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = err
+
+    thread = threading.Thread(target=target, name="hpc_rlhf_agent_loop")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def _run_in_new_loop(coroutine: Coroutine) -> Any:
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coroutine)
+    finally:
+        try:
+            pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.wait(pending, timeout=_CANCEL_GRACE_S))
+                stuck = sum(not task.done() for task in pending)
+                if stuck:
+                    logger.warning("%d agent tasks ignored cancellation for %.1f s and were abandoned",
+                                   stuck, _CANCEL_GRACE_S)
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()

@@ -1,0 +1,370 @@
+"""Crash-safe checkpoint directories: temp dir -> COMPLETE marker -> rename -> LATEST pointer -> rotation.
+
+Layout under ``root``::
+
+    root/step_<N>/            a complete checkpoint (always holds COMPLETE, a JSON manifest)
+    root/LATEST               text "step_<N>", replaced atomically; the commit point
+    root/.tmp_*               in-flight or crashed saves; ignored by loading, removed by the next save
+
+Guarantees (single writer per ``root``; every rank sees the same filesystem, e.g. Lustre/GPFS/NFS):
+
+- A ``step_<N>`` directory only ever appears with its COMPLETE marker inside: rank 0 writes COMPLETE into
+  the temp dir and then renames the whole directory, so loading never sees a half-written checkpoint.
+- LATEST moves only after the rename is durable (directory fsync), and rotation runs only after LATEST
+  moved, and never deletes LATEST's target. A crash at any point leaves the previous LATEST checkpoint
+  intact and loadable.
+- A crash between the rename and the LATEST update leaves a complete ``step_<N>`` that LATEST does not
+  point to: :meth:`CheckpointManager.latest` keeps returning the checkpoint LATEST names (LATEST is the
+  commit point); the orphan is an ordinary complete checkpoint for rotation, and saving the same step
+  again replaces it.
+
+Failure contract across ranks: only rank 0 commits, and only after every rank passed the barrier that
+follows the body of :meth:`CheckpointManager.saving`. A rank that raises inside the body skips that
+barrier, so the other ranks' barrier fails by the caller's collective timeout (the world's
+``init_process_group(timeout=...)``, or a dedicated group passed as ``barrier``) or by the launcher
+killing the job (``srun --kill-on-bad-exit``); either way nothing is committed. Pass a barrier with a
+short timeout if you want a save failure to surface faster than the world's default timeout.
+
+This module imports no torch: the default barrier uses ``torch.distributed`` only if torch is already
+imported and the default process group is initialised.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+LATEST_NAME = "LATEST"
+COMPLETE_NAME = "COMPLETE"
+TMP_PREFIX = ".tmp_"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+# ----------------------------------------------------------------------------- durable small writes
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename/create/unlink inside ``path`` durable. Some filesystems refuse directory fsync."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:  # pragma: no cover - platform specific
+        log.debug("cannot open %s for fsync: %s", path, exc)
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # pragma: no cover - e.g. EINVAL on some network filesystems
+        log.debug("directory fsync of %s failed: %s", path, exc)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so readers see the old content or the new one, never a mix.
+
+    Temp file in the same directory (so ``os.replace`` is a rename within one filesystem), fsync, replace,
+    fsync the directory.
+    """
+    path = Path(path)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def save_json_atomic(path: str | Path, obj: Any) -> None:
+    """Serialise ``obj`` as JSON and write it atomically (for controller / resume state)."""
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def load_json(path: str | Path) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+# ----------------------------------------------------------------------------- barrier / rank defaults
+
+def _initialised_dist():
+    """``torch.distributed`` if torch is already imported and the default group is up, else None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    dist = torch.distributed
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _default_barrier() -> None:
+    dist = _initialised_dist()
+    if dist is not None:
+        dist.barrier()
+
+
+def _default_rank() -> int:
+    dist = _initialised_dist()
+    return dist.get_rank() if dist is not None else 0
+
+
+def _default_world_size() -> int:
+    dist = _initialised_dist()
+    return dist.get_world_size() if dist is not None else 1
+
+
+def parse_step_name(name: str) -> int | None:
+    """``"step_12"`` -> 12; anything else -> None."""
+    match = _STEP_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def is_complete(step_dir: str | Path) -> bool:
+    return (Path(step_dir) / COMPLETE_NAME).is_file()
+
+
+def read_manifest(step_dir: str | Path) -> dict:
+    """The COMPLETE manifest: ``{"step", "time", "time_iso", "world_size", "files": [{"path", "size"}]}``."""
+    return load_json(Path(step_dir) / COMPLETE_NAME)
+
+
+def verify_checkpoint(step_dir: str | Path) -> list[str]:
+    """Problems found comparing the directory with its manifest (missing files, size changes); [] if none."""
+    step_dir = Path(step_dir)
+    try:
+        manifest = read_manifest(step_dir)
+    except (OSError, ValueError) as exc:
+        return [f"unreadable {COMPLETE_NAME} in {step_dir}: {exc}"]
+    problems = []
+    for entry in manifest.get("files", []):
+        file = step_dir / entry["path"]
+        if not file.is_file():
+            problems.append(f"missing {file}")
+        elif file.stat().st_size != entry["size"]:
+            problems.append(f"size of {file} is {file.stat().st_size}, manifest says {entry['size']}")
+    return problems
+
+
+# ----------------------------------------------------------------------------- the manager
+
+class CheckpointManager:
+    """Owns ``root``: atomic commit of step directories, the LATEST pointer and rotation.
+
+    Args:
+        root: checkpoint root, on a filesystem every rank sees (shared FS assumed; checked on entry).
+        max_num: complete checkpoints kept after a save (LATEST's target always among them); None keeps all.
+        rank: this process's rank among the ranks that call :meth:`saving` together (default: the
+            torch.distributed rank, or 0). Rank 0 does all the directory work.
+        barrier: a callable every saving rank calls at the same points (default:
+            ``torch.distributed.barrier`` when initialised, else a no-op for single-process use).
+        world_size: recorded in the manifest (default: the torch.distributed world size, or 1).
+        visibility_timeout_s: how long a non-zero rank waits for rank 0's temp dir to become visible
+            (network filesystems may cache directory lookups) before failing with a shared-FS error.
+    """
+
+    def __init__(self, root: str | Path, max_num: int | None = 3, rank: int | None = None,
+                 barrier: Callable[[], None] | None = None, world_size: int | None = None,
+                 visibility_timeout_s: float = 30.0) -> None:
+        if max_num is not None and max_num < 1:
+            raise ValueError(f"max_num must be >= 1 or None (keep all), got {max_num}")
+        self.root = Path(root)
+        self.max_num = max_num
+        self.rank = _default_rank() if rank is None else rank
+        self.world_size = _default_world_size() if world_size is None else world_size
+        self._barrier = barrier or _default_barrier
+        self.visibility_timeout_s = visibility_timeout_s
+
+    # ---------------------------------------------------------------- paths and queries
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step_{step}"
+
+    def tmp_dir(self, step: int) -> Path:
+        return self.root / f"{TMP_PREFIX}step_{step}"
+
+    @property
+    def latest_file(self) -> Path:
+        return self.root / LATEST_NAME
+
+    def list_complete(self) -> list[tuple[int, Path]]:
+        """Complete ``(step, dir)`` pairs, oldest first. Temp and incomplete directories are ignored."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for child in self.root.iterdir():
+            step = parse_step_name(child.name)
+            if step is not None and child.is_dir() and is_complete(child):
+                found.append((step, child))
+        return sorted(found)
+
+    def _read_latest_pointer(self) -> tuple[Path | None, str | None]:
+        """(target, None) when LATEST names a complete dir; (None, reason) otherwise."""
+        try:
+            text = self.latest_file.read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            return None, "missing"
+        except (OSError, UnicodeDecodeError) as exc:
+            return None, f"unreadable ({exc})"
+        if parse_step_name(text) is None:
+            return None, f"corrupt (content {text[:64]!r})"
+        target = self.root / text
+        if not is_complete(target):
+            return None, f"points to {text}, which is not a complete checkpoint"
+        return target, None
+
+    def latest(self) -> Path | None:
+        """The checkpoint to resume from, always a complete one; None when there is none.
+
+        LATEST's target when it names a complete directory; otherwise (LATEST missing, corrupt or naming an
+        incomplete directory) the newest complete ``step_<N>``, with a warning.
+        """
+        target, problem = self._read_latest_pointer()
+        if target is not None:
+            return target
+        complete = self.list_complete()
+        if not complete:
+            if problem != "missing":
+                log.warning("checkpoint root %s: LATEST is %s and no complete checkpoint exists", self.root, problem)
+            return None
+        step, fallback = complete[-1]
+        log.warning("checkpoint root %s: LATEST is %s; falling back to the newest complete checkpoint %s",
+                    self.root, problem, fallback.name)
+        return fallback
+
+    def latest_step(self) -> int | None:
+        latest = self.latest()
+        return None if latest is None else parse_step_name(latest.name)
+
+    # ---------------------------------------------------------------- saving
+    @contextmanager
+    def saving(self, step: int) -> Iterator[Path]:
+        """Yield the temp dir every rank writes its part of checkpoint ``step`` into; commit on normal exit.
+
+        Every rank must enter and leave this block together (it calls the barrier on entry, after the body
+        and after the commit). On an exception in the body nothing is committed (the temp dir stays until
+        the next save cleans it) and the exception propagates; see the module docstring for what the other
+        ranks see.
+        """
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        tmp = self.tmp_dir(step)
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._clean_temp_dirs()
+            tmp.mkdir()
+            fsync_dir(self.root)
+        self._barrier()
+        if self.rank != 0:
+            self._wait_visible(tmp)
+        try:
+            yield tmp
+        except BaseException:
+            log.warning("rank %d: save of step %d failed; not committing (%s left for cleanup)", self.rank, step,
+                        tmp)
+            raise
+        self._barrier()  # every rank finished writing
+        if self.rank == 0:
+            self._commit(step, tmp)
+        self._barrier()  # nobody reads LATEST before it moved
+
+    def _wait_visible(self, tmp: Path) -> None:
+        deadline = time.monotonic() + self.visibility_timeout_s
+        while not tmp.is_dir():
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"rank {self.rank}: checkpoint temp dir {tmp} created by rank 0 is not visible here after "
+                    f"{self.visibility_timeout_s}s; the checkpoint root must be on a filesystem shared by all ranks")
+            try:  # a directory listing refreshes cached lookups on network filesystems
+                os.listdir(self.root)
+            except OSError:
+                pass
+            time.sleep(0.05)
+
+    def _clean_temp_dirs(self) -> None:
+        for child in self.root.iterdir():
+            if child.name.startswith(TMP_PREFIX):
+                log.warning("removing leftover %s from an interrupted save", child)
+                _remove(child)
+
+    def _commit(self, step: int, tmp: Path) -> None:
+        files = []
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            # Durable data before the marker; on a shared FS each writer's close() already flushed to the servers.
+            _fsync_file(path)
+            files.append({"path": path.relative_to(tmp).as_posix(), "size": path.stat().st_size})
+        for directory in sorted({p.parent for p in tmp.rglob("*")} | {tmp}):
+            fsync_dir(directory)
+        now = time.time()
+        manifest = {"step": step, "time": now, "time_iso": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
+                    "world_size": self.world_size, "files": files}
+        save_json_atomic(tmp / COMPLETE_NAME, manifest)
+
+        final = self.step_dir(step)
+        if final.exists():
+            # An earlier run's crashed (incomplete) copy, or a complete one being re-saved after a resume.
+            log.warning("replacing existing %s (%s)", final, "complete" if is_complete(final) else "incomplete")
+            aside = self.root / f"{TMP_PREFIX}replaced_{final.name}_{uuid.uuid4().hex[:8]}"
+            os.rename(final, aside)
+            fsync_dir(self.root)
+            _remove(aside)
+        os.rename(tmp, final)
+        fsync_dir(self.root)
+
+        atomic_write_text(self.latest_file, final.name + "\n")
+        log.info("checkpoint %s committed (%d files)", final, len(files))
+        self._rotate(keep=final)
+
+    def _rotate(self, keep: Path) -> None:
+        if self.max_num is None:
+            return
+        others = [d for _, d in reversed(self.list_complete()) if d != keep]
+        for stale in others[self.max_num - 1:]:
+            # Rename first so a crash mid-delete leaves a .tmp_ dir (ignored, cleaned later), never a
+            # step_<N> with some files gone.
+            aside = self.root / f"{TMP_PREFIX}delete_{stale.name}"
+            try:
+                os.rename(stale, aside)
+            except OSError as exc:
+                log.warning("could not rotate out %s: %s", stale, exc)
+                continue
+            _remove(aside)
+            log.info("rotated out %s", stale)
+        fsync_dir(self.root)
+
+
+def _fsync_file(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        log.debug("cannot open %s for fsync: %s", path, exc)
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("could not remove %s: %s", path, exc)

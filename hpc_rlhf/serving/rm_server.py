@@ -1,0 +1,436 @@
+"""Reward-model HTTP server speaking OpenRLHF's protocol, with micro-batching of concurrent requests.
+
+    python -m hpc_rlhf.cli.serve_rm --reward_pretrain /ckpt/rm --port 5000
+    curl -s localhost:5000/get_reward -d '{"query": ["Q: 1+1=\\nA: 2"]}'   # {"rewards": [...], "scores": [...]}
+
+Pieces, each testable alone:
+
+* ``RewardScorer``: tokenises texts (no special tokens added: a query is the decoded prompt + response
+  with its special tokens kept; truncated on the left to ``max_len`` so the end, where the score is read,
+  survives) and scores them with ``sequence_scores`` (value at the last real token), in micro-batches of
+  ``batch_size`` sorted by length to cut padding. Optionally normalises with ``reward_mean`` /
+  ``reward_std`` from the model's ``config.json``. No HTTP.
+* ``MicroBatcher``: an asyncio queue plus one background task. Requests arriving within
+  ``max_wait_s`` of each other (up to ``max_batch_size`` texts) are scored in one call, in a worker
+  thread so the event loop keeps accepting requests (and ``/health``) during a forward; each request
+  gets back its own slice.
+* ``create_app``: the FastAPI app: ``POST /get_reward``, ``GET /health``. Malformed bodies get 422 (or
+  400 for a query that tokenises to nothing) with the reason.
+* ``BackgroundServer``: uvicorn in a thread on a pre-bound socket (tests, embedding in a driver).
+
+Shutdown: uvicorn stops accepting on SIGTERM/SIGINT, lets in-flight requests finish, then the app's
+lifespan cancels the batcher task; requests still queued (none after a graceful drain) get an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from fastapi import FastAPI, HTTPException, Request
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+log = logging.getLogger(__name__)
+
+NORMALIZE_KEYS = ("reward_mean", "reward_std")
+
+
+class RewardServerError(RuntimeError):
+    """The reward model cannot be served as asked (missing files, head or normalisation stats)."""
+
+
+# ----------------------------------------------------------------------------------------------- scoring
+
+
+def read_normalization(model_path: str | Path) -> tuple[float, float]:
+    """``(reward_mean, reward_std)`` from ``config.json``, or an error naming the file and keys."""
+    config_file = Path(model_path) / "config.json"
+    config = json.loads(config_file.read_text())
+    missing = [k for k in NORMALIZE_KEYS if config.get(k) is None]
+    if missing:
+        raise RewardServerError(
+            f"--normalize needs {' and '.join(NORMALIZE_KEYS)} in {config_file}; missing {missing}. "
+            "The RM trainer stores them; add them by hand or serve without --normalize.")
+    mean, std = config["reward_mean"], config["reward_std"]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (mean, std)) \
+            or std <= 0:
+        raise RewardServerError(f"{config_file}: reward_mean={mean!r} and reward_std={std!r} must be finite "
+                                "numbers with reward_std > 0")
+    return float(mean), float(std)
+
+
+def _checkpoint_tensor_names(model_path: Path) -> set[str] | None:
+    """Tensor names in the safetensors files of a folder; None when it holds no safetensors."""
+    files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            names.update(handle.keys())
+    return names
+
+
+def _load_head(model: Any, model_path: Path, prefix: str) -> None:
+    """Make sure ``model.score`` holds the checkpoint's value head ``<prefix>.weight``.
+
+    With ``prefix == "score"`` transformers loaded it already; we only check it exists, because a
+    missing head is silently initialised at random (scores would be noise). Another prefix (e.g.
+    OpenRLHF's ``value_head``) is copied into ``score`` by hand.
+    """
+    names = _checkpoint_tensor_names(model_path)
+    if names is None:
+        log.warning("%s has no safetensors files; cannot verify that the value head %r was loaded",
+                    model_path, prefix)
+        return
+    if f"{prefix}.weight" not in names:
+        heads = sorted(n for n in names if n.endswith(".weight") and "." not in n[: -len(".weight")])
+        raise RewardServerError(
+            f"{model_path} holds no value head {prefix}.weight (top-level weights: {heads}); "
+            "is this a reward model? Pass --value_head_prefix to name its head.")
+    if prefix == "score":
+        return
+    from safetensors import safe_open
+
+    for file in sorted(model_path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                if name.startswith(prefix + "."):
+                    param = getattr(model.score, name[len(prefix) + 1:], None)
+                    if param is None:
+                        raise RewardServerError(f"{model_path}: {name} has no counterpart in the score head")
+                    tensor = handle.get_tensor(name)
+                    if tensor.shape != param.shape:
+                        raise RewardServerError(
+                            f"{model_path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                    with torch.no_grad():
+                        param.copy_(tensor.to(param.dtype))
+
+
+class RewardScorer:
+    """Score texts with a reward model (``AutoModelForSequenceClassification``, one label). No HTTP.
+
+    ``score(texts)`` = ``score_ids(encode(texts))``; the server tokenises per request (so a bad query
+    fails only its request) and hands token ids to the batcher. ``num_forwards`` counts model forwards.
+    """
+
+    def __init__(self, model_path: str | Path, max_len: int = 2048, device: str | torch.device | None = None,
+                 normalize: bool = False, batch_size: int = 16, value_head_prefix: str = "score",
+                 param_dtype: str = "auto"):
+        from transformers import AutoTokenizer
+
+        from hpc_rlhf.models.loading import load_value_model, resolve_attn_implementation, resolve_dtype
+
+        self.model_path = Path(model_path).expanduser().resolve()
+        if not (self.model_path / "config.json").is_file():
+            raise RewardServerError(f"--reward_pretrain {self.model_path} is not a model folder (no config.json)")
+        if max_len < 1 or batch_size < 1:
+            raise ValueError(f"max_len and batch_size must be >= 1, got {max_len} and {batch_size}")
+        # Normalisation stats first: a missing key fails before minutes of weight loading.
+        self.normalize = normalize
+        self.reward_mean, self.reward_std = read_normalization(self.model_path) if normalize else (0.0, 1.0)
+        self.max_len = max_len
+        self.batch_size = batch_size
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        on_gpu = self.device.type == "cuda"
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        self.tokenizer.truncation_side = "left"
+        self.model = load_value_model(str(self.model_path), resolve_dtype(param_dtype, on_gpu),
+                                      resolve_attn_implementation("auto", on_gpu))
+        _load_head(self.model, self.model_path, value_head_prefix)
+        self.model.to(self.device).eval()
+        pad_id = self.tokenizer.pad_token_id
+        self.pad_id = pad_id if pad_id is not None else self.model.config.pad_token_id
+        # Padding never carries content: strip it from a query's ends. When pad == eos it is left alone,
+        # since stripping would drop the EOS the score is read at.
+        pad, eos = self.tokenizer.pad_token, self.tokenizer.eos_token
+        self._strip_token = pad if pad and pad != eos else None
+        self.num_forwards = 0
+        self._lock = threading.Lock()
+
+    @property
+    def model_name(self) -> str:
+        return self.model_path.name
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids per text (left-truncated to ``max_len``); ``ValueError`` naming an empty one."""
+        if self._strip_token:
+            texts = [_strip(t, self._strip_token) for t in texts]
+        ids = self.tokenizer(list(texts), add_special_tokens=False, truncation=True,
+                             max_length=self.max_len)["input_ids"] if texts else []
+        for i, row in enumerate(ids):
+            if not row:
+                raise ValueError(f"query[{i}] has no tokens (empty text, or only padding); cannot score it")
+        return ids
+
+    @torch.inference_mode()
+    def score_ids(self, ids: Sequence[Sequence[int]]) -> list[float]:
+        """(Normalised) score per token-id list, in order; forwards of <= ``batch_size`` rows."""
+        from hpc_rlhf.models.loading import sequence_scores
+
+        scores = [0.0] * len(ids)
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths share a forward
+        with self._lock:
+            for start in range(0, len(order), self.batch_size):
+                rows = order[start:start + self.batch_size]
+                width = max(len(ids[i]) for i in rows)
+                input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+                attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+                for r, i in enumerate(rows):  # left padding; sequence_scores reads the mask either way
+                    input_ids[r, width - len(ids[i]):] = torch.as_tensor(ids[i], dtype=torch.long)
+                    attention_mask[r, width - len(ids[i]):] = 1
+                values = sequence_scores(self.model, input_ids.to(self.device), attention_mask.to(self.device))
+                self.num_forwards += 1
+                values = ((values - self.reward_mean) / self.reward_std).tolist()
+                for r, i in enumerate(rows):
+                    scores[i] = float(values[r])
+        return scores
+
+    def score(self, texts: Sequence[str]) -> list[float]:
+        return self.score_ids(self.encode(texts))
+
+
+def _strip(text: str, token: str) -> str:
+    while text.startswith(token):
+        text = text[len(token):]
+    while text.endswith(token):
+        text = text[: -len(token)]
+    return text
+
+
+# ----------------------------------------------------------------------------------------------- batching
+
+
+class MicroBatcher:
+    """Merge concurrent ``submit`` calls into one ``score_fn`` call (see the module docstring).
+
+    Must be started and used inside one running event loop. ``num_batches`` counts ``score_fn`` calls,
+    ``num_requests`` the submits.
+    """
+
+    def __init__(self, score_fn: Callable[[list[Any]], list[float]], max_batch_size: int = 16,
+                 max_wait_s: float = 0.005):
+        if max_batch_size < 1 or max_wait_s < 0:
+            raise ValueError(f"max_batch_size must be >= 1 and max_wait_s >= 0, got {max_batch_size}, {max_wait_s}")
+        self.score_fn = score_fn
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_s
+        self.num_batches = 0
+        self.num_requests = 0
+        self._queue: asyncio.Queue[tuple[list[Any], asyncio.Future]] | None = None
+        self._carry: tuple[list[Any], asyncio.Future] | None = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._queue = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="reward-batcher")
+
+    async def close(self) -> None:
+        """Cancel the batcher task and fail whatever is still queued."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        pending = [self._carry] if self._carry else []
+        while self._queue is not None and not self._queue.empty():
+            pending.append(self._queue.get_nowait())
+        for _, future in pending:
+            if not future.done():
+                future.set_exception(RuntimeError("reward server is shutting down"))
+        self._carry = None
+
+    async def submit(self, items: list[Any]) -> list[float]:
+        if self._task is None or self._task.done():
+            raise RuntimeError("reward batcher is not running")
+        self.num_requests += 1
+        if not items:
+            return []
+        future = asyncio.get_running_loop().create_future()
+        await self._queue.put((items, future))
+        return await future
+
+    async def _collect(self) -> list[tuple[list[Any], asyncio.Future]]:
+        """The next batch: the first waiting request, plus any arriving within ``max_wait_s``."""
+        loop = asyncio.get_running_loop()
+        first, self._carry = (self._carry, None) if self._carry else (await self._queue.get(), None)
+        batch, size = [first], len(first[0])
+        deadline = loop.time() + self.max_wait_s
+        while size < self.max_batch_size:
+            remaining = deadline - loop.time()
+            try:
+                if remaining > 0:
+                    item = await asyncio.wait_for(self._queue.get(), remaining)
+                else:
+                    item = self._queue.get_nowait()  # already waiting: no reason to leave it
+            except (asyncio.TimeoutError, asyncio.QueueEmpty):
+                break
+            if size + len(item[0]) > self.max_batch_size:
+                self._carry = item  # starts the next batch instead of overfilling this one
+                break
+            batch.append(item)
+            size += len(item[0])
+        return batch
+
+    async def _run(self) -> None:
+        while True:
+            batch = await self._collect()
+            batch = [(items, fut) for items, fut in batch if not fut.done()]  # clients that went away
+            if not batch:
+                continue
+            flat = [x for items, _ in batch for x in items]
+            try:
+                scores = await asyncio.to_thread(self.score_fn, flat)
+                self.num_batches += 1
+            except Exception as err:  # a failed forward fails its requests, not the server
+                log.exception("scoring a batch of %d texts failed", len(flat))
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(err)
+                continue
+            start = 0
+            for items, fut in batch:
+                if not fut.done():
+                    fut.set_result(scores[start:start + len(items)])
+                start += len(items)
+
+
+# ----------------------------------------------------------------------------------------------- HTTP
+
+
+class RewardRequest(BaseModel):
+    """OpenRLHF's request body; ``prompts``, ``labels`` and other keys are accepted and unused."""
+
+    model_config = ConfigDict(extra="allow")
+
+    query: list[str]
+    prompts: list[str] | None = None
+    labels: list[Any] | None = None
+
+
+def parse_reward_request(body: bytes) -> RewardRequest:
+    """JSON whatever the Content-Type (``curl -d`` sends a form type); 400 for bad JSON, 422 for a bad shape."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HTTPException(status_code=400, detail=f"request body is not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise HTTPException(status_code=422, detail=f"request body must be a JSON object with 'query' (a list of "
+                                                    f"strings), got {type(data).__name__}")
+    try:
+        return RewardRequest.model_validate(data)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in err.errors())
+        raise HTTPException(status_code=422, detail=f"malformed /get_reward request: {problems}") from err
+
+
+def create_app(scorer: RewardScorer, max_batch_size: int | None = None, max_wait_s: float = 0.005) -> FastAPI:
+    """The FastAPI app serving ``scorer``; the batcher lives as long as the app's lifespan."""
+    batcher = MicroBatcher(scorer.score_ids, max_batch_size or scorer.batch_size, max_wait_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        batcher.start()
+        log.info("serving reward model %s on %s (batch %d, wait %.1f ms, normalize=%s)", scorer.model_path,
+                 scorer.device, batcher.max_batch_size, 1000 * max_wait_s, scorer.normalize)
+        try:
+            yield
+        finally:
+            await batcher.close()
+
+    app = FastAPI(title="hpc_rlhf reward model", lifespan=lifespan)
+    app.state.scorer = scorer
+    app.state.batcher = batcher
+
+    @app.post("/get_reward")
+    async def get_reward(http_request: Request) -> dict[str, Any]:
+        request = parse_reward_request(await http_request.body())
+        try:
+            # In the event loop on purpose: fast tokenizers are not safe to call from several threads.
+            ids = scorer.encode(request.query)
+        except ValueError as err:
+            raise HTTPException(status_code=400, detail=str(err)) from err
+        try:
+            rewards = await batcher.submit(ids)
+        except Exception as err:
+            raise HTTPException(status_code=500, detail=f"scoring failed: {type(err).__name__}: {err}") from err
+        return {"rewards": rewards, "scores": rewards, "extra_logs": {}}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": scorer.model_name, "device": str(scorer.device),
+                "normalize": scorer.normalize, "num_requests": batcher.num_requests,
+                "num_batches": batcher.num_batches, "num_forwards": scorer.num_forwards}
+
+    return app
+
+
+class BackgroundServer:
+    """Run an ASGI app with uvicorn in a daemon thread on ``host:port`` (0: a free port).
+
+    The socket is bound before the thread starts, so ``url`` is valid at once and no other process
+    can take the port in between. ``start`` returns when the app has started (bounded wait).
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 startup_timeout_s: float = 30.0, graceful_timeout_s: float = 10.0):
+        import uvicorn
+
+        self.host = host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.port = self._sock.getsockname()[1]
+        self.startup_timeout_s = startup_timeout_s
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on",
+                                                    timeout_graceful_shutdown=graceful_timeout_s))
+        self._thread = threading.Thread(target=self._serve, name=f"uvicorn-{self.port}", daemon=True)
+
+    def _serve(self) -> None:
+        try:
+            self.server.run(sockets=[self._sock])
+        except SystemExit:  # uvicorn exits this way when the app's startup fails; logged by uvicorn
+            pass
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not self.server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not self.server.started:
+            died = not self._thread.is_alive()
+            self.stop()
+            reason = "failed during startup (see the log above)" if died else \
+                f"did not start within {self.startup_timeout_s:g}s"
+            raise RewardServerError(f"server on {self.url} {reason}")
+        return self
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        self.server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self._sock.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -1,0 +1,271 @@
+"""The reward-model server: scorer, micro-batcher, HTTP app (uvicorn on loopback), CLI, with a tiny RM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from hpc_rlhf.agents.remote_rm import RemoteRewardModel
+from hpc_rlhf.cli import serve_rm
+from hpc_rlhf.models.loading import load_value_model, sequence_scores
+from hpc_rlhf.models.tiny import build_tiny_model
+from hpc_rlhf.serving.rm_server import BackgroundServer, MicroBatcher, RewardScorer, RewardServerError, create_app
+
+MAX_LEN = 48
+TEXTS = ["<bos>Q: 1+1=\nA: 2<eos>", "hello world", "Q: 3+4=\nA: 7", "x", "a much longer text " * 6]
+
+
+@pytest.fixture(scope="module")
+def rm_path(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("rm")
+    tiny = build_tiny_model(root / "tiny")
+    tok = AutoTokenizer.from_pretrained(tiny)
+    torch.manual_seed(1)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny, num_labels=1)
+    with torch.no_grad():  # a larger head so different texts get clearly different scores
+        model.score.weight.normal_(std=1.0)
+    model.config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(root / "rm")
+    tok.save_pretrained(root / "rm")
+    return root / "rm"
+
+
+@pytest.fixture(scope="module")
+def scorer(rm_path) -> RewardScorer:
+    return RewardScorer(rm_path, max_len=MAX_LEN, device="cpu", batch_size=16)
+
+
+@pytest.fixture(scope="module")
+def server(scorer):
+    # 20 ms window: generous, so concurrent test requests reliably share forwards even on a busy CPU.
+    with BackgroundServer(create_app(scorer, max_wait_s=0.02)) as srv:
+        yield srv
+
+
+def direct_scores(rm_path: Path, texts: list[str], padding_side: str = "right") -> list[float]:
+    """Reference: tokenizer + model + sequence_scores, without the server's code."""
+    tok = AutoTokenizer.from_pretrained(rm_path)
+    tok.padding_side, tok.truncation_side = padding_side, "left"
+    model = load_value_model(str(rm_path), torch.float32).eval()
+    enc = tok(texts, add_special_tokens=False, truncation=True, max_length=MAX_LEN, padding=True,
+              return_tensors="pt")
+    with torch.no_grad():
+        return sequence_scores(model, enc["input_ids"], enc["attention_mask"]).tolist()
+
+
+def test_scorer_matches_direct_model_with_either_padding(rm_path, scorer):
+    got = scorer.score(TEXTS)
+    assert got == pytest.approx(direct_scores(rm_path, TEXTS, "right"), abs=1e-5)
+    assert got == pytest.approx(direct_scores(rm_path, TEXTS, "left"), abs=1e-5)
+    assert got == pytest.approx([scorer.score([t])[0] for t in TEXTS], abs=1e-5)  # batching changes nothing
+    assert len(set(round(s, 4) for s in got)) == len(TEXTS)
+
+
+def test_scorer_truncates_on_the_left_and_strips_padding(scorer):
+    long_text = "0123456789" * 10  # char-level tokenizer: one token per char
+    assert scorer.score([long_text]) == pytest.approx(scorer.score([long_text[-MAX_LEN:]]), abs=1e-5)
+    assert scorer.score(["<pad><pad>hello<pad>"]) == pytest.approx(scorer.score(["hello"]), abs=1e-5)
+    with pytest.raises(ValueError, match=r"query\[1\] has no tokens"):
+        scorer.encode(["ok", "<pad>"])
+
+
+def test_normalisation_from_config_and_missing_stats_fail_at_startup(rm_path, scorer, tmp_path):
+    normed = tmp_path / "rm_norm"
+    normed.mkdir()
+    for f in rm_path.iterdir():
+        (normed / f.name).symlink_to(f)
+    (normed / "config.json").unlink()
+    config = json.loads((rm_path / "config.json").read_text())
+    (normed / "config.json").write_text(json.dumps({**config, "reward_mean": 0.5, "reward_std": 2.0}))
+    raw = scorer.score(TEXTS)
+    got = RewardScorer(normed, max_len=MAX_LEN, device="cpu", normalize=True).score(TEXTS)
+    assert got == pytest.approx([(r - 0.5) / 2.0 for r in raw], abs=1e-5)
+
+    with pytest.raises(RewardServerError, match="reward_mean and reward_std.*config.json"):
+        RewardScorer(rm_path, normalize=True)
+    with pytest.raises(SystemExit, match="reward_mean"):
+        serve_rm.main(["--reward_pretrain", str(rm_path), "--normalize", "--port", "1"])
+
+
+def test_value_head_prefix_and_missing_head(rm_path, scorer, tmp_path):
+    renamed = tmp_path / "rm_value_head"
+    renamed.mkdir()
+    for f in rm_path.iterdir():
+        if f.suffix != ".safetensors":
+            (renamed / f.name).symlink_to(f)
+    (weights_file,) = rm_path.glob("*.safetensors")
+    weights = load_file(weights_file)
+    weights["value_head.weight"] = weights.pop("score.weight")
+    save_file(weights, renamed / weights_file.name, metadata={"format": "pt"})
+    got = RewardScorer(renamed, max_len=MAX_LEN, device="cpu", value_head_prefix="value_head").score(TEXTS)
+    assert got == pytest.approx(scorer.score(TEXTS), abs=1e-5)
+    with pytest.raises(RewardServerError, match="no value head score.weight"):
+        RewardScorer(renamed, device="cpu")
+
+
+def test_http_scores_equal_direct_scores(rm_path, server):
+    answer = httpx.post(server.url + "/get_reward", json={"query": TEXTS, "prompts": TEXTS, "labels": [None] * 5},
+                        timeout=30).json()
+    expected = direct_scores(rm_path, TEXTS)
+    assert answer["rewards"] == pytest.approx(expected, abs=1e-5)
+    assert answer["scores"] == pytest.approx(expected, abs=1e-5)
+    assert httpx.post(server.url + "/get_reward", json={"query": []}, timeout=30).json()["rewards"] == []
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (b'{"prompts": ["a"]}', 422, "query: Field required"),
+    (b'{"query": "just a string"}', 422, "query: Input should be a valid list"),
+    (b'{"query": ["ok", 3]}', 422, "query.1: Input should be a valid string"),
+    (b'["a", "b"]', 422, "JSON object"),
+    (b'{"query": [', 400, "not valid JSON"),
+    (b'{"query": [""]}', 400, r"query[0] has no tokens"),
+])
+def test_malformed_requests_get_4xx_with_reason(server, body, status, message):
+    response = httpx.post(server.url + "/get_reward", content=body, timeout=30)
+    assert response.status_code == status
+    assert message in response.json()["detail"]
+
+
+def test_health(server, rm_path):
+    answer = httpx.get(server.url + "/health", timeout=30)
+    assert answer.status_code == 200
+    assert answer.json()["status"] == "ok" and answer.json()["model"] == rm_path.name
+
+
+def test_concurrent_requests_share_forwards(rm_path, scorer, server):
+    texts = [f"Q: {i}+{i}=\nA: {2 * i}" for i in range(16)]
+    expected = direct_scores(rm_path, texts)
+    results: dict[int, list[float]] = {}
+    barrier = threading.Barrier(16, timeout=30)
+
+    def ask(i: int) -> None:
+        with httpx.Client(timeout=30) as client:
+            barrier.wait()
+            results[i] = client.post(server.url + "/get_reward", json={"query": [texts[i]]}).json()["rewards"]
+
+    forwards_before = scorer.num_forwards
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    forwards = scorer.num_forwards - forwards_before
+    assert sorted(results) == list(range(16))
+    for i in range(16):
+        assert results[i] == pytest.approx([expected[i]], abs=1e-5), i
+    assert 1 <= forwards < 16, f"{forwards} forwards for 16 concurrent requests: no micro-batching"
+
+
+def test_remote_client_against_real_server(rm_path, server):
+    with RemoteRewardModel([server.url + "/get_reward", server.url], timeout_s=30, max_retries=0) as rm:
+        out = rm(TEXTS, TEXTS, None)
+    assert out.rewards.tolist() == pytest.approx(direct_scores(rm_path, TEXTS), abs=1e-5)
+    assert torch.equal(out.rewards, out.scores)
+
+
+# --------------------------------------------------------------------------- batcher and shutdown, no model
+
+
+def test_micro_batcher_merges_caps_and_propagates_errors():
+    calls: list[list[int]] = []
+
+    def score_fn(items):
+        calls.append(list(items))
+        if -1 in items:
+            raise RuntimeError("boom")
+        return [float(x) * 10 for x in items]
+
+    async def scenario():
+        batcher = MicroBatcher(score_fn, max_batch_size=4, max_wait_s=0.05)
+        batcher.start()
+        try:
+            merged = await asyncio.gather(*(batcher.submit([i, i + 100]) for i in range(4)))
+            failed = await asyncio.gather(batcher.submit([-1]), return_exceptions=True)
+            empty = await batcher.submit([])
+        finally:
+            await batcher.close()
+        with pytest.raises(RuntimeError, match="not running"):
+            await batcher.submit([1])
+        return merged, failed, empty, batcher.num_batches
+
+    merged, failed, empty, num_batches = asyncio.run(asyncio.wait_for(scenario(), 20))
+    assert merged == [[10.0 * i, 10.0 * (i + 100)] for i in range(4)]
+    assert [len(c) for c in calls[:2]] == [4, 4]  # 8 texts, cap 4: two calls, no request split
+    assert isinstance(failed[0], RuntimeError) and "boom" in str(failed[0])
+    assert empty == [] and num_batches == 2
+
+
+class SlowScorer:
+    """Duck-typed RewardScorer whose forward takes a while, to catch a request in flight."""
+
+    batch_size, device, normalize, model_name, model_path = 8, "cpu", False, "slow", Path("slow")
+    num_forwards = 0
+
+    def __init__(self):
+        self.started = threading.Event()
+
+    def encode(self, texts):
+        return [[len(t)] for t in texts]
+
+    def score_ids(self, ids):
+        self.started.set()
+        time.sleep(0.5)
+        return [float(i[0]) for i in ids]
+
+
+def test_graceful_shutdown_finishes_in_flight_request():
+    scorer = SlowScorer()
+    server = BackgroundServer(create_app(scorer, max_wait_s=0.0)).start()
+    result: dict[str, httpx.Response] = {}
+    client = threading.Thread(target=lambda: result.setdefault(
+        "r", httpx.post(server.url + "/get_reward", json={"query": ["abc"]}, timeout=10)))
+    client.start()
+    assert scorer.started.wait(10)
+    server.stop(timeout_s=10)  # what uvicorn does on SIGTERM: drain, then the lifespan stops the batcher
+    client.join(10)
+    assert not server._thread.is_alive()
+    assert result["r"].status_code == 200 and result["r"].json()["rewards"] == [3.0]
+
+
+def test_cli_serves_and_stops_on_sigterm(rm_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "hpc_rlhf.cli.serve_rm", "--reward_pretrain", str(rm_path),
+                             "--port", str(port), "--max_len", str(MAX_LEN), "--device", "cpu",
+                             "--log_level", "info"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()[0]
+        answer = httpx.post(url + "/get_reward", json={"query": TEXTS[:2]}, timeout=30).json()
+        assert answer["rewards"] == pytest.approx(direct_scores(rm_path, TEXTS[:2]), abs=1e-5)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert "Application shutdown complete" in output, output
