@@ -90,6 +90,8 @@ def build_ds_config(ds_cfg: DeepSpeedConfig, role_cfg: TrainedRole | None, *, tr
         "wall_clock_breakdown": False,
         "zero_optimization": zero,
         "prescale_gradients": False,
+        # The tag check is an all_reduce over the whole world; roles on disjoint ranks save separately.
+        "checkpoint": {"tag_validation": "Ignore"},
     }
     if dtype == torch.bfloat16:
         # fp32 is the default; do not add fp16/bf16 sections on CPU fp32 runs.
@@ -436,6 +438,18 @@ class TrainEngine:
     def save_checkpoint(self, path: str, tag: str, client_state: dict | None = None) -> None:
         """Weights, optimizer, LR schedule and ``client_state`` (collective; see module doc for subgroups)."""
         self.engine.save_checkpoint(path, tag=tag, client_state=client_state or {}, save_latest=False)
+
+    @staticmethod
+    def mirror_save_collectives() -> None:
+        """What a rank that hosts no copy of a trained role runs while that role saves.
+
+        DeepSpeed's ``save_checkpoint`` (0.19) calls ``dist.barrier()`` on the whole world twice (tag
+        validation is off, see ``build_ds_config``). In a disaggregated layout the ranks of other roles
+        must take part in those barriers, or the saving ranks wait for them forever.
+        ``tests/multiproc/test_resume.py`` runs a disaggregated save to keep this honest.
+        """
+        dist.barrier()
+        dist.barrier()
 
     def load_checkpoint(self, path: str, tag: str) -> dict:
         """Restore what ``save_checkpoint`` wrote; returns its ``client_state``."""

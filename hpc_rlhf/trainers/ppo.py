@@ -24,7 +24,7 @@ import torch.distributed as dist
 from hpc_rlhf.config import RunConfig, save_resolved_config
 from hpc_rlhf.dist.channel import broadcast_to_role, gather_from_role, scatter_to_role
 from hpc_rlhf.dist.world import WorldGroups
-from hpc_rlhf.trainers import ppo_setup
+from hpc_rlhf.trainers import ppo_checkpoint, ppo_setup
 from hpc_rlhf.trainers.controller_math import (
     attach_rewards,
     make_advantages,
@@ -34,6 +34,7 @@ from hpc_rlhf.trainers.controller_math import (
 )
 from hpc_rlhf.trainers.experience import cat_rows, pack_trajectories, split_rows
 from hpc_rlhf.trainers.ppo_workers import forward_logprobs, forward_values, train_actor, train_critic
+from hpc_rlhf.trainers.preemption import PreemptionGuard, requeue_slurm_job
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
 
 log = logging.getLogger(__name__)
@@ -65,14 +66,20 @@ class PPOTrainer:
         self.roles = ppo_setup.build_roles(cfg, world, self.tokenizer, self.num_steps)
         if world.is_controller:
             save_resolved_config(cfg, cfg.train.output_dir)
-        self.metrics = MetricsLogger(cfg.train.output_dir, cfg.logger, cfg.model_dump(mode="json")) \
-            if world.is_controller else None
+        self.metrics = MetricsLogger(cfg.train.output_dir, cfg.logger, cfg.model_dump(mode="json"),
+                                     resume=cfg.ckpt.load) if world.is_controller else None
+        self.ckpt = ppo_checkpoint.make_manager(cfg)
+        self.stopped_by_signal = False
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, Any]]:
+        """Run the remaining steps; returns the metrics rows (rank 0). Stops early on SLURM's signals."""
+        start = self.resume() if self.cfg.ckpt.load else 0
+        guard = PreemptionGuard().install()
         history = []
         progress = ppo_setup.progress_bar(self.num_steps, self.world.is_controller)
-        for step in range(1, self.num_steps + 1):
+        progress.update(start)
+        for step in range(start + 1, self.num_steps + 1):
             timer = PhaseTimer()
             with timer("step"):
                 prompts = self.data.next_prompts() if self.world.is_controller else None
@@ -94,8 +101,18 @@ class PPOTrainer:
                 history.append(row)
                 progress.set_postfix(reward=f"{row['reward']:.3f}", refresh=False)
             progress.update(1)
+            stop = guard.agreed_stop()
+            save_steps = self.cfg.ckpt.save_steps
+            if stop or (save_steps and (step % save_steps == 0 or step == self.num_steps)):
+                self.save_checkpoint(step)
+            if stop:
+                self.stopped_by_signal = True
+                if self.rank == 0 and self.cfg.slurm.requeue:
+                    requeue_slurm_job()
+                break
         progress.close()
-        self.export()
+        if not self.stopped_by_signal:
+            self.export()
         if self.metrics:
             self.metrics.close()
         return history
@@ -223,6 +240,26 @@ class PPOTrainer:
         if self.rank in self.world.roles["actor"].ranks:
             self.roles.actor.save_hf(str(Path(self.cfg.train.output_dir) / "model"), tokenizer=self.tokenizer)
         dist.barrier()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, step: int) -> None:
+        state = None
+        if self.world.is_controller:
+            state = {"stream": self.data.stream.state_dict(), "kl": self.data.kl_controller.state_dict(),
+                     "reward_norm": self.data.reward_normalizer.state_dict()}
+        ppo_checkpoint.save(self.ckpt, step, self.roles, self.world, state)
+
+    def resume(self) -> int:
+        """Restore ``LATEST`` (weights, optimizer, data position, controllers, RNG); returns its step."""
+        step, state = ppo_checkpoint.restore(self.ckpt, self.roles, self.world)
+        if state is not None:
+            self.data.stream.load_state_dict(state["stream"])
+            self.data.kl_controller.load_state_dict(state["kl"])
+            self.data.reward_normalizer.load_state_dict(state["reward_norm"])
+            self.metrics.truncate_after(step)
+        if step:
+            self.sync_weights()  # the rollout engines start from the restored actor
+        return step
 
     # ------------------------------------------------------------------ plumbing
     def _broadcast_flag(self, value: bool) -> bool:

@@ -1,0 +1,72 @@
+"""Save and restore everything that shapes the rest of a PPO-family run.
+
+A checkpoint ``<ckpt.path>/step_<N>/`` holds the DeepSpeed states of each trained role (weights,
+optimizer, LR schedule), the controller state (step, prompt-stream position and order, KL controller,
+reward normaliser) and the RNG state of every rank. ``hpc_rlhf.ckpt.CheckpointManager`` makes it atomic.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from hpc_rlhf.ckpt import CheckpointManager, load_json, load_rank_rng, save_json_atomic, save_rank_rng
+from hpc_rlhf.config import RunConfig
+
+log = logging.getLogger(__name__)
+TRAINED_ROLES = ("actor", "critic")
+DS_TAG = "ds"
+CONTROLLER_FILE = "controller.json"
+
+
+def checkpoint_root(cfg: RunConfig) -> Path:
+    return Path(cfg.ckpt.path) if cfg.ckpt.path else Path(cfg.train.output_dir) / "ckpt"
+
+
+def make_manager(cfg: RunConfig) -> CheckpointManager:
+    return CheckpointManager(checkpoint_root(cfg), max_num=cfg.ckpt.max_num)
+
+
+def save(manager: CheckpointManager, step: int, roles: Any, world: Any, controller_state: dict | None) -> None:
+    """Collective over the world: every rank calls it at the same step."""
+    from hpc_rlhf.engines.deepspeed_engine import TrainEngine
+
+    with manager.saving(step) as tmp:
+        for role in TRAINED_ROLES:
+            if role not in world.roles:
+                continue
+            engine = getattr(roles, role)
+            if engine is not None:
+                engine.save_checkpoint(str(tmp / role), tag=DS_TAG)
+            else:
+                TrainEngine.mirror_save_collectives()
+        save_rank_rng(tmp, world.rank)
+        if controller_state is not None:
+            save_json_atomic(tmp / CONTROLLER_FILE, {"step": step, **controller_state})
+    log.info("checkpoint step %d saved to %s", step, manager.step_dir(step))
+
+
+def restore(manager: CheckpointManager, roles: Any, world: Any) -> tuple[int, dict | None]:
+    """Load ``LATEST`` into this rank's engines and RNG. Returns (step, controller state or None).
+
+    Step 0 means no checkpoint was found and the run starts fresh.
+    """
+    box = [str(manager.latest()) if world.rank == 0 and manager.latest() is not None else None]
+    dist.broadcast_object_list(box, src=0)  # every rank resumes the same checkpoint
+    if box[0] is None:
+        log.warning("ckpt.load=true but no complete checkpoint under %s: starting fresh", manager.root)
+        return 0, None
+    latest = Path(box[0])
+    for role in TRAINED_ROLES:
+        engine = getattr(roles, role)
+        if engine is not None:
+            engine.load_checkpoint(str(latest / role), tag=DS_TAG)
+    load_rank_rng(latest, world.rank)
+    state = load_json(latest / CONTROLLER_FILE) if world.rank == 0 else None
+    step_box = [state["step"] if state else None]
+    dist.broadcast_object_list(step_box, src=0)
+    log.info("resumed from %s (step %d)", latest, step_box[0])
+    return int(step_box[0]), state

@@ -1,0 +1,59 @@
+"""Stop cleanly before SLURM kills the job: checkpoint, requeue, resume.
+
+SLURM sends ``SIGUSR1`` (``--signal=USR1@<grace>``) before the time limit and ``SIGTERM`` on
+preemption. The handler only sets a flag; at the next step boundary all ranks agree with one tiny
+all-reduce (any rank signalled -> every rank stops), so the checkpoint that follows is collective and
+consistent. Rank 0 then asks SLURM to requeue the job; the next run resumes from ``LATEST``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+
+import torch
+import torch.distributed as dist
+
+from hpc_rlhf.dist.world import comm_device
+
+log = logging.getLogger(__name__)
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class PreemptionGuard:
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def install(self) -> PreemptionGuard:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self.received = signum
+        log.warning("received %s: will checkpoint and stop at the end of this step", signal.Signals(signum).name)
+
+    def agreed_stop(self) -> bool:
+        """Collective over the world: True on every rank if any rank was signalled."""
+        flag = torch.tensor([1 if self.received is not None else 0], device=comm_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def requeue_slurm_job() -> bool:
+    """``scontrol requeue $SLURM_JOB_ID`` (rank 0 only). Returns whether a requeue was requested."""
+    array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    job_id = f"{array_job}_{array_task}" if array_job and array_task else os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        log.warning("stopped on a signal outside SLURM: resume with ckpt.load=true")
+        return False
+    proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    if proc.returncode != 0:
+        log.error("scontrol requeue %s failed (%s): resume by hand with ckpt.load=true", job_id, proc.stderr.strip())
+        return False
+    log.warning("job %s requeued; it will resume from the last checkpoint", job_id)
+    return True
