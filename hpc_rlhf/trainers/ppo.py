@@ -139,7 +139,7 @@ class PPOTrainer:
         return [t for part in gathered for t in part] if self.rank == 0 else None
 
     def score(self, trajectories: list | None) -> list | None:
-        """Rewards from a function, a reward-model role or labels; overlong penalty; filtering."""
+        """Rewards from a function, a remote server, a reward-model role, or the agent's environment."""
         reward_groups = self.world.roles.get("reward")
         model_scores = None
         if reward_groups is not None and self.rank in reward_groups.controller_ranks:
@@ -148,13 +148,14 @@ class PPOTrainer:
                                               lambda m, s: {"scores": m.scores(s)})
         if self.rank != 0:
             return None
-        trajectories = attach_rewards(trajectories, self.data, model_scores)
-        return select_samples(trajectories, self.cfg)
+        return attach_rewards(trajectories, self.data, model_scores)
 
     def make_experience(self, trajectories: list | None) -> dict | None:
-        """Padded tensors plus the logprobs/values each enabled role computes on its ranks."""
+        """Selected samples as padded tensors, plus the logprobs/values each enabled role computes."""
         cfg = self.cfg
         batch = None
+        if self.rank == 0:
+            trajectories = select_samples(trajectories, cfg)  # overlong penalty, dynamic filtering
         if self.rank == 0 and trajectories:
             batch = pack_trajectories(trajectories, self.tokenizer.pad_token_id)
             batch["rewards"] = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)

@@ -147,3 +147,54 @@ def test_raising_reward_function_fails_the_step_with_prompt_and_traceback(assets
     err = proc.stderr
     assert "ZeroDivisionError" in err and "cannot score 7+" in err
     assert "bad_reward.py" in err
+
+
+KNOBS = {
+    "reinforce": ["algo.advantage_estimator=reinforce", "algo.kl.init_coef=0.01", "algo.kl.estimator=k2"],
+    "reinforce_baseline": ["algo.advantage_estimator=reinforce_baseline", "algo.is_correction=tis"],
+    "rloo_gspo": ["algo.advantage_estimator=rloo", "algo.policy_loss_type=gspo",
+                  "algo.loss_agg_mode=seq_mean_token_mean", "algo.eps_clip_low=3e-4", "algo.eps_clip_high=4e-4"],
+    "dr_grpo_dapo": ["algo.advantage_estimator=dr_grpo", "algo.dynamic_filtering=true",
+                     "algo.dynamic_filtering_reward_range=[0.01,0.99]", "algo.overlong_buffer_len=2",
+                     "algo.eps_clip_high=0.28", "algo.dual_clip=3", "algo.is_correction=icepop",
+                     "algo.entropy_loss_coef=0.01"],
+    "grpo_kl_loss_multi_epoch": ["algo.kl.init_coef=0.01", "algo.kl.use_loss=true", "algo.kl.estimator=k3",
+                                 "train.max_epochs=2", "train.train_batch_size=32", "train.micro_train_batch_size=16"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(KNOBS))
+def test_algorithm_knobs_run_a_step(assets, tmp_path, name):
+    run_on_ranks(_fit, 2, grpo_overrides(assets, tmp_path, "train.max_steps=2", *KNOBS[name]))
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row.get("skipped_update") == 1.0 or row["actor_grad_norm"] >= 0
+    if "is_correction=tis" in " ".join(KNOBS[name]):
+        assert any(k.startswith("is/") for k in rows[-1])
+    if "kl.use_loss=true" in " ".join(KNOBS[name]):
+        assert "kl_loss" in rows[-1] and "kl" in rows[-1]
+
+
+def _record_phases(rank, world_size, overrides):
+    trainer = run_trainer(rank, world_size, overrides)
+    calls = []
+    engine, actor = trainer.roles.rollout.engine, trainer.roles.actor
+    for obj, name in ((engine, "wake_up"), (engine, "sleep"), (engine, "generate"), (engine, "update_weights"),
+                      (actor, "reload_states"), (actor, "offload_states"), (actor, "backward")):
+        original = getattr(obj, name)
+
+        def wrapper(*args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+        setattr(obj, name, wrapper)
+    trainer.fit()
+    collapsed = [c for i, c in enumerate(calls) if i == 0 or c != calls[i - 1]]
+    return collapsed
+
+
+def test_colocated_step_time_shares_the_device(assets, tmp_path):
+    """wake rollout -> generate -> sleep -> reload training states -> train -> sync -> offload."""
+    calls = run_on_ranks(_record_phases, 2, grpo_overrides(assets, tmp_path, "train.max_steps=1"))[0]
+    assert calls[:7] == ["wake_up", "generate", "sleep", "reload_states", "backward", "wake_up", "update_weights"]
+    assert calls[-1] == "offload_states"

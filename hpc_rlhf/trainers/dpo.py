@@ -1,0 +1,69 @@
+"""DPO / cDPO / IPO against a frozen reference model, with an optional NLL term on the chosen answers.
+
+Chosen and rejected sequences of a micro-batch go through the policy in one forward (padded or
+packed); the reference runs on the same layout under ``no_grad``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hpc_rlhf.algos.preference import dpo_loss, global_mean, sft_loss
+from hpc_rlhf.data.packing import causal_lm_forward, sequence_logprobs
+from hpc_rlhf.data.preference import PreferencePair, build_preference_datasets
+from hpc_rlhf.trainers.supervised import SupervisedTrainer, ratio
+
+
+class DPOTrainer(SupervisedTrainer):
+    kind = "dpo"
+
+    def build_datasets(self):
+        return build_preference_datasets(self.cfg.data, self.tokenizer, self.cfg.train.seed)
+
+    def setup_reference(self) -> None:
+        self.ref = self.frozen_reference()
+
+    def global_counts(self, batch: list[PreferencePair]):
+        return {"num_pairs": len(batch), "chosen_tokens": sum(p.chosen.num_targets for p in batch)}
+
+    def _forward(self, items: list[PreferencePair]):
+        loss_cfg = self.cfg.loss
+        n = len(items)
+        batch = self.collate([p.chosen for p in items] + [p.rejected for p in items])
+        token_logps = causal_lm_forward(self.engine, batch, self.attn, self.dtype)
+        policy = sequence_logprobs(token_logps, batch, mean=loss_cfg.ipo)
+        with torch.no_grad():
+            ref = sequence_logprobs(causal_lm_forward(self.ref, batch, self.attn, self.dtype), batch,
+                                    mean=loss_cfg.ipo)
+        losses, chosen_rewards, rejected_rewards = dpo_loss(
+            policy[:n], policy[n:], ref[:n], ref[n:], beta=loss_cfg.beta, label_smoothing=loss_cfg.label_smoothing,
+            ipo=loss_cfg.ipo)
+        chosen_mask = batch["target_mask"] & (batch["segment_ids"] < n)
+        return losses, chosen_rewards, rejected_rewards, token_logps, chosen_mask
+
+    def _stats(self, items, losses, chosen_rewards, rejected_rewards, token_logps, chosen_mask):
+        return {"loss_sum": float(losses.detach().sum()), "num_pairs": float(len(items)),
+                "correct": float((chosen_rewards > rejected_rewards).sum()),
+                "chosen_sum": float(chosen_rewards.sum()), "rejected_sum": float(rejected_rewards.sum()),
+                "chosen_nll_sum": float(-token_logps.detach()[chosen_mask].sum()),
+                "chosen_tokens": float(chosen_mask.sum()),
+                "num_input_tokens": float(sum(len(p.chosen) + len(p.rejected) for p in items))}
+
+    def train_micro(self, items, counts):
+        losses, cr, rr, token_logps, chosen_mask = self._forward(items)
+        loss = global_mean(losses, counts["num_pairs"], self.dp_size)
+        if self.cfg.loss.nll_loss_coef > 0:
+            loss = loss + self.cfg.loss.nll_loss_coef * sft_loss(
+                token_logps, chosen_mask, global_num_tokens=counts["chosen_tokens"], dp_size=self.dp_size)
+        return loss, self._stats(items, losses, cr, rr, token_logps, chosen_mask)
+
+    def eval_micro(self, items):
+        return self._stats(items, *self._forward(items))
+
+    def summarize(self, sums, prefix=""):
+        chosen, rejected = ratio(sums, "chosen_sum", "num_pairs"), ratio(sums, "rejected_sum", "num_pairs")
+        return {f"{prefix}loss": ratio(sums, "loss_sum", "num_pairs"),
+                f"{prefix}reward_accuracy": ratio(sums, "correct", "num_pairs"),
+                f"{prefix}chosen_reward": chosen, f"{prefix}rejected_reward": rejected,
+                f"{prefix}reward_margin": chosen - rejected,
+                f"{prefix}chosen_nll": ratio(sums, "chosen_nll_sum", "chosen_tokens")}

@@ -1,0 +1,38 @@
+"""Supervised fine-tuning (and continued pretraining): token-mean NLL on the trained tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from hpc_rlhf.algos.preference import sft_loss
+from hpc_rlhf.data.packing import TokenSample, causal_lm_forward
+from hpc_rlhf.data.sft import build_sft_datasets
+from hpc_rlhf.trainers.supervised import SupervisedTrainer, ratio
+
+
+class SFTTrainer(SupervisedTrainer):
+    kind = "sft"
+
+    def build_datasets(self) -> tuple[list[TokenSample], list[TokenSample]]:
+        return build_sft_datasets(self.cfg.data, self.tokenizer, self.cfg.train.seed)
+
+    def global_counts(self, batch: list[TokenSample]) -> dict[str, int]:
+        return {"num_tokens": sum(s.num_targets for s in batch)}
+
+    def _nll(self, items: list[TokenSample]) -> tuple[torch.Tensor, dict]:
+        batch = self.collate(items)
+        logps = causal_lm_forward(self.engine, batch, self.attn, self.dtype)
+        return logps, batch
+
+    def train_micro(self, items, counts):
+        logps, batch = self._nll(items)
+        loss = sft_loss(logps, batch["target_mask"], global_num_tokens=counts["num_tokens"], dp_size=self.dp_size)
+        return loss, {"nll_sum": float(-logps.detach().sum()), "num_tokens": float(batch["target_mask"].sum()),
+                      "num_input_tokens": float(sum(len(s) for s in items))}
+
+    def eval_micro(self, items):
+        logps, batch = self._nll(items)
+        return {"nll_sum": float(-logps.sum()), "num_tokens": float(batch["target_mask"].sum())}
+
+    def summarize(self, sums, prefix=""):
+        return {f"{prefix}loss": ratio(sums, "nll_sum", "num_tokens")}

@@ -1,0 +1,285 @@
+"""The loop shared by the offline trainers (SFT, reward model, DPO, KTO): data parallel over the world.
+
+Every rank reads the (small, tokenised) dataset and draws the same global batch from a seeded,
+resumable stream; rank ``r`` trains on its contiguous ``1 / dp`` shard, in micro-batches that are
+padded or packed (``hpc_rlhf.data.packing``). Loss normalisers (trained tokens, pairs, samples) are
+counted on the *global* batch before the first micro-batch, so the summed micro-batch losses equal the
+full-batch mean exactly (``hpc_rlhf.algos.preference.global_mean``). DeepSpeed divides every backward by
+the accumulation steps; the loop multiplies it back (see ``hpc_rlhf.algos.aggregation``).
+
+A subclass supplies the datasets, the model factory, one micro-batch's loss and statistics, and the
+eval statistics. The step reads::
+
+    batch -> shard -> micro-batches: forward, loss, backward, step -> reduce stats
+          -> [eval] -> metrics.jsonl -> [checkpoint] ... -> final eval -> HF export (<output_dir>/model)
+
+Statistics are *sums* (``loss_sum``, ``num_pairs``, ...) all-reduced over the world once per step, so
+ratios such as accuracy are exact over the global batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hpc_rlhf.ckpt import CheckpointManager, load_json, load_rank_rng, save_json_atomic, save_rank_rng
+from hpc_rlhf.config import save_resolved_config
+from hpc_rlhf.config.supervised import SupervisedRunConfig
+from hpc_rlhf.data.packing import TokenSample, collate
+from hpc_rlhf.data.prompts import PromptStream
+from hpc_rlhf.dist.world import comm_device, init_world
+from hpc_rlhf.engines.deepspeed_engine import FrozenEngine, TrainEngine, gradient_accumulation_steps
+from hpc_rlhf.models.loading import load_causal_lm, resolve_attn_implementation, resolve_dtype
+from hpc_rlhf.trainers.preemption import PreemptionGuard, requeue_slurm_job
+from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
+
+log = logging.getLogger(__name__)
+STATE_FILE = "trainer_state.json"
+ENGINE_TAG = "engine"
+RM_STATS_SAMPLES = 256  # train pairs scored for reward_mean / reward_std when there is no eval set
+
+
+def start_supervised_world(cfg: SupervisedRunConfig):
+    """torch.distributed from the launcher (torchrun / srun / single process); every rank is one dp rank."""
+    env = init_world(timeout_s=cfg.train.collective_timeout_s)
+    logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING,
+                        format=f"[rank{env.rank}] %(asctime)s %(name)s: %(message)s")
+    return env
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def all_reduce_sums(sums: dict[str, float]) -> dict[str, float]:
+    """Sum every statistic over the world (every rank must hold the same keys)."""
+    keys = sorted(sums)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return dict(sums)
+    values = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=comm_device())
+    dist.all_reduce(values)
+    return dict(zip(keys, values.tolist()))
+
+
+def ratio(sums: dict[str, float], num: str, den: str) -> float:
+    return sums[num] / sums[den] if sums.get(den) else float("nan")
+
+
+class SupervisedTrainer:
+    """Base of the offline trainers. Subclasses implement the methods that raise NotImplementedError."""
+
+    kind = "supervised"
+
+    def __init__(self, cfg: SupervisedRunConfig) -> None:
+        self.cfg = cfg
+        self.rank, self.dp_size = dist.get_rank(), dist.get_world_size()
+        seed_everything(cfg.train.seed + self.rank)
+        self.on_gpu = torch.cuda.is_available()
+        self.dtype = resolve_dtype(cfg.ds.param_dtype, self.on_gpu)
+        self.attn = resolve_attn_implementation(cfg.ds.attn_implementation, self.on_gpu)
+        self.tokenizer = load_tokenizer(cfg.model.pretrain)
+        self.output_dir = Path(cfg.train.output_dir)
+
+        self.train_set, eval_set = self.build_datasets()
+        # Every rank evaluates the same number of samples (ZeRO-3 forwards are collective).
+        self.eval_set = eval_set[:len(eval_set) - len(eval_set) % self.dp_size]
+        tcfg = cfg.train
+        self.micro = tcfg.micro_train_batch_size
+        self.gas = gradient_accumulation_steps(tcfg.train_batch_size, self.micro, self.dp_size)
+        self.stream = PromptStream(self.train_set, tcfg.train_batch_size, seed=tcfg.seed, num_episodes=tcfg.max_epochs)
+        self.num_steps = self.stream.num_batches if tcfg.max_steps is None else min(tcfg.max_steps,
+                                                                                   self.stream.num_batches)
+        if self.num_steps < 1:
+            raise ValueError(f"{len(self.train_set)} train samples cannot fill one batch of train.train_batch_size="
+                             f"{tcfg.train_batch_size}")
+        self.engine = TrainEngine.create(self.model_factory, cfg.ds, cfg.model,
+                                         train_batch_size=tcfg.train_batch_size, micro_train_batch_size=self.micro,
+                                         num_training_steps=self.num_steps)
+        self.setup_reference()
+        self.ckpt = CheckpointManager(cfg.ckpt.path or self.output_dir / "ckpt", max_num=cfg.ckpt.max_num)
+        self.step = 0
+        resumed = self.maybe_resume()
+        if self.rank == 0:
+            save_resolved_config(cfg, self.output_dir)
+            self.metrics = MetricsLogger(self.output_dir, cfg.logger, cfg.model_dump(mode="json"), resume=resumed)
+            if resumed:
+                self.metrics.truncate_after(self.step)
+            log.info("%s: %d train / %d eval items, %d steps, %d micro-batches per rank per step, packing=%s",
+                     self.kind, len(self.train_set), len(self.eval_set), self.num_steps, self.gas,
+                     tcfg.packing_samples)
+        else:
+            self.metrics = None
+
+    # ------------------------------------------------------------------ subclass interface
+    def build_datasets(self) -> tuple[list, list]:
+        raise NotImplementedError
+
+    def model_factory(self) -> torch.nn.Module:
+        return load_causal_lm(self.cfg.model.pretrain, self.dtype, self.attn)
+
+    def setup_reference(self) -> None:
+        """Build frozen models (DPO / KTO reference); default none."""
+
+    def global_counts(self, batch: list) -> dict[str, int]:
+        """Loss normalisers of the whole step batch (every rank sees the same batch)."""
+        raise NotImplementedError
+
+    def train_micro(self, items: list, counts: dict[str, int]) -> tuple[torch.Tensor, dict[str, float]]:
+        """(loss share to back-propagate, statistic sums) of one micro-batch."""
+        raise NotImplementedError
+
+    def eval_micro(self, items: list) -> dict[str, float]:
+        raise NotImplementedError
+
+    def summarize(self, sums: dict[str, float], prefix: str = "") -> dict[str, float]:
+        raise NotImplementedError
+
+    def after_export(self, model_dir: Path) -> None:
+        """Rank 0, after the HF export (the reward model adds its reward statistics)."""
+
+    # ------------------------------------------------------------------ helpers for subclasses
+    def collate(self, samples: Sequence[TokenSample]) -> dict:
+        tcfg = self.cfg.train
+        return collate(samples, self.tokenizer.pad_token_id, packing=tcfg.packing_samples,
+                       max_tokens_per_row=tcfg.packing_max_tokens or self.cfg.data.max_len)
+
+    def frozen_reference(self) -> FrozenEngine:
+        cfg = self.cfg
+        path = cfg.ref.pretrain or cfg.model.pretrain
+        return FrozenEngine.create(lambda: load_causal_lm(path, self.dtype, self.attn), cfg.ds, cfg.ref,
+                                   micro_batch_size=self.micro)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> list[dict[str, Any]]:
+        tcfg = self.cfg.train
+        guard = PreemptionGuard().install()
+        rows: list[dict[str, Any]] = []
+        if self.step == 0 and self.eval_set:
+            rows.append(self._log(0, self.evaluate()))
+        last_eval: dict[str, float] | None = None
+        while self.step < self.num_steps:
+            timer = PhaseTimer()
+            start = time.perf_counter()
+            batch = self.stream.next_batch()
+            row, num_tokens = self.train_step(batch, timer)
+            self.step += 1
+            last_eval = None
+            if self.eval_set and (self.step == self.num_steps or (tcfg.eval_steps and self.step % tcfg.eval_steps == 0)):
+                with timer("eval"):
+                    last_eval = self.evaluate()
+                row.update(last_eval)
+            step_s = time.perf_counter() - start
+            row.update(timer.metrics(), {"timing/step": step_s, "tokens_per_s": num_tokens / max(step_s, 1e-9),
+                                          "epoch": self.stream.episode})
+            rows.append(self._log(self.step, row))
+            save_due = self.cfg.ckpt.save_steps and self.step % self.cfg.ckpt.save_steps == 0
+            if guard.agreed_stop():
+                self.save()
+                if self.rank == 0:
+                    requeue_slurm_job()
+                return rows
+            if save_due:
+                self.save()
+        self.export()
+        return rows
+
+    def train_step(self, batch: list, timer: PhaseTimer) -> tuple[dict[str, Any], int]:
+        per_rank = len(batch) // self.dp_size
+        shard = batch[self.rank * per_rank:(self.rank + 1) * per_rank]
+        counts = self.global_counts(batch)
+        sums: dict[str, float] = defaultdict(float)
+        info: dict[str, Any] = {}
+        self.engine.train()
+        with timer("train"):
+            for begin in range(0, per_rank, self.micro):
+                loss, stats = self.train_micro(shard[begin:begin + self.micro], counts)
+                # DeepSpeed divides by the accumulation steps; the share is already normalised globally.
+                self.engine.backward(loss * self.gas)
+                info = self.engine.step()
+                for key, value in stats.items():
+                    sums[key] += value
+        sums = all_reduce_sums(sums)
+        row = self.summarize(sums)
+        row.update(lr=info.get("lr"), grad_norm=info.get("grad_norm"))
+        return row, int(sums.get("num_input_tokens", 0))
+
+    @torch.no_grad()
+    def evaluate(self, items: Sequence | None = None) -> dict[str, float]:
+        items = self.eval_set if items is None else items
+        per_rank = len(items) // self.dp_size
+        shard = items[self.rank * per_rank:(self.rank + 1) * per_rank]
+        sums: dict[str, float] = defaultdict(float)
+        self.engine.eval()
+        for begin in range(0, per_rank, self.micro):
+            for key, value in self.eval_micro(list(shard[begin:begin + self.micro])).items():
+                sums[key] += value
+        self.engine.train()
+        return self.summarize(all_reduce_sums(sums), prefix="eval_")
+
+    def _log(self, step: int, row: dict[str, Any]) -> dict[str, Any]:
+        row = {k: v for k, v in row.items() if v is not None}
+        if self.metrics is not None and (step % self.cfg.logger.logging_steps == 0 or step == self.num_steps
+                                         or any(k.startswith("eval_") for k in row)):
+            self.metrics.log(step, row)
+        if self.rank == 0:
+            shown = {k: round(v, 4) for k, v in row.items()
+                     if isinstance(v, float) and not k.startswith("timing/") and k != "lr"}
+            log.info("step %d/%d %s", step, self.num_steps, shown)
+        return {"step": step, **row}
+
+    # ------------------------------------------------------------------ checkpoint / export
+    def save(self) -> None:
+        with self.ckpt.saving(self.step) as tmp:
+            self.engine.save_checkpoint(str(tmp), tag=ENGINE_TAG, client_state={"step": self.step})
+            save_rank_rng(tmp, self.rank)
+            if self.rank == 0:
+                save_json_atomic(tmp / STATE_FILE, {"step": self.step, "kind": self.kind,
+                                                    "stream": self.stream.state_dict()})
+
+    def maybe_resume(self) -> bool:
+        if not self.cfg.ckpt.load:
+            return False
+        latest = self.ckpt.latest()
+        if latest is None:
+            log.info("ckpt.load=true but no checkpoint under %s: starting from scratch", self.ckpt.root)
+            return False
+        state = load_json(latest / STATE_FILE)
+        if state.get("kind") != self.kind:
+            raise ValueError(f"{latest} is a {state.get('kind')} checkpoint, this is a {self.kind} run")
+        self.engine.load_checkpoint(str(latest), tag=ENGINE_TAG)
+        self.stream.load_state_dict(state["stream"])
+        self.step = int(state["step"])
+        try:
+            load_rank_rng(latest, self.rank)
+        except FileNotFoundError as err:
+            log.warning("%s; this rank's RNG is seeded afresh", err)
+        log.info("resumed from %s at step %d", latest, self.step)
+        return True
+
+    def export(self) -> None:
+        model_dir = self.output_dir / "model"
+        self.engine.save_hf(str(model_dir), tokenizer=self.tokenizer)
+        if self.rank == 0:
+            self.after_export(model_dir)
+            self.metrics.close()
+        dist.barrier()
