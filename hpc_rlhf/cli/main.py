@@ -7,6 +7,11 @@ import sys
 
 COMMANDS = {
     "plan": ("hpc_rlhf.cli.plan", "placement and per-GPU memory of a recipe, without loading a model"),
+    "train-ppo": ("hpc_rlhf.cli.train_ppo", "online RL: PPO, REINFORCE++, GRPO, RLOO (run under torchrun/srun)"),
+    "train-sft": ("hpc_rlhf.cli.train_sft", "supervised fine-tuning"),
+    "train-rm": ("hpc_rlhf.cli.train_rm", "reward model on preference pairs"),
+    "train-dpo": ("hpc_rlhf.cli.train_dpo", "DPO / IPO / cDPO"),
+    "train-kto": ("hpc_rlhf.cli.train_kto", "KTO"),
     "serve-rm": ("hpc_rlhf.cli.serve_rm", "serve a reward model over HTTP (OpenRLHF /get_reward)"),
 }
 

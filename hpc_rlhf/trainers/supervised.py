@@ -189,8 +189,9 @@ class SupervisedTrainer:
                     last_eval = self.evaluate()
                 row.update(last_eval)
             step_s = time.perf_counter() - start
-            row.update(timer.metrics(), {"timing/step": step_s, "tokens_per_s": num_tokens / max(step_s, 1e-9),
-                                          "epoch": self.stream.episode})
+            row.update(timer.metrics())
+            row.update({"timing/step": step_s, "tokens_per_s": num_tokens / max(step_s, 1e-9),
+                        "epoch": self.stream.episode})
             rows.append(self._log(self.step, row))
             save_due = self.cfg.ckpt.save_steps and self.step % self.cfg.ckpt.save_steps == 0
             if guard.agreed_stop():
@@ -283,3 +284,38 @@ class SupervisedTrainer:
             self.after_export(model_dir)
             self.metrics.close()
         dist.barrier()
+
+
+def parse_supervised_args(kind: str, argv: list[str] | None) -> SupervisedRunConfig:
+    """``--config CFG key=value ...`` -> the typed config; a bad key exits with status 2 naming it."""
+    import argparse
+    import sys
+
+    from hpc_rlhf.config import ConfigError
+    from hpc_rlhf.config.supervised import load_supervised_config
+
+    parser = argparse.ArgumentParser(prog=f"train_{kind}")
+    parser.add_argument("--config", help="YAML recipe")
+    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="dotted overrides, e.g. train.seed=1")
+    args = parser.parse_args(argv)
+    try:
+        return load_supervised_config(kind, args.config, args.overrides)
+    except ConfigError as err:
+        print(f"train_{kind}: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run_supervised(kind: str, module: str, class_name: str, argv: list[str] | None = None) -> None:
+    """Entry point body shared by ``train_sft`` / ``train_rm`` / ``train_dpo`` / ``train_kto``."""
+    import importlib
+
+    from hpc_rlhf.data.synthetic_preference import prepare_supervised_assets
+
+    cfg = parse_supervised_args(kind, argv)
+    start_supervised_world(cfg)
+    if dist.get_rank() == 0:
+        prepare_supervised_assets(cfg)  # tiny model / synthetic data of CPU recipes, once (shared FS)
+    dist.barrier()
+    trainer_cls = getattr(importlib.import_module(module), class_name)
+    trainer_cls(cfg).fit()
+    dist.destroy_process_group()

@@ -8,9 +8,18 @@ from hpc_rlhf.config import ConfigError, load_config, save_resolved_config
 CONFIGS = sorted(Path(__file__).resolve().parents[2].joinpath("configs").glob("*.yaml"))
 
 
+SUPERVISED_KINDS = ("sft", "rm", "dpo", "kto")
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_recipes_validate(path):
-    load_config(path)
+    kind = path.name.split("_")[0]
+    if kind in SUPERVISED_KINDS:
+        from hpc_rlhf.config.supervised import load_supervised_config
+
+        load_supervised_config(kind, path)
+    else:
+        load_config(path)
 
 
 def test_overrides_take_precedence(tmp_path):

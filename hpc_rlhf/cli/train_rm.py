@@ -1,0 +1,17 @@
+"""Reward-model training on preference pairs (value head ``score``, exported for serve_rm).
+
+    torchrun --nproc_per_node 2 -m hpc_rlhf.cli.train_rm --config configs/rm_tiny_cpu.yaml [key=value ...]
+    srun python -m hpc_rlhf.cli.train_rm --config CONFIG.yaml
+"""
+
+from __future__ import annotations
+
+from hpc_rlhf.trainers.supervised import run_supervised
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_supervised("rm", "hpc_rlhf.trainers.rm", "RewardModelTrainer", argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""Supervised fine-tuning (chat, prompt/response or pretraining text), packed or padded.
+
+    torchrun --nproc_per_node 2 -m hpc_rlhf.cli.train_sft --config configs/sft_tiny_cpu.yaml [key=value ...]
+    srun python -m hpc_rlhf.cli.train_sft --config CONFIG.yaml
+"""
+
+from __future__ import annotations
+
+from hpc_rlhf.trainers.supervised import run_supervised
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_supervised("sft", "hpc_rlhf.trainers.sft", "SFTTrainer", argv)
+
+
+if __name__ == "__main__":
+    main()

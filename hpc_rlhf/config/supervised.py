@@ -1,0 +1,204 @@
+"""Config trees of the offline trainers (SFT, reward model, DPO / IPO / cDPO, KTO). Imports no torch.
+
+Shared sections come from ``schema.py`` (``model`` is an ``ActorConfig``, ``ds``, ``logger``, ``ckpt``,
+``slurm``, ``ref``); ``data``, ``train`` and ``loss`` are defined here. Every section forbids unknown keys,
+so ``loss.bta=0.1`` fails naming ``loss.bta`` and listing what is allowed. Load with
+:func:`load_supervised_config` (YAML recipe + dotted overrides), exactly like ``load_config`` for RL runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from omegaconf import OmegaConf
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from hpc_rlhf.config.loader import ConfigError, _read_yaml, normalize_overrides
+from hpc_rlhf.config.schema import (
+    ActorConfig,
+    CkptConfig,
+    DeepSpeedConfig,
+    LoggerConfig,
+    RefConfig,
+    Section,
+    SlurmConfig,
+)
+
+SyntheticTask = Literal["sft_arithmetic", "preference_arithmetic", "kto_arithmetic"]
+
+
+class SupervisedDataConfig(Section):
+    train_data: list[str] = Field(default_factory=list, description="files or save_to_disk folders")
+    train_data_probs: list[float] | None = Field(None, description="mixture probabilities, one per train_data")
+    eval_data: list[str] = Field(default_factory=list, description="held-out files (concatenated)")
+    max_samples: int | None = Field(None, ge=1)
+    max_eval_samples: int | None = Field(None, ge=1)
+    # SFT
+    input_key: str = Field("input", description="SFT prompt (or the whole text in pretrain_mode)")
+    output_key: str = Field("output", description="SFT response")
+    messages_key: str | None = Field(None, description="SFT chat rows: list of {role, content}; loss on assistant")
+    pretrain_mode: bool = Field(False, description="SFT: loss on every token of input_key")
+    # preference (RM, DPO) and KTO
+    prompt_key: str | None = Field("prompt", description="None: chosen/rejected are full chat message lists")
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    margin_key: str | None = Field(None, description="RM: per-pair margin column (Llama 2 margin loss)")
+    completion_key: str = Field("completion", description="KTO response")
+    label_key: str = Field("label", description="KTO: true / 1 = desirable, false / 0 = undesirable")
+    # formatting
+    input_template: str | None = Field(None, description="format string with one {} for the prompt")
+    apply_chat_template: bool = False
+    max_len: int = Field(512, ge=2, description="tokens per sample (prompt + response); longer are truncated")
+    skip_bad_rows: bool = False
+    synthetic_task: SyntheticTask | None = Field(
+        None, description="write seeded arithmetic data to train_data[0] / eval_data[0] if missing (CPU recipes)")
+    synthetic_num_samples: int = Field(512, ge=1)
+    synthetic_eval_samples: int = Field(128, ge=1)
+    synthetic_max_operand: int = Field(9, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> SupervisedDataConfig:
+        if self.train_data_probs is not None and len(self.train_data_probs) != len(self.train_data):
+            raise ValueError(f"data.train_data_probs has {len(self.train_data_probs)} entries but data.train_data "
+                             f"has {len(self.train_data)}; give one probability per dataset")
+        return self
+
+
+class SupervisedTrainConfig(Section):
+    output_dir: str = "runs/supervised"
+    seed: int = 42
+    max_epochs: int = Field(1, ge=1, description="passes over the train data")
+    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
+    train_batch_size: int = Field(32, ge=1, description="samples (pairs for RM/DPO) per optimizer step, global")
+    micro_train_batch_size: int = Field(8, ge=1, description="samples per forward/backward per rank")
+    eval_steps: int | None = Field(None, ge=1, description="evaluate every N steps (always at start and end)")
+    packing_samples: bool = Field(False, description="pack the samples of a micro-batch into few rows")
+    packing_max_tokens: int | None = Field(None, ge=2, description="tokens per packed row; default data.max_len")
+    collective_timeout_s: int = Field(1800, ge=1)
+
+
+class SFTLossConfig(Section):
+    """SFT has no loss options (token-mean NLL); the section exists so that a typo fails."""
+
+
+class RMLossConfig(Section):
+    loss: Literal["sigmoid", "logexp"] = "sigmoid"
+
+
+class DPOLossConfig(Section):
+    beta: float = Field(0.1, gt=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="cDPO: assumed label-flip probability")
+    ipo: bool = Field(False, description="IPO loss on length-averaged log-probabilities")
+    nll_loss_coef: float = Field(0.0, ge=0, description="weight of the chosen responses' token-mean NLL")
+
+    @model_validator(mode="after")
+    def _ipo_without_smoothing(self) -> DPOLossConfig:
+        if self.ipo and self.label_smoothing:
+            raise ValueError("loss.label_smoothing (cDPO) does not apply with loss.ipo=true; set one of them")
+        return self
+
+
+class KTOLossConfig(Section):
+    beta: float = Field(0.1, gt=0)
+    desirable_weight: float = Field(1.0, gt=0)
+    undesirable_weight: float = Field(1.0, gt=0)
+    kl_mode: Literal["mismatched", "batch_mean"] = Field(
+        "mismatched", description="reference point from mismatched (x_i, y_i+1) pairs, or the batch's own ratios")
+
+
+class SupervisedRunConfig(Section):
+    model: ActorConfig = Field(default_factory=ActorConfig)
+    ds: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
+    data: SupervisedDataConfig = Field(default_factory=SupervisedDataConfig)
+    train: SupervisedTrainConfig = Field(default_factory=SupervisedTrainConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    ckpt: CkptConfig = Field(default_factory=CkptConfig)
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+
+    @model_validator(mode="after")
+    def _batches(self) -> SupervisedRunConfig:
+        if self.train.train_batch_size % self.train.micro_train_batch_size:
+            raise ValueError(f"train.train_batch_size={self.train.train_batch_size} must be a multiple of "
+                             f"train.micro_train_batch_size={self.train.micro_train_batch_size}")
+        if not self.model.pretrain:
+            raise ValueError("model.pretrain is required (a local HF folder; with model.build_tiny=true it is created)")
+        if not self.data.train_data:
+            raise ValueError("data.train_data is empty: give at least one file or save_to_disk folder")
+        return self
+
+
+class SFTRunConfig(SupervisedRunConfig):
+    loss: SFTLossConfig = Field(default_factory=SFTLossConfig)
+
+
+class RMRunConfig(SupervisedRunConfig):
+    loss: RMLossConfig = Field(default_factory=RMLossConfig)
+
+
+class DPORunConfig(SupervisedRunConfig):
+    loss: DPOLossConfig = Field(default_factory=DPOLossConfig)
+    ref: RefConfig = Field(default_factory=RefConfig, description="pretrain defaults to model.pretrain")
+
+
+class KTORunConfig(SupervisedRunConfig):
+    loss: KTOLossConfig = Field(default_factory=KTOLossConfig)
+    ref: RefConfig = Field(default_factory=RefConfig, description="pretrain defaults to model.pretrain")
+
+
+CONFIG_CLASSES: dict[str, type[SupervisedRunConfig]] = {
+    "sft": SFTRunConfig, "rm": RMRunConfig, "dpo": DPORunConfig, "kto": KTORunConfig,
+}
+
+
+def _allowed_keys(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    model = root
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return []
+        nested = [c for c in (field.annotation, *get_args(field.annotation))
+                  if isinstance(c, type) and issubclass(c, BaseModel)]
+        if not nested:
+            return []
+        model = nested[0]
+    return sorted(model.model_fields)
+
+
+def _format_error(root: type[BaseModel], err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for item in err.errors():
+        loc = tuple(item["loc"])
+        key = ".".join(str(p) for p in loc) or "config"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key; allowed here: {', '.join(_allowed_keys(root, loc)) or '?'}")
+        else:
+            value = item.get("input")
+            shown = "" if isinstance(value, dict) else f" (got {value!r})"
+            lines.append(f"  {key}: {item['msg']}{shown}")
+    return "\n".join(lines)
+
+
+def load_supervised_config(kind: str, path: str | Path | None = None,
+                           overrides: Sequence[str] = ()) -> SupervisedRunConfig:
+    """Config of an offline trainer (``kind`` in sft, rm, dpo, kto) from YAML + ``key=value`` overrides.
+
+    Raises:
+        ConfigError: naming the file and the dotted key at fault.
+    """
+    if kind not in CONFIG_CLASSES:
+        raise ConfigError(f"unknown trainer kind {kind!r}; choose one of {sorted(CONFIG_CLASSES)}")
+    root = CONFIG_CLASSES[kind]
+    base = _read_yaml(Path(path)) if path is not None else {}
+    dotlist = normalize_overrides(list(overrides))
+    try:
+        merged = OmegaConf.merge(OmegaConf.create(base), OmegaConf.from_dotlist(dotlist))
+        data = OmegaConf.to_container(merged, resolve=True)
+    except Exception as err:  # omegaconf raises several types for malformed input
+        raise ConfigError(f"cannot merge overrides {dotlist} into {path}: {err}") from err
+    source = f"{path or 'defaults'}" + (f" + overrides {dotlist}" if dotlist else "")
+    try:
+        return root.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(root, err, source)) from None

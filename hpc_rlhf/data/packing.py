@@ -1,0 +1,203 @@
+"""Micro-batches of token sequences, padded or packed, and the per-sequence reductions over them.
+
+A micro-batch is a list of :class:`TokenSample` (token ids + which tokens are training targets). It is
+laid out either
+
+* **padded**: one sample per row, right-padded, 2D attention mask; or
+* **packed**: several samples per row (first-fit decreasing into rows of ``max_tokens_per_row``), with
+  ``position_ids`` restarting at 0 for every sample and attention isolated between samples:
+  a 4D block-diagonal causal mask for eager / SDPA (transformers returns a 4D mask untouched), or, for
+  ``flash_attention_2`` / ``_3``, no mask at all: the rows are flattened into one (transformers detects
+  packing from ``position_ids`` only for a single row), it reads the sample boundaries from the
+  restarting ``position_ids`` and runs flash-attn's varlen kernel (no padding FLOPs).
+
+Both layouts carry ``segment_ids`` (which sample a token belongs to, -1 for padding), next-token
+``target_ids`` / ``target_mask`` aligned with the logits, and ``last_pos`` (row, column of each sample's
+last token, for reward-model scores). So one set of reductions (:func:`sequence_logprobs`,
+:func:`sequence_last_values`) serves both, and packed results equal padded ones up to float round-off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hpc_rlhf.models.logprobs import logprobs_from_logits
+
+FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
+
+
+@dataclass(frozen=True)
+class TokenSample:
+    """One sequence: ``input_ids`` and, per token, whether it is a training target (``loss_mask``)."""
+
+    input_ids: tuple[int, ...]
+    loss_mask: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.input_ids) != len(self.loss_mask):
+            raise ValueError(f"input_ids ({len(self.input_ids)}) and loss_mask ({len(self.loss_mask)}) differ in length")
+        if not self.input_ids:
+            raise ValueError("empty TokenSample")
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_targets(self) -> int:
+        """Trained tokens (the first token is never predicted, so it never counts)."""
+        return sum(self.loss_mask[1:])
+
+
+def pack_rows(lengths: Sequence[int], max_tokens_per_row: int) -> list[list[int]]:
+    """First-fit decreasing: sample indices per row, every row holding at most ``max_tokens_per_row``.
+
+    A sample longer than the budget gets a row of its own (the budget is a target, never a truncation).
+    Deterministic: ties keep the input order.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(max_tokens_per_row - lengths[i])
+    return rows
+
+
+def collate(samples: Sequence[TokenSample], pad_token_id: int, *, packing: bool = False,
+            max_tokens_per_row: int | None = None) -> dict[str, torch.Tensor | bool | int]:
+    """Lay out a micro-batch.
+
+    Returns a dict with (R rows, T columns, S samples):
+        ``input_ids`` (R, T) long, ``position_ids`` (R, T) long, ``segment_ids`` (R, T) long (sample index,
+        -1 on padding), ``target_ids`` (R, T) long (the next token of the same sample), ``target_mask``
+        (R, T) bool (that next token is trained on), ``last_pos`` (S, 2) long, ``packed`` bool,
+        ``num_samples`` int.
+    """
+    if not samples:
+        raise ValueError("cannot collate an empty micro-batch")
+    lengths = [len(s) for s in samples]
+    if packing:
+        budget = max(max_tokens_per_row or max(lengths), max(lengths))
+        rows = pack_rows(lengths, budget)
+    else:
+        rows = [[i] for i in range(len(samples))]
+    width = max(sum(lengths[i] for i in row) for row in rows)
+    shape = (len(rows), width)
+    input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    segment_ids = torch.full(shape, -1, dtype=torch.long)
+    target_ids = torch.full(shape, pad_token_id, dtype=torch.long)
+    target_mask = torch.zeros(shape, dtype=torch.bool)
+    last_pos = torch.zeros(len(samples), 2, dtype=torch.long)
+    for r, row in enumerate(rows):
+        col = 0
+        for i in row:
+            sample, n = samples[i], lengths[i]
+            ids = torch.tensor(sample.input_ids, dtype=torch.long)
+            input_ids[r, col:col + n] = ids
+            position_ids[r, col:col + n] = torch.arange(n)
+            segment_ids[r, col:col + n] = i
+            target_ids[r, col:col + n - 1] = ids[1:]
+            target_mask[r, col:col + n - 1] = torch.tensor(sample.loss_mask[1:], dtype=torch.bool)
+            last_pos[i] = torch.tensor([r, col + n - 1])
+            col += n
+        # Padding positions keep counting so that transformers' packed-sequence detection (used with
+        # flash-attn) sees the padding as one more segment, never as part of the last sample.
+        if col < width:
+            position_ids[r, col:] = torch.arange(width - col)
+    return {"input_ids": input_ids, "position_ids": position_ids, "segment_ids": segment_ids,
+            "target_ids": target_ids, "target_mask": target_mask, "last_pos": last_pos, "packed": packing,
+            "num_samples": len(samples)}
+
+
+def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(R, T) segment ids -> (R, 1, T, T) additive mask: 0 where a query may attend, ``finfo.min`` elsewhere.
+
+    A token attends to earlier-or-equal tokens of its own sample; a padding token (-1) only to itself,
+    so no softmax row is empty (no NaN).
+    """
+    length = segment_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)
+    real = (segment_ids >= 0).unsqueeze(2)
+    eye = torch.eye(length, dtype=torch.bool, device=segment_ids.device)
+    allowed = (same & causal & real) | eye
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.unsqueeze(1)
+
+
+def _flat_varlen(batch: dict, attn_implementation: str) -> bool:
+    # transformers' flash-attn path reads packed boundaries from position_ids only for a batch of ONE
+    # row (``_is_packed_sequence``); packed rows are therefore flattened into one row for flash-attn.
+    return bool(batch["packed"]) and attn_implementation in FLASH_IMPLEMENTATIONS
+
+
+def model_inputs(batch: dict, attn_implementation: str, dtype: torch.dtype, device: torch.device | str) -> dict:
+    """Keyword arguments for a HF model (or its base model) for this layout."""
+    kwargs = {"input_ids": batch["input_ids"].to(device), "position_ids": batch["position_ids"].to(device)}
+    if not batch["packed"]:
+        kwargs["attention_mask"] = (batch["segment_ids"] >= 0).long().to(device)
+    elif _flat_varlen(batch, attn_implementation):
+        # No mask: varlen flash-attn from the restarting position_ids of one flattened row.
+        kwargs = {k: v.reshape(1, -1) for k, v in kwargs.items()}
+        kwargs["attention_mask"] = None
+    else:
+        kwargs["attention_mask"] = block_causal_mask(batch["segment_ids"].to(device), dtype)
+    return kwargs
+
+
+def _unflatten(tensor: torch.Tensor, batch: dict, attn_implementation: str) -> torch.Tensor:
+    """(1, R*T, ...) back to (R, T, ...) after a flattened flash-attn forward."""
+    if not _flat_varlen(batch, attn_implementation):
+        return tensor
+    return tensor.reshape(*batch["input_ids"].shape, *tensor.shape[2:])
+
+
+def causal_lm_forward(model, batch: dict, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """Per-target-token log-probabilities (R, T) fp32 (0 where there is no target)."""
+    device = next(iter(getattr(model, "module", model).parameters())).device
+    logits = model(**model_inputs(batch, attn_implementation, dtype, device), use_cache=False).logits
+    logits = _unflatten(logits, batch, attn_implementation)
+    logps = logprobs_from_logits(logits, batch["target_ids"].to(device))
+    return torch.where(batch["target_mask"].to(device), logps, torch.zeros((), device=device))
+
+
+def sequence_logprobs(token_logps: torch.Tensor, batch: dict, mean: bool = False) -> torch.Tensor:
+    """Sum (or token mean) of target log-probabilities per sample: (R, T) -> (S,)."""
+    mask = batch["target_mask"].to(token_logps.device)
+    seg = batch["segment_ids"].to(token_logps.device).clamp(min=0)
+    num = batch["num_samples"]
+    sums = torch.zeros(num, dtype=token_logps.dtype, device=token_logps.device)
+    sums = sums.index_add(0, seg[mask], token_logps[mask])
+    if not mean:
+        return sums
+    counts = torch.zeros(num, dtype=token_logps.dtype, device=token_logps.device)
+    counts = counts.index_add(0, seg[mask], torch.ones_like(token_logps[mask]))
+    return sums / counts.clamp(min=1)
+
+
+def sequence_last_values(values: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Value at each sample's last token: (R, T) -> (S,) (reward-model scores)."""
+    pos = batch["last_pos"].to(values.device)
+    return values[pos[:, 0], pos[:, 1]]
+
+
+def value_model_forward(model, batch: dict, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """Reward-model scores (S,) fp32: the ``score`` head at each sample's last token."""
+    module = getattr(model, "module", model)
+    device = next(iter(module.parameters())).device
+    base = getattr(module, module.base_model_prefix)
+    hidden = base(**model_inputs(batch, attn_implementation, dtype, device), use_cache=False).last_hidden_state
+    hidden = _unflatten(hidden, batch, attn_implementation)
+    values = module.score(hidden).squeeze(-1).float()
+    return sequence_last_values(values, batch)

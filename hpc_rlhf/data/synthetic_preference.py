@@ -1,0 +1,73 @@
+"""Seeded arithmetic data for the offline CPU recipes and tests (SFT, preference pairs, KTO).
+
+``a+b=`` prompts (operands ``0..max_operand``); the correct sum is the SFT target, the chosen answer of
+a pair and a desirable KTO completion; a wrong sum is the rejected answer / an undesirable completion.
+Written once per path with an atomic rename under a file lock (safe when every rank calls it).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from filelock import FileLock
+
+TASKS = ("sft_arithmetic", "preference_arithmetic", "kto_arithmetic")
+
+
+def _wrong_answer(rng: random.Random, a: int, b: int, max_operand: int) -> str:
+    right = a + b
+    while True:
+        wrong = rng.randint(0, 2 * max_operand)
+        if wrong != right:
+            return str(wrong)
+
+
+def task_rows(task: str, num_samples: int, seed: int, max_operand: int = 9) -> list[dict]:
+    if task not in TASKS:
+        raise ValueError(f"unknown data.synthetic_task {task!r}; known: {', '.join(TASKS)}")
+    rng = random.Random(seed)
+    rows = []
+    for i in range(num_samples):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        prompt, right = f"{a}+{b}=", str(a + b)
+        if task == "sft_arithmetic":
+            rows.append({"input": prompt, "output": right})
+        elif task == "preference_arithmetic":
+            rows.append({"prompt": prompt, "chosen": right, "rejected": _wrong_answer(rng, a, b, max_operand)})
+        else:
+            desirable = i % 2 == 0  # balanced labels
+            answer = right if desirable else _wrong_answer(rng, a, b, max_operand)
+            rows.append({"prompt": prompt, "completion": answer, "label": desirable})
+    return rows
+
+
+def write_supervised_task_if_missing(task: str, path: str | Path, num_samples: int, seed: int,
+                                     max_operand: int = 9) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if path.exists():
+            return path
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        rows = task_rows(task, num_samples, seed, max_operand)
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(path)
+    return path
+
+
+def prepare_supervised_assets(cfg) -> None:
+    """Build the tiny model and write the synthetic train / eval files a CPU recipe asks for (once)."""
+    if cfg.model.build_tiny:
+        from hpc_rlhf.models.tiny import build_tiny_model
+
+        build_tiny_model(cfg.model.pretrain, seed=cfg.train.seed)
+    data = cfg.data
+    if data.synthetic_task:
+        write_supervised_task_if_missing(data.synthetic_task, data.train_data[0], data.synthetic_num_samples,
+                                         cfg.train.seed, data.synthetic_max_operand)
+        if data.eval_data:
+            # A different seed: held-out rows (with single digits the (a, b) pairs themselves repeat).
+            write_supervised_task_if_missing(data.synthetic_task, data.eval_data[0], data.synthetic_eval_samples,
+                                             cfg.train.seed + 10_000, data.synthetic_max_operand)
