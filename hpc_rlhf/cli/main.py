@@ -12,6 +12,8 @@ COMMANDS = {
     "train-rm": ("hpc_rlhf.cli.train_rm", "reward model on preference pairs"),
     "train-dpo": ("hpc_rlhf.cli.train_dpo", "DPO / IPO / cDPO"),
     "train-kto": ("hpc_rlhf.cli.train_kto", "KTO"),
+    "submit": ("hpc_rlhf.cli.submit", "submit a run to SLURM with submitit (plan check first)"),
+    "quickstart": ("hpc_rlhf.cli.quickstart", "SFT then GRPO on this CPU in minutes, no downloads"),
     "serve-rm": ("hpc_rlhf.cli.serve_rm", "serve a reward model over HTTP (OpenRLHF /get_reward)"),
 }
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from hpc_rlhf.cli.common import parse_run_args, prepare_local_assets, start_world
+from hpc_rlhf.trainers.preemption import preemption_guard
 
 
 def main(argv: list[str] | None = None) -> None:
+    preemption_guard()  # first: a SLURM signal during start-up is kept, not fatal
     cfg = parse_run_args("train_ppo", argv)
     prepare_local_assets(cfg)
     _, world = start_world(cfg)

@@ -34,8 +34,9 @@ from hpc_rlhf.trainers.controller_math import (
 )
 from hpc_rlhf.trainers.experience import cat_rows, pack_trajectories, split_rows
 from hpc_rlhf.trainers.ppo_workers import forward_logprobs, forward_values, train_actor, train_critic
-from hpc_rlhf.trainers.preemption import PreemptionGuard, requeue_slurm_job
+from hpc_rlhf.trainers.preemption import preemption_guard, requeue_slurm_job
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
+from hpc_rlhf.utils.watchdog import STALL_EXIT_CODE, Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,9 @@ class PPOTrainer:
     def fit(self) -> list[dict[str, Any]]:
         """Run the remaining steps; returns the metrics rows (rank 0). Stops early on SLURM's signals."""
         start = self.resume() if self.cfg.ckpt.load else 0
-        guard = PreemptionGuard().install()
+        guard = preemption_guard()
+        watchdog = Watchdog(self.cfg.train.watchdog_timeout_s, rank=self.rank, exit_code=STALL_EXIT_CODE).start() \
+            if self.cfg.train.watchdog_timeout_s else None
         history = []
         progress = ppo_setup.progress_bar(self.num_steps, self.world.is_controller)
         progress.update(start)
@@ -101,6 +104,8 @@ class PPOTrainer:
                 history.append(row)
                 progress.set_postfix(reward=f"{row['reward']:.3f}", refresh=False)
             progress.update(1)
+            if watchdog:
+                watchdog.beat()
             stop = guard.agreed_stop()
             save_steps = self.cfg.ckpt.save_steps
             if stop or (save_steps and (step % save_steps == 0 or step == self.num_steps)):
@@ -111,6 +116,8 @@ class PPOTrainer:
                     requeue_slurm_job()
                 break
         progress.close()
+        if watchdog:
+            watchdog.stop()
         if not self.stopped_by_signal:
             self.export()
         if self.metrics:

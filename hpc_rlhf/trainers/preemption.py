@@ -44,6 +44,18 @@ class PreemptionGuard:
         return bool(flag.item())
 
 
+_GUARD: PreemptionGuard | None = None
+
+
+def preemption_guard() -> PreemptionGuard:
+    """The process-wide guard, installed on first use. Entry points call it before loading anything,
+    so a signal that arrives during start-up is remembered instead of killing the rank."""
+    global _GUARD
+    if _GUARD is None:
+        _GUARD = PreemptionGuard().install()
+    return _GUARD
+
+
 def requeue_slurm_job() -> bool:
     """``scontrol requeue $SLURM_JOB_ID`` (rank 0 only). Returns whether a requeue was requested."""
     array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")

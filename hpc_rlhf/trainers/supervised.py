@@ -39,7 +39,7 @@ from hpc_rlhf.data.prompts import PromptStream
 from hpc_rlhf.dist.world import comm_device, init_world
 from hpc_rlhf.engines.deepspeed_engine import FrozenEngine, TrainEngine, gradient_accumulation_steps
 from hpc_rlhf.models.loading import load_causal_lm, resolve_attn_implementation, resolve_dtype
-from hpc_rlhf.trainers.preemption import PreemptionGuard, requeue_slurm_job
+from hpc_rlhf.trainers.preemption import preemption_guard, requeue_slurm_job
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class SupervisedTrainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, Any]]:
         tcfg = self.cfg.train
-        guard = PreemptionGuard().install()
+        guard = preemption_guard()
         rows: list[dict[str, Any]] = []
         if self.step == 0 and self.eval_set:
             rows.append(self._log(0, self.evaluate()))
@@ -311,6 +311,7 @@ def run_supervised(kind: str, module: str, class_name: str, argv: list[str] | No
 
     from hpc_rlhf.data.synthetic_preference import prepare_supervised_assets
 
+    preemption_guard()
     cfg = parse_supervised_args(kind, argv)
     start_supervised_world(cfg)
     if dist.get_rank() == 0:

@@ -21,6 +21,11 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple, res
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
     )
+    import torch
+
+    # torch is already imported here, so OMP_NUM_THREADS above comes too late for it: 4 ranks with 2
+    # threads each on 2 cores thrash.
+    torch.set_num_threads(1)
     from hpc_rlhf.dist.world import init_world
 
     init_world(timeout_s=120, backend="gloo")

@@ -21,16 +21,16 @@ def assets(tmp_path_factory):
 
 def _fit(rank, world_size, overrides, stop_after=None, fail_save_at=None):
     """Train; optionally behave as if SLURM signalled after ``stop_after`` steps, or fail a save."""
-    import hpc_rlhf.trainers.ppo as ppo_module
+    from hpc_rlhf.trainers import preemption
 
     steps_seen = {"n": 0}
-    original = ppo_module.PreemptionGuard.agreed_stop
+    original = preemption.PreemptionGuard.agreed_stop
 
     def agreed_stop(guard):
         steps_seen["n"] += 1
         return original(guard) or steps_seen["n"] == stop_after
 
-    ppo_module.PreemptionGuard.agreed_stop = agreed_stop
+    preemption.PreemptionGuard.agreed_stop = agreed_stop
     trainer = run_trainer(rank, world_size, overrides)
     if fail_save_at is not None:
         save = trainer.save_checkpoint

@@ -1,0 +1,78 @@
+"""A real local SLURM (``bash .ci/setup_slurm.sh``): helpers to submit and wait; skip when absent."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
+            item.add_marker(pytest.mark.slurm)
+
+
+def _controller_problem() -> str | None:
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        return "SLURM is not installed (no sinfo/sbatch); run: sudo bash .ci/setup_slurm.sh"
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%P %T"], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer within 20 s (slurmctld not responding)"
+    if out.returncode != 0:
+        return f"slurmctld is not responding ({out.stderr.strip()}); run: sudo bash .ci/setup_slurm.sh"
+    states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
+    if "debug*" not in states and "debug" not in states:
+        return f"no partition 'debug' (sinfo: {out.stdout.strip()!r}); run: sudo bash .ci/setup_slurm.sh"
+    state = states.get("debug*", states.get("debug", ""))
+    if not state.startswith(("idle", "mix", "alloc", "compl")):
+        return f"partition debug's node is {state!r}, not usable"
+    return None
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> None:
+    problem = _controller_problem()
+    if problem:
+        pytest.skip(problem)
+
+
+def sbatch(*args: str) -> str:
+    """Submit; return the job id. Every job runs in the repository root."""
+    out = subprocess.run(["sbatch", "--parsable", "--chdir", str(ROOT), *args], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, f"sbatch failed: {out.stderr}"
+    return out.stdout.strip().split(";")[0]
+
+
+def job_info(job_id: str) -> dict[str, str]:
+    """``scontrol show job`` as a dict ({} once the controller forgot the job). No sacct here."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        return {}
+    return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+
+
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+         "PREEMPTED"}
+
+
+def wait_job(job_id: str, timeout_s: float, log: Path | None = None) -> dict[str, str]:
+    """Poll until the job reaches a final state; cancel it and fail if it takes longer than timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    info: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        info = job_info(job_id)
+        if info.get("JobState") in FINAL:
+            return info
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id], check=False)
+    tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else "(no log)"
+    pytest.fail(f"job {job_id} not finished after {timeout_s:.0f}s (state {info.get('JobState')}); log tail:\n{tail}")

@@ -1,0 +1,97 @@
+"""Watchdog: stack dumps with the rank id on a stall, optional exit, C backstop when the GIL is held."""
+
+import io
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from hpc_rlhf.utils.watchdog import STALL_EXIT_CODE, Watchdog
+
+
+def _run(code: str, timeout: float = 30, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_stall_dumps_all_threads_with_rank_and_exits():
+    start = time.monotonic()
+    proc = _run("""
+        import threading, time
+        from hpc_rlhf.utils.watchdog import Watchdog
+        def helper_waits_here():
+            time.sleep(60)
+        threading.Thread(target=helper_waits_here, name="helper", daemon=True).start()
+        wd = Watchdog(0.5, exit_code=7).start()
+        for _ in range(3):
+            time.sleep(0.1)
+            wd.beat()
+        def main_is_stuck_here():
+            time.sleep(60)
+        main_is_stuck_here()
+    """, env={"SLURM_PROCID": "3"})
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 7, proc.stderr
+    assert elapsed < 20
+    err = proc.stderr
+    assert "[rank 3] watchdog: no progress for" in err and "3 beats so far" in err
+    assert "main_is_stuck_here" in err and "helper_waits_here" in err  # every thread's stack
+    assert "[rank 3] watchdog: end of stacks" in err
+
+
+def test_beats_keep_it_quiet_and_stop_is_clean():
+    proc = _run("""
+        import time
+        from hpc_rlhf.utils.watchdog import Watchdog
+        with Watchdog(0.4, rank=1, exit_code=9) as wd:
+            for _ in range(12):
+                time.sleep(0.1)
+                wd.beat()
+        time.sleep(1.0)  # stopped: a long pause after stop() must not fire
+        print("done")
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "done"
+    assert "watchdog" not in proc.stderr
+
+
+def test_without_exit_code_dumps_once_per_stall_and_recovers():
+    buf = io.StringIO()
+    wd = Watchdog(0.2, rank=5, stream=buf, backstop=False).start()
+    try:
+        time.sleep(0.7)  # one stall -> exactly one dump
+        assert wd.num_dumps == 1
+        wd.beat()
+        time.sleep(0.5)  # a second stall after the beat -> a second dump
+        assert wd.num_dumps == 2
+    finally:
+        wd.stop()
+    text = buf.getvalue()
+    assert text.count("[rank 5] watchdog: no progress") == 2
+    assert "test_without_exit_code_dumps_once_per_stall_and_recovers" in text
+
+
+def test_backstop_fires_when_the_gil_is_held():
+    # A pathological regex runs in C without releasing the GIL: the Python thread cannot run, the
+    # faulthandler timer (C thread) still dumps and exits.
+    start = time.monotonic()
+    proc = _run("""
+        import re
+        from hpc_rlhf.utils.watchdog import Watchdog
+        Watchdog(0.3, exit_code=5, backstop_factor=2.0).start()
+        re.match(r"(a+)+$", "a" * 40 + "b")
+    """)
+    assert time.monotonic() - start < 20
+    assert proc.returncode == 1, proc.stderr  # faulthandler's exit code
+    # backstop at max(2 x 0.3, 0.3 + 1) = 1.3 s; the stack shows where the main thread is stuck
+    assert "Timeout (0:00:01.3" in proc.stderr and " in match" in proc.stderr
+
+
+def test_rejects_non_positive_timeout():
+    with pytest.raises(ValueError, match="> 0"):
+        Watchdog(0)
+    assert STALL_EXIT_CODE == 124
