@@ -88,8 +88,12 @@ def plot(metrics_path: Path, accuracies: dict[str, float], out: Path) -> None:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["reward"] for r in rows], label="GRPO reward (train rollouts)")
-    ax.plot(steps, [r.get("accuracy", r["score"]) for r in rows], label="train rollout accuracy", alpha=0.7)
+    rewards = [r["reward"] for r in rows]
+    window = max(1, len(rewards) // 25)
+    smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+              for i in range(len(rewards))]
+    ax.plot(steps, rewards, alpha=0.35, label="reward = accuracy of sampled rollouts")
+    ax.plot(steps, smooth, label=f"reward, {window}-step mean")
     for (name, acc), style in zip(accuracies.items(), (":", "--", "-."), strict=False):
         ax.axhline(acc, linestyle=style, color="gray", label=f"held-out accuracy {name}: {acc:.2f}")
     ax.set_xlabel("GRPO step")
@@ -105,8 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-dir", default="runs/quickstart")
     p.add_argument("--nproc", type=int, default=2, help="ranks (processes) per stage")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sft-samples", type=int, default=3072)
-    p.add_argument("--rl-steps", type=int, default=40)
+    p.add_argument("--sft-samples", type=int, default=10240)
+    p.add_argument("--rl-steps", type=int, default=500)
     args = p.parse_args(argv)
     started = time.time()
     run = (ROOT / args.output_dir).resolve()
@@ -126,11 +130,13 @@ def main(argv: list[str] | None = None) -> None:
 
     torchrun(args.nproc, "hpc_rlhf.cli.train_ppo", [
         "--config", "configs/grpo_tiny_cpu.yaml", f"actor.pretrain={run / 'sft' / 'model'}", "actor.build_tiny=false",
-        "actor.learning_rate=2e-5", f"reward.reward_func_path={EXACT_REWARD}", f"data.prompt_data=[{data['rl']}]",
-        "data.synthetic_task=null", f"train.max_steps={args.rl_steps}", f"train.output_dir={run / 'grpo'}",
-        "rollout.temperature=1.0", "rollout.n_samples_per_prompt=8", "rollout.rollout_batch_size=16",
-        "train.train_batch_size=128", "train.micro_train_batch_size=64", "rollout.micro_rollout_batch_size=64"])
+        "actor.learning_rate=3e-4", f"reward.reward_func_path={EXACT_REWARD}", f"data.prompt_data=[{data['rl']}]",
+        "data.synthetic_task=null", f"train.max_steps={args.rl_steps}", "train.num_episodes=8",
+        f"train.output_dir={run / 'grpo'}", "rollout.temperature=1.0", "rollout.n_samples_per_prompt=8",
+        "rollout.rollout_batch_size=32", "train.train_batch_size=256", "train.micro_train_batch_size=128",
+        "rollout.micro_rollout_batch_size=128"])
     acc["after GRPO"] = heldout_accuracy(run / "grpo" / "model", data["heldout"])
+    write_jsonl(run / "accuracy.jsonl", [{"stage": k, "heldout_accuracy": v} for k, v in acc.items()])
 
     plot(run / "grpo" / "metrics.jsonl", acc, run / "quickstart.png")
     minutes = (time.time() - started) / 60
