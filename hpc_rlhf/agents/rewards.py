@@ -36,7 +36,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import inspect
-import math
 import numbers
 import os
 import sys

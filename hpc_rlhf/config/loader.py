@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, TypeVar, get_args
 
 import yaml
 from omegaconf import OmegaConf
@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from hpc_rlhf.config.schema import RunConfig
 
 RESOLVED_CONFIG_NAME = "config.resolved.yaml"
+T = TypeVar("T", bound=BaseModel)
 
 
 class ConfigError(ValueError):
@@ -54,9 +55,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
+def _allowed_keys(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     """Field names of the section that contains the dotted location ``loc``."""
-    model: type[BaseModel] = RunConfig
+    model = root
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
         if field is None:
@@ -69,13 +70,13 @@ def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
     return sorted(model.model_fields)
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
+def _format_validation_error(root: type[BaseModel], err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for item in err.errors():
         loc = tuple(item["loc"])
         key = ".".join(str(p) for p in loc) or "config"
         if item["type"] == "extra_forbidden":
-            allowed = ", ".join(_allowed_keys(loc)) or "?"
+            allowed = ", ".join(_allowed_keys(root, loc)) or "?"
             lines.append(f"  {key}: unknown key; allowed here: {allowed}")
         else:
             value = item.get("input")
@@ -84,8 +85,9 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
-    """Build the run config from a YAML recipe and ``key=value`` overrides.
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
+                root: type[T] = RunConfig) -> T:
+    """Build a config tree (``root``: the RL ``RunConfig`` by default) from YAML and ``key=value`` overrides.
 
     Raises:
         ConfigError: naming the file and the dotted key at fault.
@@ -99,12 +101,12 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         raise ConfigError(f"cannot merge overrides {dotlist} into {path}: {err}") from err
     source = f"{path or 'defaults'}" + (f" + overrides {dotlist}" if dotlist else "")
     try:
-        return RunConfig.model_validate(data)
+        return root.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, source)) from None
+        raise ConfigError(_format_validation_error(root, err, source)) from None
 
 
-def save_resolved_config(cfg: RunConfig, output_dir: str | Path) -> Path:
+def save_resolved_config(cfg: BaseModel, output_dir: str | Path) -> Path:
     """Write the fully resolved config next to the run's outputs, for reproducibility."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

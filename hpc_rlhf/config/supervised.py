@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Literal
 
-from omegaconf import OmegaConf
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from hpc_rlhf.config.loader import ConfigError, _read_yaml, normalize_overrides
+from hpc_rlhf.config.loader import ConfigError, load_config
 from hpc_rlhf.config.schema import (
     ActorConfig,
     CkptConfig,
@@ -152,34 +151,6 @@ CONFIG_CLASSES: dict[str, type[SupervisedRunConfig]] = {
 }
 
 
-def _allowed_keys(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
-    model = root
-    for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        if field is None:
-            return []
-        nested = [c for c in (field.annotation, *get_args(field.annotation))
-                  if isinstance(c, type) and issubclass(c, BaseModel)]
-        if not nested:
-            return []
-        model = nested[0]
-    return sorted(model.model_fields)
-
-
-def _format_error(root: type[BaseModel], err: ValidationError, source: str) -> str:
-    lines = [f"invalid config ({source}):"]
-    for item in err.errors():
-        loc = tuple(item["loc"])
-        key = ".".join(str(p) for p in loc) or "config"
-        if item["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key; allowed here: {', '.join(_allowed_keys(root, loc)) or '?'}")
-        else:
-            value = item.get("input")
-            shown = "" if isinstance(value, dict) else f" (got {value!r})"
-            lines.append(f"  {key}: {item['msg']}{shown}")
-    return "\n".join(lines)
-
-
 def load_supervised_config(kind: str, path: str | Path | None = None,
                            overrides: Sequence[str] = ()) -> SupervisedRunConfig:
     """Config of an offline trainer (``kind`` in sft, rm, dpo, kto) from YAML + ``key=value`` overrides.
@@ -189,16 +160,4 @@ def load_supervised_config(kind: str, path: str | Path | None = None,
     """
     if kind not in CONFIG_CLASSES:
         raise ConfigError(f"unknown trainer kind {kind!r}; choose one of {sorted(CONFIG_CLASSES)}")
-    root = CONFIG_CLASSES[kind]
-    base = _read_yaml(Path(path)) if path is not None else {}
-    dotlist = normalize_overrides(list(overrides))
-    try:
-        merged = OmegaConf.merge(OmegaConf.create(base), OmegaConf.from_dotlist(dotlist))
-        data = OmegaConf.to_container(merged, resolve=True)
-    except Exception as err:  # omegaconf raises several types for malformed input
-        raise ConfigError(f"cannot merge overrides {dotlist} into {path}: {err}") from err
-    source = f"{path or 'defaults'}" + (f" + overrides {dotlist}" if dotlist else "")
-    try:
-        return root.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(_format_error(root, err, source)) from None
+    return load_config(path, overrides, root=CONFIG_CLASSES[kind])

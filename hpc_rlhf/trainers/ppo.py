@@ -13,7 +13,6 @@ train -> sync -> offload.
 from __future__ import annotations
 
 import logging
-import random
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +35,10 @@ from hpc_rlhf.trainers.experience import cat_rows, pack_trajectories, split_rows
 from hpc_rlhf.trainers.ppo_workers import forward_logprobs, forward_values, train_actor, train_critic
 from hpc_rlhf.trainers.preemption import preemption_guard, requeue_slurm_job
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
+from hpc_rlhf.utils.seeding import seed_everything
 from hpc_rlhf.utils.watchdog import STALL_EXIT_CODE, Watchdog
 
 log = logging.getLogger(__name__)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def _split_even(items: list[Any], parts: int) -> list[list[Any]]:

@@ -20,14 +20,12 @@ ratios such as accuracy are exact over the global batch.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -41,6 +39,7 @@ from hpc_rlhf.engines.deepspeed_engine import FrozenEngine, TrainEngine, gradien
 from hpc_rlhf.models.loading import load_causal_lm, resolve_attn_implementation, resolve_dtype
 from hpc_rlhf.trainers.preemption import preemption_guard, requeue_slurm_job
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
+from hpc_rlhf.utils.seeding import seed_everything
 
 log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
@@ -54,12 +53,6 @@ def start_supervised_world(cfg: SupervisedRunConfig):
     logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING,
                         format=f"[rank{env.rank}] %(asctime)s %(name)s: %(message)s")
     return env
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def load_tokenizer(path: str):
