@@ -48,6 +48,7 @@ class Trajectory:
     finish_reason: str = ""
     extra_logs: dict = field(default_factory=dict)
     group_index: int = 0  # the prompt's index within the step; samples of one prompt share it
+    policy_version: int = 0  # weight syncs the rollout engine had received when it generated this sample
 
     @property
     def num_response_tokens(self) -> int:

@@ -17,9 +17,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_run_args("train_ppo", argv)
     prepare_local_assets(cfg)
     _, world = start_world(cfg)
-    from hpc_rlhf.trainers.ppo import PPOTrainer
+    from hpc_rlhf.trainers.ppo_async import trainer_class
 
-    PPOTrainer(cfg, world).fit()
+    trainer_class(cfg)(cfg, world).fit()
     dist.destroy_process_group()
 
 

@@ -171,7 +171,10 @@ class TrainConfig(Section):
     agent_step_timeout_s: float = Field(300.0, gt=0)
     async_train: bool = False
     async_queue_size: int = Field(1, ge=1)
-    max_staleness: int = Field(1, ge=0)
+    max_staleness: int = Field(1, ge=0, description="policy versions a trained sample may lag behind")
+    staleness_policy: Literal["wait", "drop"] = Field(
+        "wait", description="wait: generate at most max_staleness batches ahead; drop: drop older samples"
+    )
     partial_rollout: bool = False
     collective_timeout_s: int = Field(1800, ge=1)
     watchdog_timeout_s: int | None = Field(None, ge=1)

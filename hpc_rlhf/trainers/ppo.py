@@ -13,6 +13,7 @@ train -> sync -> offload.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ class PPOTrainer:
                                      resume=cfg.ckpt.load) if world.is_controller else None
         self.ckpt = ppo_checkpoint.make_manager(cfg)
         self.stopped_by_signal = False
+        self.policy_version = 0  # weight syncs done; the rollout side stamps it on every sample
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, Any]]:
@@ -74,25 +76,15 @@ class PPOTrainer:
         watchdog = Watchdog(self.cfg.train.watchdog_timeout_s, rank=self.rank, exit_code=STALL_EXIT_CODE).start() \
             if self.cfg.train.watchdog_timeout_s else None
         history = []
+        self.before_steps(start)
         progress = ppo_setup.progress_bar(self.num_steps, self.world.is_controller)
         progress.update(start)
         for step in range(start + 1, self.num_steps + 1):
             timer = PhaseTimer()
             with timer("step"):
-                prompts = self.data.next_prompts() if self.world.is_controller else None
-                with timer("generation"):
-                    trajectories = self.generate(prompts, step)
-                with timer("reward"):
-                    trajectories = self.score(trajectories)
-                with timer("make_experience"):
-                    batch = self.make_experience(trajectories)
-                with timer("train"):
-                    train_stats = self.train(batch)
-                with timer("weight_sync"):
-                    self.sync_weights()
+                row = self.step(step, timer)
             if self.world.is_controller:
-                row = {**rollout_metrics(trajectories, batch, timer.seconds["generation"]), **train_stats,
-                       **timer.metrics(), "kl_coef": self.data.kl_controller.value}
+                row = {**row, **timer.metrics(), "kl_coef": self.data.kl_controller.value}
                 self.data.after_step(row)
                 self.metrics.log(step, row)
                 history.append(row)
@@ -118,26 +110,66 @@ class PPOTrainer:
             self.metrics.close()
         return history
 
+    def before_steps(self, start: int) -> None:
+        """Hook before the first step (the asynchronous trainer fills its rollout queue here)."""
+
+    def step(self, step: int, timer: PhaseTimer) -> dict[str, Any] | None:
+        """One synchronous step; returns the metrics row on rank 0."""
+        prompts = self.data.next_prompts() if self.world.is_controller else None
+        with timer("generation"):
+            trajectories = self.generate(prompts, step)
+        with timer("reward"):
+            trajectories = self.score(trajectories)
+        with timer("make_experience"):
+            batch = self.make_experience(trajectories)
+        with timer("train"):
+            train_stats = self.train(batch)
+        with timer("weight_sync"):
+            self.sync_weights()
+        if not self.world.is_controller:
+            return None
+        return {**rollout_metrics(trajectories, batch, timer.seconds["generation"]), **train_stats}
+
     # ------------------------------------------------------------------ phases
     def generate(self, prompts: list | None, step: int) -> list | None:
         """Scatter prompts over the rollout engines; each runs the agent executor; gather trajectories."""
+        mine = self.dispatch_prompts(prompts)
+        return self.collect_trajectories(self.run_rollouts(mine, step))[0]
+
+    def dispatch_prompts(self, prompts: list | None) -> list | None:
+        """Rank 0 -> rollout ranks: each engine's share of the step's prompts."""
         groups = self.world.roles["rollout"]
         if self.rank not in groups.controller_ranks:
             return None
         shards = _split_even(prompts, len(groups.dp_leaders)) if self.rank == 0 else None
-        mine = scatter_to_role(shards, groups)
-        result = None
-        if self.rank in groups.ranks:
-            rollout = self.roles.rollout
-            rollout.engine.wake_up()
-            # One seed per (step, engine) keeps sampling reproducible and different across engines.
-            seed = self.cfg.train.seed * 100_003 + step * 1_009 + groups.dp_rank_of[self.rank]
-            result = rollout.executor.run(mine, rollout.engine.generate, rollout.sampling(seed),
-                                          self.cfg.rollout.n_samples_per_prompt)
-            if self.cfg.train.colocate_all:
-                rollout.engine.sleep()
+        return scatter_to_role(shards, groups)
+
+    def run_rollouts(self, prompts: list | None, step: int) -> tuple[list, float] | None:
+        """On rollout ranks: the agent executor over this engine's prompts -> (trajectories, seconds)."""
+        if self.roles.rollout is None:
+            return None
+        start = time.perf_counter()
+        rollout, groups = self.roles.rollout, self.world.roles["rollout"]
+        rollout.engine.wake_up()
+        # One seed per (step, engine) keeps sampling reproducible and different across engines.
+        seed = self.cfg.train.seed * 100_003 + step * 1_009 + groups.dp_rank_of[self.rank]
+        trajectories = rollout.executor.run(prompts, rollout.engine.generate, rollout.sampling(seed),
+                                            self.cfg.rollout.n_samples_per_prompt)
+        for t in trajectories:
+            t.policy_version = self.policy_version
+        if self.cfg.train.colocate_all:
+            rollout.engine.sleep()
+        return trajectories, time.perf_counter() - start
+
+    def collect_trajectories(self, result: tuple[list, float] | None) -> tuple[list | None, float]:
+        """Rollout ranks -> rank 0: all trajectories in prompt order, and the slowest engine's seconds."""
+        groups = self.world.roles["rollout"]
+        if self.rank not in groups.controller_ranks:
+            return None, 0.0
         gathered = gather_from_role(result, groups)
-        return [t for part in gathered for t in part] if self.rank == 0 else None
+        if self.rank != 0:
+            return None, 0.0
+        return [t for part, _ in gathered for t in part], max(seconds for _, seconds in gathered)
 
     def score(self, trajectories: list | None) -> list | None:
         """Rewards from a function, a remote server, a reward-model role, or the agent's environment."""
@@ -224,6 +256,7 @@ class PPOTrainer:
                 self.roles.rollout.engine.update_weights(bucket)
             self.roles.rollout.engine.reset_prefix_cache()
             self.roles.actor.offload_states()
+            self.policy_version += 1
             return
         if self.rank in actor.ranks:
             # Gathering is collective over the actor ranks; rank 0 forwards each bucket.
@@ -236,6 +269,7 @@ class PPOTrainer:
             while (bucket := broadcast_to_role(None, rollout)) is not None:
                 self.roles.rollout.engine.update_weights(bucket.items())
             self.roles.rollout.engine.reset_prefix_cache()
+        self.policy_version += 1
 
     def export(self) -> None:
         """Write the final actor in HF format (safetensors + tokenizer) into the run directory."""
@@ -249,7 +283,15 @@ class PPOTrainer:
         if self.world.is_controller:
             state = {"stream": self.data.stream.state_dict(), "kl": self.data.kl_controller.state_dict(),
                      "reward_norm": self.data.reward_normalizer.state_dict()}
-        ppo_checkpoint.save(self.ckpt, step, self.roles, self.world, state)
+        ppo_checkpoint.save(self.ckpt, step, self.roles, self.world, state,
+                            self.checkpoint_buffers() if self.world.is_controller else None)
+
+    def checkpoint_buffers(self) -> Any:
+        """Controller objects to keep across a restart beyond the JSON state (none when synchronous)."""
+        return None
+
+    def restore_buffers(self, buffers: Any) -> None:
+        pass
 
     def resume(self) -> int:
         """Restore ``LATEST`` (weights, optimizer, data position, controllers, RNG); returns its step."""
@@ -258,8 +300,10 @@ class PPOTrainer:
             self.data.stream.load_state_dict(state["stream"])
             self.data.kl_controller.load_state_dict(state["kl"])
             self.data.reward_normalizer.load_state_dict(state["reward_norm"])
+            self.restore_buffers(state.get("buffers"))
             self.metrics.truncate_after(step)
         if step:
+            self.policy_version = step - 1  # one sync per step; the sync below makes it ``step``
             self.sync_weights()  # the rollout engines start from the restored actor
         return step
 

@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from hpc_rlhf.ckpt import CheckpointManager, load_json, load_rank_rng, save_json_atomic, save_rank_rng
@@ -20,6 +21,7 @@ log = logging.getLogger(__name__)
 TRAINED_ROLES = ("actor", "critic")
 DS_TAG = "ds"
 CONTROLLER_FILE = "controller.json"
+BUFFERS_FILE = "controller_buffers.pt"
 
 
 def checkpoint_root(cfg: RunConfig) -> Path:
@@ -30,8 +32,13 @@ def make_manager(cfg: RunConfig) -> CheckpointManager:
     return CheckpointManager(checkpoint_root(cfg), max_num=cfg.ckpt.max_num)
 
 
-def save(manager: CheckpointManager, step: int, roles: Any, world: Any, controller_state: dict | None) -> None:
-    """Collective over the world: every rank calls it at the same step."""
+def save(manager: CheckpointManager, step: int, roles: Any, world: Any, controller_state: dict | None,
+         buffers: Any = None) -> None:
+    """Collective over the world: every rank calls it at the same step.
+
+    ``buffers`` (rank 0): Python objects too rich for JSON, such as generated but not yet trained
+    trajectories of an asynchronous run; pickled with ``torch.save``.
+    """
     from hpc_rlhf.engines.deepspeed_engine import TrainEngine
 
     with manager.saving(step) as tmp:
@@ -46,6 +53,8 @@ def save(manager: CheckpointManager, step: int, roles: Any, world: Any, controll
         save_rank_rng(tmp, world.rank)
         if controller_state is not None:
             save_json_atomic(tmp / CONTROLLER_FILE, {"step": step, **controller_state})
+        if buffers is not None:
+            torch.save(buffers, tmp / BUFFERS_FILE)
     log.info("checkpoint step %d saved to %s", step, manager.step_dir(step))
 
 
@@ -66,6 +75,9 @@ def restore(manager: CheckpointManager, roles: Any, world: Any) -> tuple[int, di
             engine.load_checkpoint(str(latest / role), tag=DS_TAG)
     load_rank_rng(latest, world.rank)
     state = load_json(latest / CONTROLLER_FILE) if world.rank == 0 else None
+    if state is not None and (latest / BUFFERS_FILE).is_file():
+        # Our own pickle of trajectories (dataclasses), written by rank 0 of this run's code.
+        state["buffers"] = torch.load(latest / BUFFERS_FILE, weights_only=False)
     step_box = [state["step"] if state else None]
     dist.broadcast_object_list(step_box, src=0)
     log.info("resumed from %s (step %d)", latest, step_box[0])

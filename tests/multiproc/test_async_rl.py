@@ -1,0 +1,107 @@
+"""Asynchronous RL on 3 gloo ranks (actor 2, rollout 1): bounded staleness, agents that fail, exact resume."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpc_rlhf.utils.metrics import read_metrics
+from tests.multiproc.rl_fixtures import grpo_overrides, make_assets
+from tests.multiproc.spawn import run_on_ranks
+from tests.multiproc.test_resume import _assert_same_rows
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return make_assets(tmp_path_factory.mktemp("assets"))
+
+
+def _async(assets, out, *extra):
+    return grpo_overrides(assets, out, "train.colocate_all=false", "train.async_train=true", "actor.num_ranks=2",
+                          "rollout.num_engines=1", "algo.is_correction=tis", *extra)
+
+
+def _fit_async(rank, world_size, overrides, stop_after=None):
+    from hpc_rlhf.config import load_config
+    from hpc_rlhf.dist.placement import build_placement
+    from hpc_rlhf.dist.world import build_world_groups
+    from hpc_rlhf.trainers import preemption
+    from hpc_rlhf.trainers.ppo_async import AsyncPPOTrainer
+
+    seen = {"n": 0}
+    original = preemption.PreemptionGuard.agreed_stop
+
+    def agreed_stop(guard):
+        seen["n"] += 1
+        return original(guard) or seen["n"] == stop_after
+
+    preemption.PreemptionGuard.agreed_stop = agreed_stop
+    cfg = load_config(None, overrides)
+    trainer = AsyncPPOTrainer(cfg, build_world_groups(build_placement(cfg, world_size)))
+    trainer.fit()
+    return trainer.generated
+
+
+@pytest.mark.parametrize("queue_size", [1, 2])
+def test_async_run_keeps_staleness_within_the_bound(assets, tmp_path, queue_size):
+    overrides = _async(assets, tmp_path, f"train.async_queue_size={queue_size}", f"train.max_staleness={queue_size}",
+                       "train.max_steps=8")
+    generated = run_on_ranks(_fit_async, 3, overrides)
+    assert generated == [8, 8, 8]  # one batch per step, no more
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    for row in rows:
+        assert row["async/staleness_max"] <= queue_size
+    # The pipeline is full after the first steps: samples are exactly queue_size versions old.
+    assert rows[-1].get(f"async/staleness_{queue_size}") == 64.0
+    assert rows[0].get("async/staleness_0") == 64.0
+    assert (tmp_path / "model" / "config.json").is_file()
+
+
+def test_drop_policy_drops_and_counts_stale_samples(assets, tmp_path):
+    overrides = _async(assets, tmp_path, "train.async_queue_size=2", "train.max_staleness=1",
+                       "train.staleness_policy=drop", "train.max_steps=5")
+    run_on_ranks(_fit_async, 3, overrides)
+    rows = read_metrics(tmp_path)
+    assert sum(r["async/dropped_stale"] for r in rows) > 0
+    assert all(r["async/staleness_max"] <= 1 for r in rows)
+    assert any(r.get("skipped_update") == 1.0 for r in rows)  # a fully dropped batch trains nothing
+
+
+def test_failing_and_hanging_agents_do_not_stall_async_training(assets, tmp_path):
+    agent = tmp_path / "flaky_agent.py"
+    agent.write_text(
+        "import asyncio\n"
+        "from hpc_rlhf.agents.multi_turn import AgentInstanceBase, MultiTurnAgentExecutor\n"
+        "class AgentInstance(AgentInstanceBase):\n"
+        "    async def reset(self, states, **kw):\n"
+        "        return {'observation': states['observation']}\n"
+        "    async def step(self, states, **kw):\n"
+        "        if states['observation_text'].startswith('1+'):\n"
+        "            raise RuntimeError('environment crashed')\n"
+        "        if states['observation_text'].startswith('2+'):\n"
+        "            await asyncio.sleep(30)\n"
+        "        return {'rewards': 1.0, 'scores': 1.0, 'environment_feedback': '', 'done': True}\n"
+        "class AgentExecutor(MultiTurnAgentExecutor):\n"
+        "    pass\n")
+    overrides = _async(assets, tmp_path / "run", "reward.reward_func_path=null", f"train.agent_func_path={agent}",
+                       "train.agent_step_timeout_s=0.5", "data.max_len=32", "train.max_steps=3")
+    run_on_ranks(_fit_async, 3, overrides)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+def test_async_resume_restores_the_buffer(assets, tmp_path):
+    full = _async(assets, tmp_path / "full", "train.max_steps=6", "ckpt.save_steps=3")
+    cut = _async(assets, tmp_path / "cut", "train.max_steps=6", "ckpt.save_steps=3")
+    assert run_on_ranks(_fit_async, 3, full) == [6, 6, 6]
+    # Stop after step 2: the queue holds batch 3 (generated, not trained) and goes into the checkpoint.
+    assert run_on_ranks(_fit_async, 3, cut, 2) == [3, 3, 3]
+    # Resumed: only batches 4..6 are generated; batch 3 comes from the checkpoint.
+    assert run_on_ranks(_fit_async, 3, [*cut, "ckpt.load=true"]) == [6, 6, 6]
+    got = read_metrics(tmp_path / "cut")
+    assert [r["step"] for r in got] == list(range(1, 7))
+    assert [r["async/generated_batches"] for r in got] == [r["async/generated_batches"]
+                                                            for r in read_metrics(tmp_path / "full")]
+    _assert_same_rows(read_metrics(tmp_path / "full"), got, steps=(3, 4, 5, 6))
