@@ -48,7 +48,8 @@ class Trajectory:
     finish_reason: str = ""
     extra_logs: dict = field(default_factory=dict)
     group_index: int = 0  # the prompt's index within the step; samples of one prompt share it
-    policy_version: int = 0  # weight syncs the rollout engine had received when it generated this sample
+    policy_version: int = 0  # weight syncs the rollout engine had received when this sample started
+    token_versions: list[int] | None = None  # per response token, when generation spanned a weight update
 
     @property
     def num_response_tokens(self) -> int:

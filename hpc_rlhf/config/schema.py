@@ -80,6 +80,9 @@ class RolloutConfig(Section):
     top_k: int = Field(-1, ge=-1)
     max_tokens_per_gpu: int | None = Field(None, ge=1)
     async_num_tasks: int = Field(64, ge=1)
+    partial_chunk_tokens: int = Field(
+        16, ge=1, description="train.partial_rollout: tokens generated before the weight update cuts in"
+    )
 
 
 class VllmConfig(Section):

@@ -284,19 +284,29 @@ class PPOTrainer:
             state = {"stream": self.data.stream.state_dict(), "kl": self.data.kl_controller.state_dict(),
                      "reward_norm": self.data.reward_normalizer.state_dict()}
         ppo_checkpoint.save(self.ckpt, step, self.roles, self.world, state,
-                            self.checkpoint_buffers() if self.world.is_controller else None)
+                            self.checkpoint_buffers() if self.world.is_controller else None,
+                            self.checkpoint_rank_buffers())
 
     def checkpoint_buffers(self) -> Any:
         """Controller objects to keep across a restart beyond the JSON state (none when synchronous)."""
         return None
 
+    def checkpoint_rank_buffers(self) -> Any:
+        """This rank's objects to keep across a restart (none when synchronous)."""
+        return None
+
     def restore_buffers(self, buffers: Any) -> None:
+        pass
+
+    def restore_rank_buffers(self, buffers: Any) -> None:
         pass
 
     def resume(self) -> int:
         """Restore ``LATEST`` (weights, optimizer, data position, controllers, RNG); returns its step."""
         step, state = ppo_checkpoint.restore(self.ckpt, self.roles, self.world)
-        if state is not None:
+        if state is not None and "rank_buffers" in state:
+            self.restore_rank_buffers(state.pop("rank_buffers"))
+        if state is not None and self.world.is_controller:
             self.data.stream.load_state_dict(state["stream"])
             self.data.kl_controller.load_state_dict(state["kl"])
             self.data.reward_normalizer.load_state_dict(state["reward_norm"])

@@ -19,11 +19,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
+from dataclasses import replace
 from typing import Any
 
 import torch.distributed as dist
 
 from hpc_rlhf.trainers.controller_math import rollout_metrics
+from hpc_rlhf.trainers.partial_rollout import continue_generation, stamp_versions
 from hpc_rlhf.trainers.ppo import PPOTrainer
 from hpc_rlhf.utils.metrics import PhaseTimer
 
@@ -38,43 +40,79 @@ class AsyncPPOTrainer(PPOTrainer):
             raise ValueError("train.async_train=true needs train.colocate_all=false (rollout on its own ranks)")
         if any(r in self.world.roles["rollout"].ranks for r in self.world.roles["actor"].ranks):
             raise ValueError("train.async_train=true: rollout ranks must be disjoint from actor ranks")
-        if train.partial_rollout:
-            raise NotImplementedError("train.partial_rollout is not implemented yet: weights only change "
-                                      "between rollout batches in this version")
+        if train.partial_rollout and train.agent_func_path:
+            raise ValueError("train.partial_rollout works with single-turn rollouts; unset train.agent_func_path")
+        # A partial rollout's first tokens are one policy version older than its batch's queue position.
+        extra = 1 if train.partial_rollout else 0
         self.depth = train.async_queue_size
-        if train.staleness_policy == "wait" and train.max_staleness < self.depth:
-            log.warning("train.async_queue_size=%d > train.max_staleness=%d: generating at most %d batches ahead",
-                        self.depth, train.max_staleness, train.max_staleness)
-            self.depth = max(1, train.max_staleness)
+        if train.staleness_policy == "wait" and train.max_staleness < self.depth + extra:
+            if train.max_staleness - extra < 1:
+                raise ValueError("train.partial_rollout=true needs train.max_staleness >= 2 (the first tokens of a "
+                                 "sample are one version older than the rest)")
+            log.warning("train.async_queue_size=%d exceeds train.max_staleness=%d: generating %d batches ahead",
+                        self.depth, train.max_staleness, train.max_staleness - extra)
+            self.depth = train.max_staleness - extra
         self.ready: deque[tuple[list, float]] = deque()  # rank 0: generated, not yet trained (+ seconds)
         self.generated = 0  # batches generated so far (every rank counts: it seeds the sampling)
+        self.in_flight: list | None = None  # rollout ranks, partial mode: the batch cut at chunk_tokens
+        self.partial_in_flight = False  # every rank: whether a cut-short batch waits to be finished
 
     # ------------------------------------------------------------------ queue
     def _start_generation(self, wanted: bool) -> tuple[bool, Any]:
-        """If rank 0 wants another batch (decision broadcast), send its prompts and start generating.
+        """One generation round, if rank 0 wants it and one is needed (decision broadcast to all).
 
-        Returns (started, this rank's pending result); rollout ranks have finished generating when it
-        returns, the others have only sent or skipped the prompts.
+        Returns (ran, this rank's pending result); rollout ranks have finished generating when it
+        returns, the others have only sent the prompts. A round starts the next batch while prompts
+        remain; with partial rollouts it also finishes the batch the previous round cut short.
         """
-        if not self._broadcast_flag(self.rank == 0 and wanted and self.generated < self.num_steps):
+        more = self.generated < self.num_steps
+        needed = more or self.partial_in_flight
+        if not self._broadcast_flag(self.rank == 0 and wanted and needed):
             return False, None
-        self.generated += 1
-        prompts = self.data.next_prompts() if self.rank == 0 else None
+        prompts = None
+        if more:
+            self.generated += 1
+            prompts = self.data.next_prompts() if self.rank == 0 else None
+        elif self.rank == 0:
+            prompts = []  # last partial round: only finish the batch in flight
+        self.partial_in_flight = self.cfg.train.partial_rollout and more
         return True, self.run_rollouts(self.dispatch_prompts(prompts), self.generated)
 
     def _finish_generation(self, pending: Any) -> None:
         trajectories, seconds = self.collect_trajectories(pending)
-        if self.rank == 0:
+        if self.rank == 0 and trajectories:
             self.ready.append((trajectories, seconds))
+
+    def run_rollouts(self, prompts: list | None, step: int) -> tuple[list, float] | None:
+        """Partial mode: finish the batch in flight with the current weights, then start the next one
+        and stop it after ``rollout.partial_chunk_tokens`` tokens (it finishes after the next sync)."""
+        if not self.cfg.train.partial_rollout or self.roles.rollout is None:
+            return super().run_rollouts(prompts, step)
+        start = time.perf_counter()
+        rollout, groups = self.roles.rollout, self.world.roles["rollout"]
+        seed = self.cfg.train.seed * 100_003 + step * 1_009 + groups.dp_rank_of[self.rank]
+        sampling = rollout.sampling(seed)
+        finished = []
+        if self.in_flight:
+            finished = continue_generation(self.in_flight, rollout.engine.generate, sampling, self.policy_version,
+                                           self.cfg.rollout.generate_max_len)
+        self.in_flight = None
+        if prompts:
+            chunk = replace(sampling, max_new_tokens=min(self.cfg.rollout.partial_chunk_tokens,
+                                                         self.cfg.rollout.generate_max_len))
+            self.in_flight = rollout.executor.run(prompts, rollout.engine.generate, chunk,
+                                                  self.cfg.rollout.n_samples_per_prompt)
+            stamp_versions(self.in_flight, self.policy_version)
+        return finished, time.perf_counter() - start
 
     def before_steps(self, start: int) -> None:
         """Fill the queue to ``depth`` batches (a resumed run already has its queue back)."""
-        box = [self.generated]
+        box = [(self.generated, self.partial_in_flight)]
         dist.broadcast_object_list(box, src=0)  # restored on rank 0 only
-        self.generated = box[0]
-        for _ in range(self.depth):
-            started, pending = self._start_generation(self.rank == 0 and len(self.ready) < self.depth)
-            if not started:
+        self.generated, self.partial_in_flight = box[0]
+        while True:
+            ran, pending = self._start_generation(self.rank == 0 and len(self.ready) < self.depth)
+            if not ran:
                 break
             self._finish_generation(pending)
 
@@ -101,7 +139,8 @@ class AsyncPPOTrainer(PPOTrainer):
         if self.rank != 0:
             return None
         row = {**rollout_metrics(popped, batch, gen_seconds), **train_stats}
-        row.update(self._async_metrics(staleness, dropped, gen_seconds, train_seconds, timer))
+        mixed = sum(len(set(t.token_versions or [])) > 1 for t in popped)
+        row.update(self._async_metrics(staleness, dropped, gen_seconds, train_seconds, timer, mixed))
         return row
 
     def _drop_stale(self, trajectories: list) -> tuple[list, list[int], int]:
@@ -121,7 +160,7 @@ class AsyncPPOTrainer(PPOTrainer):
         return kept, [s for s, k in zip(staleness, keep, strict=True) if k], len(trajectories) - len(kept)
 
     def _async_metrics(self, staleness: list[int], dropped: int, gen_s: float, train_s: float,
-                       timer: PhaseTimer) -> dict[str, float]:
+                       timer: PhaseTimer, mixed: int) -> dict[str, float]:
         counts = Counter(staleness)
         wait = timer.seconds.get("wait_for_rollout", 0.0)
         step_s = max(train_s + wait, 1e-9)
@@ -134,18 +173,26 @@ class AsyncPPOTrainer(PPOTrainer):
             "async/rollout_idle_s": max(0.0, step_s - gen_s),  # rollout ranks waiting for the trainer
             "async/overlap_fraction": min(gen_s, train_s) / step_s,
             "async/generated_batches": float(self.generated),
+            "async/mixed_version_samples": float(mixed),
             "policy_version": float(self.policy_version),
         })
         return out
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_buffers(self) -> Any:
-        return {"ready": list(self.ready), "generated": self.generated}
+        return {"ready": list(self.ready), "generated": self.generated, "partial_in_flight": self.partial_in_flight}
+
+    def checkpoint_rank_buffers(self) -> Any:
+        return {"in_flight": self.in_flight} if self.in_flight else None
+
+    def restore_rank_buffers(self, buffers: Any) -> None:
+        self.in_flight = buffers["in_flight"]
 
     def restore_buffers(self, buffers: Any) -> None:
         if buffers:
             self.ready = deque(buffers["ready"])
             self.generated = buffers["generated"]
+            self.partial_in_flight = buffers["partial_in_flight"]
 
 
 def trainer_class(cfg: Any) -> type[PPOTrainer]:

@@ -33,11 +33,12 @@ def make_manager(cfg: RunConfig) -> CheckpointManager:
 
 
 def save(manager: CheckpointManager, step: int, roles: Any, world: Any, controller_state: dict | None,
-         buffers: Any = None) -> None:
+         buffers: Any = None, rank_buffers: Any = None) -> None:
     """Collective over the world: every rank calls it at the same step.
 
     ``buffers`` (rank 0): Python objects too rich for JSON, such as generated but not yet trained
-    trajectories of an asynchronous run; pickled with ``torch.save``.
+    trajectories of an asynchronous run; pickled with ``torch.save``. ``rank_buffers`` (any rank):
+    the same for state that lives on that rank (a rollout rank's in-flight partial rollouts).
     """
     from hpc_rlhf.engines.deepspeed_engine import TrainEngine
 
@@ -55,11 +56,14 @@ def save(manager: CheckpointManager, step: int, roles: Any, world: Any, controll
             save_json_atomic(tmp / CONTROLLER_FILE, {"step": step, **controller_state})
         if buffers is not None:
             torch.save(buffers, tmp / BUFFERS_FILE)
+        if rank_buffers is not None:
+            torch.save(rank_buffers, tmp / f"rank_buffers_{world.rank}.pt")
     log.info("checkpoint step %d saved to %s", step, manager.step_dir(step))
 
 
 def restore(manager: CheckpointManager, roles: Any, world: Any) -> tuple[int, dict | None]:
-    """Load ``LATEST`` into this rank's engines and RNG. Returns (step, controller state or None).
+    """Load ``LATEST`` into this rank's engines and RNG. Returns (step, state or None): the controller
+    state on rank 0, plus ``rank_buffers`` on any rank that saved some.
 
     Step 0 means no checkpoint was found and the run starts fresh.
     """
@@ -74,6 +78,9 @@ def restore(manager: CheckpointManager, roles: Any, world: Any) -> tuple[int, di
         if engine is not None:
             engine.load_checkpoint(str(latest / role), tag=DS_TAG)
     load_rank_rng(latest, world.rank)
+    rank_file = latest / f"rank_buffers_{world.rank}.pt"
+    # Our own pickle (trajectories), written by this rank of the run being resumed.
+    rank_buffers = torch.load(rank_file, weights_only=False) if rank_file.is_file() else None
     state = load_json(latest / CONTROLLER_FILE) if world.rank == 0 else None
     if state is not None and (latest / BUFFERS_FILE).is_file():
         # Our own pickle of trajectories (dataclasses), written by rank 0 of this run's code.
@@ -81,4 +88,6 @@ def restore(manager: CheckpointManager, roles: Any, world: Any) -> tuple[int, di
     step_box = [state["step"] if state else None]
     dist.broadcast_object_list(step_box, src=0)
     log.info("resumed from %s (step %d)", latest, step_box[0])
+    if rank_buffers is not None:
+        state = {**(state or {}), "rank_buffers": rank_buffers}
     return int(step_box[0]), state

@@ -92,16 +92,31 @@ def test_failing_and_hanging_agents_do_not_stall_async_training(assets, tmp_path
     assert [r["step"] for r in rows] == [1, 2, 3]
 
 
-def test_async_resume_restores_the_buffer(assets, tmp_path):
-    full = _async(assets, tmp_path / "full", "train.max_steps=6", "ckpt.save_steps=3")
-    cut = _async(assets, tmp_path / "cut", "train.max_steps=6", "ckpt.save_steps=3")
+@pytest.mark.parametrize("partial", [False, True])
+def test_async_resume_restores_the_buffer(assets, tmp_path, partial):
+    extra = ["train.partial_rollout=true", "rollout.partial_chunk_tokens=2", "train.max_staleness=2"] if partial else []
+    full = _async(assets, tmp_path / "full", "train.max_steps=6", "ckpt.save_steps=3", *extra)
+    cut = _async(assets, tmp_path / "cut", "train.max_steps=6", "ckpt.save_steps=3", *extra)
     assert run_on_ranks(_fit_async, 3, full) == [6, 6, 6]
-    # Stop after step 2: the queue holds batch 3 (generated, not trained) and goes into the checkpoint.
-    assert run_on_ranks(_fit_async, 3, cut, 2) == [3, 3, 3]
-    # Resumed: only batches 4..6 are generated; batch 3 comes from the checkpoint.
+    # Stop after step 2: the queue holds batch 3 (generated, not trained) and, with partial rollouts,
+    # the rollout rank holds batch 4 cut short; both go into the checkpoint.
+    expected_at_cut = 4 if partial else 3
+    assert run_on_ranks(_fit_async, 3, cut, 2) == [expected_at_cut] * 3
+    # Resumed: no batch is generated twice; the buffered ones come from the checkpoint.
     assert run_on_ranks(_fit_async, 3, [*cut, "ckpt.load=true"]) == [6, 6, 6]
     got = read_metrics(tmp_path / "cut")
     assert [r["step"] for r in got] == list(range(1, 7))
     assert [r["async/generated_batches"] for r in got] == [r["async/generated_batches"]
                                                             for r in read_metrics(tmp_path / "full")]
     _assert_same_rows(read_metrics(tmp_path / "full"), got, steps=(3, 4, 5, 6))
+
+
+def test_partial_rollouts_span_weight_updates(assets, tmp_path):
+    overrides = _async(assets, tmp_path, "train.partial_rollout=true", "rollout.partial_chunk_tokens=2",
+                       "train.max_staleness=2", "rollout.generate_max_len=6", "train.max_steps=5")
+    assert run_on_ranks(_fit_async, 3, overrides) == [5, 5, 5]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(r["async/staleness_max"] <= 2 for r in rows)
+    # Batches started before a sync and finished after it carry two policy versions.
+    assert sum(r["async/mixed_version_samples"] for r in rows[2:]) > 0
