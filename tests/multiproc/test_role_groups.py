@@ -55,16 +55,22 @@ def _round_trip(rank: int, world_size: int, overrides: list[str]) -> dict:
     return seen
 
 
+def _every_layout(rank: int, world_size: int) -> dict:
+    # One world for all layouts: each builds its own groups, as a fresh run would.
+    return {layout: _round_trip(rank, world_size, overrides) for layout, overrides in sorted(LAYOUTS.items())}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_round_trip_4_ranks(layout):
-    overrides = LAYOUTS[layout]
-    placement = build_placement(load_config(None, overrides), 4)
-    seen = run_on_ranks(_round_trip, 4, overrides)[0]
-    assert set(seen) == set(placement.roles)
-    for name, grid in placement.roles.items():
-        expected = [(leader, [2.0 * i, 2.0 * i], len(grid.ranks)) for i, leader in enumerate(grid.dp_leaders())]
-        assert seen[name] == expected, name
+def test_round_trip_4_ranks_every_layout():
+    seen_by_layout = run_on_ranks(_every_layout, 4)[0]
+    assert set(seen_by_layout) == set(LAYOUTS)
+    for layout, overrides in LAYOUTS.items():
+        placement = build_placement(load_config(None, overrides), 4)
+        seen = seen_by_layout[layout]
+        assert set(seen) == set(placement.roles), layout
+        for name, grid in placement.roles.items():
+            expected = [(leader, [2.0 * i, 2.0 * i], len(grid.ranks)) for i, leader in enumerate(grid.dp_leaders())]
+            assert seen[name] == expected, (layout, name)
 
 
 @pytest.mark.slow
