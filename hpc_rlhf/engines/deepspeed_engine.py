@@ -282,14 +282,44 @@ def iter_gathered_state_dict(module: torch.nn.Module, zero_stage: int,
         bucket, size = [], 0
 
 
+def iter_merged_lora_state_dict(module: torch.nn.Module, zero_stage: int,
+                                bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Buckets of (plain HF name, LoRA-merged copy): what the model without LoRA would hold.
+
+    Under ZeRO-3 each bucket gathers its base weights together with the LoRA factors of their layers; a
+    collective over the dp group like ``iter_gathered_state_dict``.
+    """
+    import deepspeed
+
+    from hpc_rlhf.models.lora import lora_factors, merge_lora_entries
+
+    factors = lora_factors(module)  # base weight name -> LoRA parameters of its layer
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    entries = _state_dict_entries(module)
+    for index, (name, tensor) in enumerate(entries):
+        bucket.append((name, tensor))
+        size += _numel_bytes(tensor)
+        if size < bucket_bytes and index + 1 < len(entries):
+            continue
+        if zero_stage == 3:
+            params = {id(t): t for n, t in bucket for t in (t, *factors.get(n, ())) if hasattr(t, "ds_id")}
+            with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+                yield list(merge_lora_entries(module, bucket))
+        else:
+            yield list(merge_lora_entries(module, bucket))
+        bucket, size = [], 0
+
+
 def _is_first(dp_group: ProcessGroup | None) -> bool:
     return dist.get_rank(dp_group) == 0
 
 
-def _save_hf(module: torch.nn.Module, zero_stage: int, dp_group, output_dir: str, tokenizer=None) -> None:
+def _save_hf(module: torch.nn.Module, buckets: Iterator[list[tuple[str, torch.Tensor]]], zero_stage: int, dp_group,
+             output_dir: str, tokenizer=None, lora: bool = False) -> None:
     state_dict: dict[str, torch.Tensor] = {}
     first = _is_first(dp_group)
-    for bucket in iter_gathered_state_dict(module, zero_stage, 256 << 20):
+    for bucket in buckets:
         if first:
             state_dict.update((name, tensor.cpu()) for name, tensor in bucket)
     if first:
@@ -304,6 +334,15 @@ def _save_hf(module: torch.nn.Module, zero_stage: int, dp_group, output_dir: str
         save_torch_state_dict(state_dict, output_dir, max_shard_size="5GB")
         if tokenizer is not None:
             tokenizer.save_pretrained(output_dir)
+    if lora:  # the merged weights above, plus the adapter alone for peft / `hpc-rlhf lora-merge`
+        import deepspeed
+
+        from hpc_rlhf.models.lora import save_adapter
+
+        trainable = [p for p in module.parameters() if p.requires_grad and hasattr(p, "ds_id")]
+        with deepspeed.zero.GatheredParameters(trainable, modifier_rank=None, enabled=zero_stage == 3):
+            if first:
+                save_adapter(module, os.path.join(output_dir, "adapter"))
     dist.barrier(group=dp_group)
 
 
@@ -315,8 +354,9 @@ class TrainEngine:
     """A model wrapped by DeepSpeed for one trainable role (actor, critic)."""
 
     def __init__(self, engine, *, zero_stage: int, dp_group: ProcessGroup | None, on_gpu: bool,
-                 adam_offload: bool):
+                 adam_offload: bool, lora: bool = False):
         self.engine = engine
+        self.lora = lora
         self.zero_stage = zero_stage
         self.dp_group = dp_group
         self.on_gpu = on_gpu
@@ -331,6 +371,9 @@ class TrainEngine:
         """Build the model (inside ``zero.Init`` for ZeRO-3), the optimizer, the LR schedule and the engine.
 
         Collective over ``dp_group`` (default: the world). ``num_training_steps`` counts optimizer steps.
+        ``ds_cfg.lora.rank > 0`` injects LoRA (peft) into the factory's model before DeepSpeed sees it: only
+        the adapters (and a value model's ``score`` head) train. Under ZeRO-3 the adapters are created outside
+        ``zero.Init`` and partitioned by ``deepspeed.initialize``.
         """
         import deepspeed
 
@@ -340,7 +383,12 @@ class TrainEngine:
         config = build_ds_config(ds_cfg, role_cfg, train_batch_size=train_batch_size,
                                  micro_train_batch_size=micro_train_batch_size, dp_size=dp_size, on_gpu=on_gpu,
                                  extra=extra_ds_config)
+        lora = ds_cfg.lora.rank > 0
         model = _build_model(model_factory, config, dp_group, mpu)
+        if lora:
+            from hpc_rlhf.models.lora import apply_lora
+
+            model = apply_lora(model, ds_cfg.lora)
         if ds_cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lr_lambda = make_lr_lambda(num_training_steps, role_cfg.lr_warmup_ratio, role_cfg.min_lr_ratio)
@@ -350,7 +398,7 @@ class TrainEngine:
             mpu=mpu, dist_init_required=False,
         )
         return cls(engine, zero_stage=config["zero_optimization"]["stage"], dp_group=dp_group, on_gpu=on_gpu,
-                   adam_offload=ds_cfg.adam_offload)
+                   adam_offload=ds_cfg.adam_offload, lora=lora)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -431,9 +479,13 @@ class TrainEngine:
         """Buckets of (name, full detached copy) covering each parameter once plus persistent buffers.
 
         Tied weights appear once, under their first name. Under ZeRO-3 this is a collective over the dp
-        group: every rank of the role must exhaust the iterator.
+        group: every rank of the role must exhaust the iterator. With LoRA the names are the plain HF ones and
+        the tensors the merged ``W + scale * B @ A`` (what the rollout engine and the HF export need).
         """
-        yield from iter_gathered_state_dict(self.module, self.zero_stage, bucket_bytes)
+        if self.lora:
+            yield from iter_merged_lora_state_dict(self.module, self.zero_stage, bucket_bytes)
+        else:
+            yield from iter_gathered_state_dict(self.module, self.zero_stage, bucket_bytes)
 
     def save_checkpoint(self, path: str, tag: str, client_state: dict | None = None) -> None:
         """Weights, optimizer, LR schedule and ``client_state`` (collective; see module doc for subgroups)."""
@@ -460,8 +512,14 @@ class TrainEngine:
         return client_state or {}
 
     def save_hf(self, output_dir: str, tokenizer=None) -> None:
-        """Rank 0 of the role writes a HF folder (safetensors); collective for all ranks of the role."""
-        _save_hf(self.module, self.zero_stage, self.dp_group, output_dir, tokenizer)
+        """Rank 0 of the role writes a HF folder (safetensors); collective for all ranks of the role.
+
+        With LoRA: merged weights under plain HF names, plus the adapter in ``output_dir/adapter``.
+        """
+        # ZeRO 0-2 hold full weights on every rank: only the writing rank needs to merge them.
+        needed = not self.lora or self.zero_stage == 3 or _is_first(self.dp_group)
+        buckets = self.gathered_state_dict_items(256 << 20) if needed else iter(())
+        _save_hf(self.module, buckets, self.zero_stage, self.dp_group, output_dir, tokenizer, lora=self.lora)
 
 
 class FrozenEngine:

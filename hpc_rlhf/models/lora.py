@@ -1,0 +1,221 @@
+"""LoRA for the trained roles (actor, critic, reward model), on top of peft.
+
+``apply_lora`` injects LoRA layers *in place* into the HF model (``peft.get_peft_model`` mutates the model it
+wraps) and returns that same HF model, not the ``PeftModel`` wrapper: every trainer keeps calling the model it
+knows (``model.model`` is still the backbone, ``model.score`` still the value head, ``model.config`` the HF
+config). Only LoRA parameters (and, for value models, the ``score`` head through peft's ``modules_to_save``)
+require grad.
+
+``merged_named_tensors`` turns the LoRA model back into the plain HF state dict, ``W + scale * B @ A`` under
+the names of a model loaded with ``AutoModelFor*.from_pretrained`` (``q_proj.base_layer.weight`` ->
+``q_proj.weight``; ``score.modules_to_save.default.weight`` -> ``score.weight``; LoRA factors dropped). It
+computes merged *copies*: the training weights are never touched (peft's ``merge_adapter`` would add the
+delta into the frozen weights in place and subtract it later, which is lossy in bf16 and races with ZeRO's
+flat buffers). This is what weight sync to the rollout engine and the HF export consume.
+
+``save_adapter`` writes a standard peft adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``)
+that ``peft.PeftModel.from_pretrained`` and ``hpc-rlhf lora-merge`` load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from hpc_rlhf.config.schema import LoraConfig as LoraSettings
+
+VALUE_HEAD = "score"
+PEFT_PREFIX = "base_model.model."
+_MODULES_TO_SAVE = re.compile(r"\.modules_to_save\.[^.]+\.")
+_LORA_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector",
+               "lora_dropout", "original_module")
+
+
+def lora_enabled(lora_cfg: LoraSettings | None) -> bool:
+    return lora_cfg is not None and lora_cfg.rank > 0
+
+
+def _is_value_model(model: torch.nn.Module) -> bool:
+    return type(model).__name__.endswith("ForSequenceClassification") or (
+        hasattr(model, VALUE_HEAD) and getattr(model, "get_output_embeddings", lambda: None)() is None)
+
+
+def check_4bit_available() -> None:
+    """``ds.lora.load_in_4bit`` needs bitsandbytes and a CUDA device; fail early and say so."""
+    missing = []
+    if importlib.util.find_spec("bitsandbytes") is None:
+        missing.append("the bitsandbytes package (pip install bitsandbytes)")
+    if not torch.cuda.is_available():
+        missing.append("a CUDA GPU")
+    if missing:
+        raise RuntimeError("ds.lora.load_in_4bit=true needs " + " and ".join(missing)
+                           + "; set ds.lora.load_in_4bit=false to train LoRA on unquantised weights")
+
+
+def bnb_4bit_load_kwargs(compute_dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """Extra ``from_pretrained`` kwargs for a QLoRA base model (NF4, double quantisation)."""
+    check_4bit_available()
+    from transformers import BitsAndBytesConfig
+
+    return {"quantization_config": BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype)}
+
+
+def apply_lora(model: torch.nn.Module, lora_cfg: LoraSettings, task_type: str | None = None) -> torch.nn.Module:
+    """Inject LoRA into ``model`` in place and return it (the HF model, not a ``PeftModel``).
+
+    ``task_type``: ``"CAUSAL_LM"`` (actor) or ``"SEQ_CLS"`` (critic / reward model: the ``score`` head stays
+    fully trainable and is saved with the adapter); default: inferred from the model class.
+    """
+    if not lora_enabled(lora_cfg):
+        raise ValueError("apply_lora needs ds.lora.rank > 0")
+    from peft import LoraConfig, get_peft_model
+
+    if lora_cfg.load_in_4bit:
+        check_4bit_available()
+        if not getattr(model, "is_loaded_in_4bit", False):
+            raise ValueError("ds.lora.load_in_4bit=true but the model was not loaded in 4 bit: load it with "
+                             "hpc_rlhf.models.lora.bnb_4bit_load_kwargs() passed to from_pretrained")
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if task_type is None:
+        task_type = "SEQ_CLS" if _is_value_model(model) else "CAUSAL_LM"
+    targets = list(lora_cfg.target_modules)
+    target_modules: str | list[str] = "all-linear" if targets == ["all-linear"] else targets
+    peft_cfg = LoraConfig(
+        r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, target_modules=target_modules,
+        task_type=task_type, modules_to_save=[VALUE_HEAD] if task_type == "SEQ_CLS" else None, bias="none",
+    )
+    # get_peft_model injects the LoRA layers into ``model`` itself; the wrapper is dropped on purpose (the
+    # adapter config stays reachable as ``model.peft_config`` for save_adapter).
+    model = get_peft_model(model, peft_cfg).base_model.model
+    _check_tied_output_not_adapted(model)
+    return model
+
+
+def _check_tied_output_not_adapted(model: torch.nn.Module) -> None:
+    """A LoRA on a tied lm_head would change the output layer but not the input embedding it shares weights
+    with: no plain HF model can hold that merge. ("all-linear" never targets the output layer.)"""
+    from peft.tuners.lora import LoraLayer
+
+    output = getattr(model, "get_output_embeddings", lambda: None)()
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if tied and isinstance(output, LoraLayer):
+        raise ValueError("ds.lora.target_modules adapts the output layer (lm_head), whose weight is tied to the "
+                         "input embeddings (tie_word_embeddings=true); remove it from ds.lora.target_modules")
+
+
+def is_lora_model(model: torch.nn.Module) -> bool:
+    from peft.tuners.lora import LoraLayer
+
+    return any(isinstance(m, LoraLayer) for m in model.modules())
+
+
+def hf_name(name: str) -> str | None:
+    """peft parameter name -> plain HF name; None for tensors that only exist because of LoRA."""
+    if name.startswith(PEFT_PREFIX):
+        name = name[len(PEFT_PREFIX):]
+    parts = name.split(".")
+    if any(p in _LORA_PARTS for p in parts):
+        return None
+    name = _MODULES_TO_SAVE.sub(".", name)
+    return name.replace(".base_layer.", ".")
+
+
+def _base_weight(base_layer: torch.nn.Module) -> torch.Tensor:
+    weight = base_layer.weight
+    if weight.__class__.__name__ in ("Params4bit", "Int8Params"):
+        from peft.utils.integrations import dequantize_module_weight
+
+        return dequantize_module_weight(base_layer)
+    return weight.detach()
+
+
+@torch.no_grad()
+def _merged_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """``W + sum_active scale * B @ A`` of one peft LoRA layer, computed in fp32 into a new tensor."""
+    from peft.tuners.lora import Embedding, Linear
+
+    base = _base_weight(layer.get_base_layer())
+    merged = base.float().clone()
+    for adapter in layer.active_adapters:
+        if isinstance(layer, Linear) and adapter in layer.lora_A:
+            if layer.use_dora.get(adapter) or layer.lora_bias.get(adapter):
+                raise NotImplementedError("merged weights support plain LoRA only (no DoRA, no lora_bias)")
+            delta = layer.lora_B[adapter].weight.float() @ layer.lora_A[adapter].weight.float()
+            merged += (delta.T if layer.fan_in_fan_out else delta) * layer.scaling[adapter]
+        elif isinstance(layer, Embedding) and adapter in layer.lora_embedding_A:
+            delta = layer.lora_embedding_B[adapter].float() @ layer.lora_embedding_A[adapter].float()
+            merged += delta.T * layer.scaling[adapter]
+        elif adapter in getattr(layer, "lora_A", {}) or adapter in getattr(layer, "lora_embedding_A", {}):
+            raise NotImplementedError(f"merging LoRA into {type(layer).__name__} is not supported; "
+                                      "target Linear or Embedding modules only")
+    return merged.to(base.dtype)
+
+
+def lora_factors(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:
+    """``{"<layer>.base_layer.weight": [its LoRA parameters]}``: what a merge of that weight reads."""
+    from peft.tuners.lora import LoraLayer
+
+    return {f"{n}.base_layer.weight": [p for pn, p in m.named_parameters() if not pn.startswith("base_layer.")]
+            for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def merge_lora_entries(model: torch.nn.Module,
+                       entries: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Map ``(peft name, tensor)`` entries of ``model`` to ``(HF name, merged copy)``; LoRA-only entries vanish.
+
+    ``entries`` may be any subset of ``model.state_dict(keep_vars=True).items()`` (e.g. deduplicated, bucketed).
+    """
+    from peft.tuners.lora import LoraLayer
+
+    layers = {f"{n}.base_layer.weight": m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+    for name, tensor in entries:
+        target = hf_name(name)
+        if target is None:
+            continue
+        layer = layers.get(name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name)
+        yield target, _merged_weight(layer) if layer is not None else tensor.detach().clone()
+
+
+def merged_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The plain HF state dict of a LoRA model (a ``PeftModel`` or the model ``apply_lora`` returned), merged.
+
+    Names match ``AutoModelFor*.from_pretrained(...).state_dict()`` (tied weights under every name, as there).
+    The training weights are not modified.
+    """
+    inner = model.base_model.model if _is_peft_model(model) else model
+    yield from merge_lora_entries(inner, inner.state_dict(keep_vars=True).items())
+
+
+def _is_peft_model(model: torch.nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def save_adapter(model: torch.nn.Module, output_dir: str, adapter_name: str = "default") -> None:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` in peft's own layout."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    if _is_peft_model(model):
+        model.save_pretrained(output_dir, selected_adapters=[adapter_name], save_embedding_layers=False)
+        return
+    config = model.peft_config[adapter_name]
+    state = get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False)
+    state = {PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in state.items()}
+    os.makedirs(output_dir, exist_ok=True)
+    if config.base_model_name_or_path is None:
+        config.base_model_name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None)
+    config.save_pretrained(output_dir)
+    save_file(state, os.path.join(output_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
