@@ -52,6 +52,7 @@ class PPOTrainer:
     def __init__(self, cfg: RunConfig, world: WorldGroups) -> None:
         self.cfg, self.world = cfg, world
         self.rank = world.rank
+        ppo_setup.check_supported(cfg)
         seed_everything(cfg.train.seed + self.rank)
         self.tokenizer = ppo_setup.load_tokenizer(cfg)
         # The controller alone reads the data; every rank needs the step count for its LR schedule.

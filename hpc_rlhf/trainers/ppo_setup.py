@@ -32,6 +32,20 @@ class SetupError(ValueError):
     """The run cannot start; the message names the key to change."""
 
 
+def check_supported(cfg: RunConfig) -> None:
+    """Keys that ``plan`` understands but the RL trainer does not implement yet fail here, loudly."""
+    unsupported = {
+        "ds.tensor_parallel_size": cfg.ds.tensor_parallel_size > 1,
+        "ds.ring_attn_size": cfg.ds.ring_attn_size > 1,
+        "train.packing_samples": cfg.train.packing_samples,
+        "train.use_dynamic_batch": cfg.train.use_dynamic_batch,
+    }
+    keys = [k for k, on in unsupported.items() if on]
+    if keys:
+        raise SetupError(f"{', '.join(keys)}: not supported by the RL trainer yet (plan accepts them for sizing); "
+                         "remove them from the recipe")
+
+
 def load_tokenizer(cfg: RunConfig):
     if cfg.actor.pretrain is None:
         raise SetupError("actor.pretrain is not set: give a local HF model folder")
