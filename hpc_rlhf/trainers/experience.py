@@ -46,10 +46,38 @@ def pack_trajectories(trajectories: Sequence[Any], pad_token_id: int) -> dict[st
 
 def action_logits(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
                   num_actions: int) -> torch.Tensor:
-    """Logits predicting the last ``num_actions`` tokens: (B, P+R) -> (B, R, V)."""
+    """Logits predicting the last ``num_actions`` tokens: (B, P+R) -> (B, R, V).
+
+    ``logits_to_keep`` skips the LM head on prompt positions (a large saving with 150k vocabularies).
+    """
     out = model(input_ids=sequences, attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+                position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+                logits_to_keep=num_actions + 1)
     return out.logits[:, -num_actions - 1 : -1]
+
+
+def trim_padding(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop the columns that are padding in every row of a micro-batch.
+
+    ``sequences`` / ``attention_mask`` (B, P+R) lose all-pad columns on the left of the prompts and on
+    the right of the longest response; per-action tensors (B, R) keep their first ``r`` columns, the
+    longest response of these rows. Outputs are unchanged: dropped columns are masked everywhere.
+    """
+    mask = rows["attention_mask"]
+    num_actions = rows["action_mask"].shape[1]
+    prompt_len = mask.shape[1] - num_actions
+    used = mask.bool().any(dim=0)
+    first = int(used[:prompt_len].float().argmax()) if bool(used[:prompt_len].any()) else prompt_len - 1
+    resp = int(used[prompt_len:].nonzero().max()) + 1 if bool(used[prompt_len:].any()) else 1
+    out = {}
+    for key, value in rows.items():
+        if key in ("sequences", "attention_mask"):
+            out[key] = value[:, first : prompt_len + resp]
+        elif isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == num_actions:
+            out[key] = value[:, :resp]
+        else:
+            out[key] = value
+    return out
 
 
 def action_logprobs(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,

@@ -26,7 +26,7 @@ from hpc_rlhf.algos import (
 )
 from hpc_rlhf.config.schema import RunConfig
 from hpc_rlhf.models.logprobs import logprobs_from_logits
-from hpc_rlhf.trainers.experience import action_logits, action_logprobs, action_values
+from hpc_rlhf.trainers.experience import action_logits, action_logprobs, action_values, trim_padding
 
 
 def _micro_slices(rows: int, micro: int) -> list[slice]:
@@ -60,6 +60,14 @@ def _mean_stats(stats: dict[str, list[float]]) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in stats.items() if v}
 
 
+def _micro_rows(shard: dict[str, Any], rows: slice) -> dict[str, torch.Tensor]:
+    """The shard's per-sample tensors for ``rows``, without the columns that are padding in all of them."""
+    num_rows = shard["sequences"].shape[0]
+    picked = {k: v[rows] for k, v in shard.items() if isinstance(v, torch.Tensor) and v.dim() == 2
+              and v.shape[0] == num_rows}
+    return trim_padding(picked)
+
+
 def _shares_to_losses(stats: dict[str, float], num_micro: int) -> dict[str, float]:
     """``x_share`` (mean micro-batch share) -> ``x``: this rank's sum of shares per mini-batch.
 
@@ -81,27 +89,26 @@ def train_actor(engine: Any, shard: dict[str, Any], cfg: RunConfig, dp_size: int
     algo, temperature = cfg.algo, cfg.rollout.temperature
     rows_per_mb = cfg.train.train_batch_size // dp_size
     micro = cfg.train.micro_train_batch_size
-    num_actions = shard["action_mask"].shape[1]
     stats: dict[str, list[float]] = defaultdict(list)
     engine.train()
     for _epoch in range(cfg.train.max_epochs):
         for mb_index, mb in _minibatches(shard, rows_per_mb):
             micro_slices = _micro_slices(rows_per_mb, micro)
             for s in micro_slices:
-                rows = slice(mb.start + s.start, mb.start + s.stop)
-                mask = shard["action_mask"][rows]
-                logits = action_logits(engine, shard["sequences"][rows], shard["attention_mask"][rows], num_actions)
-                logprobs = logprobs_from_logits(logits, shard["sequences"][rows][:, -num_actions:], temperature)
-                old = shard["old_logprobs"][rows] if "old_logprobs" in shard else logprobs.detach()
+                rows = _micro_rows(shard, slice(mb.start + s.start, mb.start + s.stop))
+                mask, num_actions = rows["action_mask"], rows["action_mask"].shape[1]
+                logits = action_logits(engine, rows["sequences"], rows["attention_mask"], num_actions)
+                logprobs = logprobs_from_logits(logits, rows["sequences"][:, -num_actions:], temperature)
+                old = rows["old_logprobs"] if "old_logprobs" in rows else logprobs.detach()
                 is_weights = None
                 if algo.is_correction != "none":
                     low, high = algo.is_truncation
                     is_weights, is_stats = rollout_importance_weights(
-                        old, shard["rollout_logprobs"][rows], mask, algo.is_correction, low, high)
+                        old, rows["rollout_logprobs"], mask, algo.is_correction, low, high)
                     for k, v in is_stats.items():
                         stats[f"is/{k}"].append(float(v))
                 pg, pg_stats = policy_loss(
-                    logprobs, old, shard["advantages"][rows], mask, loss_type=algo.policy_loss_type,
+                    logprobs, old, rows["advantages"], mask, loss_type=algo.policy_loss_type,
                     clip_eps_low=algo.eps_clip_low, clip_eps_high=algo.eps_clip_high,
                     dual_clip=algo.dual_clip, importance_weights=is_weights)
                 counts = {"global_num_tokens": shard["num_tokens"][mb_index],
@@ -109,8 +116,8 @@ def train_actor(engine: Any, shard: dict[str, Any], cfg: RunConfig, dp_size: int
                           "max_tokens": cfg.rollout.generate_max_len}
                 pg_loss = aggregate_loss(pg, mask, algo.loss_agg_mode, **counts)
                 kl_loss = None
-                if algo.kl.use_loss and "ref_logprobs" in shard:
-                    kl = kl_estimate(logprobs, shard["ref_logprobs"][rows], mask, algo.kl.estimator)
+                if algo.kl.use_loss and "ref_logprobs" in rows:
+                    kl = kl_estimate(logprobs, rows["ref_logprobs"], mask, algo.kl.estimator)
                     kl_loss = aggregate_loss(kl, mask, algo.loss_agg_mode, **counts)
                     stats["kl_loss_share"].append(float(kl_loss.detach()))
                 entropy = None
@@ -134,17 +141,15 @@ def train_critic(engine: Any, shard: dict[str, Any], cfg: RunConfig, dp_size: in
     """Clipped value regression towards ``returns`` (GAE targets) on this rank's shard."""
     rows_per_mb = cfg.train.train_batch_size // dp_size
     micro = cfg.train.micro_train_batch_size
-    num_actions = shard["action_mask"].shape[1]
     stats: dict[str, list[float]] = defaultdict(list)
     engine.train()
     for _epoch in range(cfg.train.max_epochs):
         for mb_index, mb in _minibatches(shard, rows_per_mb):
             for s in _micro_slices(rows_per_mb, micro):
-                rows = slice(mb.start + s.start, mb.start + s.stop)
-                mask = shard["action_mask"][rows]
-                values = action_values(engine, shard["sequences"][rows], shard["attention_mask"][rows], num_actions)
-                per_token, v_stats = value_loss(values, shard["values"][rows], shard["returns"][rows], mask,
-                                                cfg.algo.value_clip)
+                rows = _micro_rows(shard, slice(mb.start + s.start, mb.start + s.stop))
+                mask = rows["action_mask"]
+                values = action_values(engine, rows["sequences"], rows["attention_mask"], mask.shape[1])
+                per_token, v_stats = value_loss(values, rows["values"], rows["returns"], mask, cfg.algo.value_clip)
                 loss = aggregate_loss(per_token, mask, "token_mean", global_num_tokens=shard["num_tokens"][mb_index],
                                       dp_size=dp_size)
                 engine.backward(loss)

@@ -208,7 +208,7 @@ class SupervisedTrainer:
             for begin in range(0, per_rank, self.micro):
                 loss, stats = self.train_micro(shard[begin:begin + self.micro], counts)
                 # DeepSpeed divides by the accumulation steps; the share is already normalised globally.
-                self.engine.backward(loss * self.gas)
+                self.engine.backward(loss)
                 info = self.engine.step()
                 for key, value in stats.items():
                     sums[key] += value

@@ -16,3 +16,28 @@ def test_default_config_is_supported_and_lr_horizon_counts_optimizer_steps():
                              "train.train_batch_size=16", "train.max_epochs=2"])
     check_supported(cfg)
     assert optimizer_steps(cfg, num_steps=10) == 10 * 2 * (32 // 16)
+
+
+def test_trim_padding_keeps_the_forward_identical():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hpc_rlhf.trainers.experience import action_logprobs, trim_padding
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    # Two rows in a batch whose prompt area has 2 all-pad columns and whose response area 3.
+    seq = torch.randint(1, 32, (2, 12))
+    mask = torch.zeros(2, 12, dtype=torch.long)
+    mask[0, 3:9] = 1  # prompt cols 3..5 (P=6), response 6..8
+    mask[1, 2:8] = 1
+    action = mask[:, 6:].bool()
+    rows = {"sequences": seq, "attention_mask": mask, "action_mask": action, "advantages": torch.randn(2, 6)}
+    trimmed = trim_padding(rows)
+    assert trimmed["sequences"].shape == (2, 7) and trimmed["action_mask"].shape == (2, 3)
+    assert torch.equal(trimmed["advantages"], rows["advantages"][:, :3])
+    with torch.no_grad():
+        full = action_logprobs(model, seq, mask, 6)
+        short = action_logprobs(model, trimmed["sequences"], trimmed["attention_mask"], 3)
+    assert torch.allclose(full[:, :3][action[:, :3]], short[trimmed["action_mask"]], atol=1e-5)
