@@ -68,6 +68,11 @@ class PPOTrainer:
         self.ckpt = ppo_checkpoint.make_manager(cfg)
         self.stopped_by_signal = False
         self.policy_version = 0  # weight syncs done; the rollout side stamps it on every sample
+        # Rank 0 plus every rank of a non-rollout role: decisions about the training batch go only to
+        # them, so rollout ranks busy generating (asynchronous mode) never hold the trainer up.
+        train_ranks = sorted({0} | {r for name, g in world.roles.items() if name != "rollout" for r in g.ranks})
+        self.train_ranks = set(train_ranks)
+        self.train_group = dist.new_group(train_ranks)  # collective: every rank creates it
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, Any]]:
@@ -187,13 +192,15 @@ class PPOTrainer:
     def make_experience(self, trajectories: list | None) -> dict | None:
         """Selected samples as padded tensors, plus the logprobs/values each enabled role computes."""
         cfg = self.cfg
+        if self.rank not in self.train_ranks:
+            return None
         batch = None
         if self.rank == 0:
             trajectories = select_samples(trajectories, cfg)  # overlong penalty, dynamic filtering
         if self.rank == 0 and trajectories:
             batch = pack_trajectories(trajectories, self.tokenizer.pad_token_id)
             batch["rewards"] = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-        if not self._broadcast_flag(batch is not None):
+        if not self._broadcast_flag(batch is not None, self.train_group):
             return None  # dynamic filtering removed every group: skip the update this step
         keys = ("sequences", "attention_mask", "action_mask")
         temperature = cfg.rollout.temperature
@@ -319,9 +326,10 @@ class PPOTrainer:
         return step
 
     # ------------------------------------------------------------------ plumbing
-    def _broadcast_flag(self, value: bool) -> bool:
+    def _broadcast_flag(self, value: bool, group: dist.ProcessGroup | None = None) -> bool:
+        """Rank 0's ``value`` on every rank of ``group`` (default: the world)."""
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         return bool(box[0])
 
     def _role_forward(self, role: str, batch: dict | None, keys: tuple[str, ...], fn) -> dict | None:
