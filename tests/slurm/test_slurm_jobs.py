@@ -137,26 +137,61 @@ def test_time_limit_signal_reaches_every_task(tmp_path):
     assert "batch shell got USR1" not in text and "batch done" in text
 
 
-def test_preemption_checkpoints_requeues_and_resumes(tmp_path):
+def _wait_for_steps(job: str, metrics: Path, log: Path, at_least: int, restarts: int) -> None:
+    """Until the job (after ``restarts`` restarts) is running and has logged ``at_least`` steps."""
+    deadline = time.monotonic() + 240
+    while True:
+        info = job_info(job)
+        lines = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        if lines >= at_least and info.get("Restarts") == str(restarts) and info.get("JobState") == "RUNNING":
+            return
+        assert time.monotonic() < deadline, f"no progress to step {at_least}: " + (
+            _read(log)[-2000:] if log.exists() else "")
+        assert info.get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED"), _read(log)[-3000:]
+        time.sleep(0.1)
+
+
+COMPARED = ("reward", "score", "response_length", "policy_loss", "actor_grad_norm", "actor_lr")
+
+
+def test_preemption_twice_resumes_to_the_uninterrupted_result(tmp_path):
     """USR1 to every rank mid-run -> ranks agree -> atomic checkpoint -> scontrol requeue -> the same job
-    restarts (SLURM_RESTART_COUNT=1, log appended) with ckpt.load=true -> resumes at the next step."""
-    log, run = tmp_path / "job.out", tmp_path / "run"
+    restarts (SLURM_RESTART_COUNT, log appended) with ckpt.load=true -> resumes at the next step. Twice,
+    and the final metrics equal an uninterrupted job's."""
     num_steps = 60
+    log, run = tmp_path / "job.out", tmp_path / "run"
+    ref_log, ref_run = tmp_path / "ref.out", tmp_path / "ref"
+    reference = sbatch("-o", str(ref_log), "slurm/cpu_debug.sbatch", f"train.max_steps={num_steps}",
+                       f"train.output_dir={ref_run}")
     job = sbatch("-o", str(log), "slurm/cpu_debug.sbatch", f"train.max_steps={num_steps}",
                  f"train.output_dir={run}")
     metrics = run / "metrics.jsonl"
-    deadline = time.monotonic() + 180
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert time.monotonic() < deadline, "training never started: " + (_read(log)[-2000:] if log.exists() else "")
-        assert job_info(job).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED"), _read(log)[-3000:]
-        time.sleep(0.1)
+    _wait_for_steps(job, metrics, log, at_least=2, restarts=0)
     subprocess.run(["scancel", "--signal=USR1", job], check=True)  # to every task of the running steps
-    info = wait_job(job, 300, log)
+    first_stop = None
+    deadline = time.monotonic() + 240
+    while first_stop is None:  # the restarted job appends after the resumed step
+        info = job_info(job)
+        if info.get("Restarts") == "1":
+            first_stop = len(metrics.read_text().splitlines())
+        assert time.monotonic() < deadline, _read(log)[-3000:]
+        time.sleep(0.1)
+    _wait_for_steps(job, metrics, log, at_least=first_stop + 2, restarts=1)
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    info = wait_job(job, 400, log)
     text = _read(log)
     assert info["JobState"] == "COMPLETED", text[-4000:]
-    assert info["Restarts"] == "1", text[-4000:]
-    assert f"job {job} restart 0" in text and f"job {job} restart 1" in text and "ckpt.load=true" in text
-    assert list((run / "ckpt").glob("step_*")), "no checkpoint written"
-    assert "resumed from" in text
+    assert info["Restarts"] == "2", text[-4000:]
+    assert all(f"job {job} restart {i}" in text for i in range(3)) and "ckpt.load=true" in text
+    assert text.count("resumed from") >= 2, text[-4000:]
     assert _steps(metrics) == list(range(1, num_steps + 1))  # nothing lost, nothing repeated
     assert (run / "model/config.json").exists()
+    assert wait_job(reference, 300, ref_log)["JobState"] == "COMPLETED", _read(ref_log)[-3000:]
+    got, want = _rows(metrics), _rows(ref_run / "metrics.jsonl")
+    for a, b in zip(want, got, strict=True):
+        for key in COMPARED:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+
+
+def _rows(metrics: Path) -> list[dict]:
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
