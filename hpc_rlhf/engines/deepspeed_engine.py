@@ -264,26 +264,38 @@ def _numel_bytes(tensor: torch.Tensor) -> int:
     return getattr(tensor, "ds_numel", tensor.numel()) * tensor.element_size()
 
 
+def _buckets(entries: list[tuple[str, torch.Tensor]],
+             bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive runs of ``entries`` of about ``bucket_bytes`` (full, unpartitioned sizes)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in entries:
+        bucket.append((name, tensor))
+        size += _numel_bytes(tensor)
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def _gathered(params: list[torch.Tensor], zero_stage: int):
+    """Context in which ZeRO-3 ``params`` hold their full values (collective over their dp group)."""
+    import contextlib
+
+    import deepspeed
+
+    if zero_stage != 3:
+        return contextlib.nullcontext()
+    return deepspeed.zero.GatheredParameters([p for p in params if hasattr(p, "ds_id")], modifier_rank=None)
+
+
 def iter_gathered_state_dict(module: torch.nn.Module, zero_stage: int,
                              bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of (name, full detached copy). Under ZeRO-3 every rank of the dp group must iterate."""
-    import deepspeed
-
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    entries = _state_dict_entries(module)
-    for index, (name, tensor) in enumerate(entries):
-        bucket.append((name, tensor))
-        size += _numel_bytes(tensor)
-        if size < bucket_bytes and index + 1 < len(entries):
-            continue
-        if zero_stage == 3:
-            params = [t for _, t in bucket if hasattr(t, "ds_id")]
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                yield [(n, t.data.detach().clone()) for n, t in bucket]
-        else:
+    for bucket in _buckets(_state_dict_entries(module), bucket_bytes):
+        with _gathered([t for _, t in bucket], zero_stage):
             yield [(n, t.data.detach().clone()) for n, t in bucket]
-        bucket, size = [], 0
 
 
 def iter_merged_lora_state_dict(module: torch.nn.Module, zero_stage: int,
@@ -293,26 +305,13 @@ def iter_merged_lora_state_dict(module: torch.nn.Module, zero_stage: int,
     Under ZeRO-3 each bucket gathers its base weights together with the LoRA factors of their layers; a
     collective over the dp group like ``iter_gathered_state_dict``.
     """
-    import deepspeed
-
     from hpc_rlhf.models.lora import lora_factors, merge_lora_entries
 
     factors = lora_factors(module)  # base weight name -> LoRA parameters of its layer
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    entries = _state_dict_entries(module)
-    for index, (name, tensor) in enumerate(entries):
-        bucket.append((name, tensor))
-        size += _numel_bytes(tensor)
-        if size < bucket_bytes and index + 1 < len(entries):
-            continue
-        if zero_stage == 3:
-            params = {id(t): t for n, t in bucket for t in (t, *factors.get(n, ())) if hasattr(t, "ds_id")}
-            with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
-                yield list(merge_lora_entries(module, bucket))
-        else:
+    for bucket in _buckets(_state_dict_entries(module), bucket_bytes):
+        params = {id(t): t for n, t in bucket for t in (t, *factors.get(n, ()))}
+        with _gathered(list(params.values()), zero_stage):
             yield list(merge_lora_entries(module, bucket))
-        bucket, size = [], 0
 
 
 def _is_first(dp_group: ProcessGroup | None) -> bool:
