@@ -23,8 +23,6 @@ Every problem raises ``AgentLoadError`` naming the file.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
 import os
 import sys
@@ -33,6 +31,7 @@ from typing import Any
 
 from hpc_rlhf.agents.executor import AgentExecutor
 from hpc_rlhf.agents.multi_turn import MultiTurnAgentExecutor
+from hpc_rlhf.utils.user_code import UserCodeImportError, import_user_file
 
 _IMPORT_HINT = ("write `from hpc_rlhf.agents.multi_turn import AgentInstanceBase, MultiTurnAgentExecutor` "
                 "(instead of `from openrlhf.utils.agent import ...`)")
@@ -49,24 +48,15 @@ class AgentLoadError(RuntimeError):
 def _import_file(path: str) -> Any:
     if not os.path.isfile(path):
         raise AgentLoadError(f"agent file {path} does not exist (train.agent_func_path)", path=path)
-    # A unique module name per file so two agent files never shadow each other in sys.modules.
-    module_name = f"hpc_rlhf_user_agent_{hashlib.sha1(path.encode()).hexdigest()[:12]}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise AgentLoadError(f"cannot import {path} as a Python module", path=path)
     folder = os.path.dirname(path)
     if folder not in sys.path:  # agent files often import helpers that sit next to them
         sys.path.append(folder)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        sys.modules.pop(module_name, None)
+        return import_user_file(path, "agent")
+    except UserCodeImportError as err:
         hint = f"; {_IMPORT_HINT}" if "openrlhf" in str(err) else ""
-        raise AgentLoadError(f"importing agent file {path} failed: {type(err).__name__}: {err}{hint}\n"
-                             f"{traceback.format_exc()}", path=path) from err
-    return module
+        raise AgentLoadError(f"importing agent file {path} failed: {err}{hint}\n{traceback.format_exc()}",
+                             path=path) from err
 
 
 def _check_instance_cls(cls: Any, path: str) -> None:

@@ -33,18 +33,17 @@ Every problem raises ``RewardFunctionError`` naming the file:
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
 import numbers
 import os
-import sys
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from hpc_rlhf.utils.user_code import UserCodeImportError, import_user_file
 
 _PROMPT_CHARS_IN_ERROR = 2000
 
@@ -75,20 +74,11 @@ def load_reward_func(path: str) -> Callable[..., Any]:
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(path):
         raise RewardFunctionError(f"reward function file {path} does not exist (reward.reward_func_path)", path=path)
-    # A unique module name per file so two reward files never shadow each other in sys.modules.
-    digest = hashlib.sha1(path.encode()).hexdigest()[:12]
-    module_name = f"hpc_rlhf_user_reward_{digest}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise RewardFunctionError(f"cannot import {path} as a Python module", path=path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        sys.modules.pop(module_name, None)
+        module = import_user_file(path, "reward")
+    except UserCodeImportError as err:
         raise RewardFunctionError(
-            f"importing reward function file {path} failed: {type(err).__name__}: {err}\n{traceback.format_exc()}",
+            f"importing reward function file {path} failed: {err}\n{traceback.format_exc()}",
             path=path, traceback_text=traceback.format_exc(),
         ) from err
     func = getattr(module, "reward_func", None)
