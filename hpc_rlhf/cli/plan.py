@@ -1,26 +1,50 @@
 """``hpc-rlhf plan``: show the role placement and per-GPU memory of a recipe without loading a model.
 
-Exits 0 when the layout is valid and fits, 1 with the reason otherwise.
+Exits 0 when the layout is valid and fits, 1 with the reason otherwise. RL recipes (``train_ppo``) and
+the offline trainers' recipes (sft, rm, dpo, kto: a ``model:`` section) are both planned. The memory
+model (``hpc_rlhf.dist.memory_estimate``) is checked against measured peaks by
+``tests/multiproc/test_memory_estimate.py``; docs/memory.md says how and with which tolerance.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import yaml
 
 from hpc_rlhf.config import ConfigError, load_config
-from hpc_rlhf.dist.memory_estimate import ModelSizeError, rank_memory, role_memory, role_num_params
+from hpc_rlhf.config.supervised import CONFIG_CLASSES, load_supervised_config
+from hpc_rlhf.dist.memory_estimate import (
+    ModelSizeError,
+    RoleMemory,
+    peak_gib,
+    rank_memory,
+    role_memory,
+    role_num_params,
+    role_shape,
+    supervised_memory,
+)
 from hpc_rlhf.dist.placement import PlacementError, build_placement
+
+KINDS = ("auto", "rl", *CONFIG_CLASSES)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hpc-rlhf plan", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="YAML recipe")
+    p.add_argument("--kind", choices=KINDS, default="auto",
+                   help="trainer of the recipe; auto: rl, or for a recipe with a model: section the "
+                        "sft_/rm_/dpo_/kto_ prefix of its file name")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory of one GPU (default 80)")
     p.add_argument("--headroom", type=float, default=0.1,
-                   help="fraction of GPU memory kept for activations and fragmentation (default 0.1)")
+                   help="fraction of GPU memory kept for fragmentation and the CUDA context (default 0.1)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ds.zero_stage=3")
     return p
 
@@ -33,14 +57,112 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
+def recipe_kind(path: str, requested: str = "auto") -> str:
+    """``rl`` or an offline trainer kind; see ``--kind``."""
+    if requested != "auto":
+        return requested
+    try:
+        sections = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return "rl"  # load_config reports the file's problem
+    if not isinstance(sections, dict) or "model" not in sections:
+        return "rl"
+    prefix = Path(path).name.split("_")[0]
+    if prefix not in CONFIG_CLASSES:
+        raise ConfigError(f"{path} has a model: section (an offline trainer's recipe) but its name does not say "
+                          f"which trainer; pass --kind {{{','.join(CONFIG_CLASSES)}}}")
+    return prefix
+
+
+def check_parallelism(ds, trainer: str) -> None:
+    """Combinations the training engines cannot run, refused before any sizing."""
+    if ds.tensor_parallel_size > 1 and ds.zero_stage == 3:
+        raise ConfigError(f"ds.tensor_parallel_size={ds.tensor_parallel_size} with ds.zero_stage=3: DeepSpeed AutoTP "
+                          "training runs with ZeRO stages 0-2 only; set ds.zero_stage=1 or 2 (ZeRO then shards "
+                          "over the data-parallel replicas)")
+    if trainer != "rl" and ds.ring_attn_size > 1:
+        raise ConfigError(f"ds.ring_attn_size={ds.ring_attn_size}: the {trainer} trainer does not split sequences; "
+                          "remove it")
+
+
+@contextlib.contextmanager
+def _sized_tiny_model(section) -> Iterator[None]:
+    """A CPU recipe's ``build_tiny`` model may not exist yet: size the one it would build (temporary copy)."""
+    if not (section.build_tiny and section.pretrain) or (Path(section.pretrain) / "config.json").is_file():
+        yield
+        return
+    from hpc_rlhf.models.tiny import build_tiny_model
+
+    original = section.pretrain
+    with tempfile.TemporaryDirectory(prefix="hpc-rlhf-plan-") as tmp:
+        section.pretrain = str(build_tiny_model(Path(tmp) / "tiny"))
+        try:
+            yield
+        finally:
+            section.pretrain = original
+
+
+def _role_row(name: str, mem: RoleMemory) -> list[str]:
+    states = (f"w {mem.weights_gib:.1f} + g {mem.grads_gib:.1f} + opt {mem.optim_gib:.1f} "
+              f"+ buf {mem.buffers_gib:.1f}")
+    working = f"act {mem.activations_gib:.1f}" + (f" + gath {mem.gathered_gib:.1f}" if mem.gathered_gib else "")
+    return [states, working, str(mem.tokens_per_rank)]
+
+
+MEMORY_HEADER = ["per-GPU states GiB", "working GiB", "tokens/rank"]
+FOOTNOTE = ("(training = states of every role on the rank + the largest working set: activations of one "
+            "micro-batch, gathered ZeRO-3 parameters; model validated on CPU, see docs/memory.md")
+
+
+def _fits(peak: float, budget: float, where: str) -> int:
+    if peak > budget:
+        print(f"plan: does not fit: {where} needs {peak:.1f} GiB > {budget:.1f} GiB usable; raise ds.zero_stage, "
+              "enable ds.adam_offload or ds.gradient_checkpointing, lower train.micro_train_batch_size / "
+              "train.max_tokens_per_gpu / rollout.micro_rollout_batch_size, add nodes or lower "
+              "vllm.gpu_memory_utilization", file=sys.stderr)
+        return 1
+    return 0
+
+
+def plan_supervised(args, kind: str, world_size: int) -> int:
+    try:
+        cfg = load_supervised_config(kind, args.config, args.overrides)
+        check_parallelism(cfg.ds, kind)
+        with _sized_tiny_model(cfg.model):
+            roles = supervised_memory(cfg, kind, world_size)
+    except (ConfigError, ModelSizeError) as err:
+        print(f"plan: invalid layout: {err}", file=sys.stderr)
+        return 1
+    print(f"world: {args.nodes} nodes x {args.gpus_per_node} GPUs = {world_size} ranks, {kind} trainer, "
+          f"data parallel over all ranks")
+    rows = [[name, "-" if name == "model" else "frozen", *_role_row(name, mem)] for name, mem in roles.items()]
+    print(_table(rows, ["role", "", *MEMORY_HEADER]))
+    peak = peak_gib(list(roles.values()))
+    budget = args.gpu_mem_gb * (1 - args.headroom)
+    print(f"\npeak per rank: {peak:.1f} GiB ({'fits' if peak <= budget else 'does NOT fit'} {budget:.0f} GiB)")
+    print(FOOTNOTE + ")")
+    return _fits(peak, budget, f"every rank ({'+'.join(roles)})")
+
+
 def plan(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     world_size = args.nodes * args.gpus_per_node
     try:
+        kind = recipe_kind(args.config, args.kind)
+    except ConfigError as err:
+        print(f"plan: invalid layout: {err}", file=sys.stderr)
+        return 1
+    if kind != "rl":
+        return plan_supervised(args, kind, world_size)
+    try:
         cfg = load_config(args.config, args.overrides)
+        check_parallelism(cfg.ds, kind)
         placement = build_placement(cfg, world_size)
-        roles_mem = {r: role_memory(cfg, placement, r) for r in placement.roles if r != "rollout"}
-        sizes = {r: role_num_params(cfg, r) for r in roles_mem}
+        with _sized_tiny_model(cfg.actor):
+            roles_mem = {r: role_memory(cfg, placement, r) for r in placement.roles if r != "rollout"}
+            sizes = {r: role_num_params(cfg, r) for r in roles_mem}
+            shapes = {r: role_shape(cfg, r) for r in roles_mem}
+            per_rank = rank_memory(cfg, placement, args.gpu_mem_gb)
     except (ConfigError, PlacementError, ModelSizeError) as err:
         print(f"plan: invalid layout: {err}", file=sys.stderr)
         return 1
@@ -53,15 +175,17 @@ def plan(argv: list[str] | None = None) -> int:
         size = f"{sizes[name] / 1e9:.2f}B" if name in sizes else "-"
         if name == "rollout":
             engines = f"{row['num_ranks'] // row['tp']} engines"
-            rows.append([name, row["ranks"], row["num_ranks"], "-", row["tp"], "-", size, engines])
+            rows.append([name, row["ranks"], row["num_ranks"], "-", row["tp"], "-", size, engines, "-", "-"])
         else:
-            mem = roles_mem[name]
-            detail = f"w {mem.weights_gib:.1f} + g {mem.grads_gib:.1f} + opt {mem.optim_gib:.1f} GiB"
-            rows.append([name, row["ranks"], row["num_ranks"], row["dp"], row["tp"], row["sp"], size, detail])
-    print(_table(rows, ["role", "ranks", "n", "dp", "tp", "sp", "params", "per-GPU model states"]))
+            rows.append([name, row["ranks"], row["num_ranks"], row["dp"], row["tp"], row["sp"], size,
+                         *_role_row(name, roles_mem[name])])
+    print(_table(rows, ["role", "ranks", "n", "dp", "tp", "sp", "params", *MEMORY_HEADER]))
+    for name, mem in roles_mem.items():
+        tp = placement.roles[name].tp_size
+        split = f"; tp {tp}: layer projections and their activations split {tp} ways" if tp > 1 else ""
+        print(f"  {name}: {'; '.join(mem.notes)}{split}; shape {shapes[name].describe()}")
 
     budget = args.gpu_mem_gb * (1 - args.headroom)
-    per_rank = rank_memory(cfg, placement, args.gpu_mem_gb)
     distinct: dict[tuple, list[int]] = {}
     for m in per_rank:
         distinct.setdefault((m.roles, round(m.training_gib, 2), round(m.rollout_gib, 2)), []).append(m.rank)
@@ -72,16 +196,11 @@ def plan(argv: list[str] | None = None) -> int:
                          f"{training:.1f}", f"{rollout:.1f}", f"{peak:.1f}", "yes" if peak <= budget else "NO"])
     print()
     print(_table(mem_rows, ["ranks", "roles", "training GiB", "vLLM GiB", "peak GiB", f"fits {budget:.0f} GiB"]))
-    print("(activations excluded; vLLM share = vllm.gpu_memory_utilization x GPU memory"
+    print(FOOTNOTE + "; vLLM share = vllm.gpu_memory_utilization x GPU memory"
           + ("; rollout and training time-share the GPU via sleep mode)" if cfg.train.colocate_all
              and cfg.vllm.enable_sleep else ")"))
     worst = max(per_rank, key=lambda m: m.peak_gib)
-    if worst.peak_gib > budget:
-        print(f"plan: does not fit: rank {worst.rank} ({'+'.join(worst.roles)}) needs {worst.peak_gib:.1f} GiB "
-              f"> {budget:.1f} GiB usable; raise ds.zero_stage, enable ds.adam_offload, add nodes or "
-              "lower vllm.gpu_memory_utilization", file=sys.stderr)
-        return 1
-    return 0
+    return _fits(worst.peak_gib, budget, f"rank {worst.rank} ({'+'.join(worst.roles)})")
 
 
 def main(argv: list[str] | None = None) -> None:

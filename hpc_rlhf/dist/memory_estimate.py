@@ -1,44 +1,167 @@
-"""Per-GPU memory estimate of a placement, without loading any model. Pure Python.
+"""Per-rank memory estimate of a placement, without loading any model. Pure Python.
 
-Model states follow the ZeRO paper's accounting (Rajbhandari et al., 2020): with mixed precision,
-2 bytes of weights + 2 bytes of gradients + 12 bytes of Adam states (fp32 master, m, v) per parameter;
-stage 1 shards the optimizer states over data-parallel ranks, stage 2 also the gradients, stage 3 also
-the weights. Tensor parallelism divides every term by ``tp``. Frozen roles (ref, reward) hold weights
-only. Activations are not modelled; ``headroom_frac`` of the GPU is kept free for them.
+What one rank of a role holds, in bytes per parameter ``N`` (after tensor parallelism) and per token:
+
+Model states (DeepSpeed 0.19 as ``hpc_rlhf.engines.deepspeed_engine.build_ds_config`` configures it;
+ZeRO paper accounting, Rajbhandari et al., 2020, with what DeepSpeed really allocates):
+
+- weights: ``p`` bytes (2 in bf16, 4 in fp32), divided over the ZeRO ranks (dp x sp) at stage 3;
+- gradients: 4 bytes, fp32 accumulation (bf16 runs set ``data_types.grad_accum_dtype=fp32``; stage 1
+  then uses DeepSpeed's BF16 optimizer, whose fp32 gradient buffer is *not* sharded), divided at stage >= 2;
+- optimizer: Adam ``exp_avg`` + ``exp_avg_sq`` (8 bytes) plus an fp32 master copy (4 bytes) when the
+  weights are bf16 or a ZeRO optimizer runs (stages 1-3 clone their partition even in fp32); only fp32
+  stage 0 updates the weights in place. Divided at stage >= 1; zero with ``ds.adam_offload``;
+- buffers: the gradient reduce bucket of ZeRO-2/3 (``reduce_bucket_size``, 5e8 elements by default,
+  allocated whole on a GPU), and under ZeRO-3 the gathered full parameters: DeepSpeed keeps up to
+  ``stage3_max_live_parameters`` (1e9) of them between forward and backward. At the end of a ZeRO-3
+  backward the reduce-scatter flattens a bucket into a new tensor next to the largest weight's full
+  gradient; that transient replaces the (by then freed) activations when it is the larger.
+
+Activations (one micro-batch, what autograd saves, counted on transformers' Llama with SDPA):
+
+- per layer and token: ``6h`` replicated (two RMSNorms: input, normalised input, output) plus
+  ``2 q_dim + 2 kv_dim + 4 i`` split by tensor parallelism (roped q and k, v, attention output; SwiGLU
+  gate, activation, up, product), in the parameter dtype; eager attention adds ``heads x seq`` probabilities;
+- with gradient checkpointing only each layer's input (``h``) is kept, plus one layer recomputed;
+- logits of the LM head, on the response positions only (``logits_to_keep``; every local token under
+  ring attention), in fp32 (``logprobs_from_logits`` upcasts) are saved, and the backward of the
+  log-softmax holds about three more logits-sized tensors at its peak; a no-grad forward (ref) holds
+  the logits, their fp32 copy and one fp32 temporary;
+- sequence parallelism (ring attention) divides the tokens of a micro-batch over ``ds.ring_attn_size``.
+
+A rank's peak sums the model states of every role it hosts plus the largest working set (activations
+and gathered parameters) among them: colocated roles run their phases one after the other.
+
+Validated against measured peak memory on CPU (fp32, gloo) by ``tests/multiproc/test_memory_estimate.py``;
+see ``docs/memory.md``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpc_rlhf.config.schema import RunConfig
+from hpc_rlhf.config.schema import DeepSpeedConfig, RunConfig
+from hpc_rlhf.config.supervised import SupervisedRunConfig
 from hpc_rlhf.dist.placement import Placement
 
 GIB = 1024**3
-ADAM_BYTES_PER_PARAM = 12  # fp32 master weights + exp_avg + exp_avg_sq
+ADAM_MOMENTS_BYTES = 8  # exp_avg + exp_avg_sq in fp32
+MASTER_BYTES = 4  # fp32 master copy of bf16 weights
+GRAD_BYTES = 4  # fp32 gradient accumulation
+LOGITS_BYTES = 4  # logprobs are computed from fp32 logits
+LOGITS_BACKWARD_COPIES = 3  # log-softmax backward: softmax, scattered gather grad, grad of the logits
+# DeepSpeed 0.19 defaults that build_ds_config leaves as they are.
+DS_REDUCE_BUCKET_SIZE = 500_000_000
+DS_STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
 
 
 class ModelSizeError(ValueError):
     """No way to know a role's model size."""
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer (Llama / Qwen / Mistral layout) that memory depends on."""
+
+    hidden_size: int
+    num_layers: int
+    intermediate_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+    source: str = "config.json"
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, source: str = "config.json") -> ModelShape:
+        try:
+            hidden, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+            heads = cfg["num_attention_heads"]
+        except KeyError as err:
+            raise ModelSizeError(f"config.json lacks {err.args[0]!r}; set <role>.num_params_b instead") from None
+        return cls(hidden_size=hidden, num_layers=layers, intermediate_size=cfg.get("intermediate_size", 4 * hidden),
+                   vocab_size=vocab, num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                   head_dim=cfg.get("head_dim") or hidden // heads,
+                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), source=source)
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_linear_params(self) -> int:
+        """Attention and MLP projections of one layer: what tensor parallelism shards."""
+        h = self.hidden_size
+        return 2 * h * self.q_dim + 2 * h * self.kv_dim + 3 * h * self.intermediate_size
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding plus LM head (one matrix when tied): replicated under tensor parallelism."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    def largest_tensor_params(self, tp: int = 1) -> float:
+        """Elements of the largest single weight on a tensor-parallel rank: the embedding / LM head
+        (whole on every rank), or an MLP projection (split)."""
+        return max(self.vocab_size, self.intermediate_size / tp) * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
+        return self.num_layers * self.layer_linear_params + self.embedding_params + norms
+
+    def params_per_tp_rank(self, num_params: int, tp: int) -> float:
+        """``num_params`` on one tensor-parallel rank: layer projections split, embeddings and norms not."""
+        if tp == 1:
+            return float(num_params)
+        sharded = num_params * (self.num_layers * self.layer_linear_params / self.num_params)
+        return num_params - sharded + sharded / tp
+
+    def describe(self) -> str:
+        return (f"h={self.hidden_size} L={self.num_layers} i={self.intermediate_size} V={self.vocab_size} "
+                f"heads={self.num_heads}/{self.num_kv_heads} ({self.source})")
+
+
+def _ref(name: str, h: int, layers: int, inter: int, vocab: int, heads: int, kv: int, tied: bool) -> ModelShape:
+    return ModelShape(h, layers, inter, vocab, heads, kv, h // heads, tied, source=f"assumed {name}-like shape")
+
+
+# Public config.json shapes used when a recipe gives only num_params_b: the nearest in size is assumed.
+REFERENCE_SHAPES = (
+    _ref("Qwen2.5-0.5B", 896, 24, 4864, 151936, 14, 2, True),
+    _ref("Qwen2.5-1.5B", 1536, 28, 8960, 151936, 12, 2, True),
+    _ref("Qwen2.5-3B", 2048, 36, 11008, 151936, 16, 2, True),
+    _ref("Qwen2.5-7B", 3584, 28, 18944, 152064, 28, 4, False),
+    _ref("Llama-3-8B", 4096, 32, 14336, 128256, 32, 8, False),
+    _ref("Qwen2.5-14B", 5120, 48, 13824, 152064, 40, 8, False),
+    _ref("Qwen2.5-32B", 5120, 64, 27648, 152064, 40, 8, False),
+    _ref("Llama-3-70B", 8192, 80, 28672, 128256, 64, 8, False),
+)
+
+
+def nearest_reference_shape(num_params: int) -> ModelShape:
+    return min(REFERENCE_SHAPES, key=lambda s: abs(math.log(s.num_params / num_params)))
+
+
 def count_params_from_hf_config(cfg: dict) -> int:
     """Parameter count of a decoder-only transformer from its ``config.json`` (Llama/Qwen/Mistral shape)."""
-    try:
-        hidden, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-        inter = cfg.get("intermediate_size", 4 * hidden)
-        heads = cfg["num_attention_heads"]
-    except KeyError as err:
-        raise ModelSizeError(f"config.json lacks {err.args[0]!r}; set <role>.num_params_b instead") from None
-    head_dim = cfg.get("head_dim") or hidden // heads
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
-    mlp = 3 * hidden * inter
-    per_layer = attn + mlp + 2 * hidden
-    embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings", False) else 2)
-    return layers * per_layer + embed + hidden
+    return ModelShape.from_hf_config(cfg).num_params
+
+
+def _local_hf_config(cfg: RunConfig, role: str) -> dict | None:
+    section = getattr(cfg, role)
+    if section.pretrain is not None:
+        path = Path(section.pretrain) / "config.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+    return None
 
 
 def role_num_params(cfg: RunConfig, role: str) -> int:
@@ -49,10 +172,9 @@ def role_num_params(cfg: RunConfig, role: str) -> int:
     section = getattr(cfg, role)
     if section.num_params_b is not None:
         return int(section.num_params_b * 1e9)
-    if section.pretrain is not None:
-        path = Path(section.pretrain) / "config.json"
-        if path.is_file():
-            return count_params_from_hf_config(json.loads(path.read_text()))
+    hf = _local_hf_config(cfg, role)
+    if hf is not None:
+        return count_params_from_hf_config(hf)
     if role != "actor":
         return role_num_params(cfg, "actor")
     raise ModelSizeError(
@@ -61,41 +183,223 @@ def role_num_params(cfg: RunConfig, role: str) -> int:
     )
 
 
+def role_shape(cfg: RunConfig, role: str) -> ModelShape:
+    """The role's layer sizes: its local config.json; the actor's shape when the role names no model of its
+    own (like ``role_num_params``); else the reference shape nearest to its size."""
+    section = getattr(cfg, role)
+    hf = _local_hf_config(cfg, role)
+    if hf is not None:
+        return ModelShape.from_hf_config(hf)
+    if role != "actor" and section.pretrain is None and section.num_params_b is None:
+        return role_shape(cfg, "actor")
+    return nearest_reference_shape(role_num_params(cfg, role))
+
+
 @dataclass(frozen=True)
 class RoleMemory:
+    """One rank's share of a role, in GiB. ``states`` stay resident; ``working`` exists during its phase."""
+
     role: str
     weights_gib: float
     grads_gib: float
     optim_gib: float
+    buffers_gib: float = 0.0
+    gathered_gib: float = 0.0
+    activations_gib: float = 0.0
+    reduce_gib: float = 0.0
+    tokens_per_rank: int = 0
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def states_gib(self) -> float:
+        return self.weights_gib + self.grads_gib + self.optim_gib + self.buffers_gib
+
+    @property
+    def working_gib(self) -> float:
+        """Gathered ZeRO-3 parameters + the larger of the activations and the end-of-backward reduce."""
+        return self.gathered_gib + max(self.activations_gib, self.reduce_gib)
 
     @property
     def total_gib(self) -> float:
-        return self.weights_gib + self.grads_gib + self.optim_gib
+        return self.states_gib + self.working_gib
 
 
-def _bytes_per_weight(cfg: RunConfig, on_gpu: bool) -> int:
-    dtype = cfg.ds.param_dtype
+def _bytes_per_weight(param_dtype: str, on_gpu: bool) -> int:
+    dtype = param_dtype
     if dtype == "auto":
         dtype = "bf16" if on_gpu else "fp32"
     return 2 if dtype == "bf16" else 4
 
 
-def role_memory(cfg: RunConfig, placement: Placement, role: str, on_gpu: bool = True) -> RoleMemory:
-    """GPU-resident model states of one rank of ``role`` in GiB."""
-    grid = placement.roles[role]
-    params = role_num_params(cfg, role)
-    w_bytes = _bytes_per_weight(cfg, on_gpu)
-    tp, dp = grid.tp_size, grid.dp_size * grid.sp_size  # ZeRO shards over dp x sp ranks
-    stage = cfg.ds.zero_stage
-    shard_params = params / tp
+def effective_zero_stage(zero_stage: int, dp: int, trainable: bool, adam_offload: bool) -> int:
+    """The stage DeepSpeed really runs (mirrors ``build_ds_config``): frozen roles use only stage 3, and
+    stages 1-2 fall back to 0 on one data-parallel rank (nothing to shard)."""
+    stage = zero_stage if trainable or zero_stage == 3 else 0
+    if dp == 1 and stage in (1, 2) and not adam_offload:
+        stage = 0
+    return stage
+
+
+def model_state_bytes(num_params: float, *, param_bytes: int, zero_stage: int, dp: int, trainable: bool,
+                      adam_offload: bool = False, on_gpu: bool = True,
+                      largest_tensor_params: float = 0.0) -> dict[str, float]:
+    """Bytes of weights, grads, optimizer states, persistent buffers, gathered ZeRO-3 parameters and the
+    ZeRO-3 gradient reduce-scatter transient on one rank holding ``num_params`` (already divided by tensor
+    parallelism), ``zero_stage`` as DeepSpeed runs it."""
+    stage = zero_stage
+    n = num_params
+    out = {"weights": n * param_bytes / (dp if stage >= 3 else 1), "grads": 0.0, "optim": 0.0, "buffers": 0.0,
+           "gathered": 0.0, "reduce": 0.0}
+    if trainable:
+        out["grads"] = n * GRAD_BYTES / (dp if stage >= 2 else 1)
+        if not adam_offload:
+            # Every ZeRO optimizer (1-3) keeps its own fp32 copy of the partition, even of fp32 weights
+            # (checked on DeepSpeed 0.19.8); only plain fp32 training (stage 0) updates the weights in place.
+            master = MASTER_BYTES if param_bytes != 4 or stage >= 1 else 0
+            out["optim"] = n * (ADAM_MOMENTS_BYTES + master) / (dp if stage >= 1 else 1)
+        if stage >= 2:
+            # torch.empty(reduce_bucket_size): a GPU allocator reserves all of it, host memory only what is used.
+            bucket = (DS_REDUCE_BUCKET_SIZE if on_gpu else min(DS_REDUCE_BUCKET_SIZE, n)) * param_bytes
+            out["buffers"] = bucket
+            if stage == 3:
+                # reduce_scatter_coalesced flattens a full bucket into a new tensor, while autograd has just
+                # produced a full-size gradient of the largest weight; at the end of the backward, when the
+                # activations are gone (measured on CPU: the checkpointed case peaks here).
+                out["reduce"] = bucket + largest_tensor_params * param_bytes
+    if stage == 3 and dp > 1:
+        out["gathered"] = min(n, DS_STAGE3_MAX_LIVE_PARAMETERS) * param_bytes
+    return out
+
+
+def activation_bytes(shape: ModelShape, *, tokens: int, logit_tokens: int, act_bytes: int, tp: int = 1,
+                     gradient_checkpointing: bool = False, eager_seq_len: int | None = None,
+                     trainable: bool = True) -> float:
+    """Peak activation bytes of one micro-batch on one rank (``tokens`` after sequence-parallel splitting).
+
+    ``logit_tokens``: tokens whose LM-head logits are computed (0 for value models). ``eager_seq_len``:
+    attention probabilities are materialised (eager attention) for rows of this length. ``trainable=False``
+    is a no-grad forward: one layer's tensors and the logits, nothing saved.
+    """
+    h = shape.hidden_size
+    sharded = (2 * shape.q_dim + 2 * shape.kv_dim + 4 * shape.intermediate_size) / tp
+    layer = 6 * h + sharded
+    if eager_seq_len:
+        layer += shape.num_heads / tp * eager_seq_len
+    if not trainable:
+        logits = logit_tokens * shape.vocab_size * (act_bytes + 2 * LOGITS_BYTES)
+        return tokens * layer * act_bytes + logits
+    saved_per_token = h * shape.num_layers + layer if gradient_checkpointing else layer * shape.num_layers
+    saved_per_token += 3 * h  # final norm
+    upcast = LOGITS_BYTES + (act_bytes if act_bytes != LOGITS_BYTES else 0)
+    logits = logit_tokens * shape.vocab_size * (upcast + LOGITS_BACKWARD_COPIES * LOGITS_BYTES)
+    return tokens * saved_per_token * act_bytes + logits
+
+
+def micro_batch_tokens(cfg: RunConfig, role: str) -> int:
+    """Tokens of one micro-batch of ``role`` before sequence-parallel splitting.
+
+    Trained roles: ``train.max_tokens_per_gpu`` with ``train.use_dynamic_batch`` (a sample longer than the
+    budget runs alone), else ``train.micro_train_batch_size`` rows of ``data.max_len`` (default prompt +
+    generation budget). Frozen roles score ``rollout.micro_rollout_batch_size`` rows.
+    """
+    seq_len = _rl_seq_len(cfg)
     if role in ("actor", "critic"):
-        weights = shard_params * w_bytes / (dp if stage >= 3 else 1)
-        grads = shard_params * w_bytes / (dp if stage >= 2 else 1)
-        optim = 0.0 if cfg.ds.adam_offload else shard_params * ADAM_BYTES_PER_PARAM / (dp if stage >= 1 else 1)
-        return RoleMemory(role, weights / GIB, grads / GIB, optim / GIB)
-    offloaded = getattr(cfg, role).offload
-    weights = 0.0 if offloaded else shard_params * w_bytes / (dp if stage >= 3 else 1)
-    return RoleMemory(role, weights / GIB, 0.0, 0.0)
+        if cfg.train.use_dynamic_batch and cfg.train.max_tokens_per_gpu:
+            return max(cfg.train.max_tokens_per_gpu, seq_len)
+        return cfg.train.micro_train_batch_size * seq_len
+    if cfg.train.use_dynamic_batch and cfg.rollout.max_tokens_per_gpu:
+        return max(cfg.rollout.max_tokens_per_gpu, seq_len)
+    return cfg.rollout.micro_rollout_batch_size * seq_len
+
+
+def estimate_role(role: str, shape: ModelShape, num_params: int, ds: DeepSpeedConfig, *, trainable: bool,
+                  tokens: int, logit_tokens: int, seq_len: int, dp: int, tp: int = 1, sp: int = 1,
+                  on_gpu: bool = True, offload: bool = False) -> RoleMemory:
+    """Memory of one rank of a role in GiB: its model states under ``ds`` and one micro-batch of ``tokens``
+    (before the sequence-parallel split; ``logit_tokens`` of them get LM-head logits). ``dp``: data-parallel
+    replicas; ZeRO shards over ``dp x sp`` ranks. ``on_gpu=False``: the same run on CPU (fp32 under auto)."""
+    zero_ranks = dp * sp
+    p = _bytes_per_weight(ds.param_dtype, on_gpu)
+    params = shape.params_per_tp_rank(num_params, tp)
+    stage = effective_zero_stage(ds.zero_stage, zero_ranks, trainable, ds.adam_offload)
+    states = model_state_bytes(params, param_bytes=p, zero_stage=stage, dp=zero_ranks, trainable=trainable,
+                               adam_offload=ds.adam_offload, on_gpu=on_gpu,
+                               largest_tensor_params=shape.largest_tensor_params(tp))
+    if not trainable and offload:
+        states["weights"] = 0.0
+    local_tokens = math.ceil(tokens / sp)
+    eager = math.ceil(seq_len / sp) if ds.attn_implementation == "eager" else None
+    act = activation_bytes(shape, tokens=local_tokens, logit_tokens=math.ceil(logit_tokens / sp), act_bytes=p,
+                           tp=tp, gradient_checkpointing=ds.gradient_checkpointing, eager_seq_len=eager,
+                           trainable=trainable)
+    notes = [f"ZeRO-{stage} over {zero_ranks} ranks" if zero_ranks > 1 and stage > 0 else f"ZeRO-{stage}"]
+    if sp > 1:
+        notes.append(f"ring attention: {tokens} tokens / {sp} ranks")
+    return RoleMemory(role, states["weights"] / GIB, states["grads"] / GIB, states["optim"] / GIB,
+                      states["buffers"] / GIB, states["gathered"] / GIB, act / GIB, states["reduce"] / GIB,
+                      local_tokens, tuple(notes))
+
+
+def _rl_seq_len(cfg: RunConfig) -> int:
+    return cfg.data.max_len or cfg.data.prompt_max_len + cfg.rollout.generate_max_len
+
+
+def role_memory(cfg: RunConfig, placement: Placement, role: str, on_gpu: bool = True) -> RoleMemory:
+    """Memory of one rank of RL ``role`` in GiB (``on_gpu=False``: the same run on CPU, fp32 under ``auto``)."""
+    grid = placement.roles[role]
+    trainable = role in ("actor", "critic")
+    tokens = micro_batch_tokens(cfg, role)
+    logit_tokens = 0
+    if role in ("actor", "ref"):
+        # The LM head runs on the response positions only (``logits_to_keep``), except under ring
+        # attention, where each rank computes the logits of its whole chunk.
+        share = 1.0 if grid.sp_size > 1 else min(1.0, cfg.rollout.generate_max_len / _rl_seq_len(cfg))
+        logit_tokens = math.ceil(tokens * share)
+    return estimate_role(role, role_shape(cfg, role), role_num_params(cfg, role), cfg.ds, trainable=trainable,
+                         tokens=tokens, logit_tokens=logit_tokens, seq_len=_rl_seq_len(cfg), dp=grid.dp_size,
+                         tp=grid.tp_size, sp=grid.sp_size, on_gpu=on_gpu,
+                         offload=not trainable and getattr(cfg, role).offload)
+
+
+# Rows per sample in the offline trainers' forwards: pairs (RM, DPO), sample + mismatched KL sample (KTO).
+SUPERVISED_ROWS_PER_SAMPLE = {"sft": 1, "rm": 2, "dpo": 2, "kto": 2}
+
+
+def supervised_memory(cfg: SupervisedRunConfig, kind: str, world_size: int,
+                      on_gpu: bool = True) -> dict[str, RoleMemory]:
+    """Per-rank memory of an offline trainer (``kind`` in sft, rm, dpo, kto): every rank hosts the trained
+    ``model`` (data parallel over ``world_size / ds.tensor_parallel_size`` replicas) and, for DPO / KTO, the
+    frozen reference."""
+    tp = cfg.ds.tensor_parallel_size
+    if world_size % tp:
+        raise ModelSizeError(f"ds.tensor_parallel_size={tp} does not divide the {world_size} ranks")
+    dp = world_size // tp
+    seq_len = cfg.data.max_len
+    tokens = cfg.train.micro_train_batch_size * SUPERVISED_ROWS_PER_SAMPLE[kind] * seq_len
+    hf = None
+    if cfg.model.pretrain is not None and (Path(cfg.model.pretrain) / "config.json").is_file():
+        hf = json.loads((Path(cfg.model.pretrain) / "config.json").read_text())
+    if cfg.model.num_params_b is not None:
+        num_params = int(cfg.model.num_params_b * 1e9)
+    elif hf is not None:
+        num_params = count_params_from_hf_config(hf)
+    else:
+        raise ModelSizeError("cannot size the model: set model.pretrain to a local model folder with config.json "
+                             "or set model.num_params_b")
+    shape = ModelShape.from_hf_config(hf) if hf is not None else nearest_reference_shape(num_params)
+    logits = 0 if kind == "rm" else tokens  # the LM head runs on every position
+    out = {"model": estimate_role("model", shape, num_params, cfg.ds, trainable=True, tokens=tokens,
+                                  logit_tokens=logits, seq_len=seq_len, dp=dp, tp=tp, on_gpu=on_gpu)}
+    if kind in ("dpo", "kto"):
+        out["ref"] = estimate_role("ref", shape, num_params, cfg.ds, trainable=False, tokens=tokens,
+                                   logit_tokens=logits, seq_len=seq_len, dp=dp, tp=tp, on_gpu=on_gpu,
+                                   offload=cfg.ref.offload)
+    return out
+
+
+def peak_gib(roles: list[RoleMemory]) -> float:
+    """Resident states of every role + the largest working set: colocated roles run one phase at a time."""
+    return sum(m.states_gib for m in roles) + max((m.working_gib for m in roles), default=0.0)
 
 
 @dataclass(frozen=True)
@@ -108,12 +412,15 @@ class RankMemory:
 
 
 def rank_memory(cfg: RunConfig, placement: Placement, gpu_mem_gb: float) -> list[RankMemory]:
-    """Peak estimate per rank. With vLLM sleep mode, rollout and training time-share the GPU."""
+    """Peak estimate per rank: resident states of every role it hosts + the largest working set.
+
+    With vLLM sleep mode, rollout and training time-share the GPU.
+    """
     per_role = {r: role_memory(cfg, placement, r) for r in placement.roles if r != "rollout"}
     out = []
     for rank in range(placement.world_size):
         roles = tuple(placement.roles_of(rank))
-        training = sum(per_role[r].total_gib for r in roles if r != "rollout")
+        training = peak_gib([per_role[r] for r in roles if r != "rollout"])
         rollout = cfg.vllm.gpu_memory_utilization * gpu_mem_gb if "rollout" in roles else 0.0
         time_shared = cfg.train.colocate_all and cfg.vllm.enable_sleep
         peak = max(training, rollout) if time_shared else training + rollout

@@ -6,13 +6,11 @@ head is called ``score`` like OpenRLHF's value head, so a reward model trained e
 
 from __future__ import annotations
 
-import importlib.util
-import logging
-
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
 
-log = logging.getLogger(__name__)
+# resolve_attn_implementation is re-exported: the trainers import it from here.
+from hpc_rlhf.models.kernels import apply_liger_kernel, resolve_attn_implementation  # noqa: F401
 
 
 def resolve_dtype(param_dtype: str, on_gpu: bool) -> torch.dtype:
@@ -22,30 +20,25 @@ def resolve_dtype(param_dtype: str, on_gpu: bool) -> torch.dtype:
     return torch.bfloat16 if param_dtype == "bf16" else torch.float32
 
 
-def resolve_attn_implementation(requested: str, on_gpu: bool) -> str:
-    """Pick flash-attn where present, else SDPA; say so when falling back."""
-    if requested in ("eager", "sdpa"):
-        return requested
-    has_flash = on_gpu and importlib.util.find_spec("flash_attn") is not None
-    if requested == "auto":
-        return "flash_attention_2" if has_flash else "sdpa"
-    if not has_flash:
-        log.warning("ds.attn_implementation=%s needs flash-attn on a GPU; falling back to sdpa", requested)
-        return "sdpa"
-    return requested
+def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa",
+                   use_liger_kernel: bool = False) -> PreTrainedModel:
+    """An actor / reference policy. ``use_liger_kernel``: Liger's kernels when they can run (``kernels``)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    if use_liger_kernel:
+        apply_liger_kernel(model)
+    return model
 
 
-def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa") -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
-
-
-def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa") -> PreTrainedModel:
+def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa",
+                     use_liger_kernel: bool = False) -> PreTrainedModel:
     """A critic or reward model: base transformer + linear ``score`` head with one output."""
     model = AutoModelForSequenceClassification.from_pretrained(
         path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation
     )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
+    if use_liger_kernel:
+        apply_liger_kernel(model)
     return model
 
 

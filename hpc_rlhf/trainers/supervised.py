@@ -128,7 +128,7 @@ class SupervisedTrainer:
         raise NotImplementedError
 
     def model_factory(self) -> torch.nn.Module:
-        return load_causal_lm(self.cfg.model.pretrain, self.dtype, self.attn)
+        return load_causal_lm(self.cfg.model.pretrain, self.dtype, self.attn, self.cfg.ds.use_liger_kernel)
 
     def setup_reference(self) -> None:
         """Build frozen models (DPO / KTO reference); default none."""
@@ -159,8 +159,8 @@ class SupervisedTrainer:
     def frozen_reference(self) -> FrozenEngine:
         cfg = self.cfg
         path = cfg.ref.pretrain or cfg.model.pretrain
-        return FrozenEngine.create(lambda: load_causal_lm(path, self.dtype, self.attn), cfg.ds, cfg.ref,
-                                   micro_batch_size=self.micro)
+        return FrozenEngine.create(lambda: load_causal_lm(path, self.dtype, self.attn, cfg.ds.use_liger_kernel),
+                                   cfg.ds, cfg.ref, micro_batch_size=self.micro)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, Any]]:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-GPU_RECIPES = {"ppo_70b": ("train_ppo", 8), "grpo_7b": ("train_ppo", 1), "sft": ("train_sft", 1),
-               "dpo": ("train_dpo", 1)}
+GPU_RECIPES = {"ppo_70b": ("train_ppo", 8), "grpo_7b": ("train_ppo", 1), "grpo_longctx_7b": ("train_ppo", 2),
+               "sft": ("train_sft", 1), "dpo": ("train_dpo", 1)}
 
 
 def _directives(name: str) -> dict[str, str]:

@@ -1,13 +1,22 @@
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hpc_rlhf.cli.plan import plan
 from hpc_rlhf.config import load_config
-from hpc_rlhf.dist.memory_estimate import count_params_from_hf_config, role_memory
+from hpc_rlhf.dist.memory_estimate import (
+    DS_REDUCE_BUCKET_SIZE,
+    ModelShape,
+    activation_bytes,
+    count_params_from_hf_config,
+    role_memory,
+    role_shape,
+)
 from hpc_rlhf.dist.placement import build_placement
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -16,17 +25,26 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_ppo_70b_plan_fits_on_8x8(capsys):
     assert plan(["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "8", "--gpus-per-node", "8"]) == 0
     out = capsys.readouterr().out
-    assert "64 ranks" in out and "critic" in out and "8 engines" in out and "yes" in out
+    assert "64 ranks" in out and "critic" in out and "2 engines" in out and "yes" in out
+    assert "tp 8: layer projections" in out
 
 
 def test_plan_rejects_layout_that_does_not_fit(capsys):
-    assert plan(["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "1", "--gpus-per-node", "8"]) == 1
+    assert plan(["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "8", "--gpus-per-node", "8",
+                 "ds.adam_offload=false"]) == 1
     assert "does not fit" in capsys.readouterr().err
 
 
 def test_plan_rejects_impossible_layout(capsys):
-    assert plan(["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "1", "--gpus-per-node", "6"]) == 1
-    assert "rollout.tensor_parallel_size=8" in capsys.readouterr().err
+    assert plan(["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "8", "--gpus-per-node", "8",
+                 "actor.num_ranks=20", "critic.num_ranks=28"]) == 1
+    assert "ds.tensor_parallel_size=8" in capsys.readouterr().err
+
+
+def test_plan_rejects_autotp_with_zero3(capsys):
+    assert plan(["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "8", "--gpus-per-node", "8",
+                 "ds.zero_stage=3"]) == 1
+    assert "ZeRO stages 0-2" in capsys.readouterr().err
 
 
 def test_console_script_and_module_entry():
@@ -37,10 +55,12 @@ def test_console_script_and_module_entry():
         assert "actor" in out.stdout
 
 
+LLAMA3_8B = {"hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 128256, "intermediate_size": 14336,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False}
+
+
 def test_param_count_matches_llama_8b():
-    llama3_8b = {"hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 128256, "intermediate_size": 14336,
-                 "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False}
-    assert abs(count_params_from_hf_config(llama3_8b) - 8.03e9) / 8.03e9 < 0.01
+    assert abs(count_params_from_hf_config(LLAMA3_8B) - 8.03e9) / 8.03e9 < 0.01
 
 
 def test_size_from_local_config_json(tmp_path):
@@ -51,6 +71,7 @@ def test_size_from_local_config_json(tmp_path):
     mem = role_memory(cfg, build_placement(cfg, 2), "actor")
     n = 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 100 * 64 + 64
     assert mem.weights_gib * 1024**3 == pytest.approx(n * 2)  # bf16 on GPU
+    assert mem.grads_gib * 1024**3 == pytest.approx(n * 4)  # fp32 accumulation
     assert mem.optim_gib * 1024**3 == pytest.approx(n * 12)
 
 
@@ -60,11 +81,73 @@ def test_zero_stage_sharding(stage, divisors):
     mem = role_memory(cfg, build_placement(cfg, 4), "actor")
     gib = 1e9 / 1024**3
     assert mem.weights_gib == pytest.approx(2 * gib / divisors[0])
-    assert mem.grads_gib == pytest.approx(2 * gib / divisors[1])
+    assert mem.grads_gib == pytest.approx(4 * gib / divisors[1])
     assert mem.optim_gib == pytest.approx(12 * gib / divisors[2])
+    assert mem.buffers_gib == pytest.approx(DS_REDUCE_BUCKET_SIZE * 2 / 1024**3 if stage >= 2 else 0)
+    assert mem.gathered_gib == pytest.approx(2 * gib if stage == 3 else 0)
 
 
-RL_RECIPES = [p for p in sorted((ROOT / "configs").glob("*.yaml")) if p.name.split("_")[0] in ("ppo", "grpo")]
+@pytest.mark.parametrize("stage,bytes_per_param", [(0, 16), (1, 20), (2, 20), (3, 20)])
+def test_fp32_model_states(stage, bytes_per_param):
+    """fp32 (CPU): plain stage 0 updates weights in place; ZeRO optimizers keep an fp32 partition copy."""
+    cfg = load_config(None, ["actor.num_params_b=1", f"ds.zero_stage={stage}", "ds.param_dtype=fp32"])
+    mem = role_memory(cfg, build_placement(cfg, 1), "actor", on_gpu=False)  # one rank: no sharding
+    assert (mem.weights_gib + mem.grads_gib + mem.optim_gib) * 1024**3 == pytest.approx(
+        1e9 * (16 if stage in (0, 1, 2) else bytes_per_param))  # stages 1-2 fall back to 0 on one rank
+
+
+def test_tensor_parallel_splits_layers_not_embeddings():
+    shape = ModelShape.from_hf_config(LLAMA3_8B)
+    cfg1 = load_config(None, ["actor.num_params_b=8.03", "ds.zero_stage=1"])
+    cfg8 = load_config(None, ["actor.num_params_b=8.03", "ds.zero_stage=1", "ds.tensor_parallel_size=8"])
+    full = role_memory(cfg1, build_placement(cfg1, 8), "actor")
+    split = role_memory(cfg8, build_placement(cfg8, 8), "actor")
+    layers = shape.num_layers * shape.layer_linear_params / shape.num_params
+    expected = (1 - layers) + layers / 8  # embeddings and LM head stay whole on every tp rank
+    assert split.weights_gib / full.weights_gib == pytest.approx(expected, rel=1e-6)
+    assert 0.12 < expected < 0.25
+    assert split.activations_gib < full.activations_gib
+
+
+def test_ring_attention_divides_activation_tokens():
+    # generate_max_len = max_len: logits on every token with or without the ring (the ring computes the
+    # logits of its whole chunk; without it the LM head runs on response positions only).
+    base = ["actor.num_params_b=7.6", "ds.zero_stage=3", "ds.gradient_checkpointing=true", "data.max_len=32768",
+            "rollout.generate_max_len=32768", "train.use_dynamic_batch=true", "train.max_tokens_per_gpu=32768"]
+    one = load_config(None, base)
+    ring = load_config(None, [*base, "ds.ring_attn_size=4"])
+    m1 = role_memory(one, build_placement(one, 8), "actor")
+    m4 = role_memory(ring, build_placement(ring, 8), "actor")
+    assert (m1.tokens_per_rank, m4.tokens_per_rank) == (32768, 8192)
+    assert m4.activations_gib == pytest.approx(m1.activations_gib / 4, rel=1e-6)
+    assert m4.reduce_gib == pytest.approx(m1.reduce_gib)
+
+
+def test_plan_shows_ring_attention_and_tokens(capsys):
+    assert plan(["--config", str(ROOT / "configs/grpo_longctx_7b.yaml"), "--nodes", "2", "--gpus-per-node", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "ring attention: 32768 tokens / 4 ranks" in out and "8192" in out
+
+
+def test_activation_formula_counts_what_autograd_saves():
+    """Per token: L x (6h + 2 q + 2 kv + 4 i) + 3h saved, plus fp32 logits and 3 backward copies."""
+    shape = ModelShape(hidden_size=128, num_layers=2, intermediate_size=256, vocab_size=500, num_heads=4,
+                       num_kv_heads=2, head_dim=32)
+    got = activation_bytes(shape, tokens=10, logit_tokens=10, act_bytes=4)
+    per_token = 2 * (6 * 128 + 2 * 128 + 2 * 64 + 4 * 256) + 3 * 128
+    assert got == 10 * per_token * 4 + 10 * 500 * 4 * 4
+    ckpt = activation_bytes(shape, tokens=10, logit_tokens=0, act_bytes=4, gradient_checkpointing=True)
+    assert ckpt == 10 * (2 * 128 + (6 * 128 + 2 * 128 + 2 * 64 + 4 * 256) + 3 * 128) * 4
+
+
+def test_reference_shape_when_only_size_is_known():
+    cfg = load_config(None, ["actor.num_params_b=70.6"])
+    shape = role_shape(cfg, "actor")
+    assert shape.hidden_size == 8192 and "Llama-3-70B" in shape.source
+
+
+ALL_RECIPES = sorted((ROOT / "configs").glob("*.yaml"))
+RL_RECIPES = [p for p in ALL_RECIPES if p.name.split("_")[0] in ("ppo", "grpo")]
 GPU_RECIPES = [p for p in RL_RECIPES if load_config(p).rollout.backend == "vllm"]
 
 
@@ -73,3 +156,26 @@ def test_gpu_recipes_pass_plan_on_their_slurm_request(recipe):
     cfg = load_config(recipe)
     assert plan(["--config", str(recipe), "--nodes", str(cfg.slurm.nodes),
                  "--gpus-per-node", str(cfg.slurm.gpus_per_node)]) == 0
+
+
+def _recipe_world(recipe: Path) -> tuple[int, int]:
+    """(nodes, ranks per node) a recipe is meant for: its slurm: section, else its torchrun line."""
+    text = recipe.read_text()
+    sections = yaml.safe_load(text)
+    if "slurm" in sections:
+        return sections["slurm"].get("nodes", 1), sections["slurm"].get("gpus_per_node", 8)
+    nproc = re.search(r"--nproc_per_node (\d+)", text)
+    assert nproc, f"{recipe.name}: neither a slurm: section nor a torchrun --nproc_per_node line says its size"
+    return 1, int(nproc.group(1))
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES, ids=lambda p: p.name)
+def test_every_recipe_passes_plan(recipe, capsys, tmp_path, monkeypatch):
+    """Every file in configs/ (RL and offline trainers, CPU and GPU) is a valid layout that fits."""
+    monkeypatch.chdir(tmp_path)  # CPU recipes name relative paths; nothing is written under the repository
+    nodes, per_node = _recipe_world(recipe)
+    code = plan(["--config", str(recipe), "--nodes", str(nodes), "--gpus-per-node", str(per_node)])
+    captured = capsys.readouterr()
+    assert code == 0, f"plan rejected {recipe.name}:\n{captured.err}"
+    assert "per-GPU states" in captured.out
+    assert not (tmp_path / "runs").exists()

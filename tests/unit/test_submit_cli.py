@@ -71,7 +71,7 @@ def test_dry_run_prints_the_sbatch_script(capsys):
 
 def test_plan_rejection_exits_nonzero_with_reason(capsys):
     with pytest.raises(SystemExit) as exc:
-        submit_cli.main(["--config", PPO_70B, "--nodes", "1", "--dry-run"])
+        submit_cli.main(["--config", PPO_70B, "--nodes", "8", "--dry-run", "ds.adam_offload=false"])
     assert exc.value.code == 1
     err = capsys.readouterr().err
     assert "does not fit" in err and "nothing submitted" in err

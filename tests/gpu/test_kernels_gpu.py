@@ -1,0 +1,62 @@
+"""Real flash-attn / Liger kernels on a GPU: selected when installed, and the model's outputs match SDPA /
+plain modules. Needs CUDA; each kernel package is skipped with a reason when it is not installed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpc_rlhf.models import kernels
+from hpc_rlhf.models.loading import load_causal_lm, load_value_model
+from hpc_rlhf.models.tiny import build_tiny_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (flash-attn / Liger Triton kernels)"),
+]
+
+# bf16 kernels vs. SDPA / eager PyTorch ops on a tiny model.
+TOL = {"rtol": 0.0, "atol": 5e-2}
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("gpu_kernels") / "tiny", seed=0))
+
+
+def _logprobs(model, ids):
+    return torch.log_softmax(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float(), -1)
+
+
+@pytest.mark.parametrize("implementation", ["flash_attention_2", "flash_attention_3"])
+def test_flash_attention_selected_and_matches_sdpa(tiny_path, implementation):
+    reason = kernels.flash_unavailable_reason(implementation, on_gpu=True)
+    if reason is not None:
+        pytest.skip(f"{implementation}: {reason}")
+    assert kernels.resolve_attn_implementation(implementation, on_gpu=True) == implementation
+    if implementation == "flash_attention_2":
+        assert kernels.resolve_attn_implementation("auto", on_gpu=True) == implementation
+    ids = torch.randint(4, 60, (2, 48), device="cuda")
+    flash = load_causal_lm(tiny_path, torch.bfloat16, implementation).cuda().eval()
+    sdpa = load_causal_lm(tiny_path, torch.bfloat16, "sdpa").cuda().eval()
+    assert flash.config._attn_implementation == implementation
+    with torch.no_grad():
+        torch.testing.assert_close(_logprobs(flash, ids), _logprobs(sdpa, ids), **TOL)
+
+
+def test_liger_kernels_applied_and_match_plain_modules(tiny_path):
+    pytest.importorskip("liger_kernel", reason="liger-kernel is not installed (pip install 'hpc-rlhf[gpu]')")
+    ids = torch.randint(4, 60, (2, 48), device="cuda")
+    plain = load_causal_lm(tiny_path, torch.bfloat16, "sdpa").cuda()
+    liger = load_causal_lm(tiny_path, torch.bfloat16, "sdpa", use_liger_kernel=True).cuda()
+    critic = load_value_model(tiny_path, torch.bfloat16, "sdpa", use_liger_kernel=True).cuda()
+    # Instance patching rebinds forward on the module objects.
+    assert "forward" in vars(liger.model.norm) and "forward" in vars(liger.model.layers[0].mlp)
+    assert "forward" in vars(critic.model.norm)
+    with torch.no_grad():
+        torch.testing.assert_close(_logprobs(liger, ids), _logprobs(plain, ids), **TOL)
+        assert critic(input_ids=ids).logits.shape == (2, 1)
+    # Gradients flow through the Triton kernels.
+    liger.train()
+    _logprobs(liger, ids)[..., 5].mean().backward()
+    assert all(p.grad is not None for p in liger.parameters() if p.requires_grad)
