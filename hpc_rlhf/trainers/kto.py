@@ -41,7 +41,7 @@ class KTOTrainer(SupervisedTrainer):
                 diffs = (policy - ref).detach()
             totals = torch.tensor([float(diffs.sum()), float(len(items))], dtype=torch.float64, device=comm_device())
             if dist.is_initialized():
-                dist.all_reduce(totals)  # every rank runs the same number of micro-batches
+                dist.all_reduce(totals, group=self.dp_group)  # every rank runs the same number of micro-batches
         return kto_reference_point(totals[0].float().cpu(), totals[1].float().cpu())
 
     def _forward(self, items: list[KTOSample]):

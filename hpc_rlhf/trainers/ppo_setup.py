@@ -35,7 +35,6 @@ class SetupError(ValueError):
 def check_supported(cfg: RunConfig) -> None:
     """Keys that ``plan`` understands but the RL trainer does not implement yet fail here, loudly."""
     unsupported = {
-        "ds.tensor_parallel_size": cfg.ds.tensor_parallel_size > 1,
         "ds.ring_attn_size": cfg.ds.ring_attn_size > 1,
         "train.packing_samples": cfg.train.packing_samples,
         "train.use_dynamic_batch": cfg.train.use_dynamic_batch,
@@ -193,18 +192,20 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
                 factory, cfg.ds, getattr(cfg, role), train_batch_size=cfg.train.train_batch_size,
                 micro_train_batch_size=cfg.train.micro_train_batch_size,
                 num_training_steps=optimizer_steps(cfg, num_steps), dp_group=world.roles[role].dp_group,
-                on_gpu=on_gpu)
+                tp_group=world.roles[role].tp_group, on_gpu=on_gpu)
             setattr(roles, role, engine)
     if world.has_role("ref"):
         path = cfg.ref.pretrain or cfg.actor.pretrain
         roles.ref = FrozenEngine.create(lambda: load_causal_lm(path, dtype, attn), cfg.ds, cfg.ref,
                                         micro_batch_size=cfg.rollout.micro_rollout_batch_size,
-                                        dp_group=world.roles["ref"].dp_group, on_gpu=on_gpu)
+                                        dp_group=world.roles["ref"].dp_group, tp_group=world.roles["ref"].tp_group,
+                                        on_gpu=on_gpu)
     if world.has_role("reward"):
         path = cfg.reward.pretrain
         engine = FrozenEngine.create(lambda: load_value_model(path, dtype, attn), cfg.ds, cfg.reward,
                                      micro_batch_size=cfg.rollout.micro_rollout_batch_size,
-                                     dp_group=world.roles["reward"].dp_group, on_gpu=on_gpu)
+                                     dp_group=world.roles["reward"].dp_group,
+                                     tp_group=world.roles["reward"].tp_group, on_gpu=on_gpu)
         roles.reward = RewardModelRole(engine, cfg.rollout.micro_rollout_batch_size)
     return roles
 

@@ -1,7 +1,7 @@
 """The loop shared by the offline trainers (SFT, reward model, DPO, KTO): data parallel over the world.
 
 Every rank reads the (small, tokenised) dataset and draws the same global batch from a seeded,
-resumable stream; rank ``r`` trains on its contiguous ``1 / dp`` shard, in micro-batches that are
+resumable stream; dp rank ``r`` trains on its contiguous ``1 / dp`` shard, in micro-batches that are
 padded or packed (``hpc_rlhf.data.packing``). Loss normalisers (trained tokens, pairs, samples) are
 counted on the *global* batch before the first micro-batch, so the summed micro-batch losses equal the
 full-batch mean exactly (``hpc_rlhf.algos.preference.global_mean``). DeepSpeed divides every backward by
@@ -13,8 +13,11 @@ eval statistics. The step reads::
     batch -> shard -> micro-batches: forward, loss, backward, step -> reduce stats
           -> [eval] -> metrics.jsonl -> [checkpoint] ... -> final eval -> HF export (<output_dir>/model)
 
-Statistics are *sums* (``loss_sum``, ``num_pairs``, ...) all-reduced over the world once per step, so
+Statistics are *sums* (``loss_sum``, ``num_pairs``, ...) all-reduced over the dp group once per step, so
 ratios such as accuracy are exact over the global batch.
+
+With ``ds.tensor_parallel_size = tp > 1`` (DeepSpeed AutoTP) each run of ``tp`` consecutive ranks holds one
+sharded copy of the model and trains on the same shard; there are ``world / tp`` dp ranks.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from hpc_rlhf.config import save_resolved_config
 from hpc_rlhf.config.supervised import SupervisedRunConfig
 from hpc_rlhf.data.packing import TokenSample, collate
 from hpc_rlhf.data.prompts import PromptStream
+from hpc_rlhf.dist.placement import RoleGrid
 from hpc_rlhf.dist.world import comm_device, init_world
 from hpc_rlhf.engines.deepspeed_engine import FrozenEngine, TrainEngine, gradient_accumulation_steps
 from hpc_rlhf.models.loading import load_causal_lm, resolve_attn_implementation, resolve_dtype
@@ -64,14 +68,35 @@ def load_tokenizer(path: str):
     return tok
 
 
-def all_reduce_sums(sums: dict[str, float]) -> dict[str, float]:
-    """Sum every statistic over the world (every rank must hold the same keys)."""
+def all_reduce_sums(sums: dict[str, float], group: Any = None) -> dict[str, float]:
+    """Sum every statistic over ``group`` (default: the world; every rank must hold the same keys)."""
     keys = sorted(sums)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return dict(sums)
     values = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=comm_device())
-    dist.all_reduce(values)
+    dist.all_reduce(values, group=group)
     return dict(zip(keys, values.tolist()))
+
+
+def parallel_groups(tp_size: int) -> tuple[Any, Any]:
+    """(tp_group, dp_group) of this rank over the world, tp innermost as in ``hpc_rlhf.dist.placement``.
+
+    ``(None, None)`` without tensor parallelism: data parallel over the whole world. Collective: every rank
+    creates every group.
+    """
+    if tp_size == 1:
+        return None, None
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % tp_size:
+        raise ValueError(f"ds.tensor_parallel_size={tp_size} does not divide the {world} ranks of the job")
+    grid = RoleGrid("model", tuple(range(world)), tp_size=tp_size)
+    mine = {}
+    for name, members in (("tp", grid.tp_groups), ("dp", grid.dp_groups)):
+        for ranks in members:
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                mine[name] = group
+    return mine["tp"], mine["dp"]
 
 
 def ratio(sums: dict[str, float], num: str, den: str) -> float:
@@ -85,7 +110,9 @@ class SupervisedTrainer:
 
     def __init__(self, cfg: SupervisedRunConfig) -> None:
         self.cfg = cfg
-        self.rank, self.dp_size = dist.get_rank(), dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.tp_group, self.dp_group = parallel_groups(cfg.ds.tensor_parallel_size)
+        self.dp_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
         seed_everything(cfg.train.seed + self.rank)
         self.on_gpu = torch.cuda.is_available()
         self.dtype = resolve_dtype(cfg.ds.param_dtype, self.on_gpu)
@@ -107,7 +134,8 @@ class SupervisedTrainer:
                              f"{tcfg.train_batch_size}")
         self.engine = TrainEngine.create(self.model_factory, cfg.ds, cfg.model,
                                          train_batch_size=tcfg.train_batch_size, micro_train_batch_size=self.micro,
-                                         num_training_steps=self.num_steps)
+                                         num_training_steps=self.num_steps, dp_group=self.dp_group,
+                                         tp_group=self.tp_group)
         self.setup_reference()
         self.ckpt = CheckpointManager(cfg.ckpt.path or self.output_dir / "ckpt", max_num=cfg.ckpt.max_num)
         self.step = 0
@@ -160,7 +188,8 @@ class SupervisedTrainer:
         cfg = self.cfg
         path = cfg.ref.pretrain or cfg.model.pretrain
         return FrozenEngine.create(lambda: load_causal_lm(path, self.dtype, self.attn, cfg.ds.use_liger_kernel),
-                                   cfg.ds, cfg.ref, micro_batch_size=self.micro)
+                                   cfg.ds, cfg.ref, micro_batch_size=self.micro, dp_group=self.dp_group,
+                                   tp_group=self.tp_group)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, Any]]:
@@ -199,7 +228,7 @@ class SupervisedTrainer:
 
     def train_step(self, batch: list, timer: PhaseTimer) -> tuple[dict[str, Any], int]:
         per_rank = len(batch) // self.dp_size
-        shard = batch[self.rank * per_rank:(self.rank + 1) * per_rank]
+        shard = batch[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
         counts = self.global_counts(batch)
         sums: dict[str, float] = defaultdict(float)
         info: dict[str, Any] = {}
@@ -212,7 +241,7 @@ class SupervisedTrainer:
                 info = self.engine.step()
                 for key, value in stats.items():
                     sums[key] += value
-        sums = all_reduce_sums(sums)
+        sums = all_reduce_sums(sums, self.dp_group)
         row = self.summarize(sums)
         row.update(lr=info.get("lr"), grad_norm=info.get("grad_norm"))
         return row, int(sums.get("num_input_tokens", 0))
@@ -221,14 +250,14 @@ class SupervisedTrainer:
     def evaluate(self, items: Sequence | None = None) -> dict[str, float]:
         items = self.eval_set if items is None else items
         per_rank = len(items) // self.dp_size
-        shard = items[self.rank * per_rank:(self.rank + 1) * per_rank]
+        shard = items[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
         sums: dict[str, float] = defaultdict(float)
         self.engine.eval()
         for begin in range(0, per_rank, self.micro):
             for key, value in self.eval_micro(list(shard[begin:begin + self.micro])).items():
                 sums[key] += value
         self.engine.train()
-        return self.summarize(all_reduce_sums(sums), prefix="eval_")
+        return self.summarize(all_reduce_sums(sums, self.dp_group), prefix="eval_")
 
     def _log(self, step: int, row: dict[str, Any]) -> dict[str, Any]:
         row = {k: v for k, v in row.items() if v is not None}

@@ -4,8 +4,7 @@ from hpc_rlhf.config import load_config
 from hpc_rlhf.trainers.ppo_setup import SetupError, check_supported, optimizer_steps
 
 
-@pytest.mark.parametrize("override", ["ds.tensor_parallel_size=2", "ds.ring_attn_size=2", "train.packing_samples=true",
-                                      "train.use_dynamic_batch=true"])
+@pytest.mark.parametrize("override", ["ds.ring_attn_size=2", "train.packing_samples=true", "train.use_dynamic_batch=true"])
 def test_features_not_in_the_rl_trainer_fail_naming_the_key(override):
     with pytest.raises(SetupError, match=override.split("=")[0]):
         check_supported(load_config(None, [override]))
