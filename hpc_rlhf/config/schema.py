@@ -270,6 +270,9 @@ class RunConfig(Section):
                 "train.async_train=true needs a disaggregated layout (rollout overlaps training); "
                 "set train.colocate_all=false and give each role its num_ranks"
             )
+        if self.train.use_dynamic_batch and self.train.max_tokens_per_gpu is None:
+            raise ValueError("train.use_dynamic_batch=true needs train.max_tokens_per_gpu (tokens per micro-batch "
+                             "per rank; rollout.max_tokens_per_gpu for the experience forwards defaults to it)")
         if self.reward.remote_url and self.reward.reward_func_path:
             raise ValueError("set only one of reward.remote_url and reward.reward_func_path")
         return self

@@ -78,6 +78,12 @@ class RoleGrid:
     def dp_groups(self) -> list[tuple[int, ...]]:
         return self._group((False, True, True))
 
+    @property
+    def dp_sp_groups(self) -> list[tuple[int, ...]]:
+        """Ranks with the same tp index: sp peers hold the same parameters, so ZeRO shards them and
+        reduces gradients over data and sequence parallel ranks together."""
+        return self._group((False, False, True))
+
     def dp_leaders(self) -> tuple[int, ...]:
         """One rank per data-parallel replica (tp rank 0, sp rank 0): where shards are delivered."""
         return tuple(r for r in self.ranks if self._coords(r)[1:] == (0, 0))

@@ -62,6 +62,7 @@ class RoleGroups:
     dp_group: dist.ProcessGroup | None = None
     tp_group: dist.ProcessGroup | None = None
     sp_group: dist.ProcessGroup | None = None
+    dp_sp_group: dist.ProcessGroup | None = None  # ZeRO's group: dp x sp ranks with this rank's tp index
     dp_leaders: tuple[int, ...] = ()
     dp_rank_of: dict[int, int] = field(default_factory=dict)  # global rank -> dp rank in this role
 
@@ -109,7 +110,7 @@ def build_world_groups(placement: Placement) -> WorldGroups:
             dp_rank_of={r: grid.dp_rank(r) for r in grid.ranks},
         )
         for attr, subgroups in (("dp_group", grid.dp_groups), ("tp_group", grid.tp_groups),
-                                ("sp_group", grid.sp_groups)):
+                                ("sp_group", grid.sp_groups), ("dp_sp_group", grid.dp_sp_groups)):
             for members in subgroups:
                 handle = _new_group(members, rank, cache)
                 if handle is not None:

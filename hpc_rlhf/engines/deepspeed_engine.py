@@ -570,12 +570,16 @@ class TrainEngine:
 
     __call__ = forward
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, boundary: bool | None = None) -> None:
         """Accumulate gradients of ``loss``, which is already this micro-batch's share of the step loss.
 
         Our losses are normalised by global counts (``hpc_rlhf.algos.aggregation``), so DeepSpeed must not
-        divide them by the accumulation steps again.
+        divide them by the accumulation steps again. ``boundary``: whether this micro-batch is the last
+        before the optimizer step; ``None`` leaves it to DeepSpeed's fixed count
+        (``gradient_accumulation_steps``). Token-budgeted batches vary the count, so they say it here.
         """
+        if boundary is not None:
+            self.engine.set_gradient_accumulation_boundary(boundary)
         self.engine.backward(loss, scale_wrt_gas=False)
 
     def is_gradient_accumulation_boundary(self) -> bool:

@@ -32,9 +32,10 @@ from hpc_rlhf.trainers.controller_math import (
     rollout_metrics,
     select_samples,
 )
-from hpc_rlhf.trainers.experience import cat_rows, pack_trajectories, split_rows
-from hpc_rlhf.trainers.ppo_workers import forward_logprobs, forward_values, train_actor, train_critic
+from hpc_rlhf.trainers.experience import SequenceParallel, cat_rows, pack_trajectories, split_rows, take_rows
+from hpc_rlhf.trainers.ppo_workers import Batching, forward_logprobs, forward_values, train_actor, train_critic
 from hpc_rlhf.trainers.preemption import preemption_guard, requeue_slurm_job
+from hpc_rlhf.trainers.rl_batching import balanced_order
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
 from hpc_rlhf.utils.seeding import seed_everything
 from hpc_rlhf.utils.watchdog import STALL_EXIT_CODE, Watchdog
@@ -204,19 +205,20 @@ class PPOTrainer:
             return None  # dynamic filtering removed every group: skip the update this step
         keys = ("sequences", "attention_mask", "action_mask")
         temperature = cfg.rollout.temperature
-        micro = cfg.rollout.micro_rollout_batch_size
+        batching = Batching.for_experience(cfg)
         if self.roles.need_old_logprobs:
             out = self._role_forward("actor", batch, keys, lambda m, s: {
-                "old_logprobs": forward_logprobs(m, s, micro, temperature)})
+                "old_logprobs": forward_logprobs(m, s, batching, temperature, self._sp("actor"))})
             if self.rank == 0:
                 batch.update(out)
         if "ref" in self.world.roles:
             out = self._role_forward("ref", batch, keys, lambda m, s: {
-                "ref_logprobs": forward_logprobs(m, s, micro, temperature)})
+                "ref_logprobs": forward_logprobs(m, s, batching, temperature, self._sp("ref"))})
             if self.rank == 0:
                 batch.update(out)
         if "critic" in self.world.roles:
-            out = self._role_forward("critic", batch, keys, lambda m, s: {"values": forward_values(m, s, micro)})
+            out = self._role_forward("critic", batch, keys, lambda m, s: {
+                "values": forward_values(m, s, batching, self._sp("critic"))})
             if self.rank == 0:
                 batch.update(out)
         if self.rank == 0:
@@ -237,8 +239,9 @@ class PPOTrainer:
             dp = len(groups.dp_leaders)
             shards = None
             if self.rank == 0:
-                shards = split_rows(self._train_view(batch, role), dp)
-                counts = minibatch_counts(batch["action_mask"], dp, self.cfg.train.train_batch_size // dp)
+                view = self._balanced(self._train_view(batch, role), dp, self.cfg.train.train_batch_size // dp)
+                shards = split_rows(view, dp)
+                counts = minibatch_counts(view["action_mask"], dp, self.cfg.train.train_batch_size // dp)
                 for shard in shards:
                     shard.update(counts)
             shard = scatter_to_role(shards, groups)
@@ -246,7 +249,7 @@ class PPOTrainer:
             if self.rank in groups.ranks:
                 engine = getattr(self.roles, role)
                 engine.reload_states()
-                result = fn(engine, shard, self.cfg, dp)
+                result = fn(engine, shard, self.cfg, dp, self._sp(role))
                 if not self.cfg.train.colocate_all:  # colocated: offloaded after the weight sync
                     engine.offload_states()
             gathered = gather_from_role(result, groups)
@@ -337,14 +340,40 @@ class PPOTrainer:
         groups = self.world.roles[role]
         if self.rank not in groups.controller_ranks:
             return None
-        shards = split_rows({k: batch[k] for k in keys}, len(groups.dp_leaders)) if self.rank == 0 else None
+        dp = len(groups.dp_leaders)
+        shards = order = None
+        if self.rank == 0:
+            view = {k: batch[k] for k in keys}
+            rows = view["sequences"].shape[0]
+            order = self._balanced_order(view, dp, rows // dp)
+            shards = split_rows(view if order is None else take_rows(view, order), dp)
         shard = scatter_to_role(shards, groups)
         result = None
         if self.rank in groups.ranks:
             engine = getattr(self.roles, role)
             result = fn(engine, shard)
         gathered = gather_from_role(result, groups)
-        return cat_rows(gathered) if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        out = cat_rows(gathered)
+        return out if order is None else take_rows(out, torch.argsort(torch.tensor(order)).tolist())
+
+    def _sp(self, role: str) -> SequenceParallel | None:
+        """This rank's sequence-parallel peers in ``role`` (``ds.ring_attn_size`` > 1), else None."""
+        if self.cfg.ds.ring_attn_size == 1 or not self.world.has_role(role):
+            return None
+        group = self.world.roles[role].sp_group
+        return SequenceParallel(group, dist.get_rank(group), self.cfg.ds.ring_attn_size, self.cfg.ds.ring_head_stride)
+
+    def _balanced_order(self, view: dict, dp: int, rows_per_minibatch: int) -> list[int] | None:
+        """With ``train.use_dynamic_batch``, the row order that balances tokens over the dp shards."""
+        if not self.cfg.train.use_dynamic_batch or dp == 1:
+            return None
+        return balanced_order(view["attention_mask"].sum(dim=1).tolist(), dp, rows_per_minibatch)
+
+    def _balanced(self, view: dict, dp: int, rows_per_minibatch: int) -> dict:
+        order = self._balanced_order(view, dp, rows_per_minibatch)
+        return view if order is None else take_rows(view, order)
 
     def _train_view(self, batch: dict, role: str) -> dict:
         keys = ["sequences", "attention_mask", "action_mask"]

@@ -35,14 +35,13 @@ class SetupError(ValueError):
 def check_supported(cfg: RunConfig) -> None:
     """Keys that ``plan`` understands but the RL trainer does not implement yet fail here, loudly."""
     unsupported = {
-        "ds.ring_attn_size": cfg.ds.ring_attn_size > 1,
-        "train.packing_samples": cfg.train.packing_samples,
-        "train.use_dynamic_batch": cfg.train.use_dynamic_batch,
+        "ds.ring_attn_size together with ds.tensor_parallel_size": cfg.ds.ring_attn_size > 1
+        and cfg.ds.tensor_parallel_size > 1,
     }
     keys = [k for k, on in unsupported.items() if on]
     if keys:
         raise SetupError(f"{', '.join(keys)}: not supported by the RL trainer yet (plan accepts them for sizing); "
-                         "remove them from the recipe")
+                         "change the recipe")
 
 
 def load_tokenizer(cfg: RunConfig):
@@ -166,6 +165,7 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
     on_gpu = torch.cuda.is_available()
     dtype = resolve_dtype(cfg.ds.param_dtype, on_gpu)
     attn = resolve_attn_implementation(cfg.ds.attn_implementation, on_gpu)
+    liger = cfg.ds.use_liger_kernel  # training roles only; the rollout engine keeps plain modules
     samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     roles = Roles()
     if world.has_role("rollout"):
@@ -186,25 +186,27 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
                              f"{cfg.train.micro_train_batch_size}")
         if world.has_role(role):
             path = getattr(cfg, role).pretrain or cfg.actor.pretrain
-            factory = (lambda p=path: load_causal_lm(p, dtype, attn)) if role == "actor" else \
-                (lambda p=path: load_value_model(p, dtype, attn))
+            factory = (lambda p=path: load_causal_lm(p, dtype, attn, liger)) if role == "actor" else \
+                (lambda p=path: load_value_model(p, dtype, attn, liger))
+            # DeepSpeed counts every rank of its group (dp x sp) as a replica; sp peers share a micro-batch.
             engine = TrainEngine.create(
-                factory, cfg.ds, getattr(cfg, role), train_batch_size=cfg.train.train_batch_size,
+                factory, cfg.ds, getattr(cfg, role),
+                train_batch_size=cfg.train.train_batch_size * cfg.ds.ring_attn_size,
                 micro_train_batch_size=cfg.train.micro_train_batch_size,
-                num_training_steps=optimizer_steps(cfg, num_steps), dp_group=world.roles[role].dp_group,
+                num_training_steps=optimizer_steps(cfg, num_steps), dp_group=world.roles[role].dp_sp_group,
                 tp_group=world.roles[role].tp_group, on_gpu=on_gpu)
             setattr(roles, role, engine)
     if world.has_role("ref"):
         path = cfg.ref.pretrain or cfg.actor.pretrain
-        roles.ref = FrozenEngine.create(lambda: load_causal_lm(path, dtype, attn), cfg.ds, cfg.ref,
+        roles.ref = FrozenEngine.create(lambda: load_causal_lm(path, dtype, attn, liger), cfg.ds, cfg.ref,
                                         micro_batch_size=cfg.rollout.micro_rollout_batch_size,
-                                        dp_group=world.roles["ref"].dp_group, tp_group=world.roles["ref"].tp_group,
+                                        dp_group=world.roles["ref"].dp_sp_group, tp_group=world.roles["ref"].tp_group,
                                         on_gpu=on_gpu)
     if world.has_role("reward"):
         path = cfg.reward.pretrain
-        engine = FrozenEngine.create(lambda: load_value_model(path, dtype, attn), cfg.ds, cfg.reward,
+        engine = FrozenEngine.create(lambda: load_value_model(path, dtype, attn, liger), cfg.ds, cfg.reward,
                                      micro_batch_size=cfg.rollout.micro_rollout_batch_size,
-                                     dp_group=world.roles["reward"].dp_group,
+                                     dp_group=world.roles["reward"].dp_sp_group,
                                      tp_group=world.roles["reward"].tp_group, on_gpu=on_gpu)
         roles.reward = RewardModelRole(engine, cfg.rollout.micro_rollout_batch_size)
     return roles

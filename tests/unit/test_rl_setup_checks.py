@@ -4,10 +4,18 @@ from hpc_rlhf.config import load_config
 from hpc_rlhf.trainers.ppo_setup import SetupError, check_supported, optimizer_steps
 
 
-@pytest.mark.parametrize("override", ["ds.ring_attn_size=2", "train.packing_samples=true", "train.use_dynamic_batch=true"])
-def test_features_not_in_the_rl_trainer_fail_naming_the_key(override):
-    with pytest.raises(SetupError, match=override.split("=")[0]):
-        check_supported(load_config(None, [override]))
+def test_ring_attention_with_tensor_parallelism_fails_naming_both_keys():
+    check_supported(load_config(None, ["ds.ring_attn_size=2"]))
+    check_supported(load_config(None, ["ds.tensor_parallel_size=2"]))
+    with pytest.raises(SetupError, match="ds.ring_attn_size together with ds.tensor_parallel_size"):
+        check_supported(load_config(None, ["ds.ring_attn_size=2", "ds.tensor_parallel_size=2"]))
+
+
+def test_dynamic_batch_without_a_token_budget_fails_naming_the_key():
+    with pytest.raises(ValueError, match="train.max_tokens_per_gpu"):
+        load_config(None, ["train.use_dynamic_batch=true"])
+    check_supported(load_config(None, ["train.use_dynamic_batch=true", "train.max_tokens_per_gpu=256",
+                                       "train.packing_samples=true"]))
 
 
 def test_default_config_is_supported_and_lr_horizon_counts_optimizer_steps():
