@@ -200,11 +200,22 @@ def test_colocated_step_time_shares_the_device(assets, tmp_path):
     assert calls[-1] == "offload_states"
 
 
+def _first_step_of_runs(assets, tmp_path, common, runs) -> tuple[dict, dict]:
+    """One 2-rank run per ``runs`` entry (extra overrides); its first metrics row and exported weights."""
+    from safetensors.torch import load_file
+
+    rows, weights = {}, {}
+    for name, extra in runs.items():
+        out = tmp_path / name
+        run_on_ranks(_fit, 2, grpo_overrides(assets, out, *common, *extra))
+        rows[name] = read_metrics(out)[0]
+        weights[name] = load_file(out / "model" / "model.safetensors")
+    return rows, weights
+
+
 def test_packed_token_budgeted_batches_match_padded_fixed_ones(assets, tmp_path):
     """Same rollouts, one step: packing + token budgets (unequal micro-batch counts across the 2 ZeRO-3
     ranks, balanced shards) give the padded run's loss, gradient norm and updated weights."""
-    from safetensors.torch import load_file
-
     common = ("train.max_steps=1", "ds.zero_stage=3", "train.num_episodes=1", "rollout.generate_max_len=6",
               "train.micro_train_batch_size=8", "rollout.micro_rollout_batch_size=8")
     runs = {
@@ -212,12 +223,7 @@ def test_packed_token_budgeted_batches_match_padded_fixed_ones(assets, tmp_path)
         "packed": ("train.packing_samples=true", "train.use_dynamic_batch=true", "train.max_tokens_per_gpu=60",
                    "rollout.max_tokens_per_gpu=90"),
     }
-    rows, weights = {}, {}
-    for name, extra in runs.items():
-        out = tmp_path / name
-        run_on_ranks(_fit, 2, grpo_overrides(assets, out, *common, *extra))
-        rows[name] = read_metrics(out)[0]
-        weights[name] = load_file(out / "model" / "model.safetensors")
+    rows, weights = _first_step_of_runs(assets, tmp_path, common, runs)
     for key in ("reward", "policy_loss", "actor_grad_norm"):
         assert rows["packed"][key] == pytest.approx(rows["padded"][key], rel=1e-4, abs=1e-6), key
     assert weights["packed"].keys() == weights["padded"].keys()
@@ -229,19 +235,12 @@ def test_ring_attention_sequence_parallel_step_matches_data_parallel(assets, tmp
     """ds.ring_attn_size=2 on 2 ranks (one replica whose sequences are split over both ranks, ring
     attention over gloo) computes the same step as 2 data-parallel replicas: reward, KL to the
     reference, entropy bonus, loss, gradient norm and updated weights."""
-    from safetensors.torch import load_file
-
     common = ("train.max_steps=1", "train.num_episodes=1", "rollout.generate_max_len=6", "algo.kl.init_coef=0.01",
               "algo.kl.use_loss=true", "algo.entropy_loss_coef=0.01", "train.micro_train_batch_size=16",
               "rollout.micro_rollout_batch_size=16")
     runs = {"dp": (), "sp": ("ds.ring_attn_size=2",),
             "sp_packed": ("ds.ring_attn_size=2", "train.packing_samples=true")}
-    rows, weights = {}, {}
-    for name, extra in runs.items():
-        out = tmp_path / name
-        run_on_ranks(_fit, 2, grpo_overrides(assets, out, *common, *extra))
-        rows[name] = read_metrics(out)[0]
-        weights[name] = load_file(out / "model" / "model.safetensors")
+    rows, weights = _first_step_of_runs(assets, tmp_path, common, runs)
     for name in ("sp", "sp_packed"):
         for key in ("reward", "kl", "policy_loss", "kl_loss", "actor_grad_norm"):
             assert rows[name][key] == pytest.approx(rows["dp"][key], rel=1e-4, abs=1e-6), (name, key)
