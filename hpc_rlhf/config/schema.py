@@ -78,7 +78,8 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
-    max_tokens_per_gpu: int | None = Field(None, ge=1)
+    max_tokens_per_gpu: int | None = Field(
+        None, ge=1, description="train.use_dynamic_batch: tokens per GPU in an experience forward (default: train's)")
     async_num_tasks: int = Field(64, ge=1)
     partial_chunk_tokens: int = Field(
         16, ge=1, description="train.partial_rollout: tokens generated before the weight update cuts in"
@@ -168,7 +169,8 @@ class TrainConfig(Section):
     colocate_critic_reward: bool = False
     packing_samples: bool = False
     use_dynamic_batch: bool = False
-    max_tokens_per_gpu: int | None = Field(None, ge=1)
+    max_tokens_per_gpu: int | None = Field(
+        None, ge=1, description="use_dynamic_batch: tokens per GPU in a micro-batch (x ds.ring_attn_size per ring)")
     agent_func_path: str | None = Field(None, description="Python file with AgentInstance / AgentExecutor")
     agent_max_turns: int = Field(8, ge=1)
     agent_step_timeout_s: float = Field(300.0, gt=0)

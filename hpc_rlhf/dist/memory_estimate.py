@@ -298,17 +298,19 @@ def activation_bytes(shape: ModelShape, *, tokens: int, logit_tokens: int, act_b
 def micro_batch_tokens(cfg: RunConfig, role: str) -> int:
     """Tokens of one micro-batch of ``role`` before sequence-parallel splitting.
 
-    Trained roles: ``train.max_tokens_per_gpu`` with ``train.use_dynamic_batch`` (a sample longer than the
-    budget runs alone), else ``train.micro_train_batch_size`` rows of ``data.max_len`` (default prompt +
-    generation budget). Frozen roles score ``rollout.micro_rollout_batch_size`` rows.
+    Trained roles: ``train.max_tokens_per_gpu x ds.ring_attn_size`` with ``train.use_dynamic_batch`` (a
+    sample longer than the budget runs alone), else ``train.micro_train_batch_size`` rows of
+    ``data.max_len`` (default prompt + generation budget). Frozen roles score
+    ``rollout.micro_rollout_batch_size`` rows (or ``rollout.max_tokens_per_gpu x ds.ring_attn_size``).
     """
     seq_len = _rl_seq_len(cfg)
+    sp = cfg.ds.ring_attn_size  # token budgets are per GPU; a micro-batch spans the sp group
     if role in ("actor", "critic"):
         if cfg.train.use_dynamic_batch and cfg.train.max_tokens_per_gpu:
-            return max(cfg.train.max_tokens_per_gpu, seq_len)
+            return max(cfg.train.max_tokens_per_gpu * sp, seq_len)
         return cfg.train.micro_train_batch_size * seq_len
-    if cfg.train.use_dynamic_batch and cfg.rollout.max_tokens_per_gpu:
-        return max(cfg.rollout.max_tokens_per_gpu, seq_len)
+    if cfg.train.use_dynamic_batch and (cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu):
+        return max((cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu) * sp, seq_len)
     return cfg.rollout.micro_rollout_batch_size * seq_len
 
 

@@ -43,14 +43,15 @@ class Batching:
     def for_training(cls, cfg: RunConfig) -> Batching:
         t = cfg.train
         if t.use_dynamic_batch:
-            return cls(t.packing_samples, None, t.max_tokens_per_gpu)
+            # The budget is per GPU; ring attention spreads one micro-batch over ds.ring_attn_size GPUs.
+            return cls(t.packing_samples, None, t.max_tokens_per_gpu * cfg.ds.ring_attn_size)
         return cls(t.packing_samples, t.micro_train_batch_size, None)
 
     @classmethod
     def for_experience(cls, cfg: RunConfig) -> Batching:
         t, r = cfg.train, cfg.rollout
         if t.use_dynamic_batch:
-            return cls(t.packing_samples, None, r.max_tokens_per_gpu or t.max_tokens_per_gpu)
+            return cls(t.packing_samples, None, (r.max_tokens_per_gpu or t.max_tokens_per_gpu) * cfg.ds.ring_attn_size)
         return cls(t.packing_samples, r.micro_rollout_batch_size, None)
 
     def plan(self, attention_mask: torch.Tensor, dp_group: Any = None) -> list[torch.Tensor]:

@@ -112,10 +112,11 @@ def test_tensor_parallel_splits_layers_not_embeddings():
 def test_ring_attention_divides_activation_tokens():
     # generate_max_len = max_len: logits on every token with or without the ring (the ring computes the
     # logits of its whole chunk; without it the LM head runs on response positions only).
+    # The token budget is per GPU: 32768 on one GPU, 8192 on each of 4 ring ranks is the same micro-batch.
     base = ["actor.num_params_b=7.6", "ds.zero_stage=3", "ds.gradient_checkpointing=true", "data.max_len=32768",
-            "rollout.generate_max_len=32768", "train.use_dynamic_batch=true", "train.max_tokens_per_gpu=32768"]
-    one = load_config(None, base)
-    ring = load_config(None, [*base, "ds.ring_attn_size=4"])
+            "rollout.generate_max_len=32768", "train.use_dynamic_batch=true"]
+    one = load_config(None, [*base, "train.max_tokens_per_gpu=32768"])
+    ring = load_config(None, [*base, "train.max_tokens_per_gpu=8192", "ds.ring_attn_size=4"])
     m1 = role_memory(one, build_placement(one, 8), "actor")
     m4 = role_memory(ring, build_placement(ring, 8), "actor")
     assert (m1.tokens_per_rank, m4.tokens_per_rank) == (32768, 8192)

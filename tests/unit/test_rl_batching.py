@@ -116,3 +116,16 @@ def test_packed_critic_values_equal_padded():
         packed = critic_values(model, seq, mask, resp, packed=True)
     assert torch.allclose(padded[action], packed[action], atol=1e-5)
     assert bool((packed[~action] == 0).all())
+
+
+def test_token_budget_is_per_gpu_and_a_ring_holds_sp_times_more():
+    from hpc_rlhf.config import load_config
+    from hpc_rlhf.trainers.ppo_workers import Batching
+
+    base = ["train.use_dynamic_batch=true", "train.max_tokens_per_gpu=100", "train.packing_samples=true"]
+    assert Batching.for_training(load_config(None, base)).max_tokens == 100
+    ring = load_config(None, [*base, "ds.ring_attn_size=4", "rollout.max_tokens_per_gpu=50"])
+    assert Batching.for_training(ring).max_tokens == 400
+    assert Batching.for_experience(ring).max_tokens == 200
+    fixed = Batching.for_training(load_config(None, ["train.micro_train_batch_size=3"]))
+    assert (fixed.micro_size, fixed.max_tokens, fixed.packed) == (3, None, False)
