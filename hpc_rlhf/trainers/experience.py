@@ -103,8 +103,7 @@ def action_logprobs(model: torch.nn.Module, sequences: torch.Tensor, attention_m
     ``temperature`` matches the sampling temperature so the trainer's and the engine's logprobs
     describe the same distribution.
     """
-    logits = action_logits(model, sequences, attention_mask, num_actions)
-    return logprobs_from_logits(logits, sequences[:, -num_actions:], temperature)
+    return policy_logprobs(model, sequences, attention_mask, num_actions, temperature)[0]
 
 
 def action_values(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,

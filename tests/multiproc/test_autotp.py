@@ -19,6 +19,7 @@ from hpc_rlhf.config.schema import ActorConfig, DeepSpeedConfig, LoraConfig, Ref
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.multiproc.rl_fixtures import ROOT, grpo_overrides, make_assets, run_trainer
 from tests.multiproc.spawn import run_on_ranks
+from tests.multiproc.test_deepspeed_engine import _gathered  # several small buckets, duplicate-name check
 
 pytestmark = pytest.mark.slow
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -87,15 +88,6 @@ def _train(engine, steps: int = NUM_STEPS, seed: int = 0) -> tuple[list[float], 
         losses.append(total)
         norms.append(info["grad_norm"])
     return losses, norms
-
-
-def _gathered(engine) -> dict[str, torch.Tensor]:
-    out = {}
-    for bucket in engine.gathered_state_dict_items(bucket_bytes=8 << 10):  # small: several buckets
-        for name, tensor in bucket:
-            assert name not in out, f"{name} yielded twice"
-            out[name] = tensor
-    return out
 
 
 def _numpy(state: dict[str, torch.Tensor]) -> dict:
