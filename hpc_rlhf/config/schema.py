@@ -113,6 +113,22 @@ class DeepSpeedConfig(Section):
     use_liger_kernel: bool = False
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
+    @model_validator(mode="after")
+    def _qlora_layout(self) -> DeepSpeedConfig:
+        """QLoRA's 4-bit weights are bitsandbytes tensors that neither ZeRO-3 nor AutoTP can partition."""
+        if not self.lora.load_in_4bit:
+            return self
+        if self.lora.rank == 0:
+            raise ValueError("ds.lora.load_in_4bit=true needs ds.lora.rank > 0: only LoRA adapters train on a "
+                             "4-bit base")
+        if self.zero_stage == 3:
+            raise ValueError("ds.lora.load_in_4bit=true with ds.zero_stage=3: ZeRO-3 cannot partition 4-bit "
+                             "weights; use ds.zero_stage 2 (the frozen 4-bit base is replicated, a quarter of bf16)")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("ds.lora.load_in_4bit=true with ds.tensor_parallel_size > 1: AutoTP cannot shard "
+                             "4-bit weights; use ds.tensor_parallel_size 1")
+        return self
+
 
 class KLConfig(Section):
     init_coef: float = Field(0.0, ge=0, description="0 disables the reference model")

@@ -374,8 +374,12 @@ class TrainEngine:
             yield from iter_gathered_state_dict(self.module, self.zero_stage, bucket_bytes)
 
     def save_checkpoint(self, path: str, tag: str, client_state: dict | None = None) -> None:
-        """Weights, optimizer, LR schedule and ``client_state`` (collective; see module doc for subgroups)."""
-        self.engine.save_checkpoint(path, tag=tag, client_state=client_state or {}, save_latest=False)
+        """Weights, optimizer, LR schedule and ``client_state`` (collective; see module doc for subgroups).
+
+        With LoRA the frozen base is left out (it is reloaded from ``pretrain``): see ``load_trainable_state``.
+        """
+        self.engine.save_checkpoint(path, tag=tag, client_state=client_state or {}, save_latest=False,
+                                    exclude_frozen_parameters=self.lora)
 
     @staticmethod
     def mirror_save_collectives() -> None:
@@ -391,8 +395,12 @@ class TrainEngine:
 
     def load_checkpoint(self, path: str, tag: str) -> dict:
         """Restore what ``save_checkpoint`` wrote; returns its ``client_state``."""
+        custom_load_fn = None
+        if self.lora:
+            from hpc_rlhf.models.lora import load_trainable_state as custom_load_fn
         load_path, client_state = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,
-                                                              load_lr_scheduler_states=True)
+                                                              load_lr_scheduler_states=True,
+                                                              custom_load_fn=custom_load_fn)
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint with tag {tag!r} under {path}")
         return client_state or {}

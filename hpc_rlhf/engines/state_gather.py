@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from hpc_rlhf.models.quantization import plain_config, plain_copy
+
 
 def _state_dict_entries(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Parameters (each tensor once, first name wins for tied weights) then persistent buffers."""
@@ -73,11 +75,11 @@ def _full_copy(tensor: torch.Tensor) -> torch.Tensor:
     parallel: weight and bias along dim 0; row parallel: weight along dim 1, the bias is replicated and not
     tagged; fused sub-parameters). It gathers by rebinding ``.data``, which would detach the parameter from
     ZeRO's flat buffers, so the shard is put back right after (DeepSpeed's own ``GatherReplacedLayerParams``
-    re-splits into a *new* tensor instead, breaking that aliasing).
+    re-splits into a *new* tensor instead, breaking that aliasing). A QLoRA 4-bit weight is dequantised.
     """
     gather = getattr(tensor, "gather_params", None)
     if gather is None:
-        return tensor.data.detach().clone()
+        return plain_copy(tensor)
     shard = tensor.data
     try:
         gather([tensor])
@@ -141,7 +143,7 @@ def write_hf_folder(module: torch.nn.Module, buckets: Iterator[list[tuple[str, t
         from huggingface_hub import save_torch_state_dict
 
         os.makedirs(output_dir, exist_ok=True)
-        module.config.save_pretrained(output_dir)
+        plain_config(module.config).save_pretrained(output_dir)  # the weights above are never 4-bit
         if getattr(module, "generation_config", None) is not None:
             module.generation_config.save_pretrained(output_dir)
         save_torch_state_dict(state_dict, output_dir, max_shard_size="5GB")

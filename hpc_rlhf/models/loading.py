@@ -20,21 +20,42 @@ def resolve_dtype(param_dtype: str, on_gpu: bool) -> torch.dtype:
     return torch.bfloat16 if param_dtype == "bf16" else torch.float32
 
 
+def _finish_4bit(model: PreTrainedModel, load_in_4bit: bool) -> PreTrainedModel:
+    if not load_in_4bit:
+        return model
+    from hpc_rlhf.models.quantization import keep_cpu_numerics_exact
+
+    return keep_cpu_numerics_exact(model)
+
+
+def _quantization_kwargs(load_in_4bit: bool, dtype: torch.dtype) -> dict:
+    if not load_in_4bit:
+        return {}
+    from hpc_rlhf.models.quantization import bnb_4bit_load_kwargs
+
+    return bnb_4bit_load_kwargs(dtype, on_gpu=torch.cuda.is_available())
+
+
 def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa",
-                   use_liger_kernel: bool = False) -> PreTrainedModel:
-    """An actor / reference policy. ``use_liger_kernel``: Liger's kernels when they can run (``kernels``)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+                   use_liger_kernel: bool = False, load_in_4bit: bool = False) -> PreTrainedModel:
+    """An actor / reference policy. ``use_liger_kernel``: Liger's kernels when they can run (``kernels``).
+    ``load_in_4bit``: NF4 base weights for QLoRA (``hpc_rlhf.models.quantization``)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                 **_quantization_kwargs(load_in_4bit, dtype))
+    _finish_4bit(model, load_in_4bit)
     if use_liger_kernel:
         apply_liger_kernel(model)
     return model
 
 
 def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa",
-                     use_liger_kernel: bool = False) -> PreTrainedModel:
-    """A critic or reward model: base transformer + linear ``score`` head with one output."""
+                     use_liger_kernel: bool = False, load_in_4bit: bool = False) -> PreTrainedModel:
+    """A critic or reward model: base transformer + linear ``score`` head with one output (kept in full
+    precision under ``load_in_4bit``: bitsandbytes skips the modules transformers marks as heads)."""
     model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation
-    )
+        path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation,
+        **_quantization_kwargs(load_in_4bit, dtype))
+    _finish_4bit(model, load_in_4bit)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     if use_liger_kernel:

@@ -9,7 +9,7 @@ require grad.
 ``merged_named_tensors`` turns the LoRA model back into the plain HF state dict, ``W + scale * B @ A`` under
 the names of a model loaded with ``AutoModelFor*.from_pretrained`` (``q_proj.base_layer.weight`` ->
 ``q_proj.weight``; ``score.modules_to_save.default.weight`` -> ``score.weight``; LoRA factors dropped). It
-computes merged *copies*: the training weights are never touched (peft's ``merge_adapter`` would add the
+computes merged *copies* (a QLoRA base weight is dequantised first): the training weights are never touched (peft's ``merge_adapter`` would add the
 delta into the frozen weights in place and subtract it later, which is lossy in bf16 and races with ZeRO's
 flat buffers). This is what weight sync to the rollout engine and the HF export consume.
 
@@ -19,7 +19,6 @@ that ``peft.PeftModel.from_pretrained`` and ``hpc-rlhf lora-merge`` load.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from hpc_rlhf.config.schema import LoraConfig as LoraSettings
+from hpc_rlhf.models.quantization import plain_copy
 
 VALUE_HEAD = "score"
 PEFT_PREFIX = "base_model.model."
@@ -45,28 +45,6 @@ def _is_value_model(model: torch.nn.Module) -> bool:
         hasattr(model, VALUE_HEAD) and getattr(model, "get_output_embeddings", lambda: None)() is None)
 
 
-def check_4bit_available() -> None:
-    """``ds.lora.load_in_4bit`` needs bitsandbytes and a CUDA device; fail early and say so."""
-    missing = []
-    if importlib.util.find_spec("bitsandbytes") is None:
-        missing.append("the bitsandbytes package (pip install bitsandbytes)")
-    if not torch.cuda.is_available():
-        missing.append("a CUDA GPU")
-    if missing:
-        raise RuntimeError("ds.lora.load_in_4bit=true needs " + " and ".join(missing)
-                           + "; set ds.lora.load_in_4bit=false to train LoRA on unquantised weights")
-
-
-def bnb_4bit_load_kwargs(compute_dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
-    """Extra ``from_pretrained`` kwargs for a QLoRA base model (NF4, double quantisation)."""
-    check_4bit_available()
-    from transformers import BitsAndBytesConfig
-
-    return {"quantization_config": BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=compute_dtype)}
-
-
 def apply_lora(model: torch.nn.Module, lora_cfg: LoraSettings, task_type: str | None = None) -> torch.nn.Module:
     """Inject LoRA into ``model`` in place and return it (the HF model, not a ``PeftModel``).
 
@@ -78,10 +56,9 @@ def apply_lora(model: torch.nn.Module, lora_cfg: LoraSettings, task_type: str | 
     from peft import LoraConfig, get_peft_model
 
     if lora_cfg.load_in_4bit:
-        check_4bit_available()
         if not getattr(model, "is_loaded_in_4bit", False):
             raise ValueError("ds.lora.load_in_4bit=true but the model was not loaded in 4 bit: load it with "
-                             "hpc_rlhf.models.lora.bnb_4bit_load_kwargs() passed to from_pretrained")
+                             "hpc_rlhf.models.loading.load_causal_lm / load_value_model(..., load_in_4bit=True)")
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
@@ -129,24 +106,18 @@ def hf_name(name: str) -> str | None:
     return name.replace(".base_layer.", ".")
 
 
-def _base_weight(base_layer: torch.nn.Module) -> torch.Tensor:
-    weight = base_layer.weight
-    if weight.__class__.__name__ in ("Params4bit", "Int8Params"):
-        from peft.utils.integrations import dequantize_module_weight
-
-        return dequantize_module_weight(base_layer)
-    return weight.detach()
-
-
 @torch.no_grad()
 def _merged_weight(layer: torch.nn.Module) -> torch.Tensor:
     """``W + sum_active scale * B @ A`` of one peft LoRA layer, computed in fp32 into a new tensor."""
     from peft.tuners.lora import Embedding, Linear
 
-    base = _base_weight(layer.get_base_layer())
-    merged = base.float().clone()
+    # peft's bitsandbytes layer (lora.bnb.Linear4bit) holds its factors like lora.Linear without subclassing it.
+    linear = isinstance(layer, Linear) or type(layer).__name__ == "Linear4bit"
+    merged = plain_copy(layer.get_base_layer().weight)
+    dtype = merged.dtype
+    merged = merged.float()
     for adapter in layer.active_adapters:
-        if isinstance(layer, Linear) and adapter in layer.lora_A:
+        if linear and adapter in layer.lora_A:
             if layer.use_dora.get(adapter) or layer.lora_bias.get(adapter):
                 raise NotImplementedError("merged weights support plain LoRA only (no DoRA, no lora_bias)")
             delta = layer.lora_B[adapter].weight.float() @ layer.lora_A[adapter].weight.float()
@@ -157,7 +128,7 @@ def _merged_weight(layer: torch.nn.Module) -> torch.Tensor:
         elif adapter in getattr(layer, "lora_A", {}) or adapter in getattr(layer, "lora_embedding_A", {}):
             raise NotImplementedError(f"merging LoRA into {type(layer).__name__} is not supported; "
                                       "target Linear or Embedding modules only")
-    return merged.to(base.dtype)
+    return merged.to(dtype)
 
 
 def lora_factors(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:
@@ -182,7 +153,7 @@ def merge_lora_entries(model: torch.nn.Module,
         if target is None:
             continue
         layer = layers.get(name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name)
-        yield target, _merged_weight(layer) if layer is not None else tensor.detach().clone()
+        yield target, _merged_weight(layer) if layer is not None else plain_copy(tensor)
 
 
 def merged_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -192,7 +163,11 @@ def merged_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Te
     The training weights are not modified.
     """
     inner = model.base_model.model if _is_peft_model(model) else model
-    yield from merge_lora_entries(inner, inner.state_dict(keep_vars=True).items())
+    # A 4-bit model's state dict also carries bitsandbytes' quantisation state (``*.weight.absmax``, ...):
+    # only real parameters and buffers have a plain counterpart.
+    tensors = {*dict(inner.named_parameters(remove_duplicate=False)), *dict(inner.named_buffers(remove_duplicate=False))}
+    entries = [(name, t) for name, t in inner.state_dict(keep_vars=True).items() if name in tensors]
+    yield from merge_lora_entries(inner, entries)
 
 
 def _is_peft_model(model: torch.nn.Module) -> bool:
@@ -219,3 +194,26 @@ def save_adapter(model: torch.nn.Module, output_dir: str, adapter_name: str = "d
         config.base_model_name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None)
     config.save_pretrained(output_dir)
     save_file(state, os.path.join(output_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+@torch.no_grad()
+def load_trainable_state(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:
+    """Copy a LoRA checkpoint's trainable tensors into ``dst`` (DeepSpeed's ``custom_load_fn``).
+
+    LoRA checkpoints are written without the frozen base (``exclude_frozen_parameters``): it never changes
+    and is reloaded from ``pretrain`` (a 70B base would otherwise be rewritten at every save). What the
+    module state still holds besides the adapters (buffers; bitsandbytes' quantisation state of a 4-bit base,
+    ~1/64 byte per weight, which DeepSpeed writes because it is not a parameter) is left alone: the model was
+    rebuilt from the same checkpoint. A missing adapter is an error, not a
+    silently fresh one.
+    """
+    trainable = {name: p for name, p in dst.named_parameters() if p.requires_grad}
+    missing = sorted(set(trainable) - set(src))
+    if missing:
+        raise KeyError(f"LoRA checkpoint lacks {len(missing)} trainable tensors, e.g. {missing[:3]}: it was "
+                       "written for a different ds.lora (rank, target_modules) or model")
+    for name, param in trainable.items():
+        if src[name].shape != param.shape:
+            raise ValueError(f"LoRA checkpoint tensor {name} has shape {tuple(src[name].shape)}, the model "
+                             f"{tuple(param.shape)}: ds.lora.rank or the model differs from the saved run")
+        param.copy_(src[name])

@@ -166,6 +166,9 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
     dtype = resolve_dtype(cfg.ds.param_dtype, on_gpu)
     attn = resolve_attn_implementation(cfg.ds.attn_implementation, on_gpu)
     liger = cfg.ds.use_liger_kernel  # training roles only; the rollout engine keeps plain modules
+    # QLoRA: the trained roles and the reference load 4-bit base weights (the reference then equals the
+    # initial policy exactly); the reward model and the rollout engine keep full precision.
+    q4 = cfg.ds.lora.load_in_4bit
     samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     roles = Roles()
     if world.has_role("rollout"):
@@ -186,8 +189,8 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
                              f"{cfg.train.micro_train_batch_size}")
         if world.has_role(role):
             path = getattr(cfg, role).pretrain or cfg.actor.pretrain
-            factory = (lambda p=path: load_causal_lm(p, dtype, attn, liger)) if role == "actor" else \
-                (lambda p=path: load_value_model(p, dtype, attn, liger))
+            factory = (lambda p=path: load_causal_lm(p, dtype, attn, liger, q4)) if role == "actor" else \
+                (lambda p=path: load_value_model(p, dtype, attn, liger, q4))
             # DeepSpeed counts every rank of its group (dp x sp) as a replica; sp peers share a micro-batch.
             engine = TrainEngine.create(
                 factory, cfg.ds, getattr(cfg, role),
@@ -198,7 +201,7 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
             setattr(roles, role, engine)
     if world.has_role("ref"):
         path = cfg.ref.pretrain or cfg.actor.pretrain
-        roles.ref = FrozenEngine.create(lambda: load_causal_lm(path, dtype, attn, liger), cfg.ds, cfg.ref,
+        roles.ref = FrozenEngine.create(lambda: load_causal_lm(path, dtype, attn, liger, q4), cfg.ds, cfg.ref,
                                         micro_batch_size=cfg.rollout.micro_rollout_batch_size,
                                         dp_group=world.roles["ref"].dp_sp_group, tp_group=world.roles["ref"].tp_group,
                                         on_gpu=on_gpu)

@@ -27,7 +27,9 @@ class RewardModelTrainer(SupervisedTrainer):
         return build_preference_datasets(self.cfg.data, self.tokenizer, self.cfg.train.seed)
 
     def model_factory(self) -> torch.nn.Module:
-        model = load_value_model(self.cfg.model.pretrain, self.dtype, self.attn, self.cfg.ds.use_liger_kernel)
+        ds = self.cfg.ds
+        model = load_value_model(self.cfg.model.pretrain, self.dtype, self.attn, ds.use_liger_kernel,
+                                 ds.lora.load_in_4bit)
         model.config.pad_token_id = self.tokenizer.pad_token_id
         return model
 

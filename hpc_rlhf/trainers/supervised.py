@@ -156,7 +156,8 @@ class SupervisedTrainer:
         raise NotImplementedError
 
     def model_factory(self) -> torch.nn.Module:
-        return load_causal_lm(self.cfg.model.pretrain, self.dtype, self.attn, self.cfg.ds.use_liger_kernel)
+        ds = self.cfg.ds
+        return load_causal_lm(self.cfg.model.pretrain, self.dtype, self.attn, ds.use_liger_kernel, ds.lora.load_in_4bit)
 
     def setup_reference(self) -> None:
         """Build frozen models (DPO / KTO reference); default none."""
@@ -187,7 +188,9 @@ class SupervisedTrainer:
     def frozen_reference(self) -> FrozenEngine:
         cfg = self.cfg
         path = cfg.ref.pretrain or cfg.model.pretrain
-        return FrozenEngine.create(lambda: load_causal_lm(path, self.dtype, self.attn, cfg.ds.use_liger_kernel),
+        # Under QLoRA the reference loads the same 4-bit base as the policy, so both start equal.
+        return FrozenEngine.create(lambda: load_causal_lm(path, self.dtype, self.attn, cfg.ds.use_liger_kernel,
+                                                          cfg.ds.lora.load_in_4bit),
                                    cfg.ds, cfg.ref, micro_batch_size=self.micro, dp_group=self.dp_group,
                                    tp_group=self.tp_group)
 

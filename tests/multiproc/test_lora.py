@@ -1,7 +1,9 @@
-"""LoRA through TrainEngine on 2 gloo ranks (ZeRO-2, CPU fp32): training, merged weights, rollout sync, export."""
+"""LoRA and QLoRA through TrainEngine on 2 gloo ranks (CPU fp32): training, merged weights, rollout sync, HF
+export, checkpoint round trip. QLoRA (4-bit NF4 base, bitsandbytes' torch backend) runs under ZeRO-2."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from functools import partial
 
@@ -21,19 +23,20 @@ TARGET = "12;12;12"  # what SFT teaches the adapter to answer
 NUM_STEPS = 30
 
 
-def _load(path: str):
-    from transformers import AutoModelForCausalLM
+def _load(path: str, load_in_4bit: bool = False):
+    from hpc_rlhf.models.loading import load_causal_lm
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return load_causal_lm(path, torch.float32, load_in_4bit=load_in_4bit)
 
 
-def _lora_engine(path: str, zero_stage: int = 2):
+def _lora_engine(path: str, zero_stage: int = 2, load_in_4bit: bool = False):
     from hpc_rlhf.engines.deepspeed_engine import TrainEngine
 
-    ds = DeepSpeedConfig(zero_stage=zero_stage, lora=LoraConfig(rank=8, alpha=16, dropout=0.0))
+    ds = DeepSpeedConfig(zero_stage=zero_stage,
+                         lora=LoraConfig(rank=8, alpha=16, dropout=0.0, load_in_4bit=load_in_4bit))
     # ZeRO-3 keeps params below the persistence threshold whole; 0 makes the tiny model really shard.
     extra = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero_stage == 3 else None
-    return TrainEngine.create(partial(_load, path), ds,
+    return TrainEngine.create(partial(_load, path, load_in_4bit), ds,
                               ActorConfig(learning_rate=1e-2, lr_warmup_ratio=0.0, min_lr_ratio=1.0),
                               train_batch_size=2, micro_train_batch_size=1, num_training_steps=NUM_STEPS,
                               on_gpu=False, extra_ds_config=extra)
@@ -53,15 +56,17 @@ def _greedy_rollout(model, tok, prompt_ids: list[int], max_new: int) -> list[int
     return engine.generate([GenerationRequest(prompt_ids, params)])[0].output_ids
 
 
-def _train_and_check(rank: int, world_size: int, model_path: str, out_dir: str, zero_stage: int) -> dict:
+def _train_and_check(rank: int, world_size: int, model_path: str, out_dir: str, zero_stage: int,
+                     load_in_4bit: bool) -> dict:
     from peft import PeftModel
     from transformers import AutoTokenizer
 
     from hpc_rlhf.engines.rollout_base import GenerationRequest, SamplingParams
     from hpc_rlhf.engines.transformers_rollout import TransformersRolloutEngine
+    from hpc_rlhf.models.lora import merged_named_tensors
 
     tok = AutoTokenizer.from_pretrained(model_path)
-    engine = _lora_engine(model_path, zero_stage)
+    engine = _lora_engine(model_path, zero_stage, load_in_4bit)
     module = engine.module
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable), sorted(trainable)[:4]
@@ -97,15 +102,20 @@ def _train_and_check(rank: int, world_size: int, model_path: str, out_dir: str, 
             assert name not in gathered, f"{name} yielded twice"
             gathered[name] = tensor
     engine.save_hf(out_dir, tokenizer=tok)  # merged weights + adapter/
-    result = {"losses": losses}
+    result = {"losses": losses, "resumed_equal": _checkpoint_round_trip(engine, model_path, out_dir, zero_stage,
+                                                                         load_in_4bit, ids, labels)}
     if rank == 0:
-        peft_model = PeftModel.from_pretrained(_load(model_path), os.path.join(out_dir, "adapter")).eval()
+        # peft over the same (4-bit or plain) base the adapter was trained on is the trained policy
+        peft_model = PeftModel.from_pretrained(_load(model_path, load_in_4bit), os.path.join(out_dir, "adapter"))
+        peft_model = peft_model.eval()
         max_new = len(tok(TARGET, add_special_tokens=False)["input_ids"])
         with torch.no_grad():
             peft_greedy = peft_model.generate(input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(
                 1, len(prompt_ids), dtype=torch.long), max_new_tokens=max_new, do_sample=False,
                 pad_token_id=tok.pad_token_id, eos_token_id=None)[0, len(prompt_ids):].tolist()
-        reference = peft_model.merge_and_unload().state_dict()
+        # (peft's merge_and_unload would re-quantise a 4-bit merge: the reference is our merge of its model)
+        reference = dict(merged_named_tensors(peft_model)) if load_in_4bit else \
+            peft_model.merge_and_unload().state_dict()
         plain = _load(model_path)
         plain_keys = set(plain.state_dict())
         # tied weights (lm_head = embed_tokens) appear once, like the engine without LoRA
@@ -113,6 +123,8 @@ def _train_and_check(rank: int, world_size: int, model_path: str, out_dir: str, 
         max_diff = max(float((gathered[n] - reference[n]).abs().max()) for n in gathered)
         assert max_diff < 1e-5, max_diff
         base_greedy = _greedy_rollout(_load(model_path), tok, prompt_ids, max_new)
+        with open(os.path.join(out_dir, "config.json")) as f:
+            assert "quantization_config" not in f.read()  # the export holds plain (dequantised) weights
 
         rollout = TransformersRolloutEngine(plain, tok.eos_token_id, tok.pad_token_id, "cpu")
         rollout.update_weights(gathered.items())
@@ -124,11 +136,36 @@ def _train_and_check(rank: int, world_size: int, model_path: str, out_dir: str, 
     return result
 
 
+def _checkpoint_round_trip(engine, model_path: str, out_dir: str, zero_stage: int, load_in_4bit: bool,
+                           ids: torch.Tensor, labels: torch.Tensor) -> bool:
+    """Save, load into a fresh engine: same trainable weights, same loss. LoRA checkpoints hold no frozen base."""
+    ckpt = os.path.join(out_dir, "ckpt")
+    engine.save_checkpoint(ckpt, "step")
+    module_file = os.path.join(ckpt, "step", "mp_rank_00_model_states.pt")
+    if load_in_4bit and os.path.exists(module_file):
+        saved = torch.load(module_file, map_location="cpu", weights_only=False)["module"]
+        # the packed 4-bit weights stay out (bitsandbytes' small quantisation state, ~1/64 byte per weight, not)
+        assert not any(k.endswith(".base_layer.weight") for k in saved), [k for k in saved if "base_layer" in k][:3]
+    fresh = _lora_engine(model_path, zero_stage, load_in_4bit)
+    fresh.load_checkpoint(ckpt, "step")
+    trained = dict(engine.module.named_parameters())
+    same = all(torch.equal(_local(p), _local(trained[n])) for n, p in fresh.module.named_parameters()
+               if p.requires_grad)
+    engine.eval(), fresh.eval()
+    with torch.no_grad():
+        same = same and torch.equal(engine(input_ids=ids, labels=labels).loss, fresh(input_ids=ids, labels=labels).loss)
+    return bool(same)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_lora_train_merge_sync_export(tmp_path, zero_stage):
+@pytest.mark.parametrize("zero_stage, load_in_4bit", [
+    (2, False), (3, False),
+    pytest.param(2, True, marks=pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
+                                                    reason="QLoRA needs bitsandbytes (pip install bitsandbytes)")),
+], ids=["lora-zero2", "lora-zero3", "qlora-zero2"])
+def test_lora_train_merge_sync_export(tmp_path, zero_stage, load_in_4bit):
     model_path = str(build_tiny_model(tmp_path / "tiny", seed=0))
-    results = run_on_ranks(_train_and_check, 2, model_path, str(tmp_path / "export"), zero_stage)
+    results = run_on_ranks(_train_and_check, 2, model_path, str(tmp_path / "export"), zero_stage, load_in_4bit)
     losses = results[0]["losses"]
     # the tiny model's frozen tied embeddings (std 0.02) cap how sharp its logits get: ~4.4 -> ~3.2 is "learned"
     assert losses[-1] < losses[0] - 0.8 and losses[-1] < losses[NUM_STEPS // 2], losses
@@ -137,3 +174,4 @@ def test_lora_train_merge_sync_export(tmp_path, zero_stage):
     assert r0["exported"] == r0["peft"], r0
     assert r0["peft"] == TARGET and r0["base"] != TARGET, r0  # ... and that is the trained behaviour
     assert (tmp_path / "export" / "adapter" / "adapter_model.safetensors").is_file()
+    assert all(r["resumed_equal"] for r in results), [r["resumed_equal"] for r in results]

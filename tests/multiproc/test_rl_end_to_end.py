@@ -245,6 +245,8 @@ def test_ring_attention_sequence_parallel_step_matches_data_parallel(assets, tmp
         for key in ("reward", "kl", "policy_loss", "kl_loss", "actor_grad_norm"):
             assert rows[name][key] == pytest.approx(rows["dp"][key], rel=1e-4, abs=1e-6), (name, key)
         for param, tensor in weights["dp"].items():
-            # Adam's first step is lr * g / (|g| + eps): float noise on near-zero gradients moves a weight
-            # by ~1e-5; a wrong gradient moves it by up to 2 * lr = 4e-3.
-            assert torch.allclose(weights[name][param], tensor, atol=1e-4), (name, param)
+            # Adam's first step is lr * g / (|g| + eps), about lr * sign(g): where |g| is near eps (1e-8),
+            # float noise in the reduction order moves a weight by up to ~lr (seen: 1 of 4096 elements off by
+            # 1.1e-4). A wrong gradient direction moves a large share of them; its scale the grad norm checks.
+            off = (weights[name][param] - tensor).abs() > 1e-4
+            assert off.float().mean() < 1e-3, (name, param, int(off.sum()), off.numel())

@@ -1,0 +1,91 @@
+"""4-bit base weights for QLoRA (``ds.lora.load_in_4bit``): loading them, and reading them back in full precision.
+
+A QLoRA role loads its checkpoint with bitsandbytes' NF4 quantisation (double quantisation, compute in the
+training dtype): each ``nn.Linear`` of the transformer blocks becomes a ``bnb.nn.Linear4bit`` whose
+``weight`` is a packed ``Params4bit`` (uint8, shape ``(out * in / 2, 1)``) with its scales in
+``weight.quant_state``. Only the LoRA factors train; the 4-bit weights are frozen.
+
+Everything that leaves the training process (weight sync to the rollout engine, the HF export, the
+optimizer-free gathers) must see plain tensors: ``plain_copy`` dequantises a ``Params4bit`` into the
+``(out, in)`` weight the quantised model computes with (NF4 is lossy, so this is *not* the original checkpoint
+weight; it is the one the trained policy actually used, which is what the rollout engine must generate with).
+
+bitsandbytes runs 4-bit layers on CPU too (its torch backend, >= 0.45), so QLoRA is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+QUANTIZED_WEIGHT_TYPES = ("Params4bit",)
+
+
+def check_4bit_available() -> None:
+    """``ds.lora.load_in_4bit`` needs bitsandbytes; fail before any model is loaded and say so."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise RuntimeError("ds.lora.load_in_4bit=true needs the bitsandbytes package (pip install bitsandbytes); "
+                           "set ds.lora.load_in_4bit=false to train LoRA on unquantised weights")
+
+
+def bnb_4bit_load_kwargs(compute_dtype: torch.dtype, on_gpu: bool) -> dict[str, Any]:
+    """Extra ``from_pretrained`` kwargs for a QLoRA base model (NF4, double quantisation).
+
+    On GPU the weights are quantised straight onto this process's device (``device_map``): bitsandbytes
+    quantises when a ``Params4bit`` first moves to an accelerator, and a later ``.to(device)`` of the whole
+    model by DeepSpeed then finds it already there.
+    """
+    check_4bit_available()
+    from transformers import BitsAndBytesConfig
+
+    kwargs: dict[str, Any] = {"quantization_config": BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype)}
+    if on_gpu:
+        kwargs["device_map"] = {"": torch.cuda.current_device()}
+    return kwargs
+
+
+def keep_cpu_numerics_exact(model: torch.nn.Module) -> torch.nn.Module:
+    """Turn off bitsandbytes' CPU inference kernel in every 4-bit layer of ``model``; returns ``model``.
+
+    In eval mode without grad, on a CPU with AVX512-BF16, bitsandbytes (0.50) repacks a ``Params4bit`` in
+    place into a kernel layout and computes in bf16 (logits differ by ~3e-3 from its training path). The RL
+    experience forwards run exactly so, and their logprobs would then differ from the training forward's:
+    PPO's ratio would not be 1 on policy. The repacked weight also no longer dequantises correctly.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def is_quantized(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ in QUANTIZED_WEIGHT_TYPES
+
+
+@torch.no_grad()
+def plain_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached full-precision copy: a 4-bit weight dequantised to ``(out, in)``, anything else cloned."""
+    if is_quantized(tensor):
+        from peft.utils.integrations import dequantize_bnb_weight
+
+        if getattr(tensor.quant_state, "packing_format_for_cpu", False):
+            raise RuntimeError("a 4-bit weight was repacked for bitsandbytes' CPU inference kernel and cannot be "
+                               "dequantised; load 4-bit models with hpc_rlhf.models.loading (keep_cpu_numerics_exact)")
+
+        return dequantize_bnb_weight(tensor, state=tensor.quant_state).detach().clone()
+    return tensor.detach().clone()
+
+
+def plain_config(config: Any) -> Any:
+    """A copy of a HF ``PretrainedConfig`` without ``quantization_config``: what a folder of dequantised
+    (plain) weights must say, or ``from_pretrained`` would try to load it as a bitsandbytes checkpoint."""
+    import copy
+
+    config = copy.deepcopy(config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
