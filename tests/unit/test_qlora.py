@@ -109,3 +109,27 @@ def test_missing_bitsandbytes_is_named(monkeypatch):
 def test_qlora_layouts_that_cannot_work_are_refused(ds, key):
     with pytest.raises(ValueError, match=key):
         DeepSpeedConfig(**ds)
+
+
+@needs_bnb
+def test_lora_merge_cli_reproduces_a_qlora_policy_with_load_in_4bit(tiny_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hpc_rlhf.cli.lora_merge import main
+    from hpc_rlhf.models.lora import save_adapter
+
+    model = apply_lora(load_causal_lm(tiny_path, torch.float32, load_in_4bit=True), QLORA)
+    _randomize_lora(model)
+    save_adapter(model, str(tmp_path / "adapter"))
+    ids = torch.randint(4, 60, (2, 10), generator=torch.Generator().manual_seed(2))
+    logits = {}
+    for name, flags in (("dequantised", ["--load_in_4bit"]), ("full", [])):
+        out = tmp_path / name
+        main(["--base", tiny_path, "--adapter", str(tmp_path / "adapter"), "--output", str(out), *flags])
+        with torch.no_grad():
+            logits[name] = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(input_ids=ids).logits
+    with torch.no_grad():
+        expected = model.eval()(input_ids=ids).logits
+    torch.testing.assert_close(logits["dequantised"], expected, rtol=1e-4, atol=1e-4)
+    # merged into the full-precision base instead: close, not the trained policy
+    assert (logits["full"] - expected).abs().max() > 1e-3
