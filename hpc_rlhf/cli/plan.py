@@ -80,6 +80,10 @@ def check_parallelism(ds, trainer: str) -> None:
         raise ConfigError(f"ds.tensor_parallel_size={ds.tensor_parallel_size} with ds.zero_stage=3: DeepSpeed AutoTP "
                           "training runs with ZeRO stages 0-2 only; set ds.zero_stage=1 or 2 (ZeRO then shards "
                           "over the data-parallel replicas)")
+    if ds.tensor_parallel_size > 1 and ds.lora.rank > 0:
+        raise ConfigError(f"ds.lora.rank={ds.lora.rank} with ds.tensor_parallel_size={ds.tensor_parallel_size}: "
+                          "AutoTP cannot shard peft's LoRA layers (the engine refuses it); use "
+                          "ds.tensor_parallel_size=1 with LoRA")
     if trainer != "rl" and ds.ring_attn_size > 1:
         raise ConfigError(f"ds.ring_attn_size={ds.ring_attn_size}: the {trainer} trainer does not split sequences; "
                           "remove it")

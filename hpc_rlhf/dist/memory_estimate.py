@@ -29,6 +29,29 @@ Activations (one micro-batch, what autograd saves, counted on transformers' Llam
   the logits, their fp32 copy and one fp32 temporary;
 - sequence parallelism (ring attention) divides the tokens of a micro-batch over ``ds.ring_attn_size``.
 
+LoRA (``ds.lora.rank > 0``, peft) on the trained roles (actor, critic; the offline trainers' model):
+
+- the base weights stay as they are (replicated at stages 0-2, partitioned only at stage 3) and are frozen;
+  the LoRA factors (``rank x (in + out)`` per targeted linear, ``lora_params``) plus, for a value model, a
+  trainable copy of its ``score`` head (peft ``modules_to_save``) are the only trainable parameters: only they
+  have gradients, Adam states, a master copy and DeepSpeed buffers; they are stored next to the base weights;
+- activations: the frozen norms no longer save their normalised inputs (``-2h`` per layer and token), the
+  input of a targeted projection is saved once for its ``lora_A``, each targeted projection adds ``rank``
+  (the ``lora_A`` output), and with ``ds.lora.dropout > 0`` each targeted projection saves its dropped input
+  and the dropout mask instead (``lora_layer_elements``, counted with autograd's saved tensors).
+
+QLoRA (``ds.lora.load_in_4bit``; refused with ZeRO-3 and tensor parallelism by the config) stores the linear
+layers of the transformer blocks of the actor, critic and reference (and of the offline trainers' model and
+reference) as bitsandbytes NF4 with double quantisation: ``NF4_BYTES_PER_PARAM`` (0.516) bytes a parameter
+plus ``NF4_BYTES_PER_TENSOR`` a weight; embeddings, LM head, norms and value heads keep the parameter dtype,
+and the RL reward model is not quantised. A 4-bit layer dequantises its whole weight to the compute dtype in
+every forward and backward (bitsandbytes' ``gemm_4bit`` and ``MatMul4Bit.backward``): one layer's weight
+(the largest projection) is added to the working set.
+
+A value model (critic, reward model; the RM trainer's model) has no LM head: ``AutoModelForSequenceClassification``
+drops it and adds a ``score`` head of ``h`` parameters, so its weights are counted without ``V x h`` when the
+embeddings are untied.
+
 A rank's peak sums the model states of every role it hosts plus the largest working set (activations
 and gathered parameters) among them: colocated roles run their phases one after the other.
 
@@ -43,7 +66,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpc_rlhf.config.schema import DeepSpeedConfig, RunConfig
+from hpc_rlhf.config.schema import DeepSpeedConfig, LoraConfig, RunConfig
 from hpc_rlhf.config.supervised import SupervisedRunConfig
 from hpc_rlhf.dist.placement import Placement
 
@@ -56,6 +79,18 @@ LOGITS_BACKWARD_COPIES = 3  # log-softmax backward: softmax, scattered gather gr
 # DeepSpeed 0.19 defaults that build_ds_config leaves as they are.
 DS_REDUCE_BUCKET_SIZE = 500_000_000
 DS_STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
+# bitsandbytes NF4 with double quantisation (``BitsAndBytesConfig(bnb_4bit_quant_type="nf4",
+# bnb_4bit_use_double_quant=True)``, as hpc_rlhf.models.quantization loads QLoRA bases; bitsandbytes 0.50
+# ``functional.quantize_4bit``): two 4-bit codes a byte (0.5 B); one absmax per block of 64 parameters,
+# fp32 but double-quantised to one uint8 (1/64 B); those absmax are quantised in blocks of 256 with an fp32
+# absmax each (4 / (64 x 256) B). = 0.515869 B/param (4.127 bits). Per quantised weight, a 16-entry fp32 NF4
+# code, the 256-entry fp32 dynamic code of the absmax quantisation and an fp32 offset (the absmax mean):
+# 1092 B. Checked on a loaded model: storage of Params4bit + quant_state equals these to the byte.
+NF4_BLOCKSIZE, NF4_NESTED_BLOCKSIZE = 64, 256
+NF4_BYTES_PER_PARAM = 0.5 + 1 / NF4_BLOCKSIZE + 4 / (NF4_BLOCKSIZE * NF4_NESTED_BLOCKSIZE)
+NF4_BYTES_PER_TENSOR = (16 + 256 + 1) * 4
+# The projections of a Llama / Qwen / Mistral decoder layer, by module name (what peft's target_modules match).
+LAYER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class ModelSizeError(ValueError):
@@ -101,6 +136,17 @@ class ModelShape:
         """Attention and MLP projections of one layer: what tensor parallelism shards."""
         h = self.hidden_size
         return 2 * h * self.q_dim + 2 * h * self.kv_dim + 3 * h * self.intermediate_size
+
+    def projection_dims(self) -> dict[str, tuple[int, int]]:
+        """``{module name: (in_features, out_features)}`` of the linear layers of one decoder layer."""
+        h, q, kv, i = self.hidden_size, self.q_dim, self.kv_dim, self.intermediate_size
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    @property
+    def lm_head_params(self) -> int:
+        """Parameters of the LM head that are not the input embedding's (0 when tied)."""
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
 
     @property
     def embedding_params(self) -> int:
@@ -153,6 +199,118 @@ def nearest_reference_shape(num_params: int) -> ModelShape:
 def count_params_from_hf_config(cfg: dict) -> int:
     """Parameter count of a decoder-only transformer from its ``config.json`` (Llama/Qwen/Mistral shape)."""
     return ModelShape.from_hf_config(cfg).num_params
+
+
+def lora_target_names(target_modules: list[str]) -> tuple[frozenset[str], tuple[str, ...]]:
+    """``(module names adapted, entries not counted)`` of a ``ds.lora.target_modules`` list.
+
+    ``"all-linear"`` is every projection of every decoder layer (peft leaves the output layer out); any other
+    entry matches modules by its last name part, as peft matches suffixes (``"q_proj"``,
+    ``"self_attn.q_proj"``). Besides the layer projections, ``"lm_head"`` and ``"embed_tokens"`` are counted;
+    an entry naming nothing of the Llama layout comes back in the second element.
+    """
+    known = {*LAYER_PROJECTIONS, "lm_head", "embed_tokens"}
+    names: set[str] = set()
+    ignored: list[str] = []
+    for entry in target_modules:
+        if entry == "all-linear":
+            names.update(LAYER_PROJECTIONS)
+        elif entry.rsplit(".", 1)[-1] in known:
+            names.add(entry.rsplit(".", 1)[-1])
+        else:
+            ignored.append(entry)
+    return frozenset(names), tuple(ignored)
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What memory depends on in ``ds.lora``: the rank, the adapted module names, dropout, a 4-bit base."""
+
+    rank: int
+    targets: frozenset[str]
+    dropout: float = 0.0
+    load_in_4bit: bool = False
+    ignored: tuple[str, ...] = ()  # target_modules entries that name no module of the counted layout
+
+    @classmethod
+    def from_config(cls, lora: LoraConfig) -> LoraSpec | None:
+        """None when LoRA is off (``rank == 0``)."""
+        if lora.rank == 0:
+            return None
+        targets, ignored = lora_target_names(lora.target_modules)
+        return cls(lora.rank, targets, lora.dropout, lora.load_in_4bit, ignored)
+
+    def layer_targets(self) -> tuple[str, ...]:
+        return tuple(m for m in LAYER_PROJECTIONS if m in self.targets)
+
+
+def lora_params(shape: ModelShape, lora: LoraSpec, value_model: bool = False) -> int:
+    """Trainable parameters of a LoRA model: ``rank x (in + out)`` for each adapted linear of every layer
+    (``lora_A`` is rank x in, ``lora_B`` out x rank); ``rank x (vocab + h)`` for an adapted embedding or LM
+    head; plus a value model's ``score`` head (``h``), which peft trains whole (``modules_to_save``: a trainable
+    copy next to the frozen original, whose ``h`` parameters are left out here)."""
+    dims = shape.projection_dims()
+    n = shape.num_layers * lora.rank * sum(sum(dims[m]) for m in lora.layer_targets())
+    heads = ("embed_tokens",) if value_model else ("embed_tokens", "lm_head")
+    n += sum(lora.rank * (shape.vocab_size + shape.hidden_size) for m in heads if m in lora.targets)
+    return n + (shape.hidden_size if value_model else 0)
+
+
+def largest_lora_tensor(shape: ModelShape, lora: LoraSpec, value_model: bool = False) -> int:
+    """Elements of the largest trainable tensor of a LoRA model (a factor, or the value head)."""
+    dims = shape.projection_dims()
+    largest = max((lora.rank * max(dims[m]) for m in lora.layer_targets()), default=0)
+    if lora.targets & {"embed_tokens", "lm_head"}:
+        largest = max(largest, lora.rank * shape.vocab_size)
+    return max(largest, shape.hidden_size if value_model else 0)
+
+
+def quantized_linear_params(shape: ModelShape) -> int:
+    """Parameters QLoRA stores in 4 bit: every linear layer of the transformer blocks (bitsandbytes replaces each
+    ``nn.Linear`` except the modules transformers keeps whole: LM head, value head)."""
+    return shape.num_layers * shape.layer_linear_params
+
+
+def nf4_bytes(num_params: float, num_tensors: int) -> float:
+    """Bytes of ``num_params`` stored as bitsandbytes NF4 with double quantisation in ``num_tensors`` weights."""
+    return num_params * NF4_BYTES_PER_PARAM + num_tensors * NF4_BYTES_PER_TENSOR
+
+
+def dequantize_transient_bytes(shape: ModelShape, act_bytes: int) -> float:
+    """The working memory a 4-bit layer adds: bitsandbytes dequantises the whole weight to the compute dtype for
+    each forward matmul (``gemm_4bit``) and again in ``MatMul4Bit.backward``, with the double-quantised absmax
+    first expanded to fp32; one layer at a time, so the largest projection counts."""
+    largest = max(i * o for i, o in shape.projection_dims().values())
+    return largest * act_bytes + largest / NF4_BLOCKSIZE * 4
+
+
+def lora_layer_elements(shape: ModelShape, lora: LoraSpec, *, tp: int = 1, dropout_mask_elems: float = 1.0) -> float:
+    """Elements (of the activation dtype) autograd saves per token in one decoder layer of a LoRA model: base
+    weights and norms frozen.
+
+    For the input gradient, whatever trains: both norms' inputs (``2h``; their normalised inputs only serve the
+    norm weights' gradient, so a frozen norm does not keep them), roped q and k, v, the attention output
+    (``2q + 2kv``) and SwiGLU's gate, activation and up (``3i``). For the LoRA factors: the input of each
+    adapted projection, once per tensor (the attention's normalised input ``h`` shared by q, k, v; the MLP's
+    ``h`` shared by gate and up; the attention output, already kept; the SwiGLU product ``i`` for down), and
+    ``rank`` (``lora_A``'s output) per adapted projection. With ``dropout > 0`` every adapted projection keeps
+    its own dropped input plus the dropout mask (``dropout_mask_elems`` per input element: 1 on CPU, where
+    torch's dropout multiplies by a noise tensor of the input dtype; ``1 / act_bytes`` on GPU, whose fused
+    dropout keeps a bool mask) instead of the shared input. Checked with ``torch.autograd.graph.saved_tensors_hooks``
+    on transformers' Llama (SDPA, fp32, all-linear / q,v / dropout 0.1): exact up to two scalars a token
+    (rsqrt of the norms) and the attention's logsumexp.
+    """
+    h, q, kv, i = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size
+    targets = lora.layer_targets()
+    n = 2 * h + (2 * q + 2 * kv + 3 * i) / tp
+    if lora.dropout > 0:
+        dims = shape.projection_dims()
+        n += sum(dims[m][0] for m in targets) * (1 + dropout_mask_elems)
+    else:
+        n += h * (any(m in targets for m in ("q_proj", "k_proj", "v_proj"))
+                  + any(m in targets for m in ("gate_proj", "up_proj")))
+        n += i / tp if "down_proj" in targets else 0
+    return n + lora.rank * len(targets)
 
 
 def _local_hf_config(cfg: RunConfig, role: str) -> dict | None:
@@ -242,24 +400,33 @@ def effective_zero_stage(zero_stage: int, dp: int, trainable: bool, adam_offload
 
 def model_state_bytes(num_params: float, *, param_bytes: int, zero_stage: int, dp: int, trainable: bool,
                       adam_offload: bool = False, on_gpu: bool = True,
-                      largest_tensor_params: float = 0.0) -> dict[str, float]:
+                      largest_tensor_params: float = 0.0, lora_params: float | None = None,
+                      quantized_params: float = 0.0, quantized_tensors: int = 0) -> dict[str, float]:
     """Bytes of weights, grads, optimizer states, persistent buffers, gathered ZeRO-3 parameters and the
     ZeRO-3 gradient reduce-scatter transient on one rank holding ``num_params`` (already divided by tensor
-    parallelism), ``zero_stage`` as DeepSpeed runs it."""
+    parallelism), ``zero_stage`` as DeepSpeed runs it.
+
+    ``lora_params`` (LoRA): ``num_params`` is the frozen base and these adapter parameters, stored next to it in
+    the parameter dtype, are the only trainable ones: gradients, optimizer states and buffers count them alone,
+    and the frozen base is partitioned only at stage 3. ``quantized_params`` of the base are NF4 in
+    ``quantized_tensors`` weights (QLoRA, stages 0-2: never partitioned). ``largest_tensor_params``: the
+    largest trainable tensor (the ZeRO-3 reduce transient holds its full gradient).
+    """
     stage = zero_stage
-    n = num_params
-    out = {"weights": n * param_bytes / (dp if stage >= 3 else 1), "grads": 0.0, "optim": 0.0, "buffers": 0.0,
-           "gathered": 0.0, "reduce": 0.0}
+    plain = num_params - quantized_params + (lora_params or 0.0)
+    trained = num_params if lora_params is None else lora_params
+    out = {"weights": plain * param_bytes / (dp if stage >= 3 else 1) + nf4_bytes(quantized_params, quantized_tensors),
+           "grads": 0.0, "optim": 0.0, "buffers": 0.0, "gathered": 0.0, "reduce": 0.0}
     if trainable:
-        out["grads"] = n * GRAD_BYTES / (dp if stage >= 2 else 1)
+        out["grads"] = trained * GRAD_BYTES / (dp if stage >= 2 else 1)
         if not adam_offload:
             # Every ZeRO optimizer (1-3) keeps its own fp32 copy of the partition, even of fp32 weights
             # (checked on DeepSpeed 0.19.8); only plain fp32 training (stage 0) updates the weights in place.
             master = MASTER_BYTES if param_bytes != 4 or stage >= 1 else 0
-            out["optim"] = n * (ADAM_MOMENTS_BYTES + master) / (dp if stage >= 1 else 1)
+            out["optim"] = trained * (ADAM_MOMENTS_BYTES + master) / (dp if stage >= 1 else 1)
         if stage >= 2:
             # torch.empty(reduce_bucket_size): a GPU allocator reserves all of it, host memory only what is used.
-            bucket = (DS_REDUCE_BUCKET_SIZE if on_gpu else min(DS_REDUCE_BUCKET_SIZE, n)) * param_bytes
+            bucket = (DS_REDUCE_BUCKET_SIZE if on_gpu else min(DS_REDUCE_BUCKET_SIZE, trained)) * param_bytes
             out["buffers"] = bucket
             if stage == 3:
                 # reduce_scatter_coalesced flattens a full bucket into a new tensor, while autograd has just
@@ -267,32 +434,41 @@ def model_state_bytes(num_params: float, *, param_bytes: int, zero_stage: int, d
                 # activations are gone (measured on CPU: the checkpointed case peaks here).
                 out["reduce"] = bucket + largest_tensor_params * param_bytes
     if stage == 3 and dp > 1:
-        out["gathered"] = min(n, DS_STAGE3_MAX_LIVE_PARAMETERS) * param_bytes
+        out["gathered"] = min(plain, DS_STAGE3_MAX_LIVE_PARAMETERS) * param_bytes
     return out
 
 
 def activation_bytes(shape: ModelShape, *, tokens: int, logit_tokens: int, act_bytes: int, tp: int = 1,
                      gradient_checkpointing: bool = False, eager_seq_len: int | None = None,
-                     trainable: bool = True) -> float:
+                     trainable: bool = True, lora: LoraSpec | None = None, on_gpu: bool = True) -> float:
     """Peak activation bytes of one micro-batch on one rank (``tokens`` after sequence-parallel splitting).
 
     ``logit_tokens``: tokens whose LM-head logits are computed (0 for value models). ``eager_seq_len``:
     attention probabilities are materialised (eager attention) for rows of this length. ``trainable=False``
-    is a no-grad forward: one layer's tensors and the logits, nothing saved.
+    is a no-grad forward: one layer's tensors and the logits, nothing saved. ``lora``: only LoRA adapters
+    train (``lora_layer_elements`` per layer; the frozen final norm keeps its input only); ``on_gpu`` then
+    sizes the dropout mask.
     """
     h = shape.hidden_size
     sharded = (2 * shape.q_dim + 2 * shape.kv_dim + 4 * shape.intermediate_size) / tp
     layer = 6 * h + sharded
-    if eager_seq_len:
-        layer += shape.num_heads / tp * eager_seq_len
+    eager = shape.num_heads / tp * eager_seq_len if eager_seq_len else 0
+    layer += eager
     if not trainable:
         logits = logit_tokens * shape.vocab_size * (act_bytes + 2 * LOGITS_BYTES)
         return tokens * layer * act_bytes + logits
+    final_norm = 3 * h
+    head_input = 0.0
+    if lora is not None:
+        layer = lora_layer_elements(shape, lora, tp=tp, dropout_mask_elems=1 / act_bytes if on_gpu else 1.0) + eager
+        final_norm = h
+        if "lm_head" in lora.targets:  # the LM head's (kept positions') input and lora_A output
+            head_input = logit_tokens * (h + lora.rank) * act_bytes
     saved_per_token = h * shape.num_layers + layer if gradient_checkpointing else layer * shape.num_layers
-    saved_per_token += 3 * h  # final norm
+    saved_per_token += final_norm
     upcast = LOGITS_BYTES + (act_bytes if act_bytes != LOGITS_BYTES else 0)
     logits = logit_tokens * shape.vocab_size * (upcast + LOGITS_BACKWARD_COPIES * LOGITS_BYTES)
-    return tokens * saved_per_token * act_bytes + logits
+    return tokens * saved_per_token * act_bytes + logits + head_input
 
 
 def micro_batch_tokens(cfg: RunConfig, role: str) -> int:
@@ -314,27 +490,54 @@ def micro_batch_tokens(cfg: RunConfig, role: str) -> int:
     return cfg.rollout.micro_rollout_batch_size * seq_len
 
 
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
 def estimate_role(role: str, shape: ModelShape, num_params: int, ds: DeepSpeedConfig, *, trainable: bool,
                   tokens: int, logit_tokens: int, seq_len: int, dp: int, tp: int = 1, sp: int = 1,
-                  on_gpu: bool = True, offload: bool = False) -> RoleMemory:
+                  on_gpu: bool = True, offload: bool = False, lora: LoraSpec | None = None,
+                  quantized: bool = False, value_model: bool = False) -> RoleMemory:
     """Memory of one rank of a role in GiB: its model states under ``ds`` and one micro-batch of ``tokens``
     (before the sequence-parallel split; ``logit_tokens`` of them get LM-head logits). ``dp``: data-parallel
-    replicas; ZeRO shards over ``dp x sp`` ranks. ``on_gpu=False``: the same run on CPU (fp32 under auto)."""
+    replicas; ZeRO shards over ``dp x sp`` ranks. ``on_gpu=False``: the same run on CPU (fp32 under auto).
+
+    ``lora``: the role trains LoRA adapters only (``trainable`` must be true). ``quantized``: its layer
+    projections are NF4 (QLoRA). ``value_model``: a critic / reward model (no LM head, an ``h`` score head);
+    ``num_params`` is still the checkpoint's size."""
     zero_ranks = dp * sp
     p = _bytes_per_weight(ds.param_dtype, on_gpu)
     params = shape.params_per_tp_rank(num_params, tp)
+    if value_model:
+        params += shape.hidden_size - shape.lm_head_params
+    lora = lora if trainable else None
+    adapters = lora_params(shape, lora, value_model) if lora is not None else None
+    # QLoRA runs without tensor parallelism (the config refuses it): the checkpoint's share of layer projections.
+    q_params = num_params * quantized_linear_params(shape) / shape.num_params if quantized else 0.0
     stage = effective_zero_stage(ds.zero_stage, zero_ranks, trainable, ds.adam_offload)
+    largest = largest_lora_tensor(shape, lora, value_model) if lora is not None else shape.largest_tensor_params(tp)
     states = model_state_bytes(params, param_bytes=p, zero_stage=stage, dp=zero_ranks, trainable=trainable,
-                               adam_offload=ds.adam_offload, on_gpu=on_gpu,
-                               largest_tensor_params=shape.largest_tensor_params(tp))
+                               adam_offload=ds.adam_offload, on_gpu=on_gpu, largest_tensor_params=largest,
+                               lora_params=adapters, quantized_params=q_params,
+                               quantized_tensors=len(LAYER_PROJECTIONS) * shape.num_layers if quantized else 0)
     if not trainable and offload:
         states["weights"] = 0.0
     local_tokens = math.ceil(tokens / sp)
     eager = math.ceil(seq_len / sp) if ds.attn_implementation == "eager" else None
     act = activation_bytes(shape, tokens=local_tokens, logit_tokens=math.ceil(logit_tokens / sp), act_bytes=p,
                            tp=tp, gradient_checkpointing=ds.gradient_checkpointing, eager_seq_len=eager,
-                           trainable=trainable)
+                           trainable=trainable, lora=lora, on_gpu=on_gpu)
+    if quantized:
+        act += dequantize_transient_bytes(shape, p)
     notes = [f"ZeRO-{stage} over {zero_ranks} ranks" if zero_ranks > 1 and stage > 0 else f"ZeRO-{stage}"]
+    if lora is not None:
+        notes.append(f"LoRA r={lora.rank}: {_count(adapters)} trainable")
+        if lora.ignored:
+            notes.append(f"LoRA targets not counted: {', '.join(lora.ignored)}")
+    if quantized:
+        notes.append(f"4-bit base: {_count(q_params)} params NF4")
+    if value_model and shape.lm_head_params:
+        notes.append("value model: no LM head")
     if sp > 1:
         notes.append(f"ring attention: {tokens} tokens / {sp} ranks")
     return RoleMemory(role, states["weights"] / GIB, states["grads"] / GIB, states["optim"] / GIB,
@@ -357,10 +560,16 @@ def role_memory(cfg: RunConfig, placement: Placement, role: str, on_gpu: bool = 
         # attention, where each rank computes the logits of its whole chunk.
         share = 1.0 if grid.sp_size > 1 else min(1.0, cfg.rollout.generate_max_len / _rl_seq_len(cfg))
         logit_tokens = math.ceil(tokens * share)
+    lora = LoraSpec.from_config(cfg.ds.lora)
+    # LoRA trains the actor's and critic's adapters; QLoRA loads actor, critic and reference in 4 bit, not the
+    # reward model (hpc_rlhf.trainers.ppo_setup.build_roles).
     return estimate_role(role, role_shape(cfg, role), role_num_params(cfg, role), cfg.ds, trainable=trainable,
                          tokens=tokens, logit_tokens=logit_tokens, seq_len=_rl_seq_len(cfg), dp=grid.dp_size,
                          tp=grid.tp_size, sp=grid.sp_size, on_gpu=on_gpu,
-                         offload=not trainable and getattr(cfg, role).offload)
+                         offload=not trainable and getattr(cfg, role).offload,
+                         lora=lora if trainable else None,
+                         quantized=lora is not None and lora.load_in_4bit and role in ("actor", "critic", "ref"),
+                         value_model=role in ("critic", "reward"))
 
 
 # Rows per sample in the offline trainers' forwards: pairs (RM, DPO), sample + mismatched KL sample (KTO).
@@ -390,12 +599,15 @@ def supervised_memory(cfg: SupervisedRunConfig, kind: str, world_size: int,
                              "or set model.num_params_b")
     shape = ModelShape.from_hf_config(hf) if hf is not None else nearest_reference_shape(num_params)
     logits = 0 if kind == "rm" else tokens  # the LM head runs on every position
+    lora = LoraSpec.from_config(cfg.ds.lora)
+    q4 = lora is not None and lora.load_in_4bit  # the trained model and the DPO / KTO reference
     out = {"model": estimate_role("model", shape, num_params, cfg.ds, trainable=True, tokens=tokens,
-                                  logit_tokens=logits, seq_len=seq_len, dp=dp, tp=tp, on_gpu=on_gpu)}
+                                  logit_tokens=logits, seq_len=seq_len, dp=dp, tp=tp, on_gpu=on_gpu,
+                                  lora=lora, quantized=q4, value_model=kind == "rm")}
     if kind in ("dpo", "kto"):
         out["ref"] = estimate_role("ref", shape, num_params, cfg.ds, trainable=False, tokens=tokens,
                                    logit_tokens=logits, seq_len=seq_len, dp=dp, tp=tp, on_gpu=on_gpu,
-                                   offload=cfg.ref.offload)
+                                   offload=cfg.ref.offload, quantized=q4)
     return out
 
 
