@@ -29,24 +29,8 @@ Activations (one micro-batch, what autograd saves, counted on transformers' Llam
   the logits, their fp32 copy and one fp32 temporary;
 - sequence parallelism (ring attention) divides the tokens of a micro-batch over ``ds.ring_attn_size``.
 
-LoRA (``ds.lora.rank > 0``, peft) on the trained roles (actor, critic; the offline trainers' model):
-
-- the base weights stay as they are (replicated at stages 0-2, partitioned only at stage 3) and are frozen;
-  the LoRA factors (``rank x (in + out)`` per targeted linear, ``lora_params``) plus, for a value model, a
-  trainable copy of its ``score`` head (peft ``modules_to_save``) are the only trainable parameters: only they
-  have gradients, Adam states, a master copy and DeepSpeed buffers; they are stored next to the base weights;
-- activations: the frozen norms no longer save their normalised inputs (``-2h`` per layer and token), the
-  input of a targeted projection is saved once for its ``lora_A``, each targeted projection adds ``rank``
-  (the ``lora_A`` output), and with ``ds.lora.dropout > 0`` each targeted projection saves its dropped input
-  and the dropout mask instead (``lora_layer_elements``, counted with autograd's saved tensors).
-
-QLoRA (``ds.lora.load_in_4bit``; refused with ZeRO-3 and tensor parallelism by the config) stores the linear
-layers of the transformer blocks of the actor, critic and reference (and of the offline trainers' model and
-reference) as bitsandbytes NF4 with double quantisation: ``NF4_BYTES_PER_PARAM`` (0.516) bytes a parameter
-plus ``NF4_BYTES_PER_TENSOR`` a weight; embeddings, LM head, norms and value heads keep the parameter dtype,
-and the RL reward model is not quantised. A 4-bit layer dequantises its whole weight to the compute dtype in
-every forward and backward (bitsandbytes' ``gemm_4bit`` and ``MatMul4Bit.backward``): one layer's weight
-(the largest projection) is added to the working set.
+LoRA and QLoRA (``ds.lora``) change these terms as ``hpc_rlhf.dist.lora_memory`` says; model shapes and
+parameter counts come from ``hpc_rlhf.dist.model_shape``.
 
 A value model (critic, reward model; the RM trainer's model) has no LM head: ``AutoModelForSequenceClassification``
 drops it and adds a ``score`` head of ``h`` parameters, so its weights are counted without ``V x h`` when the
@@ -66,8 +50,26 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpc_rlhf.config.schema import DeepSpeedConfig, LoraConfig, RunConfig
+from hpc_rlhf.config.schema import DeepSpeedConfig, RunConfig
 from hpc_rlhf.config.supervised import SupervisedRunConfig
+from hpc_rlhf.dist.lora_memory import (
+    LoraSpec,
+    dequantize_transient_bytes,
+    largest_lora_tensor,
+    lora_layer_elements,
+    lora_params,
+    nf4_bytes,
+    quantized_linear_params,
+)
+from hpc_rlhf.dist.model_shape import (
+    LAYER_PROJECTIONS,
+    ModelShape,
+    ModelSizeError,
+    count_params_from_hf_config,
+    nearest_reference_shape,
+    role_num_params,
+    role_shape,
+)
 from hpc_rlhf.dist.placement import Placement
 
 GIB = 1024**3
@@ -79,278 +81,6 @@ LOGITS_BACKWARD_COPIES = 3  # log-softmax backward: softmax, scattered gather gr
 # DeepSpeed 0.19 defaults that build_ds_config leaves as they are.
 DS_REDUCE_BUCKET_SIZE = 500_000_000
 DS_STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
-# bitsandbytes NF4 with double quantisation (``BitsAndBytesConfig(bnb_4bit_quant_type="nf4",
-# bnb_4bit_use_double_quant=True)``, as hpc_rlhf.models.quantization loads QLoRA bases; bitsandbytes 0.50
-# ``functional.quantize_4bit``): two 4-bit codes a byte (0.5 B); one absmax per block of 64 parameters,
-# fp32 but double-quantised to one uint8 (1/64 B); those absmax are quantised in blocks of 256 with an fp32
-# absmax each (4 / (64 x 256) B). = 0.515869 B/param (4.127 bits). Per quantised weight, a 16-entry fp32 NF4
-# code, the 256-entry fp32 dynamic code of the absmax quantisation and an fp32 offset (the absmax mean):
-# 1092 B. Checked on a loaded model: storage of Params4bit + quant_state equals these to the byte.
-NF4_BLOCKSIZE, NF4_NESTED_BLOCKSIZE = 64, 256
-NF4_BYTES_PER_PARAM = 0.5 + 1 / NF4_BLOCKSIZE + 4 / (NF4_BLOCKSIZE * NF4_NESTED_BLOCKSIZE)
-NF4_BYTES_PER_TENSOR = (16 + 256 + 1) * 4
-# The projections of a Llama / Qwen / Mistral decoder layer, by module name (what peft's target_modules match).
-LAYER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-class ModelSizeError(ValueError):
-    """No way to know a role's model size."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes of a decoder-only transformer (Llama / Qwen / Mistral layout) that memory depends on."""
-
-    hidden_size: int
-    num_layers: int
-    intermediate_size: int
-    vocab_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tie_word_embeddings: bool = False
-    source: str = "config.json"
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict, source: str = "config.json") -> ModelShape:
-        try:
-            hidden, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-            heads = cfg["num_attention_heads"]
-        except KeyError as err:
-            raise ModelSizeError(f"config.json lacks {err.args[0]!r}; set <role>.num_params_b instead") from None
-        return cls(hidden_size=hidden, num_layers=layers, intermediate_size=cfg.get("intermediate_size", 4 * hidden),
-                   vocab_size=vocab, num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-                   head_dim=cfg.get("head_dim") or hidden // heads,
-                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), source=source)
-
-    @property
-    def q_dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @property
-    def layer_linear_params(self) -> int:
-        """Attention and MLP projections of one layer: what tensor parallelism shards."""
-        h = self.hidden_size
-        return 2 * h * self.q_dim + 2 * h * self.kv_dim + 3 * h * self.intermediate_size
-
-    def projection_dims(self) -> dict[str, tuple[int, int]]:
-        """``{module name: (in_features, out_features)}`` of the linear layers of one decoder layer."""
-        h, q, kv, i = self.hidden_size, self.q_dim, self.kv_dim, self.intermediate_size
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-    @property
-    def lm_head_params(self) -> int:
-        """Parameters of the LM head that are not the input embedding's (0 when tied)."""
-        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-
-    @property
-    def embedding_params(self) -> int:
-        """Input embedding plus LM head (one matrix when tied): replicated under tensor parallelism."""
-        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-
-    def largest_tensor_params(self, tp: int = 1) -> float:
-        """Elements of the largest single weight on a tensor-parallel rank: the embedding / LM head
-        (whole on every rank), or an MLP projection (split)."""
-        return max(self.vocab_size, self.intermediate_size / tp) * self.hidden_size
-
-    @property
-    def num_params(self) -> int:
-        norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
-        return self.num_layers * self.layer_linear_params + self.embedding_params + norms
-
-    def params_per_tp_rank(self, num_params: int, tp: int) -> float:
-        """``num_params`` on one tensor-parallel rank: layer projections split, embeddings and norms not."""
-        if tp == 1:
-            return float(num_params)
-        sharded = num_params * (self.num_layers * self.layer_linear_params / self.num_params)
-        return num_params - sharded + sharded / tp
-
-    def describe(self) -> str:
-        return (f"h={self.hidden_size} L={self.num_layers} i={self.intermediate_size} V={self.vocab_size} "
-                f"heads={self.num_heads}/{self.num_kv_heads} ({self.source})")
-
-
-def _ref(name: str, h: int, layers: int, inter: int, vocab: int, heads: int, kv: int, tied: bool) -> ModelShape:
-    return ModelShape(h, layers, inter, vocab, heads, kv, h // heads, tied, source=f"assumed {name}-like shape")
-
-
-# Public config.json shapes used when a recipe gives only num_params_b: the nearest in size is assumed.
-REFERENCE_SHAPES = (
-    _ref("Qwen2.5-0.5B", 896, 24, 4864, 151936, 14, 2, True),
-    _ref("Qwen2.5-1.5B", 1536, 28, 8960, 151936, 12, 2, True),
-    _ref("Qwen2.5-3B", 2048, 36, 11008, 151936, 16, 2, True),
-    _ref("Qwen2.5-7B", 3584, 28, 18944, 152064, 28, 4, False),
-    _ref("Llama-3-8B", 4096, 32, 14336, 128256, 32, 8, False),
-    _ref("Qwen2.5-14B", 5120, 48, 13824, 152064, 40, 8, False),
-    _ref("Qwen2.5-32B", 5120, 64, 27648, 152064, 40, 8, False),
-    _ref("Llama-3-70B", 8192, 80, 28672, 128256, 64, 8, False),
-)
-
-
-def nearest_reference_shape(num_params: int) -> ModelShape:
-    return min(REFERENCE_SHAPES, key=lambda s: abs(math.log(s.num_params / num_params)))
-
-
-def count_params_from_hf_config(cfg: dict) -> int:
-    """Parameter count of a decoder-only transformer from its ``config.json`` (Llama/Qwen/Mistral shape)."""
-    return ModelShape.from_hf_config(cfg).num_params
-
-
-def lora_target_names(target_modules: list[str]) -> tuple[frozenset[str], tuple[str, ...]]:
-    """``(module names adapted, entries not counted)`` of a ``ds.lora.target_modules`` list.
-
-    ``"all-linear"`` is every projection of every decoder layer (peft leaves the output layer out); any other
-    entry matches modules by its last name part, as peft matches suffixes (``"q_proj"``,
-    ``"self_attn.q_proj"``). Besides the layer projections, ``"lm_head"`` and ``"embed_tokens"`` are counted;
-    an entry naming nothing of the Llama layout comes back in the second element.
-    """
-    known = {*LAYER_PROJECTIONS, "lm_head", "embed_tokens"}
-    names: set[str] = set()
-    ignored: list[str] = []
-    for entry in target_modules:
-        if entry == "all-linear":
-            names.update(LAYER_PROJECTIONS)
-        elif entry.rsplit(".", 1)[-1] in known:
-            names.add(entry.rsplit(".", 1)[-1])
-        else:
-            ignored.append(entry)
-    return frozenset(names), tuple(ignored)
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """What memory depends on in ``ds.lora``: the rank, the adapted module names, dropout, a 4-bit base."""
-
-    rank: int
-    targets: frozenset[str]
-    dropout: float = 0.0
-    load_in_4bit: bool = False
-    ignored: tuple[str, ...] = ()  # target_modules entries that name no module of the counted layout
-
-    @classmethod
-    def from_config(cls, lora: LoraConfig) -> LoraSpec | None:
-        """None when LoRA is off (``rank == 0``)."""
-        if lora.rank == 0:
-            return None
-        targets, ignored = lora_target_names(lora.target_modules)
-        return cls(lora.rank, targets, lora.dropout, lora.load_in_4bit, ignored)
-
-    def layer_targets(self) -> tuple[str, ...]:
-        return tuple(m for m in LAYER_PROJECTIONS if m in self.targets)
-
-
-def lora_params(shape: ModelShape, lora: LoraSpec, value_model: bool = False) -> int:
-    """Trainable parameters of a LoRA model: ``rank x (in + out)`` for each adapted linear of every layer
-    (``lora_A`` is rank x in, ``lora_B`` out x rank); ``rank x (vocab + h)`` for an adapted embedding or LM
-    head; plus a value model's ``score`` head (``h``), which peft trains whole (``modules_to_save``: a trainable
-    copy next to the frozen original, whose ``h`` parameters are left out here)."""
-    dims = shape.projection_dims()
-    n = shape.num_layers * lora.rank * sum(sum(dims[m]) for m in lora.layer_targets())
-    heads = ("embed_tokens",) if value_model else ("embed_tokens", "lm_head")
-    n += sum(lora.rank * (shape.vocab_size + shape.hidden_size) for m in heads if m in lora.targets)
-    return n + (shape.hidden_size if value_model else 0)
-
-
-def largest_lora_tensor(shape: ModelShape, lora: LoraSpec, value_model: bool = False) -> int:
-    """Elements of the largest trainable tensor of a LoRA model (a factor, or the value head)."""
-    dims = shape.projection_dims()
-    largest = max((lora.rank * max(dims[m]) for m in lora.layer_targets()), default=0)
-    if lora.targets & {"embed_tokens", "lm_head"}:
-        largest = max(largest, lora.rank * shape.vocab_size)
-    return max(largest, shape.hidden_size if value_model else 0)
-
-
-def quantized_linear_params(shape: ModelShape) -> int:
-    """Parameters QLoRA stores in 4 bit: every linear layer of the transformer blocks (bitsandbytes replaces each
-    ``nn.Linear`` except the modules transformers keeps whole: LM head, value head)."""
-    return shape.num_layers * shape.layer_linear_params
-
-
-def nf4_bytes(num_params: float, num_tensors: int) -> float:
-    """Bytes of ``num_params`` stored as bitsandbytes NF4 with double quantisation in ``num_tensors`` weights."""
-    return num_params * NF4_BYTES_PER_PARAM + num_tensors * NF4_BYTES_PER_TENSOR
-
-
-def dequantize_transient_bytes(shape: ModelShape, act_bytes: int) -> float:
-    """The working memory a 4-bit layer adds: bitsandbytes dequantises the whole weight to the compute dtype for
-    each forward matmul (``gemm_4bit``) and again in ``MatMul4Bit.backward``, with the double-quantised absmax
-    first expanded to fp32; one layer at a time, so the largest projection counts."""
-    largest = max(i * o for i, o in shape.projection_dims().values())
-    return largest * act_bytes + largest / NF4_BLOCKSIZE * 4
-
-
-def lora_layer_elements(shape: ModelShape, lora: LoraSpec, *, tp: int = 1, dropout_mask_elems: float = 1.0) -> float:
-    """Elements (of the activation dtype) autograd saves per token in one decoder layer of a LoRA model: base
-    weights and norms frozen.
-
-    For the input gradient, whatever trains: both norms' inputs (``2h``; their normalised inputs only serve the
-    norm weights' gradient, so a frozen norm does not keep them), roped q and k, v, the attention output
-    (``2q + 2kv``) and SwiGLU's gate, activation and up (``3i``). For the LoRA factors: the input of each
-    adapted projection, once per tensor (the attention's normalised input ``h`` shared by q, k, v; the MLP's
-    ``h`` shared by gate and up; the attention output, already kept; the SwiGLU product ``i`` for down), and
-    ``rank`` (``lora_A``'s output) per adapted projection. With ``dropout > 0`` every adapted projection keeps
-    its own dropped input plus the dropout mask (``dropout_mask_elems`` per input element: 1 on CPU, where
-    torch's dropout multiplies by a noise tensor of the input dtype; ``1 / act_bytes`` on GPU, whose fused
-    dropout keeps a bool mask) instead of the shared input. Checked with ``torch.autograd.graph.saved_tensors_hooks``
-    on transformers' Llama (SDPA, fp32, all-linear / q,v / dropout 0.1): exact up to two scalars a token
-    (rsqrt of the norms) and the attention's logsumexp.
-    """
-    h, q, kv, i = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size
-    targets = lora.layer_targets()
-    n = 2 * h + (2 * q + 2 * kv + 3 * i) / tp
-    if lora.dropout > 0:
-        dims = shape.projection_dims()
-        n += sum(dims[m][0] for m in targets) * (1 + dropout_mask_elems)
-    else:
-        n += h * (any(m in targets for m in ("q_proj", "k_proj", "v_proj"))
-                  + any(m in targets for m in ("gate_proj", "up_proj")))
-        n += i / tp if "down_proj" in targets else 0
-    return n + lora.rank * len(targets)
-
-
-def _local_hf_config(cfg: RunConfig, role: str) -> dict | None:
-    section = getattr(cfg, role)
-    if section.pretrain is not None:
-        path = Path(section.pretrain) / "config.json"
-        if path.is_file():
-            return json.loads(path.read_text())
-    return None
-
-
-def role_num_params(cfg: RunConfig, role: str) -> int:
-    """Parameter count of a role's model: the recipe's ``num_params_b``, else the local config.json.
-
-    The critic, ref and reward default to the actor's size when they name no model of their own.
-    """
-    section = getattr(cfg, role)
-    if section.num_params_b is not None:
-        return int(section.num_params_b * 1e9)
-    hf = _local_hf_config(cfg, role)
-    if hf is not None:
-        return count_params_from_hf_config(hf)
-    if role != "actor":
-        return role_num_params(cfg, "actor")
-    raise ModelSizeError(
-        "cannot size the actor: set actor.pretrain to a local model folder with config.json "
-        "or set actor.num_params_b"
-    )
-
-
-def role_shape(cfg: RunConfig, role: str) -> ModelShape:
-    """The role's layer sizes: its local config.json; the actor's shape when the role names no model of its
-    own (like ``role_num_params``); else the reference shape nearest to its size."""
-    section = getattr(cfg, role)
-    hf = _local_hf_config(cfg, role)
-    if hf is not None:
-        return ModelShape.from_hf_config(hf)
-    if role != "actor" and section.pretrain is None and section.num_params_b is None:
-        return role_shape(cfg, "actor")
-    return nearest_reference_shape(role_num_params(cfg, role))
 
 
 @dataclass(frozen=True)

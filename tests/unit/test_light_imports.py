@@ -11,7 +11,7 @@ HEAVY = ("deepspeed", "vllm", "flash_attn", "ring_flash_attn", "liger_kernel")
 @pytest.mark.parametrize(
     "module",
     ["hpc_rlhf", "hpc_rlhf.config", "hpc_rlhf.dist", "hpc_rlhf.dist.placement", "hpc_rlhf.dist.memory_estimate",
-     "hpc_rlhf.cli.plan", "hpc_rlhf.cli.main"],
+     "hpc_rlhf.dist.model_shape", "hpc_rlhf.dist.lora_memory", "hpc_rlhf.cli.plan", "hpc_rlhf.cli.main"],
 )
 def test_module_imports_no_gpu_stack(module):
     code = (f"import sys, {module}; heavy = [m for m in sys.modules if m.split('.')[0] in {HEAVY!r}]; "

@@ -13,20 +13,18 @@ import torch
 from hpc_rlhf.cli.plan import plan
 from hpc_rlhf.config import load_config
 from hpc_rlhf.config.schema import LoraConfig
-from hpc_rlhf.dist.memory_estimate import (
-    GIB,
+from hpc_rlhf.dist.lora_memory import (
     NF4_BYTES_PER_PARAM,
     NF4_BYTES_PER_TENSOR,
     LoraSpec,
-    ModelShape,
-    activation_bytes,
     lora_layer_elements,
     lora_params,
     lora_target_names,
     nf4_bytes,
     quantized_linear_params,
-    role_memory,
 )
+from hpc_rlhf.dist.memory_estimate import GIB, activation_bytes, role_memory
+from hpc_rlhf.dist.model_shape import ModelShape
 from hpc_rlhf.dist.placement import build_placement
 
 ROOT = Path(__file__).resolve().parents[2]
