@@ -45,10 +45,8 @@ see ``docs/memory.md``.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from hpc_rlhf.config.schema import DeepSpeedConfig, RunConfig
 from hpc_rlhf.config.supervised import SupervisedRunConfig
@@ -66,6 +64,7 @@ from hpc_rlhf.dist.model_shape import (
     ModelShape,
     ModelSizeError,
     count_params_from_hf_config,
+    local_hf_config,
     nearest_reference_shape,
     role_num_params,
     role_shape,
@@ -317,9 +316,7 @@ def supervised_memory(cfg: SupervisedRunConfig, kind: str, world_size: int,
     dp = world_size // tp
     seq_len = cfg.data.max_len
     tokens = cfg.train.micro_train_batch_size * SUPERVISED_ROWS_PER_SAMPLE[kind] * seq_len
-    hf = None
-    if cfg.model.pretrain is not None and (Path(cfg.model.pretrain) / "config.json").is_file():
-        hf = json.loads((Path(cfg.model.pretrain) / "config.json").read_text())
+    hf = local_hf_config(cfg.model)
     if cfg.model.num_params_b is not None:
         num_params = int(cfg.model.num_params_b * 1e9)
     elif hf is not None:

@@ -11,6 +11,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hpc_rlhf.config.schema import RunConfig
 
@@ -126,8 +127,8 @@ def count_params_from_hf_config(cfg: dict) -> int:
     return ModelShape.from_hf_config(cfg).num_params
 
 
-def _local_hf_config(cfg: RunConfig, role: str) -> dict | None:
-    section = getattr(cfg, role)
+def local_hf_config(section: Any) -> dict | None:
+    """The ``config.json`` of a config section's ``pretrain`` when it is a local folder, else None."""
     if section.pretrain is not None:
         path = Path(section.pretrain) / "config.json"
         if path.is_file():
@@ -143,7 +144,7 @@ def role_num_params(cfg: RunConfig, role: str) -> int:
     section = getattr(cfg, role)
     if section.num_params_b is not None:
         return int(section.num_params_b * 1e9)
-    hf = _local_hf_config(cfg, role)
+    hf = local_hf_config(getattr(cfg, role))
     if hf is not None:
         return count_params_from_hf_config(hf)
     if role != "actor":
@@ -158,7 +159,7 @@ def role_shape(cfg: RunConfig, role: str) -> ModelShape:
     """The role's layer sizes: its local config.json; the actor's shape when the role names no model of its
     own (like ``role_num_params``); else the reference shape nearest to its size."""
     section = getattr(cfg, role)
-    hf = _local_hf_config(cfg, role)
+    hf = local_hf_config(getattr(cfg, role))
     if hf is not None:
         return ModelShape.from_hf_config(hf)
     if role != "actor" and section.pretrain is None and section.num_params_b is None:
