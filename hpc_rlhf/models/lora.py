@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
 
