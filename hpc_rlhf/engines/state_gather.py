@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from hpc_rlhf.models.quantization import plain_config, plain_copy
+from hpc_rlhf.models.quantization import is_quantized, plain_config, plain_copy
 
 
 def _state_dict_entries(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -38,6 +38,9 @@ def _state_dict_entries(module: torch.nn.Module) -> list[tuple[str, torch.Tensor
 
 
 def _numel_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the full tensor as gathered: a ZeRO-3 partition counts whole, a 4-bit weight dequantised."""
+    if is_quantized(tensor):
+        return tensor.quant_state.shape.numel() * tensor.quant_state.dtype.itemsize
     return getattr(tensor, "ds_numel", tensor.numel()) * tensor.element_size()
 
 

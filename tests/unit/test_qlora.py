@@ -133,3 +133,15 @@ def test_lora_merge_cli_reproduces_a_qlora_policy_with_load_in_4bit(tiny_path, t
     torch.testing.assert_close(logits["dequantised"], expected, rtol=1e-4, atol=1e-4)
     # merged into the full-precision base instead: close, not the trained policy
     assert (logits["full"] - expected).abs().max() > 1e-3
+
+
+@needs_bnb
+def test_gather_buckets_size_4bit_weights_as_dequantised(tiny_path):
+    from hpc_rlhf.engines import state_gather
+
+    model = load_causal_lm(tiny_path, torch.float32, load_in_4bit=True)
+    weight = model.model.layers[0].mlp.up_proj.weight  # (128, 64) packed into 4096 bytes
+    assert quantization.is_quantized(weight) and weight.numel() * weight.element_size() == 128 * 64 // 2
+    assert state_gather._numel_bytes(weight) == 128 * 64 * 4  # what plain_copy hands to the bucket
+    plain = quantization.plain_copy(weight)
+    assert plain.numel() * plain.element_size() == state_gather._numel_bytes(weight)
