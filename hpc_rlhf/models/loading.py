@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 # resolve_attn_implementation is re-exported: the trainers import it from here.
 from hpc_rlhf.models.kernels import apply_liger_kernel, resolve_attn_implementation  # noqa: F401
+from hpc_rlhf.models.quantization import bnb_4bit_load_kwargs, keep_cpu_numerics_exact
 
 
 def resolve_dtype(param_dtype: str, on_gpu: bool) -> torch.dtype:
@@ -20,20 +21,8 @@ def resolve_dtype(param_dtype: str, on_gpu: bool) -> torch.dtype:
     return torch.bfloat16 if param_dtype == "bf16" else torch.float32
 
 
-def _finish_4bit(model: PreTrainedModel, load_in_4bit: bool) -> PreTrainedModel:
-    if not load_in_4bit:
-        return model
-    from hpc_rlhf.models.quantization import keep_cpu_numerics_exact
-
-    return keep_cpu_numerics_exact(model)
-
-
 def _quantization_kwargs(load_in_4bit: bool, dtype: torch.dtype) -> dict:
-    if not load_in_4bit:
-        return {}
-    from hpc_rlhf.models.quantization import bnb_4bit_load_kwargs
-
-    return bnb_4bit_load_kwargs(dtype, on_gpu=torch.cuda.is_available())
+    return bnb_4bit_load_kwargs(dtype, on_gpu=torch.cuda.is_available()) if load_in_4bit else {}
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa",
@@ -42,7 +31,8 @@ def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sd
     ``load_in_4bit``: NF4 base weights for QLoRA (``hpc_rlhf.models.quantization``)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
                                                  **_quantization_kwargs(load_in_4bit, dtype))
-    _finish_4bit(model, load_in_4bit)
+    if load_in_4bit:
+        keep_cpu_numerics_exact(model)
     if use_liger_kernel:
         apply_liger_kernel(model)
     return model
@@ -55,7 +45,8 @@ def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "
     model = AutoModelForSequenceClassification.from_pretrained(
         path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation,
         **_quantization_kwargs(load_in_4bit, dtype))
-    _finish_4bit(model, load_in_4bit)
+    if load_in_4bit:
+        keep_cpu_numerics_exact(model)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     if use_liger_kernel:

@@ -9,9 +9,10 @@ require grad.
 ``merged_named_tensors`` turns the LoRA model back into the plain HF state dict, ``W + scale * B @ A`` under
 the names of a model loaded with ``AutoModelFor*.from_pretrained`` (``q_proj.base_layer.weight`` ->
 ``q_proj.weight``; ``score.modules_to_save.default.weight`` -> ``score.weight``; LoRA factors dropped). It
-computes merged *copies* (a QLoRA base weight is dequantised first): the training weights are never touched (peft's ``merge_adapter`` would add the
-delta into the frozen weights in place and subtract it later, which is lossy in bf16 and races with ZeRO's
-flat buffers). This is what weight sync to the rollout engine and the HF export consume.
+computes merged *copies* (a QLoRA base weight is dequantised first): the training weights are never touched
+(peft's ``merge_adapter`` would add the delta into the frozen weights in place and subtract it later, which is
+lossy in bf16 and races with ZeRO's flat buffers). This is what weight sync to the rollout engine and the HF
+export consume.
 
 ``save_adapter`` writes a standard peft adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``)
 that ``peft.PeftModel.from_pretrained`` and ``hpc-rlhf lora-merge`` load.
@@ -164,7 +165,8 @@ def merged_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Te
     inner = model.base_model.model if _is_peft_model(model) else model
     # A 4-bit model's state dict also carries bitsandbytes' quantisation state (``*.weight.absmax``, ...):
     # only real parameters and buffers have a plain counterpart.
-    tensors = {*dict(inner.named_parameters(remove_duplicate=False)), *dict(inner.named_buffers(remove_duplicate=False))}
+    tensors = {*dict(inner.named_parameters(remove_duplicate=False)),
+               *dict(inner.named_buffers(remove_duplicate=False))}
     entries = [(name, t) for name, t in inner.state_dict(keep_vars=True).items() if name in tensors]
     yield from merge_lora_entries(inner, entries)
 

@@ -157,7 +157,8 @@ class SupervisedTrainer:
 
     def model_factory(self) -> torch.nn.Module:
         ds = self.cfg.ds
-        return load_causal_lm(self.cfg.model.pretrain, self.dtype, self.attn, ds.use_liger_kernel, ds.lora.load_in_4bit)
+        return load_causal_lm(self.cfg.model.pretrain, self.dtype, self.attn, ds.use_liger_kernel,
+                              ds.lora.load_in_4bit)
 
     def setup_reference(self) -> None:
         """Build frozen models (DPO / KTO reference); default none."""

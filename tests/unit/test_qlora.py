@@ -96,7 +96,8 @@ def test_lora_4bit_on_an_unquantised_model_is_refused(tiny_path):
 
 def test_missing_bitsandbytes_is_named(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(RuntimeError, match="pip install bitsandbytes"):
         quantization.bnb_4bit_load_kwargs(torch.float32, on_gpu=False)
 
