@@ -21,16 +21,12 @@ def resolve_dtype(param_dtype: str, on_gpu: bool) -> torch.dtype:
     return torch.bfloat16 if param_dtype == "bf16" else torch.float32
 
 
-def _quantization_kwargs(load_in_4bit: bool, dtype: torch.dtype) -> dict:
-    return bnb_4bit_load_kwargs(dtype, on_gpu=torch.cuda.is_available()) if load_in_4bit else {}
-
-
-def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa",
-                   use_liger_kernel: bool = False, load_in_4bit: bool = False) -> PreTrainedModel:
-    """An actor / reference policy. ``use_liger_kernel``: Liger's kernels when they can run (``kernels``).
-    ``load_in_4bit``: NF4 base weights for QLoRA (``hpc_rlhf.models.quantization``)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                                 **_quantization_kwargs(load_in_4bit, dtype))
+def _from_pretrained(auto_class, path: str, dtype: torch.dtype, attn_implementation: str, use_liger_kernel: bool,
+                     load_in_4bit: bool, **kwargs) -> PreTrainedModel:
+    """``auto_class.from_pretrained`` with the options every role shares: QLoRA's 4-bit base, Liger kernels."""
+    if load_in_4bit:
+        kwargs.update(bnb_4bit_load_kwargs(dtype, on_gpu=torch.cuda.is_available()))
+    model = auto_class.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
     if load_in_4bit:
         keep_cpu_numerics_exact(model)
     if use_liger_kernel:
@@ -38,19 +34,21 @@ def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sd
     return model
 
 
+def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa",
+                   use_liger_kernel: bool = False, load_in_4bit: bool = False) -> PreTrainedModel:
+    """An actor / reference policy. ``use_liger_kernel``: Liger's kernels when they can run (``kernels``).
+    ``load_in_4bit``: NF4 base weights for QLoRA (``hpc_rlhf.models.quantization``)."""
+    return _from_pretrained(AutoModelForCausalLM, path, dtype, attn_implementation, use_liger_kernel, load_in_4bit)
+
+
 def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa",
                      use_liger_kernel: bool = False, load_in_4bit: bool = False) -> PreTrainedModel:
     """A critic or reward model: base transformer + linear ``score`` head with one output (kept in full
     precision under ``load_in_4bit``: bitsandbytes skips the modules transformers marks as heads)."""
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation,
-        **_quantization_kwargs(load_in_4bit, dtype))
-    if load_in_4bit:
-        keep_cpu_numerics_exact(model)
+    model = _from_pretrained(AutoModelForSequenceClassification, path, dtype, attn_implementation, use_liger_kernel,
+                             load_in_4bit, num_labels=1)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
-    if use_liger_kernel:
-        apply_liger_kernel(model)
     return model
 
 

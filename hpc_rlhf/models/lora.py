@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from hpc_rlhf.config.schema import LoraConfig as LoraSettings
-from hpc_rlhf.models.quantization import plain_copy
+from hpc_rlhf.models.quantization import dequantized, plain_copy
 
 VALUE_HEAD = "score"
 PEFT_PREFIX = "base_model.model."
@@ -109,26 +109,25 @@ def hf_name(name: str) -> str | None:
 @torch.no_grad()
 def _merged_weight(layer: torch.nn.Module) -> torch.Tensor:
     """``W + sum_active scale * B @ A`` of one peft LoRA layer, computed in fp32 into a new tensor."""
-    from peft.tuners.lora import Embedding, Linear
+    from peft.tuners.lora import Embedding
 
-    # peft's bitsandbytes layer (lora.bnb.Linear4bit) holds its factors like lora.Linear without subclassing it.
-    linear = isinstance(layer, Linear) or type(layer).__name__ == "Linear4bit"
-    merged = plain_copy(layer.get_base_layer().weight)
-    dtype = merged.dtype
-    merged = merged.float()
+    base = dequantized(layer.get_base_layer().weight)
+    merged = base.to(torch.float32, copy=True)
     for adapter in layer.active_adapters:
-        if linear and adapter in layer.lora_A:
+        # A 2-D base with factors in lora_A: peft's Linear and its bitsandbytes variants (lora.bnb.Linear4bit holds
+        # its factors the same way without subclassing lora.Linear); conv layers have 3-5-D weights.
+        if adapter in getattr(layer, "lora_A", {}) and merged.dim() == 2:
             if layer.use_dora.get(adapter) or layer.lora_bias.get(adapter):
                 raise NotImplementedError("merged weights support plain LoRA only (no DoRA, no lora_bias)")
             delta = layer.lora_B[adapter].weight.float() @ layer.lora_A[adapter].weight.float()
-            merged += (delta.T if layer.fan_in_fan_out else delta) * layer.scaling[adapter]
+            merged += (delta.T if getattr(layer, "fan_in_fan_out", False) else delta) * layer.scaling[adapter]
         elif isinstance(layer, Embedding) and adapter in layer.lora_embedding_A:
             delta = layer.lora_embedding_B[adapter].float() @ layer.lora_embedding_A[adapter].float()
             merged += delta.T * layer.scaling[adapter]
         elif adapter in getattr(layer, "lora_A", {}) or adapter in getattr(layer, "lora_embedding_A", {}):
             raise NotImplementedError(f"merging LoRA into {type(layer).__name__} is not supported; "
                                       "target Linear or Embedding modules only")
-    return merged.to(dtype)
+    return merged.to(base.dtype)
 
 
 def lora_factors(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:
@@ -205,8 +204,7 @@ def load_trainable_state(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> 
     and is reloaded from ``pretrain`` (a 70B base would otherwise be rewritten at every save). What the
     module state still holds besides the adapters (buffers; bitsandbytes' quantisation state of a 4-bit base,
     ~1/64 byte per weight, which DeepSpeed writes because it is not a parameter) is left alone: the model was
-    rebuilt from the same checkpoint. A missing adapter is an error, not a
-    silently fresh one.
+    rebuilt from the same checkpoint. A missing adapter is an error, not a silently fresh one.
     """
     trainable = {name: p for name, p in dst.named_parameters() if p.requires_grad}
     missing = sorted(set(trainable) - set(src))

@@ -10,7 +10,7 @@ optimizer-free gathers) must see plain tensors: ``plain_copy`` dequantises a ``P
 ``(out, in)`` weight the quantised model computes with (NF4 is lossy, so this is *not* the original checkpoint
 weight; it is the one the trained policy actually used, which is what the rollout engine must generate with).
 
-bitsandbytes runs 4-bit layers on CPU too (its torch backend, >= 0.45), so QLoRA is tested on CPU.
+bitsandbytes runs 4-bit layers on CPU too (its torch backend; verified with 0.50), so QLoRA is tested on CPU.
 """
 
 from __future__ import annotations
@@ -67,17 +67,22 @@ def is_quantized(tensor: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
+def dequantized(tensor: torch.Tensor) -> torch.Tensor:
+    """The full-precision value of a weight, detached: a 4-bit weight dequantised to ``(out, in)`` into a new
+    tensor, anything else as it is (no copy)."""
+    if not is_quantized(tensor):
+        return tensor.detach()
+    from peft.utils.integrations import dequantize_bnb_weight
+
+    if getattr(tensor.quant_state, "packing_format_for_cpu", False):
+        raise RuntimeError("a 4-bit weight was repacked for bitsandbytes' CPU inference kernel and cannot be "
+                           "dequantised; load 4-bit models with hpc_rlhf.models.loading (keep_cpu_numerics_exact)")
+    return dequantize_bnb_weight(tensor, state=tensor.quant_state).detach()
+
+
 def plain_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A detached full-precision copy: a 4-bit weight dequantised to ``(out, in)``, anything else cloned."""
-    if is_quantized(tensor):
-        from peft.utils.integrations import dequantize_bnb_weight
-
-        if getattr(tensor.quant_state, "packing_format_for_cpu", False):
-            raise RuntimeError("a 4-bit weight was repacked for bitsandbytes' CPU inference kernel and cannot be "
-                               "dequantised; load 4-bit models with hpc_rlhf.models.loading (keep_cpu_numerics_exact)")
-
-        return dequantize_bnb_weight(tensor, state=tensor.quant_state).detach().clone()
-    return tensor.detach().clone()
+    """A detached full-precision copy that owns its memory (a dequantised 4-bit weight already does)."""
+    return dequantized(tensor) if is_quantized(tensor) else tensor.detach().clone()
 
 
 def plain_config(config: Any) -> Any:
