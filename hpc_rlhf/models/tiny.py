@@ -39,8 +39,15 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
-def build_tiny_model(path: str | Path, seed: int = 0, max_position_embeddings: int = 512, **sizes: int) -> Path:
-    """Create (once) a tiny Llama + tokenizer at ``path``; safe when several ranks call it at once."""
+def build_tiny_model(path: str | Path, seed: int = 0, max_position_embeddings: int = 512,
+                     initializer_range: float = 0.02, **sizes: int) -> Path:
+    """Create (once) a tiny Llama + tokenizer at ``path``; safe when several ranks call it at once.
+
+    ``initializer_range`` is the init std. Llama's 0.02 keeps the tied embeddings so small that logits stay
+    within about +-1: a model trained with a frozen embedding (LoRA) then never becomes confident, and which
+    token wins greedy decoding turns on last-digit differences between CPUs. Tests that check a learned
+    behaviour pass a larger value.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
@@ -50,13 +57,14 @@ def build_tiny_model(path: str | Path, seed: int = 0, max_position_embeddings: i
         config = LlamaConfig(
             vocab_size=len(tok), max_position_embeddings=max_position_embeddings,
             pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-            tie_word_embeddings=True, **{**DEFAULT_SIZES, **sizes},
+            tie_word_embeddings=True, initializer_range=initializer_range, **{**DEFAULT_SIZES, **sizes},
         )
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
         tmp = path.with_name(path.name + ".tmp")
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        (tmp / "hpc_rlhf_tiny.json").write_text(json.dumps({"seed": seed, **sizes}))
+        recipe = {"seed": seed, "initializer_range": initializer_range, **sizes}
+        (tmp / "hpc_rlhf_tiny.json").write_text(json.dumps(recipe))
         tmp.rename(path)
     return path

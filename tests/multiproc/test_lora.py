@@ -164,11 +164,12 @@ def _checkpoint_round_trip(engine, model_path: str, out_dir: str, zero_stage: in
                                                     reason="QLoRA needs bitsandbytes (pip install bitsandbytes)")),
 ], ids=["lora-zero2", "lora-zero3", "qlora-zero2"])
 def test_lora_train_merge_sync_export(tmp_path, zero_stage, load_in_4bit):
-    model_path = str(build_tiny_model(tmp_path / "tiny", seed=0))
+    # init std 0.1: the frozen tied embeddings then allow confident logits, so the learned answer wins greedy
+    # decoding by a wide margin (~4.5 logits at every position) rather than by CPU-dependent rounding (~0.9 at 0.02)
+    model_path = str(build_tiny_model(tmp_path / "tiny", seed=0, initializer_range=0.1))
     results = run_on_ranks(_train_and_check, 2, model_path, str(tmp_path / "export"), zero_stage, load_in_4bit)
     losses = results[0]["losses"]
-    # the tiny model's frozen tied embeddings (std 0.02) cap how sharp its logits get: ~4.4 -> ~3.2 is "learned"
-    assert losses[-1] < losses[0] - 0.8 and losses[-1] < losses[NUM_STEPS // 2], losses
+    assert losses[-1] < 0.5 < losses[0] and losses[-1] < losses[NUM_STEPS // 2], losses  # ~5.1 -> ~0.16
     r0 = results[0]
     assert r0["synced"] == r0["peft"], r0  # the rollout engine generates what the trained policy does
     assert r0["exported"] == r0["peft"], r0
