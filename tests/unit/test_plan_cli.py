@@ -35,10 +35,20 @@ def test_plan_rejects_impossible_layout(capsys):
     assert "ds.tensor_parallel_size=8" in capsys.readouterr().err
 
 
-def test_plan_rejects_autotp_with_zero3(capsys):
-    assert plan(["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "8", "--gpus-per-node", "8",
-                 "ds.zero_stage=3"]) == 1
-    assert "ZeRO stages 0-2" in capsys.readouterr().err
+def test_plan_autotp_with_zero3_needs_world_spanning_roles(capsys):
+    """The engine's rule: transformers loads a ZeRO-3 checkpoint over the whole world, so AutoTP + ZeRO-3 runs
+    only for roles on every rank (tests/multiproc/test_autotp.py runs it)."""
+    ppo_70b = ["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "8", "--gpus-per-node", "8",
+               "ds.zero_stage=3"]
+    assert plan(ppo_70b) == 1  # disaggregated: every role on a subset
+    err = capsys.readouterr().err
+    assert "train.colocate_all=true" in err and "actor" in err and "critic" in err
+    colocated = [*ppo_70b, "train.colocate_all=true", "actor.num_ranks=null", "critic.num_ranks=null",
+                 "vllm.enable_sleep=true"]
+    code = plan(colocated)
+    out, err = capsys.readouterr()
+    assert "invalid layout" not in err, err
+    assert code == 0 and "colocated" in out, (out, err)
 
 
 def test_console_script_and_module_entry():
