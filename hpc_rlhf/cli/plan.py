@@ -27,7 +27,7 @@ from hpc_rlhf.dist.memory_estimate import (
     supervised_memory,
 )
 from hpc_rlhf.dist.model_shape import ModelSizeError, role_num_params, role_shape
-from hpc_rlhf.dist.placement import Placement, PlacementError, build_placement
+from hpc_rlhf.dist.placement import PlacementError, build_placement
 
 KINDS = ("auto", "rl", *CONFIG_CLASSES)
 
@@ -72,21 +72,8 @@ def recipe_kind(path: str, requested: str = "auto") -> str:
     return prefix
 
 
-def check_parallelism(ds, trainer: str, placement: Placement | None = None) -> None:
-    """Combinations the training engines cannot run, refused before any sizing.
-
-    ``placement`` (RL) names the roles' ranks; the supervised trainers' model spans every rank.
-    """
-    if ds.tensor_parallel_size > 1 and ds.zero_stage == 3 and placement is not None:
-        # the engine's rule (engines/process_groups.zero_init_group): transformers loads a ZeRO-3 checkpoint
-        # over the whole world, so AutoTP + ZeRO-3 needs the role on every rank
-        partial_roles = [name for name, grid in placement.roles.items()
-                         if name != "rollout" and len(grid.ranks) != placement.world_size]
-        if partial_roles:
-            raise ConfigError(f"ds.tensor_parallel_size={ds.tensor_parallel_size} with ds.zero_stage=3 needs every "
-                              f"training role on every rank (train.colocate_all=true), but {', '.join(partial_roles)} "
-                              "run on a subset; set ds.zero_stage=1 or 2 (ZeRO then shards over the data-parallel "
-                              "replicas) or colocate all roles")
+def check_parallelism(ds, trainer: str) -> None:
+    """Combinations the training engines cannot run, refused before any sizing (layouts: ``build_placement``)."""
     if ds.tensor_parallel_size > 1 and ds.lora.rank > 0:
         raise ConfigError(f"ds.lora.rank={ds.lora.rank} with ds.tensor_parallel_size={ds.tensor_parallel_size}: "
                           "AutoTP cannot shard peft's LoRA layers (the engine refuses it); use "
@@ -167,8 +154,8 @@ def plan(argv: list[str] | None = None) -> int:
         return plan_supervised(args, kind, world_size)
     try:
         cfg = load_config(args.config, args.overrides)
+        check_parallelism(cfg.ds, kind)
         placement = build_placement(cfg, world_size)
-        check_parallelism(cfg.ds, kind, placement)
         with _sized_tiny_model(cfg.actor):
             roles_mem = {r: role_memory(cfg, placement, r) for r in placement.roles if r != "rollout"}
             sizes = {r: role_num_params(cfg, r) for r in roles_mem}

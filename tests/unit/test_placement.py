@@ -79,3 +79,15 @@ def test_partial_colocation():
 def test_disaggregated_errors(overrides, world, match):
     with pytest.raises(PlacementError, match=match):
         build_placement(cfg("train.colocate_all=false", *overrides), world)
+
+
+@pytest.mark.parametrize("layout", [
+    ["actor.num_ranks=4", "rollout.num_engines=4"],  # disaggregated
+    ["train.colocate_actor_ref=true", "algo.kl.init_coef=0.1", "actor.num_ranks=4"],  # partial: actor+ref share
+])
+def test_zero3_needs_the_colocated_layout(layout):
+    """DeepSpeed's ZeRO-3 runs world-wide collectives that ranks outside the role never join."""
+    with pytest.raises(PlacementError, match=r"ds.zero_stage=3 needs train.colocate_all=true.* actor"):
+        build_placement(cfg("train.colocate_all=false", "ds.zero_stage=3", *layout), 8)
+    assert build_placement(cfg("train.colocate_all=false", "ds.zero_stage=2", *layout), 8).layout != "colocated"
+    assert build_placement(cfg("ds.zero_stage=3"), 8).layout == "colocated"

@@ -35,14 +35,15 @@ def test_plan_rejects_impossible_layout(capsys):
     assert "ds.tensor_parallel_size=8" in capsys.readouterr().err
 
 
-def test_plan_autotp_with_zero3_needs_world_spanning_roles(capsys):
-    """The engine's rule: transformers loads a ZeRO-3 checkpoint over the whole world, so AutoTP + ZeRO-3 runs
-    only for roles on every rank (tests/multiproc/test_autotp.py runs it)."""
+def test_plan_zero3_needs_the_colocated_layout(capsys):
+    """DeepSpeed's ZeRO-3 runs world-wide collectives: roles on a subset of the ranks are refused up front, with
+    or without AutoTP; the colocated layout (tests/multiproc/test_autotp.py trains it with tp 2) is planned."""
     ppo_70b = ["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "8", "--gpus-per-node", "8",
                "ds.zero_stage=3"]
-    assert plan(ppo_70b) == 1  # disaggregated: every role on a subset
-    err = capsys.readouterr().err
-    assert "train.colocate_all=true" in err and "actor" in err and "critic" in err
+    for tp in (8, 1):
+        assert plan([*ppo_70b, f"ds.tensor_parallel_size={tp}"]) == 1  # disaggregated: every role on a subset
+        err = capsys.readouterr().err
+        assert "train.colocate_all=true" in err and "actor, ref, critic, reward" in err, err
     colocated = [*ppo_70b, "train.colocate_all=true", "actor.num_ranks=null", "critic.num_ranks=null",
                  "vllm.enable_sleep=true"]
     code = plan(colocated)
