@@ -71,7 +71,11 @@ def token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask
 
 def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Reward-model score of each sequence: the value at its last real token. (B, T) -> (B,) fp32."""
-    values = token_values(model, input_ids, attention_mask)
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(attention_mask)
+    return score_at_last_token(token_values(model, input_ids, attention_mask), attention_mask)
+
+
+def score_at_last_token(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) per-token values -> (B,) the value at each row's last real token (rows may be left-padded)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device).expand_as(attention_mask)
     last = torch.where(attention_mask.bool(), positions, -1).max(dim=-1).values
-    return values.gather(1, last.unsqueeze(1)).squeeze(1)
+    return values.gather(1, last.to(values.device).unsqueeze(1)).squeeze(1)

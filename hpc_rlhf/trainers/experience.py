@@ -21,7 +21,7 @@ import torch
 
 from hpc_rlhf.algos import entropy_from_logits
 from hpc_rlhf.data.packing import TokenSample, collate, model_inputs
-from hpc_rlhf.models.loading import position_ids_from_mask, token_values
+from hpc_rlhf.models.loading import position_ids_from_mask, score_at_last_token, sequence_scores, token_values
 from hpc_rlhf.models.logprobs import logprobs_from_logits
 from hpc_rlhf.models.sequence_parallel import (
     gather_from_sp,
@@ -232,7 +232,7 @@ class MicroForward:
                  sp: SequenceParallel | None = None, shard: Any = None) -> None:
         self.model, self.packed, self.sp, self.shard = model, packed, sp, shard
         self.sequences, self.attention_mask = rows["sequences"], rows["attention_mask"]
-        self.num_actions = rows["action_mask"].shape[1]
+        self.num_actions = rows["action_mask"].shape[1] if "action_mask" in rows else None  # None: RM scoring
 
     @property
     def loss_scale(self) -> float:
@@ -260,6 +260,13 @@ class MicroForward:
             return critic_values(self.model, self.sequences, self.attention_mask, self.num_actions,
                                  packed=self.packed)
         return self._gather(sp_token_values(self.model, self.shard))
+
+    def sequence_scores(self) -> torch.Tensor:
+        """(B,) fp32 reward-model score of each row: the ``score`` head at its last real token."""
+        if self.sp is None:
+            return sequence_scores(self.model, self.sequences, self.attention_mask)
+        values = gather_from_sp(sp_token_values(self.model, self.shard), self.shard, self.sp.group)  # (B, T)
+        return score_at_last_token(values, self.attention_mask)
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
         """Per-token outputs of this chunk -> (B, R) action columns of the full rows (differentiable)."""

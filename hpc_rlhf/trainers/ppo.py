@@ -185,7 +185,7 @@ class PPOTrainer:
         if reward_groups is not None and self.rank in reward_groups.controller_ranks:
             batch = pack_trajectories(trajectories, self.tokenizer.pad_token_id) if self.rank == 0 else None
             model_scores = self._role_forward("reward", batch, ("sequences", "attention_mask"),
-                                              lambda m, s: {"scores": m.scores(s)})
+                                              lambda m, s: {"scores": m.scores(s, self._sp("reward"))})
         if self.rank != 0:
             return None
         return attach_rewards(trajectories, self.data, model_scores)

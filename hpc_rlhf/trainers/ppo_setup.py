@@ -24,8 +24,8 @@ from hpc_rlhf.models.loading import (
     load_value_model,
     resolve_attn_implementation,
     resolve_dtype,
-    sequence_scores,
 )
+from hpc_rlhf.trainers.experience import SequenceParallel, forward_scope
 
 
 class SetupError(ValueError):
@@ -113,11 +113,16 @@ class RewardModelRole:
         self.engine, self.micro = engine, micro_batch_size
 
     @torch.no_grad()
-    def scores(self, shard: dict[str, torch.Tensor]) -> torch.Tensor:
-        """(B, T) sequences -> (B,) scores, ``micro_batch_size`` rows per forward."""
-        rows, m = shard["sequences"].shape[0], self.micro
-        return torch.cat([sequence_scores(self.engine.module, shard["sequences"][i : i + m],
-                                          shard["attention_mask"][i : i + m]) for i in range(0, rows, m)])
+    def scores(self, shard: dict[str, torch.Tensor], sp: SequenceParallel | None = None) -> torch.Tensor:
+        """(B, T) sequences -> (B,) scores, ``micro_batch_size`` rows per forward. ``sp``: every rank of the
+        sequence-parallel group gets the same shard and runs its chunk of each row (ring attention)."""
+        num_rows, m = shard["sequences"].shape[0], self.micro
+        scores = []
+        for i in range(0, num_rows, m):
+            rows = {k: shard[k][i : i + m] for k in ("sequences", "attention_mask")}
+            with forward_scope(self.engine, rows, sp=sp) as fwd:
+                scores.append(fwd.sequence_scores())
+        return torch.cat(scores)
 
 
 @dataclass

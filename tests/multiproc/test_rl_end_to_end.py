@@ -113,7 +113,10 @@ def test_disaggregated_4_ranks_syncs_weights_to_rollout(assets, tmp_path):
     assert len(rows) == 3 and "kl_loss" in rows[-1]
 
 
-def test_reward_model_role(assets, tmp_path):
+@pytest.mark.parametrize("ring_attn_size", [1, 2], ids=["unsplit", "ring2"])
+def test_reward_model_role(assets, tmp_path, ring_attn_size):
+    """ring2: the reward model (like the actor) scores each row split over 2 ranks with ring attention
+    (its equivalence to the unsplit scores: tests/multiproc/test_sequence_parallel.py)."""
     from transformers import AutoModelForSequenceClassification
 
     rm_dir = tmp_path / "rm"
@@ -122,7 +125,7 @@ def test_reward_model_role(assets, tmp_path):
     rm.save_pretrained(rm_dir)
     AutoTokenizer.from_pretrained(assets["model"]).save_pretrained(rm_dir)
     overrides = grpo_overrides(assets, tmp_path / "run", "reward.reward_func_path=null", f"reward.pretrain={rm_dir}",
-                               "train.max_steps=2")
+                               "train.max_steps=2", f"ds.ring_attn_size={ring_attn_size}")
     run_on_ranks(_fit, 2, overrides)
     rows = read_metrics(tmp_path / "run")
     assert len(rows) == 2

@@ -143,10 +143,12 @@ def _llama_ranks(rank: int, world_size: int) -> bool:
 
 
 def _check_values(rank, world_size, group, ids, mask) -> None:
-    """Critic values (score head on every hidden state) gathered from the chunks equal token_values."""
+    """Critic values (score head on every hidden state) gathered from the chunks equal token_values, and
+    reward-model scores (the value at each row's last real token) equal sequence_scores."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from hpc_rlhf.models.loading import token_values
+    from hpc_rlhf.models.loading import sequence_scores, token_values
+    from hpc_rlhf.trainers.experience import SequenceParallel, forward_scope
     from hpc_rlhf.models.sequence_parallel import (
         gather_from_sp,
         sequence_parallel_attention,
@@ -164,6 +166,12 @@ def _check_values(rank, world_size, group, ids, mask) -> None:
         with sequence_parallel_attention(critic, group, shard):
             values = gather_from_sp(sp_token_values(critic, shard), shard, group)
     torch.testing.assert_close(values[mask.bool()], ref[mask.bool()], **TOL)
+    with torch.no_grad():
+        expected = sequence_scores(critic, ids, mask)
+        for packed in (False, True):
+            sp = SequenceParallel(group, rank, world_size)
+            with forward_scope(critic, {"sequences": ids, "attention_mask": mask}, packed=packed, sp=sp) as fwd:
+                torch.testing.assert_close(fwd.sequence_scores(), expected, **TOL)
 
 
 def _all_checks(rank: int, world_size: int) -> bool:
