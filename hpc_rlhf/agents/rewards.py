@@ -158,7 +158,8 @@ def accepted_kwargs(func: Callable[..., Any], kwargs: dict[str, Any]) -> dict[st
         return kwargs
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return kwargs
-    names = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    named_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    names = {p.name for p in params if p.kind in named_kinds}
     return {k: v for k, v in kwargs.items() if k in names}
 
 

@@ -45,7 +45,8 @@ def write_task(data_dir: Path, seed: int, num_sft: int, num_rl: int) -> dict[str
     sft = [rng.choice(train_pairs) for _ in range(num_sft)]
     rl = [rng.choice(train_pairs) for _ in range(num_rl)]
     return {
-        "sft": write_jsonl(data_dir / "sft_train.jsonl", [{"input": f"{a}+{b}=", "output": str(a + b)} for a, b in sft]),
+        "sft": write_jsonl(data_dir / "sft_train.jsonl",
+                           [{"input": f"{a}+{b}=", "output": str(a + b)} for a, b in sft]),
         "sft_eval": write_jsonl(data_dir / "sft_eval.jsonl",
                                 [{"input": f"{a}+{b}=", "output": str(a + b)} for a, b in heldout]),
         "rl": write_jsonl(data_dir / "rl_prompts.jsonl", [{"input": f"{a}+{b}=", "label": str(a + b)} for a, b in rl]),

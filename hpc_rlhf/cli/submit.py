@@ -172,7 +172,8 @@ def resolve(args: argparse.Namespace, cfg) -> Submission:
     cpus = args.cpus_per_task or s.cpus_per_task or 1
     chdir = str(Path(args.chdir or os.getcwd()).resolve())
     out_dir = Path(cfg.train.output_dir)
-    folder = Path(args.folder) if args.folder else (out_dir if out_dir.is_absolute() else Path(chdir) / out_dir) / "submitit"
+    run_dir = out_dir if out_dir.is_absolute() else Path(chdir) / out_dir
+    folder = Path(args.folder) if args.folder else run_dir / "submitit"
     setup = ["export PYTHONUNBUFFERED=1", f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{cpus}}}",
              "export TOKENIZERS_PARALLELISM=false"]
     if gpus > 0:

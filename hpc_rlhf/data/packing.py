@@ -38,7 +38,8 @@ class TokenSample:
 
     def __post_init__(self) -> None:
         if len(self.input_ids) != len(self.loss_mask):
-            raise ValueError(f"input_ids ({len(self.input_ids)}) and loss_mask ({len(self.loss_mask)}) differ in length")
+            raise ValueError(f"input_ids ({len(self.input_ids)}) and loss_mask ({len(self.loss_mask)}) differ in "
+                             "length")
         if not self.input_ids:
             raise ValueError("empty TokenSample")
 

@@ -108,7 +108,8 @@ def _formatter(data: Any, tokenizer: Any) -> TextFormatter:
                          max_len=data.max_len)
 
 
-def build_preference_datasets(data: Any, tokenizer: Any, seed: int) -> tuple[list[PreferencePair], list[PreferencePair]]:
+def build_preference_datasets(data: Any, tokenizer: Any,
+                              seed: int) -> tuple[list[PreferencePair], list[PreferencePair]]:
     make = make_pair(_formatter(data, tokenizer), data)
     train = load_examples(data.train_data, make, probs=data.train_data_probs, max_samples=data.max_samples,
                           seed=seed, skip_bad_rows=data.skip_bad_rows, what="preference train pairs")

@@ -51,9 +51,11 @@ def _check_messages(messages: list, path: str, row: int, key: str) -> None:
         raise row_error(path, row, key, "empty list of chat messages")
     for turn, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
-            raise row_error(path, row, key, f"message {turn} must be an object with 'role' and 'content', got {message!r:.120}")
+            raise row_error(path, row, key,
+                            f"message {turn} must be an object with 'role' and 'content', got {message!r:.120}")
         if not isinstance(message["content"], (str, list)):
-            raise row_error(path, row, key, f"message {turn} content must be a string, got {type(message['content']).__name__}")
+            raise row_error(path, row, key,
+                            f"message {turn} content must be a string, got {type(message['content']).__name__}")
 
 
 def _check_template(input_template: str | None) -> None:
@@ -247,7 +249,8 @@ class PromptDataset(Sequence[Prompt]):
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as err:  # jinja raises on e.g. roles that do not alternate
-            raise row_error(path, row_index, self.input_key, f"chat template failed: {type(err).__name__}: {err}") from err
+            raise row_error(path, row_index, self.input_key,
+                            f"chat template failed: {type(err).__name__}: {err}") from err
         return text
 
 

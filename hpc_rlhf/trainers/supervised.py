@@ -210,7 +210,8 @@ class SupervisedTrainer:
             row, num_tokens = self.train_step(batch, timer)
             self.step += 1
             last_eval = None
-            if self.eval_set and (self.step == self.num_steps or (tcfg.eval_steps and self.step % tcfg.eval_steps == 0)):
+            due = self.step == self.num_steps or (tcfg.eval_steps and self.step % tcfg.eval_steps == 0)
+            if self.eval_set and due:
                 with timer("eval"):
                     last_eval = self.evaluate()
                 row.update(last_eval)
