@@ -63,11 +63,11 @@ from hpc_rlhf.dist.model_shape import (
     LAYER_PROJECTIONS,
     ModelShape,
     ModelSizeError,
-    count_params_from_hf_config,
     local_hf_config,
     nearest_reference_shape,
     role_num_params,
     role_shape,
+    section_num_params,
 )
 from hpc_rlhf.dist.placement import Placement
 
@@ -296,7 +296,7 @@ def role_memory(cfg: RunConfig, placement: Placement, role: str, on_gpu: bool = 
                          tokens=tokens, logit_tokens=logit_tokens, seq_len=_rl_seq_len(cfg), dp=grid.dp_size,
                          tp=grid.tp_size, sp=grid.sp_size, on_gpu=on_gpu,
                          offload=not trainable and getattr(cfg, role).offload,
-                         lora=lora if trainable else None,
+                         lora=lora,
                          quantized=lora is not None and lora.load_in_4bit and role in ("actor", "critic", "ref"),
                          value_model=role in ("critic", "reward"))
 
@@ -316,14 +316,11 @@ def supervised_memory(cfg: SupervisedRunConfig, kind: str, world_size: int,
     dp = world_size // tp
     seq_len = cfg.data.max_len
     tokens = cfg.train.micro_train_batch_size * SUPERVISED_ROWS_PER_SAMPLE[kind] * seq_len
-    hf = local_hf_config(cfg.model)
-    if cfg.model.num_params_b is not None:
-        num_params = int(cfg.model.num_params_b * 1e9)
-    elif hf is not None:
-        num_params = count_params_from_hf_config(hf)
-    else:
+    num_params = section_num_params(cfg.model)
+    if num_params is None:
         raise ModelSizeError("cannot size the model: set model.pretrain to a local model folder with config.json "
                              "or set model.num_params_b")
+    hf = local_hf_config(cfg.model)
     shape = ModelShape.from_hf_config(hf) if hf is not None else nearest_reference_shape(num_params)
     logits = 0 if kind == "rm" else tokens  # the LM head runs on every position
     lora = LoraSpec.from_config(cfg.ds.lora)

@@ -136,17 +136,23 @@ def local_hf_config(section: Any) -> dict | None:
     return None
 
 
+def section_num_params(section: Any) -> int | None:
+    """A config section's model size: its ``num_params_b``, else the count of its local config.json; None if
+    it has neither."""
+    if section.num_params_b is not None:
+        return int(section.num_params_b * 1e9)
+    hf = local_hf_config(section)
+    return count_params_from_hf_config(hf) if hf is not None else None
+
+
 def role_num_params(cfg: RunConfig, role: str) -> int:
     """Parameter count of a role's model: the recipe's ``num_params_b``, else the local config.json.
 
     The critic, ref and reward default to the actor's size when they name no model of their own.
     """
-    section = getattr(cfg, role)
-    if section.num_params_b is not None:
-        return int(section.num_params_b * 1e9)
-    hf = local_hf_config(getattr(cfg, role))
-    if hf is not None:
-        return count_params_from_hf_config(hf)
+    num_params = section_num_params(getattr(cfg, role))
+    if num_params is not None:
+        return num_params
     if role != "actor":
         return role_num_params(cfg, "actor")
     raise ModelSizeError(
@@ -159,7 +165,7 @@ def role_shape(cfg: RunConfig, role: str) -> ModelShape:
     """The role's layer sizes: its local config.json; the actor's shape when the role names no model of its
     own (like ``role_num_params``); else the reference shape nearest to its size."""
     section = getattr(cfg, role)
-    hf = local_hf_config(getattr(cfg, role))
+    hf = local_hf_config(section)
     if hf is not None:
         return ModelShape.from_hf_config(hf)
     if role != "actor" and section.pretrain is None and section.num_params_b is None:

@@ -242,12 +242,13 @@ def build_placement(cfg: RunConfig, world_size: int) -> Placement:
             )
         grids[role] = _grid(cfg, role, grids[owner].ranks)
     ordered = {r: grids[r] for r in roles}
-    _check_zero3_spans_world(cfg, ordered)
+    _refuse_zero3_outside_colocated(cfg, [r for r in roles if r != "rollout"])
     return Placement(world_size, "partial" if shares else "disaggregated", ordered)
 
 
-def _check_zero3_spans_world(cfg: RunConfig, grids: dict[str, RoleGrid]) -> None:
-    """ZeRO-3 only in the colocated layout, where every DeepSpeed role holds every rank.
+def _refuse_zero3_outside_colocated(cfg: RunConfig, subset_roles: list[str]) -> None:
+    """ZeRO-3 only in the colocated layout, where every DeepSpeed role holds every rank (``subset_roles``: the
+    model roles of a partial or disaggregated layout, each on a subset of the ranks).
 
     DeepSpeed 0.19's ZeRO-3 runs collectives on the whole world, not on the engine's group: ``dist.barrier()``
     while the optimizer builds its partitions, a broadcast from rank 0 that checks the parameter trace on the
@@ -257,8 +258,7 @@ def _check_zero3_spans_world(cfg: RunConfig, grids: dict[str, RoleGrid]) -> None
     """
     if cfg.ds.zero_stage != 3:
         return
-    subset = [role for role in grids if role != "rollout"]
     raise PlacementError(
         f"ds.zero_stage=3 needs train.colocate_all=true: DeepSpeed's ZeRO-3 runs world-wide collectives that "
-        f"ranks of other roles never join, and {', '.join(subset)} run on a subset of the ranks; use "
+        f"ranks of other roles never join, and {', '.join(subset_roles)} run on a subset of the ranks; use "
         "ds.zero_stage=2 (with ds.adam_offload=true and/or ds.tensor_parallel_size to fit) or colocate all roles")
