@@ -36,8 +36,8 @@ def prepare_local_assets(cfg: RunConfig) -> None:
 
 def start_world(cfg: RunConfig):
     """Initialise torch.distributed, validate the placement, build the role groups."""
-    from hpc_rlhf.dist.placement import build_placement
-    from hpc_rlhf.dist.world import build_world_groups, init_world
+    from hpc_rlhf.world.placement import build_placement
+    from hpc_rlhf.world.groups import build_world_groups, init_world
 
     env = init_world(timeout_s=cfg.train.collective_timeout_s)
     logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING,

@@ -2,7 +2,7 @@
 
 Exits 0 when the layout is valid and fits, 1 with the reason otherwise. RL recipes (``train_ppo``) and
 the offline trainers' recipes (sft, rm, dpo, kto: a ``model:`` section) are both planned. The memory
-model (``hpc_rlhf.dist.memory_estimate``, with ``model_shape`` and ``lora_memory``) is checked against
+model (``hpc_rlhf.planning.memory_estimate``, with ``model_shape`` and ``lora_memory``) is checked against
 measured peaks by ``tests/multiproc/test_memory_estimate.py``; docs/memory.md says how and with which tolerance.
 """
 
@@ -19,15 +19,15 @@ import yaml
 
 from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.config.supervised import CONFIG_CLASSES, load_supervised_config
-from hpc_rlhf.dist.memory_estimate import (
+from hpc_rlhf.planning.memory_estimate import (
     RoleMemory,
     peak_gib,
     rank_memory,
     role_memory,
     supervised_memory,
 )
-from hpc_rlhf.dist.model_shape import ModelSizeError, role_num_params, role_shape
-from hpc_rlhf.dist.placement import PlacementError, build_placement
+from hpc_rlhf.planning.model_shape import ModelSizeError, role_num_params, role_shape
+from hpc_rlhf.world.placement import PlacementError, build_placement
 
 KINDS = ("auto", "rl", *CONFIG_CLASSES)
 

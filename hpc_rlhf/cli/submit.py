@@ -6,7 +6,7 @@
 
 One job, one ``srun`` step, one task per GPU (``--tasks-per-node`` tasks on CPU). Every task runs the
 training entry (``hpc_rlhf.cli.<entry>.main``) in-process, so it is the same program as under
-``sbatch slurm/*.sbatch``: ``hpc_rlhf.dist.launch_env`` reads the rank from the srun step and derives
+``sbatch slurm/*.sbatch``: ``hpc_rlhf.world.launch_env`` reads the rank from the srun step and derives
 the master port from the job id. (We do not call submitit's ``TorchDistributedEnvironment().export()``:
 it would set ``CUDA_VISIBLE_DEVICES`` to one GPU per task and use a second port formula.)
 

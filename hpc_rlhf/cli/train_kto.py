@@ -6,11 +6,11 @@
 
 from __future__ import annotations
 
-from hpc_rlhf.trainers.supervised import run_supervised
+from hpc_rlhf.trainers.offline.base import run_supervised
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_supervised("kto", "hpc_rlhf.trainers.kto", "KTOTrainer", argv)
+    run_supervised("kto", "hpc_rlhf.trainers.offline.kto", "KTOTrainer", argv)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from hpc_rlhf.cli.common import parse_run_args, prepare_local_assets, start_world
-from hpc_rlhf.trainers.preemption import preemption_guard
+from hpc_rlhf.world.preemption import preemption_guard
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_run_args("train_ppo", argv)
     prepare_local_assets(cfg)
     _, world = start_world(cfg)
-    from hpc_rlhf.trainers.ppo_async import trainer_class
+    from hpc_rlhf.trainers.rl.async_loop import trainer_class
 
     trainer_class(cfg)(cfg, world).fit()
     dist.destroy_process_group()

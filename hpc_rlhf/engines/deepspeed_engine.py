@@ -4,7 +4,7 @@
 gradient clipping and accumulation. ``FrozenEngine`` wraps an inference-only role (reference model,
 reward model): ZeRO-3 partitioning when asked, no optimizer. Trainers call ``backward`` / ``step`` /
 ``gathered_state_dict_items`` / ``save_checkpoint``; they never see deepspeed. deepspeed is imported only
-here and by the two helpers of this package the engines build on: ``hpc_rlhf.engines.process_groups`` (how
+here and by the two helpers of this package the engines build on: ``hpc_rlhf.engines.deepspeed_topology`` (how
 the role's dp/tp groups reach DeepSpeed, AutoTP setup) and ``hpc_rlhf.engines.state_gather`` (full state
 dicts out of ZeRO-3 / AutoTP / LoRA, HF export).
 
@@ -13,12 +13,12 @@ process group). deepspeed itself is imported lazily inside ``create`` so that im
 cheap and the light-import rule of the package holds for everything that does not build an engine.
 
 Process groups: ``dp_group=None`` means the role spans the whole world; a smaller one is handed to
-DeepSpeed as described in ``hpc_rlhf.engines.process_groups`` (where its limits are listed). A limitation of
+DeepSpeed as described in ``hpc_rlhf.engines.deepspeed_topology`` (where its limits are listed). A limitation of
 DeepSpeed 0.19.8 that then applies to the engines: ``save_checkpoint`` / ``load_checkpoint`` call
 ``dist.barrier()`` on the WORLD group, so every rank of the world must take part in them.
 
 Tensor parallelism (``ds.tensor_parallel_size > 1``) is DeepSpeed AutoTP, set up by
-``hpc_rlhf.engines.process_groups``. The LM head always returns full-vocabulary logits (our losses compute
+``hpc_rlhf.engines.deepspeed_topology``. The LM head always returns full-vocabulary logits (our losses compute
 log-probs from them), and ``gathered_state_dict_items`` all-gathers the shards back into full tensors. LoRA
 with TP is refused.
 """
@@ -36,7 +36,7 @@ from torch.distributed import ProcessGroup
 
 from hpc_rlhf.config.schema import DeepSpeedConfig, ModelRole, TrainedRole
 from hpc_rlhf.engines.lr_schedule import make_lr_lambda
-from hpc_rlhf.engines.process_groups import (
+from hpc_rlhf.engines.deepspeed_topology import (
     copy_from_tp_leader,
     dp_setup,
     init_deepspeed_dist,
@@ -233,7 +233,7 @@ class TrainEngine:
         """Build the model (inside ``zero.Init`` for ZeRO-3), the optimizer, the LR schedule and the engine.
 
         Collective over ``dp_group`` (default: the world) and ``tp_group``, which ``ds.tensor_parallel_size > 1``
-        requires (the role's groups from ``hpc_rlhf.dist.world``). ``num_training_steps`` counts optimizer steps.
+        requires (the role's groups from ``hpc_rlhf.world.groups``). ``num_training_steps`` counts optimizer steps.
         ``ds_cfg.lora.rank > 0`` injects LoRA (peft) into the factory's model before DeepSpeed sees it: only
         the adapters (and a value model's ``score`` head) train. Under ZeRO-3 the adapters are created outside
         ``zero.Init`` and partitioned by ``deepspeed.initialize``.

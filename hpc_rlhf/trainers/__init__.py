@@ -1,1 +1,1 @@
-"""Training loops: online RL (PPO family) and, later, SFT / RM / DPO / KTO."""
+"""Training loops: online RL in ``rl``, offline SFT / RM / DPO / KTO in ``offline``."""

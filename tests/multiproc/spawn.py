@@ -26,7 +26,7 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple, res
     # torch is already imported here, so OMP_NUM_THREADS above comes too late for it: 4 ranks with 2
     # threads each on 2 cores thrash.
     torch.set_num_threads(1)
-    from hpc_rlhf.dist.world import init_world
+    from hpc_rlhf.world.groups import init_world
 
     init_world(timeout_s=120, backend="gloo")
     results[rank] = fn(rank, world_size, *args)

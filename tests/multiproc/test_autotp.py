@@ -427,7 +427,7 @@ def _sft_worker(rank: int, world_size: int, base: str, tp_size: int) -> dict:
 
     from hpc_rlhf.config.supervised import load_supervised_config
     from hpc_rlhf.data.synthetic_preference import prepare_supervised_assets
-    from hpc_rlhf.trainers.sft import SFTTrainer
+    from hpc_rlhf.trainers.offline.sft import SFTTrainer
 
     overrides = [f"model.pretrain={base}/tiny-model", f"data.train_data=[{base}/sft_train.jsonl]",
                  f"data.eval_data=[{base}/sft_eval.jsonl]", f"train.output_dir={base}/sft_tp{tp_size}",

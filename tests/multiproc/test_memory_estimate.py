@@ -155,8 +155,8 @@ def _clear_refs_works() -> bool:
 def test_plan_estimate_matches_measured_peak(tmp_path, world_size, stage, micro, checkpointing, lora_rank,
                                              load_in_4bit):
     from hpc_rlhf.config import load_config
-    from hpc_rlhf.dist.memory_estimate import role_memory
-    from hpc_rlhf.dist.placement import build_placement
+    from hpc_rlhf.planning.memory_estimate import role_memory
+    from hpc_rlhf.world.placement import build_placement
 
     (tmp_path / "config.json").write_text(json.dumps(SHAPE))  # what `plan` reads from actor.pretrain
     folders = None

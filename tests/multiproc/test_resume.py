@@ -21,7 +21,7 @@ def assets(tmp_path_factory):
 
 def _fit(rank, world_size, overrides, stop_after=None, fail_save_at=None):
     """Train; optionally behave as if SLURM signalled after ``stop_after`` steps, or fail a save."""
-    from hpc_rlhf.trainers import preemption
+    from hpc_rlhf.world import preemption
 
     steps_seen = {"n": 0}
     original = preemption.PreemptionGuard.agreed_stop

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.config import load_config
-from hpc_rlhf.dist.placement import build_placement
+from hpc_rlhf.world.placement import build_placement
 from tests.multiproc.spawn import run_on_ranks
 
 LAYOUTS = {
@@ -28,8 +28,8 @@ LAYOUTS = {
 
 def _round_trip(rank: int, world_size: int, overrides: list[str]) -> dict:
     """Controller -> each role: broadcast, scatter per dp rank, gather back. Returns what rank 0 saw."""
-    from hpc_rlhf.dist.channel import broadcast_to_role, gather_from_role, scatter_to_role
-    from hpc_rlhf.dist.world import build_world_groups
+    from hpc_rlhf.world.channel import broadcast_to_role, gather_from_role, scatter_to_role
+    from hpc_rlhf.world.groups import build_world_groups
 
     cfg = load_config(None, overrides)
     placement = build_placement(cfg, world_size)

@@ -148,7 +148,7 @@ def _check_values(rank, world_size, group, ids, mask) -> None:
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     from hpc_rlhf.models.loading import sequence_scores, token_values
-    from hpc_rlhf.trainers.experience import SequenceParallel, forward_scope
+    from hpc_rlhf.trainers.rl.experience import SequenceParallel, forward_scope
     from hpc_rlhf.models.sequence_parallel import (
         gather_from_sp,
         sequence_parallel_attention,

@@ -41,7 +41,7 @@ def _build(kind: str, overrides: list[str]):
     dist.barrier()
     module, name = {"sft": ("sft", "SFTTrainer"), "rm": ("rm", "RewardModelTrainer"), "dpo": ("dpo", "DPOTrainer"),
                     "kto": ("kto", "KTOTrainer")}[kind]
-    return getattr(importlib.import_module(f"hpc_rlhf.trainers.{module}"), name)(cfg)
+    return getattr(importlib.import_module(f"hpc_rlhf.trainers.offline.{module}"), name)(cfg)
 
 
 def _fit(rank, world_size, kind, overrides):

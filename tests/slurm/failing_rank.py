@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.dist.world import init_world
+from hpc_rlhf.world.groups import init_world
 
 TOKEN = sys.argv[1]
 env = init_world(timeout_s=600, backend="gloo")

@@ -1,6 +1,6 @@
 import pytest
 
-from hpc_rlhf.dist.launch_env import LaunchEnvError, detect_launch_env, expand_nodelist, port_from_job_id
+from hpc_rlhf.world.launch_env import LaunchEnvError, detect_launch_env, expand_nodelist, port_from_job_id
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import torch
 from hpc_rlhf.cli.plan import plan
 from hpc_rlhf.config import load_config
 from hpc_rlhf.config.schema import LoraConfig
-from hpc_rlhf.dist.lora_memory import (
+from hpc_rlhf.planning.lora_memory import (
     NF4_BYTES_PER_PARAM,
     NF4_BYTES_PER_TENSOR,
     LoraSpec,
@@ -23,9 +23,9 @@ from hpc_rlhf.dist.lora_memory import (
     nf4_bytes,
     quantized_linear_params,
 )
-from hpc_rlhf.dist.memory_estimate import GIB, activation_bytes, role_memory
-from hpc_rlhf.dist.model_shape import ModelShape
-from hpc_rlhf.dist.placement import build_placement
+from hpc_rlhf.planning.memory_estimate import GIB, activation_bytes, role_memory
+from hpc_rlhf.planning.model_shape import ModelShape
+from hpc_rlhf.world.placement import build_placement
 
 ROOT = Path(__file__).resolve().parents[2]
 # h 64, q 64, kv 32, i 128, V 100: small enough to build with transformers in milliseconds.

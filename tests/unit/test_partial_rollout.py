@@ -11,7 +11,7 @@ from hpc_rlhf.engines.rollout_base import SamplingParams
 from hpc_rlhf.engines.transformers_rollout import TransformersRolloutEngine
 from hpc_rlhf.models.logprobs import logprobs_from_logits
 from hpc_rlhf.models.tiny import build_tiny_model
-from hpc_rlhf.trainers.partial_rollout import continue_generation, stamp_versions
+from hpc_rlhf.trainers.rl.partial_rollout import continue_generation, stamp_versions
 
 
 def test_generation_continues_after_a_weight_update(tmp_path):

@@ -1,7 +1,7 @@
 import pytest
 
 from hpc_rlhf.config import load_config
-from hpc_rlhf.dist.placement import PlacementError, build_placement, enabled_roles
+from hpc_rlhf.world.placement import PlacementError, build_placement, enabled_roles
 
 
 def cfg(*overrides):

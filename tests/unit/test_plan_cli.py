@@ -9,9 +9,9 @@ import yaml
 
 from hpc_rlhf.cli.plan import plan
 from hpc_rlhf.config import load_config
-from hpc_rlhf.dist.memory_estimate import DS_REDUCE_BUCKET_SIZE, activation_bytes, role_memory
-from hpc_rlhf.dist.model_shape import ModelShape, count_params_from_hf_config, role_shape
-from hpc_rlhf.dist.placement import build_placement
+from hpc_rlhf.planning.memory_estimate import DS_REDUCE_BUCKET_SIZE, activation_bytes, role_memory
+from hpc_rlhf.planning.model_shape import ModelShape, count_params_from_hf_config, role_shape
+from hpc_rlhf.world.placement import build_placement
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-from hpc_rlhf.trainers.experience import critic_values, pack_actions, policy_logprobs
-from hpc_rlhf.trainers.rl_batching import balanced_order, micro_batch_cost, plan_micro_batches, split_to_count
+from hpc_rlhf.trainers.rl.experience import critic_values, pack_actions, policy_logprobs
+from hpc_rlhf.trainers.rl.batching import balanced_order, micro_batch_cost, plan_micro_batches, split_to_count
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -120,7 +120,7 @@ def test_packed_critic_values_equal_padded():
 
 def test_token_budget_is_per_gpu_and_a_ring_holds_sp_times_more():
     from hpc_rlhf.config import load_config
-    from hpc_rlhf.trainers.ppo_workers import Batching
+    from hpc_rlhf.trainers.rl.workers import Batching
 
     base = ["train.use_dynamic_batch=true", "train.max_tokens_per_gpu=100", "train.packing_samples=true"]
     assert Batching.for_training(load_config(None, base)).max_tokens == 100

@@ -1,7 +1,7 @@
 import pytest
 
 from hpc_rlhf.config import load_config
-from hpc_rlhf.trainers.ppo_setup import SetupError, check_supported, optimizer_steps
+from hpc_rlhf.trainers.rl.setup import SetupError, check_supported, optimizer_steps
 
 
 def test_ring_attention_with_tensor_parallelism_fails_naming_both_keys():
@@ -29,7 +29,7 @@ def test_trim_padding_keeps_the_forward_identical():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hpc_rlhf.trainers.experience import action_logprobs, trim_padding
+    from hpc_rlhf.trainers.rl.experience import action_logprobs, trim_padding
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

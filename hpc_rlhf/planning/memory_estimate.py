@@ -29,8 +29,8 @@ Activations (one micro-batch, what autograd saves, counted on transformers' Llam
   the logits, their fp32 copy and one fp32 temporary;
 - sequence parallelism (ring attention) divides the tokens of a micro-batch over ``ds.ring_attn_size``.
 
-LoRA and QLoRA (``ds.lora``) change these terms as ``hpc_rlhf.dist.lora_memory`` says; model shapes and
-parameter counts come from ``hpc_rlhf.dist.model_shape``.
+LoRA and QLoRA (``ds.lora``) change these terms as ``hpc_rlhf.planning.lora_memory`` says; model shapes and
+parameter counts come from ``hpc_rlhf.planning.model_shape``.
 
 A value model (critic, reward model; the RM trainer's model) has no LM head: ``AutoModelForSequenceClassification``
 drops it and adds a ``score`` head of ``h`` parameters, so its weights are counted without ``V x h`` when the
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 from hpc_rlhf.config.schema import DeepSpeedConfig, RunConfig
 from hpc_rlhf.config.supervised import SupervisedRunConfig
-from hpc_rlhf.dist.lora_memory import (
+from hpc_rlhf.planning.lora_memory import (
     LoraSpec,
     dequantize_transient_bytes,
     largest_lora_tensor,
@@ -59,7 +59,7 @@ from hpc_rlhf.dist.lora_memory import (
     nf4_bytes,
     quantized_linear_params,
 )
-from hpc_rlhf.dist.model_shape import (
+from hpc_rlhf.planning.model_shape import (
     LAYER_PROJECTIONS,
     ModelShape,
     ModelSizeError,
@@ -69,7 +69,7 @@ from hpc_rlhf.dist.model_shape import (
     role_shape,
     section_num_params,
 )
-from hpc_rlhf.dist.placement import Placement
+from hpc_rlhf.world.placement import Placement
 
 GIB = 1024**3
 ADAM_MOMENTS_BYTES = 8  # exp_avg + exp_avg_sq in fp32
@@ -291,7 +291,7 @@ def role_memory(cfg: RunConfig, placement: Placement, role: str, on_gpu: bool = 
         logit_tokens = math.ceil(tokens * share)
     lora = LoraSpec.from_config(cfg.ds.lora)
     # LoRA trains the actor's and critic's adapters; QLoRA loads actor, critic and reference in 4 bit, not the
-    # reward model (hpc_rlhf.trainers.ppo_setup.build_roles).
+    # reward model (hpc_rlhf.trainers.rl.setup.build_roles).
     return estimate_role(role, role_shape(cfg, role), role_num_params(cfg, role), cfg.ds, trainable=trainable,
                          tokens=tokens, logit_tokens=logit_tokens, seq_len=_rl_seq_len(cfg), dp=grid.dp_size,
                          tp=grid.tp_size, sp=grid.sp_size, on_gpu=on_gpu,

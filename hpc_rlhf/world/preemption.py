@@ -17,7 +17,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.dist.world import comm_device
+from hpc_rlhf.world.groups import comm_device
 
 log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)

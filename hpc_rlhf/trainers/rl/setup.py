@@ -17,7 +17,7 @@ from hpc_rlhf.agents.rewards import RewardFunction
 from hpc_rlhf.algos import AdaptiveKLController, FixedKLController, RunningRewardNormalizer
 from hpc_rlhf.config.schema import RunConfig
 from hpc_rlhf.data.prompts import PromptDataset, PromptStream
-from hpc_rlhf.dist.world import WorldGroups
+from hpc_rlhf.world.groups import WorldGroups
 from hpc_rlhf.engines.rollout_base import RolloutEngine, SamplingParams
 from hpc_rlhf.models.loading import (
     load_causal_lm,
@@ -25,7 +25,7 @@ from hpc_rlhf.models.loading import (
     resolve_attn_implementation,
     resolve_dtype,
 )
-from hpc_rlhf.trainers.experience import SequenceParallel, forward_scope
+from hpc_rlhf.trainers.rl.experience import SequenceParallel, forward_scope
 
 
 class SetupError(ValueError):

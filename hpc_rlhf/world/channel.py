@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.dist.world import RoleGroups, comm_device
+from hpc_rlhf.world.groups import RoleGroups, comm_device
 
 CONTROLLER = 0
 

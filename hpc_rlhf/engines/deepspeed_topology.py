@@ -83,7 +83,7 @@ def init_deepspeed_dist() -> None:
     import deepspeed
 
     if not dist.is_initialized():
-        raise RuntimeError("call hpc_rlhf.dist.world.init_world() before building a DeepSpeed engine")
+        raise RuntimeError("call hpc_rlhf.world.groups.init_world() before building a DeepSpeed engine")
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
 
 
@@ -115,7 +115,7 @@ def tp_group_for(ds_cfg: DeepSpeedConfig, tp_group: ProcessGroup | None, dp_grou
         return None
     if tp_group is None or dp_group is None:
         raise ValueError(f"ds.tensor_parallel_size={tp_size} needs the role's tp_group and dp_group "
-                         "(hpc_rlhf.dist.world.RoleGroups) passed to the engine")
+                         "(hpc_rlhf.world.groups.RoleGroups) passed to the engine")
     if lora:
         raise ValueError(f"ds.lora.rank > 0 with ds.tensor_parallel_size={tp_size}: AutoTP cannot shard peft's "
                          "LoRA layers; use ds.tensor_parallel_size=1 with LoRA (or full fine-tuning with TP)")
@@ -185,7 +185,7 @@ def copy_from_tp_leader(model: torch.nn.Module, tp_group: ProcessGroup | None, z
     """
     if tp_group is None or zero_stage == 3:
         return
-    from hpc_rlhf.dist.world import comm_device
+    from hpc_rlhf.world.groups import comm_device
 
     src, device = dist.get_global_rank(tp_group, 0), comm_device()
     for tensor in (*model.parameters(), *model.buffers()):

@@ -1,6 +1,6 @@
 """What each role computes on its own ranks during a PPO-family step.
 
-The controller moves shards in and results out (``hpc_rlhf.dist.channel``); these functions only see
+The controller moves shards in and results out (``hpc_rlhf.world.channel``); these functions only see
 their shard. The loss math comes from ``hpc_rlhf.algos``; the optimizer from the training-engine facade.
 
 Every training shard carries ``num_tokens`` / ``num_seqs``: per mini-batch, the global count of action
@@ -26,8 +26,8 @@ from hpc_rlhf.algos import (
     value_loss,
 )
 from hpc_rlhf.config.schema import RunConfig
-from hpc_rlhf.trainers.experience import SequenceParallel, forward_scope, trim_padding
-from hpc_rlhf.trainers.rl_batching import plan_micro_batches, split_to_count
+from hpc_rlhf.trainers.rl.experience import SequenceParallel, forward_scope, trim_padding
+from hpc_rlhf.trainers.rl.batching import plan_micro_batches, split_to_count
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,11 @@ from hpc_rlhf.config import save_resolved_config
 from hpc_rlhf.config.supervised import SupervisedRunConfig
 from hpc_rlhf.data.packing import TokenSample, collate
 from hpc_rlhf.data.prompts import PromptStream
-from hpc_rlhf.dist.placement import RoleGrid
-from hpc_rlhf.dist.world import comm_device, init_world
+from hpc_rlhf.world.placement import RoleGrid
+from hpc_rlhf.world.groups import comm_device, init_world
 from hpc_rlhf.engines.deepspeed_engine import FrozenEngine, TrainEngine, gradient_accumulation_steps
 from hpc_rlhf.models.loading import load_causal_lm, resolve_attn_implementation, resolve_dtype
-from hpc_rlhf.trainers.preemption import preemption_guard, requeue_slurm_job
+from hpc_rlhf.world.preemption import preemption_guard, requeue_slurm_job
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
 from hpc_rlhf.utils.seeding import seed_everything
 
@@ -79,7 +79,7 @@ def all_reduce_sums(sums: dict[str, float], group: Any = None) -> dict[str, floa
 
 
 def parallel_groups(tp_size: int) -> tuple[Any, Any]:
-    """(tp_group, dp_group) of this rank over the world, tp innermost as in ``hpc_rlhf.dist.placement``.
+    """(tp_group, dp_group) of this rank over the world, tp innermost as in ``hpc_rlhf.world.placement``.
 
     ``(None, None)`` without tensor parallelism: data parallel over the whole world. Collective: every rank
     creates every group.

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpc_rlhf.config.schema import LoraConfig
-from hpc_rlhf.dist.model_shape import LAYER_PROJECTIONS, ModelShape
+from hpc_rlhf.planning.model_shape import LAYER_PROJECTIONS, ModelShape
 
 # bitsandbytes NF4 with double quantisation (``BitsAndBytesConfig(bnb_4bit_quant_type="nf4",
 # bnb_4bit_use_double_quant=True)``, as hpc_rlhf.models.quantization loads QLoRA bases; bitsandbytes 0.50

@@ -22,20 +22,20 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.config import RunConfig, save_resolved_config
-from hpc_rlhf.dist.channel import broadcast_to_role, gather_from_role, scatter_to_role
-from hpc_rlhf.dist.world import WorldGroups
-from hpc_rlhf.trainers import ppo_checkpoint, ppo_setup
-from hpc_rlhf.trainers.controller_math import (
+from hpc_rlhf.world.channel import broadcast_to_role, gather_from_role, scatter_to_role
+from hpc_rlhf.world.groups import WorldGroups
+from hpc_rlhf.trainers.rl import checkpoint as rl_checkpoint, setup as rl_setup
+from hpc_rlhf.trainers.rl.controller_steps import (
     attach_rewards,
     make_advantages,
     minibatch_counts,
     rollout_metrics,
     select_samples,
 )
-from hpc_rlhf.trainers.experience import SequenceParallel, cat_rows, pack_trajectories, split_rows, take_rows
-from hpc_rlhf.trainers.ppo_workers import Batching, forward_logprobs, forward_values, train_actor, train_critic
-from hpc_rlhf.trainers.preemption import preemption_guard, requeue_slurm_job
-from hpc_rlhf.trainers.rl_batching import balanced_order
+from hpc_rlhf.trainers.rl.experience import SequenceParallel, cat_rows, pack_trajectories, split_rows, take_rows
+from hpc_rlhf.trainers.rl.workers import Batching, forward_logprobs, forward_values, train_actor, train_critic
+from hpc_rlhf.world.preemption import preemption_guard, requeue_slurm_job
+from hpc_rlhf.trainers.rl.batching import balanced_order
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
 from hpc_rlhf.utils.seeding import seed_everything
 from hpc_rlhf.utils.watchdog import STALL_EXIT_CODE, Watchdog
@@ -53,20 +53,20 @@ class PPOTrainer:
     def __init__(self, cfg: RunConfig, world: WorldGroups) -> None:
         self.cfg, self.world = cfg, world
         self.rank = world.rank
-        ppo_setup.check_supported(cfg)
+        rl_setup.check_supported(cfg)
         seed_everything(cfg.train.seed + self.rank)
-        self.tokenizer = ppo_setup.load_tokenizer(cfg)
+        self.tokenizer = rl_setup.load_tokenizer(cfg)
         # The controller alone reads the data; every rank needs the step count for its LR schedule.
-        self.data = ppo_setup.ControllerState(cfg, self.tokenizer) if world.is_controller else None
+        self.data = rl_setup.ControllerState(cfg, self.tokenizer) if world.is_controller else None
         box = [self.data.num_steps if self.data else None]
         dist.broadcast_object_list(box, src=0)
         self.num_steps: int = box[0]
-        self.roles = ppo_setup.build_roles(cfg, world, self.tokenizer, self.num_steps)
+        self.roles = rl_setup.build_roles(cfg, world, self.tokenizer, self.num_steps)
         if world.is_controller:
             save_resolved_config(cfg, cfg.train.output_dir)
         self.metrics = MetricsLogger(cfg.train.output_dir, cfg.logger, cfg.model_dump(mode="json"),
                                      resume=cfg.ckpt.load) if world.is_controller else None
-        self.ckpt = ppo_checkpoint.make_manager(cfg)
+        self.ckpt = rl_checkpoint.make_manager(cfg)
         self.stopped_by_signal = False
         self.policy_version = 0  # weight syncs done; the rollout side stamps it on every sample
         # Rank 0 plus every rank of a non-rollout role: decisions about the training batch go only to
@@ -84,7 +84,7 @@ class PPOTrainer:
             if self.cfg.train.watchdog_timeout_s else None
         history = []
         self.before_steps(start)
-        progress = ppo_setup.progress_bar(self.num_steps, self.world.is_controller)
+        progress = rl_setup.progress_bar(self.num_steps, self.world.is_controller)
         progress.update(start)
         for step in range(start + 1, self.num_steps + 1):
             timer = PhaseTimer()
@@ -294,7 +294,7 @@ class PPOTrainer:
         if self.world.is_controller:
             state = {"stream": self.data.stream.state_dict(), "kl": self.data.kl_controller.state_dict(),
                      "reward_norm": self.data.reward_normalizer.state_dict()}
-        ppo_checkpoint.save(self.ckpt, step, self.roles, self.world, state,
+        rl_checkpoint.save(self.ckpt, step, self.roles, self.world, state,
                             self.checkpoint_buffers() if self.world.is_controller else None,
                             self.checkpoint_rank_buffers())
 
@@ -314,7 +314,7 @@ class PPOTrainer:
 
     def resume(self) -> int:
         """Restore ``LATEST`` (weights, optimizer, data position, controllers, RNG); returns its step."""
-        step, state = ppo_checkpoint.restore(self.ckpt, self.roles, self.world)
+        step, state = rl_checkpoint.restore(self.ckpt, self.roles, self.world)
         if state is not None and "rank_buffers" in state:
             self.restore_rank_buffers(state.pop("rank_buffers"))
         if state is not None and self.world.is_controller:

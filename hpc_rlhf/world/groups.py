@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.dist.launch_env import LaunchEnv, detect_launch_env
-from hpc_rlhf.dist.placement import Placement
+from hpc_rlhf.world.launch_env import LaunchEnv, detect_launch_env
+from hpc_rlhf.world.placement import Placement
 
 log = logging.getLogger(__name__)
 

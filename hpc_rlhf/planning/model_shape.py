@@ -2,7 +2,7 @@
 
 A role's size is the recipe's ``<role>.num_params_b`` or the count of its local ``config.json``; its layer sizes
 (hidden, layers, intermediate, vocabulary, heads) come from that ``config.json``, else from the public reference
-shape nearest in size. ``hpc_rlhf.dist.memory_estimate`` turns them into bytes per rank.
+shape nearest in size. ``hpc_rlhf.planning.memory_estimate`` turns them into bytes per rank.
 """
 
 from __future__ import annotations

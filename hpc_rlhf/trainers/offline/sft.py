@@ -7,7 +7,7 @@ import torch
 from hpc_rlhf.algos.preference import sft_loss
 from hpc_rlhf.data.packing import TokenSample, causal_lm_forward
 from hpc_rlhf.data.sft import build_sft_datasets
-from hpc_rlhf.trainers.supervised import SupervisedTrainer, ratio
+from hpc_rlhf.trainers.offline.base import SupervisedTrainer, ratio
 
 
 class SFTTrainer(SupervisedTrainer):

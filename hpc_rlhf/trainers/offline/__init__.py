@@ -1,0 +1,1 @@
+"""Offline trainers (SFT, reward model, DPO, KTO) on one shared data-parallel loop (``base``)."""
