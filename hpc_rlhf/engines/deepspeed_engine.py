@@ -50,6 +50,7 @@ from hpc_rlhf.engines.state_gather import (
     iter_merged_lora_state_dict,
     write_hf_folder,
 )
+from hpc_rlhf.models.precision import resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +60,6 @@ NO_PRINT_STEPS = 10**9  # deepspeed prints a progress line every `steps_per_prin
 
 # --------------------------------------------------------------------------------------------------
 # pure config building
-
-
-def resolve_dtype(ds_cfg: DeepSpeedConfig, on_gpu: bool) -> torch.dtype:
-    """``param_dtype=auto`` is bf16 on GPU and fp32 on CPU (bf16 matmul is ~500x slower on our CPUs)."""
-    if ds_cfg.param_dtype == "auto":
-        return torch.bfloat16 if on_gpu else torch.float32
-    return torch.bfloat16 if ds_cfg.param_dtype == "bf16" else torch.float32
 
 
 def gradient_accumulation_steps(train_batch_size: int, micro_train_batch_size: int, dp_size: int) -> int:
@@ -92,7 +86,7 @@ def build_ds_config(ds_cfg: DeepSpeedConfig, role_cfg: TrainedRole | None, *, tr
     ``extra`` is deep-merged last (tests use it to force ZeRO-3 to partition tiny parameters).
     """
     trainable = role_cfg is not None
-    dtype = resolve_dtype(ds_cfg, on_gpu)
+    dtype = resolve_dtype(ds_cfg.param_dtype, on_gpu)
     stage = ds_cfg.zero_stage if trainable or ds_cfg.zero_stage == 3 else 0
     if dp_size == 1 and stage in (1, 2) and not ds_cfg.adam_offload:
         # Nothing to shard over one rank; stages 1-2 only add bucketing work (-14% step time measured

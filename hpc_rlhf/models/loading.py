@@ -14,13 +14,6 @@ from hpc_rlhf.models.kernels import apply_liger_kernel, resolve_attn_implementat
 from hpc_rlhf.models.quantization import bnb_4bit_load_kwargs, keep_cpu_numerics_exact
 
 
-def resolve_dtype(param_dtype: str, on_gpu: bool) -> torch.dtype:
-    """``auto`` means bf16 on GPU and fp32 on CPU (bf16 matmul is ~500x slower on CPU)."""
-    if param_dtype == "auto":
-        return torch.bfloat16 if on_gpu else torch.float32
-    return torch.bfloat16 if param_dtype == "bf16" else torch.float32
-
-
 def _from_pretrained(auto_class, path: str, dtype: torch.dtype, attn_implementation: str, use_liger_kernel: bool,
                      load_in_4bit: bool, **kwargs) -> PreTrainedModel:
     """``auto_class.from_pretrained`` with the options every role shares: QLoRA's 4-bit base, Liger kernels."""

@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hpc_rlhf.config.schema import DeepSpeedConfig, RunConfig
+from hpc_rlhf.config.schema import DeepSpeedConfig, RunConfig, resolved_param_dtype
 from hpc_rlhf.config.supervised import SupervisedRunConfig
 from hpc_rlhf.planning.lora_memory import (
     LoraSpec,
@@ -112,10 +112,7 @@ class RoleMemory:
 
 
 def _bytes_per_weight(param_dtype: str, on_gpu: bool) -> int:
-    dtype = param_dtype
-    if dtype == "auto":
-        dtype = "bf16" if on_gpu else "fp32"
-    return 2 if dtype == "bf16" else 4
+    return 2 if resolved_param_dtype(param_dtype, on_gpu) == "bf16" else 4
 
 
 def effective_zero_stage(zero_stage: int, dp: int, trainable: bool, adam_offload: bool) -> int:

@@ -131,7 +131,8 @@ class RewardScorer:
                  param_dtype: str = "auto"):
         from transformers import AutoTokenizer
 
-        from hpc_rlhf.models.loading import load_value_model, resolve_attn_implementation, resolve_dtype
+        from hpc_rlhf.models.loading import load_value_model, resolve_attn_implementation
+        from hpc_rlhf.models.precision import resolve_dtype
 
         self.model_path = Path(model_path).expanduser().resolve()
         if not (self.model_path / "config.json").is_file():

@@ -40,7 +40,8 @@ from hpc_rlhf.data.prompts import PromptStream
 from hpc_rlhf.world.placement import RoleGrid
 from hpc_rlhf.world.groups import comm_device, init_world
 from hpc_rlhf.engines.deepspeed_engine import FrozenEngine, TrainEngine, gradient_accumulation_steps
-from hpc_rlhf.models.loading import load_causal_lm, resolve_attn_implementation, resolve_dtype
+from hpc_rlhf.models.loading import load_causal_lm, resolve_attn_implementation
+from hpc_rlhf.models.precision import resolve_dtype
 from hpc_rlhf.world.preemption import preemption_guard, requeue_slurm_job
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
 from hpc_rlhf.utils.seeding import seed_everything

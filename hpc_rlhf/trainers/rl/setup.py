@@ -23,8 +23,8 @@ from hpc_rlhf.models.loading import (
     load_causal_lm,
     load_value_model,
     resolve_attn_implementation,
-    resolve_dtype,
 )
+from hpc_rlhf.models.precision import resolve_dtype
 from hpc_rlhf.trainers.rl.experience import SequenceParallel, forward_scope
 
 
