@@ -13,8 +13,10 @@ laid out either
 
 Both layouts carry ``segment_ids`` (which sample a token belongs to, -1 for padding), next-token
 ``target_ids`` / ``target_mask`` aligned with the logits, and ``last_pos`` (row, column of each sample's
-last token, for reward-model scores). So one set of reductions (:func:`sequence_logprobs`,
-:func:`sequence_last_values`) serves both, and packed results equal padded ones up to float round-off.
+last token, for reward-model scores). So one set of reductions (``sequence_logprobs``,
+``sequence_last_values`` in ``hpc_rlhf.models.forward``) serves both, and packed results equal padded ones
+up to float round-off. This module only lays tokens out; the forwards that consume the layout live in
+``hpc_rlhf.models.forward``.
 """
 
 from __future__ import annotations
@@ -23,11 +25,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from hpc_rlhf.models.logprobs import logprobs_from_logits
-
-FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
-
 
 @dataclass(frozen=True)
 class TokenSample:
@@ -135,70 +132,3 @@ def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype = torch.floa
     mask = torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask.unsqueeze(1)
-
-
-def _flat_varlen(batch: dict, attn_implementation: str) -> bool:
-    # transformers' flash-attn path reads packed boundaries from position_ids only for a batch of ONE
-    # row (``_is_packed_sequence``); packed rows are therefore flattened into one row for flash-attn.
-    return bool(batch["packed"]) and attn_implementation in FLASH_IMPLEMENTATIONS
-
-
-def model_inputs(batch: dict, attn_implementation: str, dtype: torch.dtype, device: torch.device | str) -> dict:
-    """Keyword arguments for a HF model (or its base model) for this layout."""
-    kwargs = {"input_ids": batch["input_ids"].to(device), "position_ids": batch["position_ids"].to(device)}
-    if not batch["packed"]:
-        kwargs["attention_mask"] = (batch["segment_ids"] >= 0).long().to(device)
-    elif _flat_varlen(batch, attn_implementation):
-        # No mask: varlen flash-attn from the restarting position_ids of one flattened row.
-        kwargs = {k: v.reshape(1, -1) for k, v in kwargs.items()}
-        kwargs["attention_mask"] = None
-    else:
-        kwargs["attention_mask"] = block_causal_mask(batch["segment_ids"].to(device), dtype)
-    return kwargs
-
-
-def _unflatten(tensor: torch.Tensor, batch: dict, attn_implementation: str) -> torch.Tensor:
-    """(1, R*T, ...) back to (R, T, ...) after a flattened flash-attn forward."""
-    if not _flat_varlen(batch, attn_implementation):
-        return tensor
-    return tensor.reshape(*batch["input_ids"].shape, *tensor.shape[2:])
-
-
-def causal_lm_forward(model, batch: dict, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
-    """Per-target-token log-probabilities (R, T) fp32 (0 where there is no target)."""
-    device = next(iter(getattr(model, "module", model).parameters())).device
-    logits = model(**model_inputs(batch, attn_implementation, dtype, device), use_cache=False).logits
-    logits = _unflatten(logits, batch, attn_implementation)
-    logps = logprobs_from_logits(logits, batch["target_ids"].to(device))
-    return torch.where(batch["target_mask"].to(device), logps, torch.zeros((), device=device))
-
-
-def sequence_logprobs(token_logps: torch.Tensor, batch: dict, mean: bool = False) -> torch.Tensor:
-    """Sum (or token mean) of target log-probabilities per sample: (R, T) -> (S,)."""
-    mask = batch["target_mask"].to(token_logps.device)
-    seg = batch["segment_ids"].to(token_logps.device).clamp(min=0)
-    num = batch["num_samples"]
-    sums = torch.zeros(num, dtype=token_logps.dtype, device=token_logps.device)
-    sums = sums.index_add(0, seg[mask], token_logps[mask])
-    if not mean:
-        return sums
-    counts = torch.zeros(num, dtype=token_logps.dtype, device=token_logps.device)
-    counts = counts.index_add(0, seg[mask], torch.ones_like(token_logps[mask]))
-    return sums / counts.clamp(min=1)
-
-
-def sequence_last_values(values: torch.Tensor, batch: dict) -> torch.Tensor:
-    """Value at each sample's last token: (R, T) -> (S,) (reward-model scores)."""
-    pos = batch["last_pos"].to(values.device)
-    return values[pos[:, 0], pos[:, 1]]
-
-
-def value_model_forward(model, batch: dict, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
-    """Reward-model scores (S,) fp32: the ``score`` head at each sample's last token."""
-    module = getattr(model, "module", model)
-    device = next(iter(module.parameters())).device
-    base = getattr(module, module.base_model_prefix)
-    hidden = base(**model_inputs(batch, attn_implementation, dtype, device), use_cache=False).last_hidden_state
-    hidden = _unflatten(hidden, batch, attn_implementation)
-    values = module.score(hidden).squeeze(-1).float()
-    return sequence_last_values(values, batch)

@@ -1,4 +1,4 @@
-"""Load the models of each role from local HF folders, and compute values and scores with them.
+"""Load the models of each role from local HF folders (their forwards: ``hpc_rlhf.models.forward``).
 
 The critic and the reward model are ``AutoModelForSequenceClassification`` with one label: their linear
 head is called ``score`` like OpenRLHF's value head, so a reward model trained elsewhere loads as is.
@@ -43,32 +43,3 @@ def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     return model
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) mask -> (B, T) positions counting only real tokens (left padding starts at 0)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-token values of a critic: (B, T) ids -> (B, T) fp32, the ``score`` head on every hidden state.
-
-    ``model`` may be a training-engine wrapper; its ``module`` is used (ZeRO hooks live on the modules).
-    """
-    model = getattr(model, "module", model)
-    base = getattr(model, model.base_model_prefix)
-    hidden = base(input_ids=input_ids, attention_mask=attention_mask,
-                  position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
-    return model.score(hidden).squeeze(-1).float()
-
-
-def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Reward-model score of each sequence: the value at its last real token. (B, T) -> (B,) fp32."""
-    return score_at_last_token(token_values(model, input_ids, attention_mask), attention_mask)
-
-
-def score_at_last_token(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) per-token values -> (B,) the value at each row's last real token (rows may be left-padded)."""
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device).expand_as(attention_mask)
-    last = torch.where(attention_mask.bool(), positions, -1).max(dim=-1).values
-    return values.gather(1, last.to(values.device).unsqueeze(1)).squeeze(1)

@@ -8,7 +8,7 @@ full batch, e.g. broadcast from the sp-rank-0 dp leader):
     with sequence_parallel_attention(model, sp_group, shard, head_stride=cfg.ds.ring_head_stride):
         local = sp_token_logprobs(model, shard)            # (B, S_local) or (1, N_local) when packed
     full = gather_from_sp(local, shard, sp_group)           # (B, T): column t = logprob of token t+1
-    logprobs = full[:, -num_actions - 1 : -1]               # == experience.action_logprobs(...)
+    logprobs = full[:, -num_actions - 1 : -1]               # == forward.action_logprobs(...)
 
 The same holds for critic values (``sp_token_values``).
 

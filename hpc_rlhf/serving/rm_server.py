@@ -180,7 +180,7 @@ class RewardScorer:
     @torch.inference_mode()
     def score_ids(self, ids: Sequence[Sequence[int]]) -> list[float]:
         """(Normalised) score per token-id list, in order; forwards of <= ``batch_size`` rows."""
-        from hpc_rlhf.models.loading import sequence_scores
+        from hpc_rlhf.models.forward import sequence_scores
 
         scores = [0.0] * len(ids)
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths share a forward

@@ -55,7 +55,7 @@ def _tiny_llama(device: torch.device):
 def _compare(rank: int, world_size: int, head_stride: int) -> None:
     import torch.distributed as dist
 
-    from hpc_rlhf.models.loading import position_ids_from_mask
+    from hpc_rlhf.models.forward import position_ids_from_mask
     from hpc_rlhf.models.logprobs import logprobs_from_logits
     from hpc_rlhf.models.sequence_parallel import (
         gather_from_sp,

@@ -44,7 +44,7 @@ SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1408, 
          "num_attention_heads": 8, "num_key_value_heads": 4, "tie_word_embeddings": False}
 WARMUP_SHAPE = {**SHAPE, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 256, "num_hidden_layers": 1}
 SEQ_LEN = 256
-NUM_ACTIONS = 128  # response tokens: the LM head runs on these only, as in experience.action_logits
+NUM_ACTIONS = 128  # response tokens: the LM head runs on these only, as in models.forward.action_logits
 GRAD_ACCUM = 2
 STEPS = 2
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3

@@ -72,7 +72,7 @@ def _tiny_llama():
 
 
 def _llama_ranks(rank: int, world_size: int) -> bool:
-    from hpc_rlhf.models.loading import position_ids_from_mask
+    from hpc_rlhf.models.forward import position_ids_from_mask
     from hpc_rlhf.models.logprobs import logprobs_from_logits
     from hpc_rlhf.models.sequence_parallel import (
         gather_from_sp,
@@ -147,8 +147,8 @@ def _check_values(rank, world_size, group, ids, mask) -> None:
     reward-model scores (the value at each row's last real token) equal sequence_scores."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from hpc_rlhf.models.loading import sequence_scores, token_values
-    from hpc_rlhf.trainers.rl.experience import SequenceParallel, forward_scope
+    from hpc_rlhf.models.forward import sequence_scores, token_values
+    from hpc_rlhf.models.micro_forward import SequenceParallel, forward_scope
     from hpc_rlhf.models.sequence_parallel import (
         gather_from_sp,
         sequence_parallel_attention,

@@ -7,15 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from hpc_rlhf.algos.preference import dpo_loss, pairwise_reward_loss, sft_loss
-from hpc_rlhf.data.packing import (
-    TokenSample,
-    block_causal_mask,
-    causal_lm_forward,
-    collate,
-    pack_rows,
-    sequence_logprobs,
-    value_model_forward,
-)
+from hpc_rlhf.data.packing import TokenSample, block_causal_mask, collate, pack_rows
+from hpc_rlhf.models.forward import causal_lm_forward, sequence_logprobs, value_model_forward
 from hpc_rlhf.models.tiny import build_tiny_model
 
 LENGTHS = [5, 9, 3, 7, 1, 4, 6, 2]
@@ -156,7 +149,7 @@ def test_dpo_logprobs_packed_equal_padded(tiny, ipo):
 
 def test_flash_attention_gets_one_flattened_row_without_mask():
     """transformers detects varlen packing from position_ids only for a single row (``_is_packed_sequence``)."""
-    from hpc_rlhf.data.packing import _unflatten, model_inputs
+    from hpc_rlhf.models.forward import _unflatten, model_inputs
 
     batch = collate(_samples(), 0, packing=True, max_tokens_per_row=12)
     rows, width = batch["input_ids"].shape

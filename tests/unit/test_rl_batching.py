@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-from hpc_rlhf.trainers.rl.experience import critic_values, pack_actions, policy_logprobs
+from hpc_rlhf.models.forward import critic_values, pack_actions, policy_logprobs
 from hpc_rlhf.trainers.rl.batching import balanced_order, micro_batch_cost, plan_micro_batches, split_to_count
 
 

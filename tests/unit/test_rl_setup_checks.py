@@ -29,7 +29,8 @@ def test_trim_padding_keeps_the_forward_identical():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hpc_rlhf.trainers.rl.experience import action_logprobs, trim_padding
+    from hpc_rlhf.models.forward import action_logprobs
+    from hpc_rlhf.trainers.rl.experience import trim_padding
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -21,7 +21,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from hpc_rlhf.agents.remote_rm import RemoteRewardModel
 from hpc_rlhf.cli import serve_rm
-from hpc_rlhf.models.loading import load_value_model, sequence_scores
+from hpc_rlhf.models.forward import sequence_scores
+from hpc_rlhf.models.loading import load_value_model
 from hpc_rlhf.models.tiny import build_tiny_model
 from hpc_rlhf.serving.rm_server import BackgroundServer, MicroBatcher, RewardScorer, RewardServerError, create_app
 

@@ -32,7 +32,8 @@ from hpc_rlhf.trainers.rl.controller_steps import (
     rollout_metrics,
     select_samples,
 )
-from hpc_rlhf.trainers.rl.experience import SequenceParallel, cat_rows, pack_trajectories, split_rows, take_rows
+from hpc_rlhf.models.micro_forward import SequenceParallel
+from hpc_rlhf.trainers.rl.experience import cat_rows, pack_trajectories, split_rows, take_rows
 from hpc_rlhf.trainers.rl.workers import Batching, forward_logprobs, forward_values, train_actor, train_critic
 from hpc_rlhf.world.preemption import preemption_guard, requeue_slurm_job
 from hpc_rlhf.trainers.rl.batching import balanced_order

@@ -25,7 +25,7 @@ from hpc_rlhf.models.loading import (
     resolve_attn_implementation,
 )
 from hpc_rlhf.models.precision import resolve_dtype
-from hpc_rlhf.trainers.rl.experience import SequenceParallel, forward_scope
+from hpc_rlhf.models.micro_forward import SequenceParallel, forward_scope
 
 
 class SetupError(ValueError):

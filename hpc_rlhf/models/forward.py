@@ -1,0 +1,243 @@
+"""Every model forward of the trainers, in one place: log-probs, values and scores, padded or packed.
+
+Two batch layouts reach a model:
+
+* the offline trainers' micro-batches (:func:`hpc_rlhf.data.packing.collate`: one sample per row, or
+  several samples packed per row with restarting ``position_ids``), through :func:`model_inputs`,
+  :func:`causal_lm_forward` and :func:`value_model_forward`;
+* the RL batch (``hpc_rlhf.trainers.rl.experience``): left-padded prompts and right-padded responses,
+  ``(B, P+R)``, whose R response (action) columns hold the same positions in every row, through
+  :func:`policy_logprobs` and :func:`critic_values` (optionally repacked into one row of real tokens,
+  :func:`pack_actions`) and :func:`sequence_scores` for reward models.
+
+Sequence-parallel forwards (ring attention) are in ``hpc_rlhf.models.sequence_parallel``; one RL
+micro-batch's forwards under any of these layouts are in ``hpc_rlhf.models.micro_forward``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hpc_rlhf.algos import entropy_from_logits
+from hpc_rlhf.data.packing import TokenSample, block_causal_mask, collate
+from hpc_rlhf.models.logprobs import logprobs_from_logits
+
+FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
+
+
+# ------------------------------------------------------------------ packed or padded micro-batches (collate)
+
+def _flat_varlen(batch: dict, attn_implementation: str) -> bool:
+    # transformers' flash-attn path reads packed boundaries from position_ids only for a batch of ONE
+    # row (``_is_packed_sequence``); packed rows are therefore flattened into one row for flash-attn.
+    return bool(batch["packed"]) and attn_implementation in FLASH_IMPLEMENTATIONS
+
+
+def model_inputs(batch: dict, attn_implementation: str, dtype: torch.dtype, device: torch.device | str) -> dict:
+    """Keyword arguments for a HF model (or its base model) for this layout."""
+    kwargs = {"input_ids": batch["input_ids"].to(device), "position_ids": batch["position_ids"].to(device)}
+    if not batch["packed"]:
+        kwargs["attention_mask"] = (batch["segment_ids"] >= 0).long().to(device)
+    elif _flat_varlen(batch, attn_implementation):
+        # No mask: varlen flash-attn from the restarting position_ids of one flattened row.
+        kwargs = {k: v.reshape(1, -1) for k, v in kwargs.items()}
+        kwargs["attention_mask"] = None
+    else:
+        kwargs["attention_mask"] = block_causal_mask(batch["segment_ids"].to(device), dtype)
+    return kwargs
+
+
+def _unflatten(tensor: torch.Tensor, batch: dict, attn_implementation: str) -> torch.Tensor:
+    """(1, R*T, ...) back to (R, T, ...) after a flattened flash-attn forward."""
+    if not _flat_varlen(batch, attn_implementation):
+        return tensor
+    return tensor.reshape(*batch["input_ids"].shape, *tensor.shape[2:])
+
+
+def causal_lm_forward(model, batch: dict, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """Per-target-token log-probabilities (R, T) fp32 (0 where there is no target)."""
+    device = next(iter(getattr(model, "module", model).parameters())).device
+    logits = model(**model_inputs(batch, attn_implementation, dtype, device), use_cache=False).logits
+    logits = _unflatten(logits, batch, attn_implementation)
+    logps = logprobs_from_logits(logits, batch["target_ids"].to(device))
+    return torch.where(batch["target_mask"].to(device), logps, torch.zeros((), device=device))
+
+
+def sequence_logprobs(token_logps: torch.Tensor, batch: dict, mean: bool = False) -> torch.Tensor:
+    """Sum (or token mean) of target log-probabilities per sample: (R, T) -> (S,)."""
+    mask = batch["target_mask"].to(token_logps.device)
+    seg = batch["segment_ids"].to(token_logps.device).clamp(min=0)
+    num = batch["num_samples"]
+    sums = torch.zeros(num, dtype=token_logps.dtype, device=token_logps.device)
+    sums = sums.index_add(0, seg[mask], token_logps[mask])
+    if not mean:
+        return sums
+    counts = torch.zeros(num, dtype=token_logps.dtype, device=token_logps.device)
+    counts = counts.index_add(0, seg[mask], torch.ones_like(token_logps[mask]))
+    return sums / counts.clamp(min=1)
+
+
+def sequence_last_values(values: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Value at each sample's last token: (R, T) -> (S,) (reward-model scores)."""
+    pos = batch["last_pos"].to(values.device)
+    return values[pos[:, 0], pos[:, 1]]
+
+
+def value_model_forward(model, batch: dict, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """Reward-model scores (S,) fp32: the ``score`` head at each sample's last token."""
+    module = getattr(model, "module", model)
+    device = next(iter(module.parameters())).device
+    base = getattr(module, module.base_model_prefix)
+    hidden = base(**model_inputs(batch, attn_implementation, dtype, device), use_cache=False).last_hidden_state
+    hidden = _unflatten(hidden, batch, attn_implementation)
+    values = module.score(hidden).squeeze(-1).float()
+    return sequence_last_values(values, batch)
+
+
+# ------------------------------------------------------------------ per-token values and scores
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) mask -> (B, T) positions counting only real tokens (left padding starts at 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def token_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token values of a critic: (B, T) ids -> (B, T) fp32, the ``score`` head on every hidden state.
+
+    ``model`` may be a training-engine wrapper; its ``module`` is used (ZeRO hooks live on the modules).
+    """
+    model = getattr(model, "module", model)
+    base = getattr(model, model.base_model_prefix)
+    hidden = base(input_ids=input_ids, attention_mask=attention_mask,
+                  position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Reward-model score of each sequence: the value at its last real token. (B, T) -> (B,) fp32."""
+    return score_at_last_token(token_values(model, input_ids, attention_mask), attention_mask)
+
+
+def score_at_last_token(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) per-token values -> (B,) the value at each row's last real token (rows may be left-padded)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device).expand_as(attention_mask)
+    last = torch.where(attention_mask.bool(), positions, -1).max(dim=-1).values
+    return values.gather(1, last.to(values.device).unsqueeze(1)).squeeze(1)
+
+
+# ------------------------------------------------------------------ RL batches: response (action) columns
+
+def action_logits(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                  num_actions: int) -> torch.Tensor:
+    """Logits predicting the last ``num_actions`` tokens: (B, P+R) -> (B, R, V).
+
+    ``logits_to_keep`` skips the LM head on prompt positions (a large saving with 150k vocabularies).
+    """
+    out = model(input_ids=sequences, attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+                logits_to_keep=num_actions + 1)
+    return out.logits[:, -num_actions - 1 : -1]
+
+
+def action_logprobs(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                    num_actions: int, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs of the response tokens under ``model``: (B, P+R) -> (B, R) fp32.
+
+    ``temperature`` matches the sampling temperature so the trainer's and the engine's logprobs
+    describe the same distribution.
+    """
+    return policy_logprobs(model, sequences, attention_mask, num_actions, temperature)[0]
+
+
+def action_values(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                  num_actions: int) -> torch.Tensor:
+    """Critic value of the state before each response token: (B, P+R) -> (B, R) fp32."""
+    return token_values(model, sequences, attention_mask)[:, -num_actions - 1 : -1]
+
+
+@dataclass
+class PackedActions:
+    """A micro-batch of padded rows packed into one row of its N real tokens, for one forward.
+
+    ``inputs``: :func:`hpc_rlhf.data.packing.collate` output of one packed row (sample boundaries in
+    ``segment_ids``, ``position_ids`` restarting per sample). The K positions whose output belongs to an
+    action column are ``positions`` (K,) in that row: the logits there predict ``targets`` (K,), and a
+    critic's value there is the value of the state before that action. ``rows`` / ``cols`` (K,) place each
+    one back into the (B, R) layout of ``shape``.
+    """
+
+    inputs: dict
+    positions: torch.Tensor
+    targets: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    shape: tuple[int, int]
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """(K,) per-action outputs -> (B, R), zeros elsewhere. Differentiable."""
+        out = values.new_zeros(self.shape)
+        return out.index_put((self.rows.to(values.device), self.cols.to(values.device)), values)
+
+
+def pack_actions(sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int,
+                 pad_token_id: int = 0) -> PackedActions:
+    """(B, P+R) padded rows -> one packed row. Prompt and response tokens of a row are contiguous
+    (left-padded prompt, right-padded response), so each sample is its real tokens in order."""
+    prompt_cols = sequences.shape[1] - num_actions
+    samples, prompt_lens = [], []
+    for ids, real in zip(sequences.tolist(), attention_mask.bool().tolist()):
+        tokens = [t for t, keep in zip(ids, real) if keep]
+        prompt = sum(real[:prompt_cols])
+        samples.append(TokenSample(tuple(tokens), (False,) * prompt + (True,) * (len(tokens) - prompt)))
+        prompt_lens.append(prompt)
+    inputs = collate(samples, pad_token_id, packing=True, max_tokens_per_row=sum(len(s) for s in samples))
+    positions = inputs["target_mask"][0].nonzero().squeeze(1)
+    rows = inputs["segment_ids"][0, positions]
+    # Position t predicts token t+1 of its sample; response token j sits at sample position prompt + j.
+    cols = inputs["position_ids"][0, positions] + 1 - torch.tensor(prompt_lens, dtype=torch.long)[rows]
+    return PackedActions(inputs, positions, inputs["target_ids"][0, positions], rows, cols,
+                         (sequences.shape[0], num_actions))
+
+
+def _layout_of(model: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.dtype, torch.device]:
+    """(inner module, attention implementation, parameter dtype, device) of a model or engine wrapper."""
+    module = getattr(model, "module", model)
+    param = next(iter(module.parameters()))
+    return module, module.config._attn_implementation, param.dtype, param.device
+
+
+def policy_logprobs(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                    num_actions: int, temperature: float = 1.0, *, packed: bool = False,
+                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and optionally the entropy) of the response tokens: (B, P+R) -> two (B, R) fp32.
+
+    ``packed`` runs the forward over one packed row of real tokens (no padding FLOPs; the LM head only
+    on action positions) and returns the same values as the padded forward, up to float round-off.
+    """
+    if not packed:
+        logits = action_logits(model, sequences, attention_mask, num_actions)
+        logprobs = logprobs_from_logits(logits, sequences[:, -num_actions:], temperature)
+        return logprobs, (entropy_from_logits(logits, attention_mask[:, -num_actions:]) if with_entropy else None)
+    pack = pack_actions(sequences, attention_mask, num_actions)
+    _, attn, dtype, device = _layout_of(model)
+    logits = model(**model_inputs(pack.inputs, attn, dtype, device), use_cache=False,
+                   logits_to_keep=pack.positions.to(device)).logits  # (1, K, V)
+    logprobs = logprobs_from_logits(logits, pack.targets.to(device).unsqueeze(0), temperature)[0]
+    entropy = None
+    if with_entropy:
+        entropy = pack.scatter(entropy_from_logits(logits, torch.ones_like(logprobs).unsqueeze(0))[0])
+    return pack.scatter(logprobs), entropy
+
+
+def critic_values(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                  num_actions: int, *, packed: bool = False) -> torch.Tensor:
+    """Value of the state before each response token: (B, P+R) -> (B, R) fp32, padded or packed."""
+    if not packed:
+        return action_values(model, sequences, attention_mask, num_actions)
+    pack = pack_actions(sequences, attention_mask, num_actions)
+    module, attn, dtype, device = _layout_of(model)
+    base = getattr(module, module.base_model_prefix)
+    hidden = base(**model_inputs(pack.inputs, attn, dtype, device), use_cache=False).last_hidden_state
+    return pack.scatter(module.score(hidden[0, pack.positions.to(device)]).squeeze(-1).float())

@@ -1,0 +1,104 @@
+"""One RL micro-batch's forwards, padded, packed or split along the sequence (ring attention).
+
+The trainers' role workers call :func:`forward_scope` and ask the :class:`MicroForward` it yields for
+log-probs, values or scores; whether the batch is packed or sequence-parallel is decided here, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hpc_rlhf.algos import entropy_from_logits
+from hpc_rlhf.models.forward import critic_values, policy_logprobs, score_at_last_token, sequence_scores
+from hpc_rlhf.models.logprobs import logprobs_from_logits
+from hpc_rlhf.models.sequence_parallel import (
+    gather_from_sp,
+    sequence_parallel_attention,
+    shard_for_sp,
+    sp_token_logits,
+    sp_token_values,
+)
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """This rank's sequence-parallel subgroup (``ds.ring_attn_size``): its ring attention peers."""
+
+    group: Any
+    rank: int
+    size: int
+    head_stride: int = 1
+
+
+class MicroForward:
+    """The forwards of one micro-batch (B, P+R), padded, packed or split along the sequence.
+
+    Use it through :func:`forward_scope`, and call ``backward`` inside the ``with`` block: under
+    sequence parallelism, ring attention must also run when checkpointed layers are recomputed.
+    """
+
+    def __init__(self, model: torch.nn.Module, rows: dict[str, torch.Tensor], packed: bool,
+                 sp: SequenceParallel | None = None, shard: Any = None) -> None:
+        self.model, self.packed, self.sp, self.shard = model, packed, sp, shard
+        self.sequences, self.attention_mask = rows["sequences"], rows["attention_mask"]
+        self.num_actions = rows["action_mask"].shape[1] if "action_mask" in rows else None  # None: RM scoring
+
+    @property
+    def loss_scale(self) -> float:
+        """Factor for the loss before ``backward``: each sp rank back-propagates only its own chunk and
+        ZeRO averages gradients over dp x sp ranks, so scaling by sp turns the sp part into the sum."""
+        return float(self.sp.size) if self.sp else 1.0
+
+    def policy_logprobs(self, temperature: float = 1.0,
+                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, R) fp32 log-probs of the response tokens, and their entropy when asked."""
+        if self.sp is None:
+            return policy_logprobs(self.model, self.sequences, self.attention_mask, self.num_actions, temperature,
+                                   packed=self.packed, with_entropy=with_entropy)
+        logits = sp_token_logits(self.model, self.shard)  # (B, S_local, V), or (1, N_local, V) packed
+        logprobs = self._gather(logprobs_from_logits(logits, self.shard.labels, temperature))
+        entropy = None
+        if with_entropy:
+            entropy = self._gather(entropy_from_logits(logits, torch.ones(logits.shape[:2], dtype=torch.bool,
+                                                                          device=logits.device)))
+        return logprobs, entropy
+
+    def critic_values(self) -> torch.Tensor:
+        """(B, R) fp32 value of the state before each response token."""
+        if self.sp is None:
+            return critic_values(self.model, self.sequences, self.attention_mask, self.num_actions,
+                                 packed=self.packed)
+        return self._gather(sp_token_values(self.model, self.shard))
+
+    def sequence_scores(self) -> torch.Tensor:
+        """(B,) fp32 reward-model score of each row: the ``score`` head at its last real token."""
+        if self.sp is None:
+            return sequence_scores(self.model, self.sequences, self.attention_mask)
+        values = gather_from_sp(sp_token_values(self.model, self.shard), self.shard, self.sp.group)  # (B, T)
+        return score_at_last_token(values, self.attention_mask)
+
+    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Per-token outputs of this chunk -> (B, R) action columns of the full rows (differentiable)."""
+        full = gather_from_sp(local, self.shard, self.sp.group)  # column t: output for token t+1
+        return full[:, -self.num_actions - 1 : -1]
+
+
+@contextlib.contextmanager
+def forward_scope(model: torch.nn.Module, rows: dict[str, torch.Tensor], *, packed: bool = False,
+                  sp: SequenceParallel | None = None) -> Iterator[MicroForward]:
+    """Forwards of one micro-batch; under ``sp`` the model's attention is ring attention in the block.
+
+    Every rank of the sp group calls this with the same ``rows``; each runs the model on its chunk of
+    the sequence (packed into one row of real tokens when ``packed``) and gathers the per-token outputs.
+    """
+    if sp is None:
+        yield MicroForward(model, rows, packed)
+        return
+    shard = shard_for_sp(rows["sequences"], rows["attention_mask"], sp_rank=sp.rank, sp_size=sp.size, pack=packed)
+    with sequence_parallel_attention(model, sp.group, shard, head_stride=sp.head_stride):
+        yield MicroForward(model, rows, packed, sp, shard)
