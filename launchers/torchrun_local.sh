@@ -20,7 +20,7 @@ fi
 # CPU recipes build their tiny model on first use; build it now so `plan` can size it.
 "$PYTHON" - "$CONFIG" "$@" <<'PY'
 import sys
-from hpc_rlhf.cli.common import prepare_local_assets
+from hpc_rlhf.cli.startup import prepare_local_assets
 from hpc_rlhf.config import load_config
 prepare_local_assets(load_config(sys.argv[1], sys.argv[2:]))
 PY

@@ -1,1 +1,1 @@
-"""Thin entry points. Each module has ``main(argv=None)`` and runs with ``python -m``."""
+"""Thin entry points (``main(argv=None)``, run with ``python -m``) and their one start-up path (``startup``)."""

@@ -16,7 +16,8 @@ SLURM then restarts the same job; submitit re-runs the same pickled submission, 
 ``ckpt.load=true`` because ``SLURM_RESTART_COUNT > 0``, so training resumes from ``LATEST``.
 
 Unset flags come from the recipe's ``slurm:`` section. ``plan`` validates the layout before anything is
-submitted; ``--dry-run`` prints the sbatch script without submitting.
+submitted; ``--dry-run`` prints, without submitting, the parameters handed to submitit's
+``SlurmExecutor.update_parameters`` and the command every task runs.
 """
 
 from __future__ import annotations
@@ -25,19 +26,20 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
+import json
 import logging
 import math
 import os
 import re
 import shlex
 import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpc_rlhf.config import ConfigError, RunConfig, load_config
+from hpc_rlhf.world.preemption import requeue_slurm_job
 
 log = logging.getLogger(__name__)
 ENTRIES = ("train_ppo", "train_sft", "train_rm", "train_dpo", "train_kto")
@@ -98,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--folder", help="submitit folder for logs and pickles (default: <train.output_dir>/submitit)")
     p.add_argument("--chdir", default=None, help="working directory of the job (default: the current one)")
     p.add_argument("--gpu-mem-gb", type=float, default=80.0, help="GPU memory for the plan check (default 80)")
-    p.add_argument("--dry-run", action="store_true", help="print the sbatch script and command; submit nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the submitit parameters and the per-task command; submit nothing")
     p.add_argument("--wait", action="store_true", help="block until the job ends; exit 1 if it failed")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=10")
     return p
@@ -211,7 +214,7 @@ def check_plan(sub: Submission, cfg, gpu_mem_gb: float) -> int:
         return 0
     with _working_dir(sub.chdir):
         if cfg.actor.build_tiny:  # a CPU recipe's tiny model must exist before plan can size it
-            from hpc_rlhf.cli.common import prepare_local_assets
+            from hpc_rlhf.cli.startup import prepare_local_assets
 
             prepare_local_assets(cfg)
         return plan(["--config", sub.config, "--nodes", str(sub.nodes), "--gpus-per-node", str(sub.tasks_per_node),
@@ -224,9 +227,8 @@ def _early_preemption(signum: int, _frame) -> None:
     name = signal.Signals(signum).name
     print(f"[hpc-rlhf submit] {name} before training started: requeueing without a new checkpoint",
           file=sys.stderr, flush=True)
-    job_id = os.environ.get("SLURM_JOB_ID")
-    if os.environ.get("SLURM_PROCID", "0") == "0" and job_id:
-        subprocess.run(["scontrol", "requeue", job_id], check=False)
+    if os.environ.get("SLURM_PROCID", "0") == "0":
+        requeue_slurm_job()
 
 
 @dataclass
@@ -261,12 +263,23 @@ class TrainingTask:
 
 
 # ------------------------------------------------------------------------------ submit / dry-run
-def sbatch_script(sub: Submission) -> str:
-    """The script submitit would write (``%j`` is filled in by SLURM)."""
-    from submitit.slurm.slurm import _make_sbatch_string
+DRY_RUN_PARAMETERS = "# submitit.SlurmExecutor(folder).update_parameters(**parameters), parameters (JSON):"
 
-    command = f"{shlex.quote(sys.executable)} -u -m submitit.core._submit {shlex.quote(sub.folder)}"
-    return _make_sbatch_string(command=command, folder=sub.folder, **sub.executor_parameters())
+
+def dry_run_text(sub: Submission, task: TrainingTask) -> str:
+    """What ``--dry-run`` prints: the task command, then ``executor_parameters()`` as JSON.
+
+    These are the inputs of the sbatch script, not the script: submitit renders it only in a private
+    function (``submitit.slurm.slurm._make_sbatch_string``), which a dry run should not depend on.
+    """
+    return "\n".join([
+        f"# dry run: nothing submitted. {sub.num_ranks} ranks; each task runs:",
+        f"#   {task!r}",
+        "#   (plus ckpt.load=true after a requeue)",
+        f"# submitit folder: {sub.folder}",
+        DRY_RUN_PARAMETERS,
+        json.dumps(sub.executor_parameters(), indent=2, sort_keys=True),
+    ])
 
 
 def submit(sub: Submission):
@@ -297,9 +310,7 @@ def main(argv: list[str] | None = None) -> None:
 
     task = TrainingTask(sub.entry, sub.config, sub.overrides)
     if args.dry_run:
-        print(f"\n# dry run: nothing submitted. {sub.num_ranks} ranks; each task runs:\n#   {task!r}")
-        print("#   (plus ckpt.load=true after a requeue)\n")
-        print(sbatch_script(sub))
+        print("\n" + dry_run_text(sub, task))
         return
 
     job = submit(sub)

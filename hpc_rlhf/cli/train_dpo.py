@@ -6,11 +6,11 @@
 
 from __future__ import annotations
 
-from hpc_rlhf.trainers.offline.base import run_supervised
+from hpc_rlhf.cli.startup import run_offline_trainer
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_supervised("dpo", "hpc_rlhf.trainers.offline.dpo", "DPOTrainer", argv)
+    run_offline_trainer("dpo", "hpc_rlhf.trainers.offline.dpo", "DPOTrainer", argv)
 
 
 if __name__ == "__main__":

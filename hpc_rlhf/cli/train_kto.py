@@ -6,11 +6,11 @@
 
 from __future__ import annotations
 
-from hpc_rlhf.trainers.offline.base import run_supervised
+from hpc_rlhf.cli.startup import run_offline_trainer
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_supervised("kto", "hpc_rlhf.trainers.offline.kto", "KTOTrainer", argv)
+    run_offline_trainer("kto", "hpc_rlhf.trainers.offline.kto", "KTOTrainer", argv)
 
 
 if __name__ == "__main__":

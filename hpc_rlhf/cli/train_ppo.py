@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from hpc_rlhf.cli.common import parse_run_args, prepare_local_assets, start_world
-from hpc_rlhf.world.preemption import preemption_guard
+from hpc_rlhf.cli.startup import start_run
+from hpc_rlhf.config import load_config
 
 
 def main(argv: list[str] | None = None) -> None:
-    preemption_guard()  # first: a SLURM signal during start-up is kept, not fatal
-    cfg = parse_run_args("train_ppo", argv)
-    prepare_local_assets(cfg)
-    _, world = start_world(cfg)
+    cfg, env = start_run("train_ppo", argv, load_config)
     from hpc_rlhf.trainers.rl.async_loop import trainer_class
+    from hpc_rlhf.world.groups import build_world_groups
+    from hpc_rlhf.world.placement import build_placement
+
+    world = build_world_groups(build_placement(cfg, env.world_size))
 
     trainer_class(cfg)(cfg, world).fit()
     dist.destroy_process_group()

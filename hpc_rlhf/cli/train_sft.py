@@ -6,11 +6,11 @@
 
 from __future__ import annotations
 
-from hpc_rlhf.trainers.offline.base import run_supervised
+from hpc_rlhf.cli.startup import run_offline_trainer
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_supervised("sft", "hpc_rlhf.trainers.offline.sft", "SFTTrainer", argv)
+    run_offline_trainer("sft", "hpc_rlhf.trainers.offline.sft", "SFTTrainer", argv)
 
 
 if __name__ == "__main__":

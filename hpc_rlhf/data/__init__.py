@@ -1,4 +1,4 @@
-"""Datasets: prompt data for RL (files, mixtures, templates, a resumable stream)."""
+"""Datasets and token layouts: RL prompts, SFT / preference / KTO data, mixtures, templates, packing."""
 
 from hpc_rlhf.data.prompts import Prompt, PromptDataset, PromptStream, tokenize_prompts
 from hpc_rlhf.data.sources import DataError

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 @dataclass(frozen=True)
 class TokenSample:
     """One sequence: ``input_ids`` and, per token, whether it is a training target (``loss_mask``)."""

@@ -25,17 +25,17 @@ with TP is refused.
 
 from __future__ import annotations
 
-import copy
 import logging
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch.distributed import ProcessGroup
 
 from hpc_rlhf.config.schema import DeepSpeedConfig, ModelRole, TrainedRole
-from hpc_rlhf.engines.lr_schedule import make_lr_lambda
 from hpc_rlhf.engines.deepspeed_topology import (
     copy_from_tp_leader,
     dp_setup,
@@ -132,16 +132,8 @@ def build_ds_config(ds_cfg: DeepSpeedConfig, role_cfg: TrainedRole | None, *, tr
         # model returns this rank's slice of the logits, but our losses take log-probs of full logits.
         config["tensor_parallel"] = {"autotp_size": tp_size, "vocab_parallel_lm_head": False}
     if extra:
-        _deep_merge(config, extra)
+        config = OmegaConf.to_container(OmegaConf.merge(config, extra))
     return config
-
-
-def _deep_merge(into: dict, update: dict) -> None:
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _deep_merge(into[key], value)
-        else:
-            into[key] = copy.deepcopy(value)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -175,7 +167,7 @@ def _build_model(model_factory: Callable[[], torch.nn.Module], config: dict, dp_
     # the WORLD size there. Partitioned over the world (dp_group None) under AutoTP, our train_batch_size
     # counts only world / tp replicas, so the copy lets DeepSpeed derive it. On a smaller dp group the check
     # is left to fail loudly: transformers would fill the weights on global rank 0 only (see
-    # process_groups.zero_init_group).
+    # deepspeed_topology.zero_init_group).
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
     dropped = ("tensor_parallel", "train_batch_size") if dp_group is None else ("tensor_parallel",)
@@ -199,6 +191,21 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
+
+def _warmup_cosine_scheduler(optimizer: torch.optim.Optimizer, num_training_steps: int, role_cfg: TrainedRole):
+    """Linear warmup from 0 over ``ceil(total x lr_warmup_ratio)`` steps, then half a cosine down to
+    ``min_lr_ratio`` x the peak LR at ``num_training_steps`` (OpenRLHF's ``cosine_with_min_lr``)."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    # transformers does not clamp the cosine's progress at 1 (past the horizon the LR would climb back),
+    # which no run reaches: offline trainers take exactly num_steps optimizer steps, and RL's
+    # setup.optimizer_steps is exact or an upper bound (filtering and stale-sample drops only remove
+    # samples, and every step trains on at most rollout_batch_size x n_samples_per_prompt of them).
+    # The LambdaLR holds a functools.partial whose state_dict part is empty: a resumed run rebuilds the
+    # schedule from the config here and DeepSpeed restores last_epoch from the checkpoint.
+    return get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, num_warmup_steps=math.ceil(num_training_steps * role_cfg.lr_warmup_ratio),
+        num_training_steps=num_training_steps, min_lr_rate=role_cfg.min_lr_ratio)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -253,10 +260,9 @@ class TrainEngine:
             model = apply_lora(model, ds_cfg.lora)
         if ds_cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        lr_lambda = make_lr_lambda(num_training_steps, role_cfg.lr_warmup_ratio, role_cfg.min_lr_ratio)
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=_param_groups(model, role_cfg.weight_decay), config=config,
-            lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda),
+            lr_scheduler=lambda optimizer: _warmup_cosine_scheduler(optimizer, num_training_steps, role_cfg),
             mpu=mpu, dist_init_required=False,
         )
         return cls(engine, zero_stage=config["zero_optimization"]["stage"], dp_group=dp_group, on_gpu=on_gpu,

@@ -1,1 +1,2 @@
-"""Model loading (actor, critic/reward with value head ``score``), logprobs and tiny local models."""
+"""Models: loading (value head ``score``), every forward pass (padded, packed, sequence-parallel), kernels,
+LoRA / QLoRA and tiny local models."""

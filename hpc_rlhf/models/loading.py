@@ -7,11 +7,27 @@ head is called ``score`` like OpenRLHF's value head, so a reward model trained e
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 # resolve_attn_implementation is re-exported: the trainers import it from here.
 from hpc_rlhf.models.kernels import apply_liger_kernel, resolve_attn_implementation  # noqa: F401
 from hpc_rlhf.models.quantization import bnb_4bit_load_kwargs, keep_cpu_numerics_exact
+
+
+def load_tokenizer(path: str | None, key: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of the local HF folder ``path`` (config key ``key``); pad token = EOS when it has none."""
+    if path is None:
+        raise ValueError(f"{key} is not set: give a local HF model folder")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def _from_pretrained(auto_class, path: str, dtype: torch.dtype, attn_implementation: str, use_liger_kernel: bool,

@@ -1,4 +1,5 @@
-"""Step metrics: ``metrics.jsonl`` (always), TensorBoard (always), wandb (when configured).
+"""Step metrics: ``metrics.jsonl`` (always), TensorBoard (``logger.use_tensorboard``, on by default) and
+wandb (``logger.use_wandb``).
 
 Only the controller (rank 0) writes. Each step is one JSON object on one line, flushed at once, so a
 crashed run keeps every completed step.

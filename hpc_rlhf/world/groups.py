@@ -1,4 +1,6 @@
-"""Bring up the one torch.distributed world and the role process groups in it."""
+"""Bring up the one torch.distributed world and the process groups in it: one set per role of the RL
+placement (``build_world_groups``), or the tp / dp grid over the whole world of the offline trainers
+(``tensor_data_parallel_groups``). Both cut groups from the same ``RoleGrid``."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.world.launch_env import LaunchEnv, detect_launch_env
-from hpc_rlhf.world.placement import Placement
+from hpc_rlhf.world.placement import Placement, RoleGrid
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,30 @@ def _new_group(ranks: tuple[int, ...], rank: int, cache: dict) -> dist.ProcessGr
     return cache[key] if rank in key else None
 
 
+def _grid_subgroups(grid: RoleGrid, rank: int, cache: dict) -> dict[str, dist.ProcessGroup]:
+    """This rank's dp / tp / sp / dp x sp groups of ``grid`` (collective: every rank creates every group)."""
+    mine = {}
+    for attr, subgroups in (("dp_group", grid.dp_groups), ("tp_group", grid.tp_groups),
+                            ("sp_group", grid.sp_groups), ("dp_sp_group", grid.dp_sp_groups)):
+        for members in subgroups:
+            handle = _new_group(members, rank, cache)
+            if handle is not None:
+                mine[attr] = handle
+    return mine
+
+
+def tensor_data_parallel_groups(tp_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(tp_group, dp_group) of this rank when the whole world trains one model, tp innermost as in the RL
+    placement. ``(None, None)`` without tensor parallelism: data parallel over the whole world."""
+    if tp_size == 1:
+        return None, None
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % tp_size:
+        raise ValueError(f"ds.tensor_parallel_size={tp_size} does not divide the {world} ranks of the job")
+    mine = _grid_subgroups(RoleGrid("model", tuple(range(world)), tp_size=tp_size), rank, {})
+    return mine["tp_group"], mine["dp_group"]
+
+
 def build_world_groups(placement: Placement) -> WorldGroups:
     """Create every role's groups collectively. All ranks must call this with the same placement."""
     rank = dist.get_rank()
@@ -109,11 +135,10 @@ def build_world_groups(placement: Placement) -> WorldGroups:
             dp_leaders=grid.dp_leaders(),
             dp_rank_of={r: grid.dp_rank(r) for r in grid.ranks},
         )
-        for attr, subgroups in (("dp_group", grid.dp_groups), ("tp_group", grid.tp_groups),
-                                ("sp_group", grid.sp_groups), ("dp_sp_group", grid.dp_sp_groups)):
-            for members in subgroups:
-                handle = _new_group(members, rank, cache)
-                if handle is not None:
-                    setattr(groups, attr, handle)
+        for attr, handle in _grid_subgroups(grid, rank, cache).items():
+            setattr(groups, attr, handle)
         out.roles[name] = groups
+    if rank == placement.controller_rank:
+        for row in placement.describe():
+            log.info("role %(role)s on ranks %(ranks)s (dp %(dp)s, tp %(tp)s)", row)
     return out

@@ -91,14 +91,11 @@ def _check_rank(launcher: str, rank: int, world_size: int, local_rank: int, loca
 
 
 def _tasks_on_this_node(tasks_per_node: str, node_id: int) -> int:
-    """Parse SLURM's ``SLURM_STEP_TASKS_PER_NODE`` compressed form, e.g. ``"4(x2),3"``."""
-    counts: list[int] = []
-    for part in tasks_per_node.split(","):
-        if "(x" in part:
-            num, rep = part.rstrip(")").split("(x")
-            counts.extend([int(num)] * int(rep))
-        else:
-            counts.append(int(part))
+    """This node's entry of SLURM's ``SLURM_STEP_TASKS_PER_NODE`` compressed form, e.g. ``"4(x2),3"``."""
+    try:
+        counts = hostlist.parse_slurm_tasks_per_node(tasks_per_node)
+    except hostlist.BadHostlist as err:
+        raise LaunchEnvError(f"cannot parse SLURM tasks-per-node {tasks_per_node!r}: {err}") from err
     if node_id >= len(counts):
         raise LaunchEnvError(f"SLURM node id {node_id} has no entry in tasks-per-node {tasks_per_node!r}")
     return counts[node_id]

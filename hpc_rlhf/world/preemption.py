@@ -4,6 +4,9 @@ SLURM sends ``SIGUSR1`` (``--signal=USR1@<grace>``) before the time limit and ``
 preemption. The handler only sets a flag; at the next step boundary all ranks agree with one tiny
 all-reduce (any rank signalled -> every rank stops), so the checkpoint that follows is collective and
 consistent. Rank 0 then asks SLURM to requeue the job; the next run resumes from ``LATEST``.
+
+Importing this module costs no torch (the collective imports it when it runs): ``hpc-rlhf submit``'s job
+wrapper installs the requeue handler before the trainer is imported.
 """
 
 from __future__ import annotations
@@ -13,11 +16,6 @@ import os
 import signal
 import subprocess
 import threading
-
-import torch
-import torch.distributed as dist
-
-from hpc_rlhf.world.groups import comm_device
 
 log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -39,6 +37,11 @@ class PreemptionGuard:
 
     def agreed_stop(self) -> bool:
         """Collective over the world: True on every rank if any rank was signalled."""
+        import torch
+        import torch.distributed as dist
+
+        from hpc_rlhf.world.groups import comm_device
+
         flag = torch.tensor([1 if self.received is not None else 0], device=comm_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
@@ -54,6 +57,16 @@ def preemption_guard() -> PreemptionGuard:
     if _GUARD is None:
         _GUARD = PreemptionGuard().install()
     return _GUARD
+
+
+def requeue_if_enabled(enabled: bool, rank: int) -> None:
+    """After the stop checkpoint: rank 0 requeues the job when the recipe allows it (``slurm.requeue``)."""
+    if rank != 0:
+        return
+    if enabled:
+        requeue_slurm_job()
+    else:
+        log.warning("slurm.requeue=false: the job is not requeued; resume it with ckpt.load=true")
 
 
 def requeue_slurm_job() -> bool:

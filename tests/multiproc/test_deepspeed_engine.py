@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from hpc_rlhf.config.schema import ActorConfig, DeepSpeedConfig, RefConfig
-from hpc_rlhf.engines.lr_schedule import cosine_with_warmup_min_lr, make_lr_lambda, num_warmup_steps
 from tests.multiproc.spawn import run_on_ranks
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -58,12 +57,13 @@ def _numpy(state: dict[str, torch.Tensor]) -> dict:
 
 
 def _train_engine(stage: int, *, train_batch_size: int, micro: int = 1, steps: int = 8, lr: float = 1e-2,
-                  min_lr_ratio: float = 1.0, dp_group=None, gradient_checkpointing: bool = False):
+                  min_lr_ratio: float = 1.0, warmup_ratio: float = 0.0, dp_group=None,
+                  gradient_checkpointing: bool = False):
     from hpc_rlhf.engines.deepspeed_engine import TrainEngine
 
     return TrainEngine.create(
         tiny_llama, DeepSpeedConfig(zero_stage=stage, gradient_checkpointing=gradient_checkpointing),
-        ActorConfig(learning_rate=lr, lr_warmup_ratio=0.0, min_lr_ratio=min_lr_ratio),
+        ActorConfig(learning_rate=lr, lr_warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio),
         train_batch_size=train_batch_size, micro_train_batch_size=micro, num_training_steps=steps,
         dp_group=dp_group, on_gpu=False, extra_ds_config=SHARD_ALL if stage == 3 else None,
     )
@@ -71,23 +71,6 @@ def _train_engine(stage: int, *, train_batch_size: int, micro: int = 1, steps: i
 
 # --------------------------------------------------------------------------------------------------
 # pure
-
-
-def test_lr_schedule_warmup_then_cosine_to_floor():
-    total, warmup, floor = 100, 10, 0.1
-    assert num_warmup_steps(total, 0.1) == warmup
-    lr = [cosine_with_warmup_min_lr(s, num_training_steps=total, warmup_steps=warmup, min_lr_ratio=floor)
-          for s in range(total + 5)]
-    assert lr[:warmup] == pytest.approx([s / warmup for s in range(warmup)])  # linear from 0
-    assert lr[warmup] == pytest.approx(1.0)
-    mid = warmup + (total - warmup) // 2
-    assert lr[mid] == pytest.approx(floor + (1 - floor) * 0.5)
-    assert all(a >= b for a, b in zip(lr[warmup:], lr[warmup + 1:]))  # monotone down after warmup
-    assert lr[total] == pytest.approx(floor) and lr[-1] == pytest.approx(floor)  # flat at the floor
-    assert make_lr_lambda(total, 0.0, 0.5)(0) == pytest.approx(1.0)  # no warmup: full LR at once
-    step = 30
-    expected = floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
-    assert lr[step] == pytest.approx(expected)
 
 
 def test_build_ds_config_cpu_fp32_and_gpu_bf16():
@@ -190,7 +173,8 @@ def _zero3_suite_worker(rank: int, world_size: int, out_dir: str) -> dict:
     results = {}
     for name, worker, args in (("hf", _hf_worker, (os.path.join(out_dir, "hf"),)),
                                ("checkpoint", _checkpoint_worker, (os.path.join(out_dir, "ckpt"),)),
-                               ("frozen", _frozen_worker, ())):
+                               ("frozen", _frozen_worker, ()),
+                               ("lr", _lr_worker, ())):
         try:
             results[name] = worker(rank, world_size, *args)
         except Exception:  # report per scenario; a failure inside a collective still times out the run
@@ -249,6 +233,35 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_schedule(zero3_sui
         assert res["lr"][0] == pytest.approx(res["lr"][1]) and res["lr"][0] < 1e-2
         assert res["max_diff"] < 1e-6, res["max_diff"]
         assert res["global_steps"] == 2
+
+
+LR_PEAK, LR_TOTAL, LR_WARMUP_RATIO, LR_FLOOR = 1e-2, 10, 0.25, 0.1
+
+
+def _lr_worker(rank: int, world_size: int) -> dict:
+    engine = _train_engine(3, train_batch_size=2, steps=LR_TOTAL, lr=LR_PEAK, min_lr_ratio=LR_FLOOR,
+                           warmup_ratio=LR_WARMUP_RATIO)
+    used = []
+    for step in range(LR_TOTAL):  # train 2 / (micro 1 x dp 2): every step() is an optimizer step
+        engine.backward(_loss(engine, _batch(step + 10 * rank)))
+        used.append(engine.step()["lr"])
+    return {"used": used, "after_last": float(engine.engine.get_lr()[0])}
+
+
+@pytest.mark.slow
+def test_lr_schedule_warmup_then_cosine_to_floor(zero3_suite):
+    warmup = math.ceil(LR_TOTAL * LR_WARMUP_RATIO)  # 3: the ceiling, not 2.5 rounded down
+
+    def expected(step: int) -> float:
+        if step < warmup:
+            return LR_PEAK * step / warmup  # linear from 0: the first step runs at LR 0
+        progress = (step - warmup) / (LR_TOTAL - warmup)
+        return LR_PEAK * (LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    for res in _scenario(zero3_suite, "lr"):
+        assert res["used"] == pytest.approx([expected(s) for s in range(LR_TOTAL)], rel=1e-9, abs=1e-15)
+        assert res["used"][0] == 0.0 and res["used"][warmup] == pytest.approx(LR_PEAK)
+        assert res["after_last"] == pytest.approx(LR_FLOOR * LR_PEAK)  # the floor at the horizon
 
 
 def _frozen_worker(rank: int, world_size: int) -> dict:

@@ -166,13 +166,26 @@ KNOBS = {
 }
 
 
+def _fit_counting_changed_actor_tensors(rank, world_size, overrides):
+    trainer = run_trainer(rank, world_size, overrides)
+    before = {name: t.clone() for b in trainer.roles.actor.gathered_state_dict_items() for name, t in b}
+    trainer.fit()
+    after = {name: t for b in trainer.roles.actor.gathered_state_dict_items() for name, t in b}
+    return sum(not torch.equal(before[n], after[n]) for n in before)
+
+
 @pytest.mark.parametrize("name", sorted(KNOBS))
-def test_algorithm_knobs_run_a_step(assets, tmp_path, name):
-    run_on_ranks(_fit, 2, grpo_overrides(assets, tmp_path, "train.max_steps=2", *KNOBS[name]))
+def test_algorithm_knobs_update_the_actor(assets, tmp_path, name):
+    changed = run_on_ranks(_fit_counting_changed_actor_tensors, 2,
+                           grpo_overrides(assets, tmp_path, "train.max_steps=2", *KNOBS[name]))
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
-    for row in rows:
-        assert row.get("skipped_update") == 1.0 or row["actor_grad_norm"] >= 0
+    trained = [row for row in rows if row.get("skipped_update") != 1.0]
+    # A knob that silently skips every update (or zeroes every gradient) must fail here.
+    assert trained, "every update was skipped"
+    for row in trained:
+        assert 0 < row["actor_grad_norm"] < float("inf"), row["actor_grad_norm"]
+    assert all(c > 0 for c in changed), f"actor tensors changed per rank: {changed}"
     if "is_correction=tis" in " ".join(KNOBS[name]):
         assert any(k.startswith("is/") for k in rows[-1])
     if "kl.use_loss=true" in " ".join(KNOBS[name]):

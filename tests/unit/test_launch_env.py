@@ -74,6 +74,10 @@ def test_batch_script_without_srun_is_single_process():
         ({"SLURM_PROCID": "x"}, "SLURM_PROCID='x' is not an integer"),
         ({"SLURM_LOCALID": "3"}, "local rank 3"),
         ({"SLURM_NODEID": "9", "SLURM_STEP_TASKS_PER_NODE": "2(x10)"}, "SLURM_NODEID=9"),
+        ({"SLURM_NODEID": "3", "SLURM_STEP_TASKS_PER_NODE": "2(x3)"}, r"node id 3 has no entry in .*'2\(x3\)'"),
+        ({"SLURM_STEP_TASKS_PER_NODE": "2(x4"}, r"cannot parse SLURM tasks-per-node '2\(x4'"),
+        ({"SLURM_STEP_TASKS_PER_NODE": "2x4"}, "cannot parse SLURM tasks-per-node '2x4'"),
+        ({"SLURM_STEP_TASKS_PER_NODE": "2(x2),,2"}, "cannot parse SLURM tasks-per-node"),
     ],
 )
 def test_inconsistent_slurm(bad, match):

@@ -1,5 +1,7 @@
-"""hpc-rlhf submit: flag resolution, the sbatch script it would write, the plan guard (no SLURM needed)."""
+"""hpc-rlhf submit: flag resolution, the submitit parameters it would submit, the plan guard (no SLURM needed)."""
 
+import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -55,18 +57,36 @@ def test_cpu_job_takes_tasks_per_node_and_one_rank_per_gpu_is_enforced():
         _resolve(["--config", PPO_70B, "--gpus-per-node", "8", "--tasks-per-node", "4"])
 
 
-def test_dry_run_prints_the_sbatch_script(capsys):
+def _dry_run_parameters(out: str) -> dict:
+    """The JSON block ``--dry-run`` prints after its header line."""
+    return json.loads(out.split(submit_cli.DRY_RUN_PARAMETERS, 1)[1])
+
+
+def test_dry_run_prints_the_submitit_parameters_and_task_command(capsys):
     submit_cli.main(["--config", PPO_70B, "--partition", "gpu", "--time", "48:00:00", "--exclusive",
                      "--dry-run", "algo.kl.init_coef=0.02"])
     out = capsys.readouterr().out
-    for line in ("#SBATCH --nodes=8", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --signal=USR1@300", "#SBATCH --requeue", "#SBATCH --open-mode=append",
-                 "#SBATCH --partition=gpu", "#SBATCH --time=2880", "#SBATCH --exclusive",
-                 "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1", "--kill-on-bad-exit=1"):
-        assert line in out, line
-    assert "USR2" not in out  # submitit's own signal is replaced by the trainer's
+    params = _dry_run_parameters(out)
+    assert (params["nodes"], params["ntasks_per_node"], params["gpus_per_node"]) == (8, 8, 8)
+    assert (params["partition"], params["time"], params["exclusive"]) == ("gpu", 2880, True)
+    # The trainer's USR1 replaces submitit's own --signal=USR2@<signal_delay_s>: additional_parameters
+    # are written after (and so override) submitit's flags.
+    assert params["additional_parameters"]["signal"] == "USR1@300" and params["signal_delay_s"] == 300
+    assert params["additional_parameters"]["requeue"] is True
+    assert "no-requeue" not in params["additional_parameters"]
+    assert "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in params["setup"]
+    assert "--kill-on-bad-exit=1" in params["srun_args"]
     assert f"python -m hpc_rlhf.cli.train_ppo --config {PPO_70B} algo.kl.init_coef=0.02" in out
     assert "dry run: nothing submitted" in out
+    args = submit_cli.build_parser().parse_args(["--config", PPO_70B, "--partition", "gpu", "--time", "48:00:00",
+                                                 "--exclusive", "algo.kl.init_coef=0.02"])
+    assert params == submit_cli.resolve(args, load_config(PPO_70B, args.overrides)).executor_parameters()
+
+
+def test_dry_run_without_requeue(capsys):
+    submit_cli.main(["--config", PPO_70B, "--no-requeue", "--signal-grace", "120", "--dry-run"])
+    extra = _dry_run_parameters(capsys.readouterr().out)["additional_parameters"]
+    assert extra["no-requeue"] is True and "requeue" not in extra and extra["signal"] == "USR1@120"
 
 
 def test_plan_rejection_exits_nonzero_with_reason(capsys):
@@ -106,8 +126,6 @@ def test_training_task_resumes_after_requeue_and_fails_on_nonzero_exit(monkeypat
             calls.append(argv)
             raise SystemExit(3)
 
-    import signal
-
     old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
     monkeypatch.setattr(submit_cli.importlib, "import_module", lambda name: FakeEntry)
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
@@ -120,8 +138,26 @@ def test_training_task_resumes_after_requeue_and_fails_on_nonzero_exit(monkeypat
     assert calls == [["--config", "cfg.yaml", "train.max_steps=2"]]
 
 
+def test_early_preemption_requeues_from_rank_0_only(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(submit_cli, "requeue_slurm_job", lambda: calls.append(True) or True)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    submit_cli._early_preemption(signal.SIGUSR1, None)
+    assert calls == []
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    submit_cli._early_preemption(signal.SIGUSR1, None)
+    assert calls == [True]
+    assert "SIGUSR1 before training started" in capsys.readouterr().err
+
+
 def test_module_entry_dry_run():
     out = subprocess.run([sys.executable, "-m", "hpc_rlhf.cli.submit", "--config", PPO_70B, "--dry-run"],
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert "#SBATCH --ntasks-per-node=8" in out.stdout
+    assert _dry_run_parameters(out.stdout)["ntasks_per_node"] == 8
+
+
+def test_submit_module_does_not_import_torch():
+    code = "import sys, hpc_rlhf.cli.submit; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False"

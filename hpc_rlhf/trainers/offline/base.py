@@ -4,8 +4,9 @@ Every rank reads the (small, tokenised) dataset and draws the same global batch 
 resumable stream; dp rank ``r`` trains on its contiguous ``1 / dp`` shard, in micro-batches that are
 padded or packed (``hpc_rlhf.data.packing``). Loss normalisers (trained tokens, pairs, samples) are
 counted on the *global* batch before the first micro-batch, so the summed micro-batch losses equal the
-full-batch mean exactly (``hpc_rlhf.algos.preference.global_mean``). DeepSpeed divides every backward by
-the accumulation steps; the loop multiplies it back (see ``hpc_rlhf.algos.aggregation``).
+full-batch mean exactly (``hpc_rlhf.algos.preference.global_mean``). The engine back-propagates each
+share as it is (the facade passes ``scale_wrt_gas=False``: DeepSpeed does not divide by the accumulation
+steps), so the gradients summed over the micro-batches are those of the global mean.
 
 A subclass supplies the datasets, the model factory, one micro-batch's loss and statistics, and the
 eval statistics. The step reads::
@@ -37,36 +38,18 @@ from hpc_rlhf.config import save_resolved_config
 from hpc_rlhf.config.supervised import SupervisedRunConfig
 from hpc_rlhf.data.packing import TokenSample, collate
 from hpc_rlhf.data.prompts import PromptStream
-from hpc_rlhf.world.placement import RoleGrid
-from hpc_rlhf.world.groups import comm_device, init_world
 from hpc_rlhf.engines.deepspeed_engine import FrozenEngine, TrainEngine, gradient_accumulation_steps
-from hpc_rlhf.models.loading import load_causal_lm, resolve_attn_implementation
+from hpc_rlhf.models.loading import load_causal_lm, load_tokenizer, resolve_attn_implementation
 from hpc_rlhf.models.precision import resolve_dtype
-from hpc_rlhf.world.preemption import preemption_guard, requeue_slurm_job
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
 from hpc_rlhf.utils.seeding import seed_everything
+from hpc_rlhf.world.groups import comm_device, tensor_data_parallel_groups
+from hpc_rlhf.world.preemption import preemption_guard, requeue_if_enabled
 
 log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
 ENGINE_TAG = "engine"
 RM_STATS_SAMPLES = 256  # train pairs scored for reward_mean / reward_std when there is no eval set
-
-
-def start_supervised_world(cfg: SupervisedRunConfig):
-    """torch.distributed from the launcher (torchrun / srun / single process); every rank is one dp rank."""
-    env = init_world(timeout_s=cfg.train.collective_timeout_s)
-    logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING,
-                        format=f"[rank{env.rank}] %(asctime)s %(name)s: %(message)s")
-    return env
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 def all_reduce_sums(sums: dict[str, float], group: Any = None) -> dict[str, float]:
@@ -77,27 +60,6 @@ def all_reduce_sums(sums: dict[str, float], group: Any = None) -> dict[str, floa
     values = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=comm_device())
     dist.all_reduce(values, group=group)
     return dict(zip(keys, values.tolist()))
-
-
-def parallel_groups(tp_size: int) -> tuple[Any, Any]:
-    """(tp_group, dp_group) of this rank over the world, tp innermost as in ``hpc_rlhf.world.placement``.
-
-    ``(None, None)`` without tensor parallelism: data parallel over the whole world. Collective: every rank
-    creates every group.
-    """
-    if tp_size == 1:
-        return None, None
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % tp_size:
-        raise ValueError(f"ds.tensor_parallel_size={tp_size} does not divide the {world} ranks of the job")
-    grid = RoleGrid("model", tuple(range(world)), tp_size=tp_size)
-    mine = {}
-    for name, members in (("tp", grid.tp_groups), ("dp", grid.dp_groups)):
-        for ranks in members:
-            group = dist.new_group(list(ranks))
-            if rank in ranks:
-                mine[name] = group
-    return mine["tp"], mine["dp"]
 
 
 def ratio(sums: dict[str, float], num: str, den: str) -> float:
@@ -112,13 +74,13 @@ class SupervisedTrainer:
     def __init__(self, cfg: SupervisedRunConfig) -> None:
         self.cfg = cfg
         self.rank = dist.get_rank()
-        self.tp_group, self.dp_group = parallel_groups(cfg.ds.tensor_parallel_size)
+        self.tp_group, self.dp_group = tensor_data_parallel_groups(cfg.ds.tensor_parallel_size)
         self.dp_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
         seed_everything(cfg.train.seed + self.rank)
         self.on_gpu = torch.cuda.is_available()
         self.dtype = resolve_dtype(cfg.ds.param_dtype, self.on_gpu)
         self.attn = resolve_attn_implementation(cfg.ds.attn_implementation, self.on_gpu)
-        self.tokenizer = load_tokenizer(cfg.model.pretrain)
+        self.tokenizer = load_tokenizer(cfg.model.pretrain, key="model.pretrain")
         self.output_dir = Path(cfg.train.output_dir)
 
         self.train_set, eval_set = self.build_datasets()
@@ -224,8 +186,7 @@ class SupervisedTrainer:
             save_due = self.cfg.ckpt.save_steps and self.step % self.cfg.ckpt.save_steps == 0
             if guard.agreed_stop():
                 self.save()
-                if self.rank == 0:
-                    requeue_slurm_job()
+                requeue_if_enabled(self.cfg.slurm.requeue, self.rank)
                 return rows
             if save_due:
                 self.save()
@@ -242,7 +203,7 @@ class SupervisedTrainer:
         with timer("train"):
             for begin in range(0, per_rank, self.micro):
                 loss, stats = self.train_micro(shard[begin:begin + self.micro], counts)
-                # DeepSpeed divides by the accumulation steps; the share is already normalised globally.
+                # The share is already normalised by global counts; nothing divides it by the accumulation steps.
                 self.engine.backward(loss)
                 info = self.engine.step()
                 for key, value in stats.items():
@@ -312,39 +273,3 @@ class SupervisedTrainer:
             self.after_export(model_dir)
             self.metrics.close()
         dist.barrier()
-
-
-def parse_supervised_args(kind: str, argv: list[str] | None) -> SupervisedRunConfig:
-    """``--config CFG key=value ...`` -> the typed config; a bad key exits with status 2 naming it."""
-    import argparse
-    import sys
-
-    from hpc_rlhf.config import ConfigError
-    from hpc_rlhf.config.supervised import load_supervised_config
-
-    parser = argparse.ArgumentParser(prog=f"train_{kind}")
-    parser.add_argument("--config", help="YAML recipe")
-    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="dotted overrides, e.g. train.seed=1")
-    args = parser.parse_args(argv)
-    try:
-        return load_supervised_config(kind, args.config, args.overrides)
-    except ConfigError as err:
-        print(f"train_{kind}: {err}", file=sys.stderr)
-        sys.exit(2)
-
-
-def run_supervised(kind: str, module: str, class_name: str, argv: list[str] | None = None) -> None:
-    """Entry point body shared by ``train_sft`` / ``train_rm`` / ``train_dpo`` / ``train_kto``."""
-    import importlib
-
-    from hpc_rlhf.data.synthetic_preference import prepare_supervised_assets
-
-    preemption_guard()
-    cfg = parse_supervised_args(kind, argv)
-    start_supervised_world(cfg)
-    if dist.get_rank() == 0:
-        prepare_supervised_assets(cfg)  # tiny model / synthetic data of CPU recipes, once (shared FS)
-    dist.barrier()
-    trainer_cls = getattr(importlib.import_module(module), class_name)
-    trainer_cls(cfg).fit()
-    dist.destroy_process_group()

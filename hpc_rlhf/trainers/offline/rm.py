@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from hpc_rlhf.algos.preference import global_mean, pairwise_reward_loss
-from hpc_rlhf.models.forward import value_model_forward
 from hpc_rlhf.data.preference import PreferencePair, build_preference_datasets
+from hpc_rlhf.models.forward import value_model_forward
 from hpc_rlhf.models.loading import load_value_model
 from hpc_rlhf.trainers.offline.base import RM_STATS_SAMPLES, SupervisedTrainer, ratio
 

@@ -6,8 +6,8 @@ import torch
 
 from hpc_rlhf.algos.preference import sft_loss
 from hpc_rlhf.data.packing import TokenSample
-from hpc_rlhf.models.forward import causal_lm_forward
 from hpc_rlhf.data.sft import build_sft_datasets
+from hpc_rlhf.models.forward import causal_lm_forward
 from hpc_rlhf.trainers.offline.base import SupervisedTrainer, ratio
 
 

@@ -25,8 +25,8 @@ from typing import Any
 import torch.distributed as dist
 
 from hpc_rlhf.trainers.rl.controller_steps import rollout_metrics
-from hpc_rlhf.trainers.rl.partial_rollout import continue_generation, stamp_versions
 from hpc_rlhf.trainers.rl.loop import PPOTrainer
+from hpc_rlhf.trainers.rl.partial_rollout import continue_generation, stamp_versions
 from hpc_rlhf.utils.metrics import PhaseTimer
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ def balanced_order(lengths: Sequence[int], dp_size: int, rows_per_minibatch: int
 
     The batch (``N = num_minibatches x dp_size x rows_per_minibatch`` rows) is consumed as
     ``split_rows(batch, dp_size)`` shards, each cut into mini-batches of ``rows_per_minibatch`` rows
-    (``controller_math.minibatch_counts``). Global mini-batch ``k`` is the ``k``-th contiguous chunk of
+    (``controller_steps.minibatch_counts``). Global mini-batch ``k`` is the ``k``-th contiguous chunk of
     ``dp_size x rows_per_minibatch`` rows of the ORIGINAL order; its rows are dealt to the ranks
     longest first, each to the rank with the fewest tokens that still has room (LPT with equal
     cardinality), and ``order[i]`` is the original row placed at position ``i``.

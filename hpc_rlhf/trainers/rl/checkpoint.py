@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from hpc_rlhf.ckpt import CheckpointManager, load_json, load_rank_rng, save_json_atomic, save_rank_rng
 from hpc_rlhf.config import RunConfig
+from hpc_rlhf.world.placement import TRAINED_ROLES
 
 log = logging.getLogger(__name__)
-TRAINED_ROLES = ("actor", "critic")
 DS_TAG = "ds"
 CONTROLLER_FILE = "controller.json"
 BUFFERS_FILE = "controller_buffers.pt"

@@ -1,6 +1,8 @@
 """What the controller computes between phases: rewards, sample selection, advantages, counts, metrics.
 
-No process groups here: these functions see the whole step batch on rank 0.
+No process groups and no controller object here: each function takes what it reads and returns what it
+computes; the state that outlives a step (reward normaliser, KL controller) stays on ``ControllerState``
+in ``setup``, whose caller passes in the values it needs. They see the whole step batch on rank 0.
 """
 
 from __future__ import annotations
@@ -10,22 +12,32 @@ from typing import Any
 import torch
 
 from hpc_rlhf.agents.scoring import score_trajectories
-from hpc_rlhf.algos import compute_advantages, dynamic_filter_mask, kl_estimate, masked_mean, overlong_penalty
+from hpc_rlhf.algos import (
+    compute_advantages,
+    count_tokens_and_seqs,
+    dynamic_filter_mask,
+    kl_estimate,
+    masked_mean,
+    overlong_penalty,
+)
 from hpc_rlhf.config.schema import RunConfig
 
 
-def attach_rewards(trajectories: list, state: Any, model_scores: dict | None) -> list:
-    """Set ``reward`` / ``score`` on every trajectory from the reward model or the reward function."""
+def attach_rewards(trajectories: list, reward_fn: Any, tokenizer: Any, model_scores: dict | None) -> list:
+    """Set ``reward`` / ``score`` on every trajectory (and return them) from the reward-model role's
+    ``model_scores`` when there is one, else from ``reward_fn`` (a reward function or remote server; ``None``
+    when the agent's environment set the rewards)."""
     if model_scores is not None:
         for t, s in zip(trajectories, model_scores["scores"].tolist(), strict=True):
             t.reward = t.score = float(s)
         return trajectories
-    score_trajectories(trajectories, state.reward_fn, state.tokenizer)
+    score_trajectories(trajectories, reward_fn, tokenizer)
     return trajectories
 
 
 def select_samples(trajectories: list, cfg: RunConfig) -> list:
-    """Overlong penalty, DAPO dynamic filtering, then trim to whole training batches.
+    """Overlong penalty, DAPO dynamic filtering, then trim to whole training batches; returns the kept
+    trajectories (the overlong penalty is added to their ``reward`` and logged in ``extra_logs``).
 
     Filtering drops whole prompt groups; the remainder is cut to a multiple of
     ``train.train_batch_size`` (whole groups first) so every optimizer step sees a full batch.
@@ -47,14 +59,16 @@ def select_samples(trajectories: list, cfg: RunConfig) -> list:
     return trajectories[:usable]
 
 
-def make_advantages(batch: dict[str, torch.Tensor], cfg: RunConfig, state: Any) -> dict[str, torch.Tensor]:
-    """Advantages and returns for the whole step batch (whitening and group baselines are global)."""
+def make_advantages(batch: dict[str, torch.Tensor], cfg: RunConfig, rewards: torch.Tensor,
+                    kl_coef: float) -> dict[str, torch.Tensor]:
+    """Advantages and returns for the whole step batch (whitening and group baselines are global).
+
+    ``rewards`` (B,): the sequence rewards after any running normalisation (``algo.normalize_reward``);
+    ``kl_coef``: the KL controller's current coefficient, used when the KL is folded into the reward.
+    Returns ``advantages`` / ``returns`` (B, R) and, with a reference model, the per-token ``kl`` (B, R).
+    """
     algo = cfg.algo
     mask = batch["action_mask"]
-    rewards = batch["rewards"]
-    if algo.normalize_reward:
-        state.reward_normalizer.update(rewards)
-        rewards = state.reward_normalizer.normalize(rewards)
     out: dict[str, torch.Tensor] = {}
     folded_kl = None
     if "ref_logprobs" in batch:
@@ -64,7 +78,7 @@ def make_advantages(batch: dict[str, torch.Tensor], cfg: RunConfig, state: Any) 
             folded_kl = kl
     advantages, returns = compute_advantages(
         algo.advantage_estimator, rewards, mask, cfg.rollout.n_samples_per_prompt,
-        values=batch.get("values"), kl=folded_kl, kl_coef=state.kl_controller.value if folded_kl is not None else 0.0,
+        values=batch.get("values"), kl=folded_kl, kl_coef=kl_coef if folded_kl is not None else 0.0,
         gamma=algo.gamma, lambd=algo.lambd, reward_clip_range=algo.reward_clip_range,
         norm_adv_by_std=not algo.no_advantage_std_norm,
     )
@@ -84,8 +98,9 @@ def minibatch_counts(action_mask: torch.Tensor, dp_size: int, rows_per_minibatch
     for i in range(shard // rows_per_minibatch):
         picked = torch.cat([action_mask[d * shard + i * rows_per_minibatch : d * shard + (i + 1) * rows_per_minibatch]
                             for d in range(dp_size)])
-        num_tokens.append(int(picked.sum()))
-        num_seqs.append(int(picked.any(dim=1).sum()))
+        tokens, seqs = count_tokens_and_seqs(picked)
+        num_tokens.append(int(tokens))
+        num_seqs.append(int(seqs))
     return {"num_tokens": num_tokens, "num_seqs": num_seqs}
 
 

@@ -22,9 +22,11 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.config import RunConfig, save_resolved_config
-from hpc_rlhf.world.channel import broadcast_to_role, gather_from_role, scatter_to_role
-from hpc_rlhf.world.groups import WorldGroups
-from hpc_rlhf.trainers.rl import checkpoint as rl_checkpoint, setup as rl_setup
+from hpc_rlhf.models.loading import load_tokenizer
+from hpc_rlhf.models.micro_forward import SequenceParallel
+from hpc_rlhf.trainers.rl import checkpoint as rl_checkpoint
+from hpc_rlhf.trainers.rl import setup as rl_setup
+from hpc_rlhf.trainers.rl.batching import balanced_order
 from hpc_rlhf.trainers.rl.controller_steps import (
     attach_rewards,
     make_advantages,
@@ -32,14 +34,14 @@ from hpc_rlhf.trainers.rl.controller_steps import (
     rollout_metrics,
     select_samples,
 )
-from hpc_rlhf.models.micro_forward import SequenceParallel
 from hpc_rlhf.trainers.rl.experience import cat_rows, pack_trajectories, split_rows, take_rows
 from hpc_rlhf.trainers.rl.workers import Batching, forward_logprobs, forward_values, train_actor, train_critic
-from hpc_rlhf.world.preemption import preemption_guard, requeue_slurm_job
-from hpc_rlhf.trainers.rl.batching import balanced_order
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
 from hpc_rlhf.utils.seeding import seed_everything
 from hpc_rlhf.utils.watchdog import STALL_EXIT_CODE, Watchdog
+from hpc_rlhf.world.channel import broadcast_to_role, gather_from_role, scatter_to_role
+from hpc_rlhf.world.groups import WorldGroups
+from hpc_rlhf.world.preemption import preemption_guard, requeue_if_enabled
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ class PPOTrainer:
         self.rank = world.rank
         rl_setup.check_supported(cfg)
         seed_everything(cfg.train.seed + self.rank)
-        self.tokenizer = rl_setup.load_tokenizer(cfg)
+        self.tokenizer = load_tokenizer(cfg.actor.pretrain, key="actor.pretrain")
         # The controller alone reads the data; every rank needs the step count for its LR schedule.
         self.data = rl_setup.ControllerState(cfg, self.tokenizer) if world.is_controller else None
         box = [self.data.num_steps if self.data else None]
@@ -106,8 +108,7 @@ class PPOTrainer:
                 self.save_checkpoint(step)
             if stop:
                 self.stopped_by_signal = True
-                if self.rank == 0 and self.cfg.slurm.requeue:
-                    requeue_slurm_job()
+                requeue_if_enabled(self.cfg.slurm.requeue, self.rank)
                 break
         progress.close()
         if watchdog:
@@ -189,7 +190,7 @@ class PPOTrainer:
                                               lambda m, s: {"scores": m.scores(s, self._sp("reward"))})
         if self.rank != 0:
             return None
-        return attach_rewards(trajectories, self.data, model_scores)
+        return attach_rewards(trajectories, self.data.reward_fn, self.tokenizer, model_scores)
 
     def make_experience(self, trajectories: list | None) -> dict | None:
         """Selected samples as padded tensors, plus the logprobs/values each enabled role computes."""
@@ -223,7 +224,8 @@ class PPOTrainer:
             if self.rank == 0:
                 batch.update(out)
         if self.rank == 0:
-            batch.update(make_advantages(batch, cfg, self.data))
+            rewards = self.data.normalized_rewards(batch["rewards"])
+            batch.update(make_advantages(batch, cfg, rewards, self.data.kl_controller.value))
         return batch if self.rank == 0 else {}
 
     def train(self, batch: dict | None) -> dict[str, float]:

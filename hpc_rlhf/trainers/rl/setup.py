@@ -1,6 +1,6 @@
 """Build what a PPO-family run needs on each rank: tokenizer, controller state, role engines.
 
-Kept apart from the loop so ``ppo.py`` reads as the step story.
+Kept apart from the loop so ``loop.py`` reads as the step story.
 """
 
 from __future__ import annotations
@@ -10,22 +10,21 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 from hpc_rlhf.agents.executor import AgentExecutor, SingleTurnExecutor
 from hpc_rlhf.agents.rewards import RewardFunction
 from hpc_rlhf.algos import AdaptiveKLController, FixedKLController, RunningRewardNormalizer
 from hpc_rlhf.config.schema import RunConfig
 from hpc_rlhf.data.prompts import PromptDataset, PromptStream
-from hpc_rlhf.world.groups import WorldGroups
 from hpc_rlhf.engines.rollout_base import RolloutEngine, SamplingParams
 from hpc_rlhf.models.loading import (
     load_causal_lm,
     load_value_model,
     resolve_attn_implementation,
 )
-from hpc_rlhf.models.precision import resolve_dtype
 from hpc_rlhf.models.micro_forward import SequenceParallel, forward_scope
+from hpc_rlhf.models.precision import resolve_dtype
+from hpc_rlhf.world.groups import WorldGroups
 
 
 class SetupError(ValueError):
@@ -42,15 +41,6 @@ def check_supported(cfg: RunConfig) -> None:
     if keys:
         raise SetupError(f"{', '.join(keys)}: not supported by the RL trainer yet (plan accepts them for sizing); "
                          "change the recipe")
-
-
-def load_tokenizer(cfg: RunConfig):
-    if cfg.actor.pretrain is None:
-        raise SetupError("actor.pretrain is not set: give a local HF model folder")
-    tok = AutoTokenizer.from_pretrained(cfg.actor.pretrain)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 def optimizer_steps(cfg: RunConfig, num_steps: int) -> int:
@@ -89,6 +79,14 @@ class ControllerState:
 
     def next_prompts(self) -> list:
         return self.stream.next_batch()
+
+    def normalized_rewards(self, rewards: torch.Tensor) -> torch.Tensor:
+        """(B,) sequence rewards -> the same after the running normaliser (updated with them first) when
+        ``algo.normalize_reward`` is on; unchanged otherwise."""
+        if not self.cfg.algo.normalize_reward:
+            return rewards
+        self.reward_normalizer.update(rewards)
+        return self.reward_normalizer.normalize(rewards)
 
     def after_step(self, row: dict[str, float]) -> None:
         if "kl" in row:

@@ -27,8 +27,8 @@ from hpc_rlhf.algos import (
 )
 from hpc_rlhf.config.schema import RunConfig
 from hpc_rlhf.models.micro_forward import SequenceParallel, forward_scope
-from hpc_rlhf.trainers.rl.experience import trim_padding
 from hpc_rlhf.trainers.rl.batching import plan_micro_batches, split_to_count
+from hpc_rlhf.trainers.rl.experience import trim_padding
 
 
 @dataclass(frozen=True)

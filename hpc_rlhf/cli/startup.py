@@ -1,0 +1,83 @@
+"""The one start-up path of every training entry point (``train_ppo``, ``train_sft`` / ``rm`` / ``dpo`` / ``kto``).
+
+    cfg, env = start_run("train_sft", argv, load_sft_config)
+
+in this order: the preemption guard (a SLURM signal during start-up is remembered, not fatal), the
+config (a bad key exits with status 2 naming it), torch.distributed from the launcher's variables with
+the configured collective timeout, per-rank logging, then the local assets a CPU recipe asks for (tiny
+model, synthetic data), written once by rank 0 on the shared filesystem while the others wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from hpc_rlhf.config import ConfigError, RunConfig
+
+
+def parse_config_args(prog: str, argv: list[str] | None, load: Callable[[str | None, list[str]], Any]) -> Any:
+    """``--config CFG key=value ...`` -> the typed config ``load`` builds; exits with status 2 on a bad key."""
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--config", help="YAML recipe")
+    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="dotted overrides, e.g. train.seed=1")
+    args = parser.parse_args(argv)
+    try:
+        return load(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def prepare_local_assets(cfg: Any) -> None:
+    """Build the tiny model / synthetic data a CPU recipe asks for (no-op for real recipes; idempotent)."""
+    if not isinstance(cfg, RunConfig):
+        from hpc_rlhf.data.synthetic_preference import prepare_supervised_assets
+
+        prepare_supervised_assets(cfg)
+        return
+    if cfg.actor.build_tiny and cfg.actor.pretrain:
+        from hpc_rlhf.models.tiny import build_tiny_model
+
+        build_tiny_model(cfg.actor.pretrain, seed=cfg.train.seed)
+    if cfg.data.synthetic_task and cfg.data.prompt_data:
+        from hpc_rlhf.data.synthetic import write_task_if_missing
+
+        write_task_if_missing(cfg.data.synthetic_task, cfg.data.prompt_data[0], cfg.data.synthetic_num_samples,
+                              cfg.train.seed)
+
+
+def start_run(prog: str, argv: list[str] | None, load: Callable[[str | None, list[str]], Any]):
+    """Guard, config, world, logging, local assets (see the module docstring). Returns ``(cfg, LaunchEnv)``."""
+    import torch.distributed as dist
+
+    from hpc_rlhf.world.groups import init_world
+    from hpc_rlhf.world.preemption import preemption_guard
+
+    preemption_guard()
+    cfg = parse_config_args(prog, argv, load)
+    env = init_world(timeout_s=cfg.train.collective_timeout_s)
+    logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING,
+                        format=f"[rank{env.rank}] %(asctime)s %(name)s: %(message)s")
+    if env.rank == 0:
+        prepare_local_assets(cfg)
+    dist.barrier()
+    return cfg, env
+
+
+def run_offline_trainer(kind: str, module: str, class_name: str, argv: list[str] | None = None) -> None:
+    """Entry point body of ``train_sft`` / ``train_rm`` / ``train_dpo`` / ``train_kto``: start, fit, tear down."""
+    import functools
+    import importlib
+
+    import torch.distributed as dist
+
+    from hpc_rlhf.config.supervised import load_supervised_config
+
+    cfg, _ = start_run(f"train_{kind}", argv, functools.partial(load_supervised_config, kind))
+    trainer_cls = getattr(importlib.import_module(module), class_name)
+    trainer_cls(cfg).fit()
+    dist.destroy_process_group()

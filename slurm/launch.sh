@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Body shared by every sbatch recipe in slurm/: environment, resume after a requeue, the `plan` guard and
+# the one srun step. Each slurm/<recipe>.sbatch keeps its own #SBATCH lines (sbatch reads directives only
+# from the submitted file) and sources this file with its arguments. It is never submitted itself.
+#
+# The recipe sets (all of them, so that a stray variable in the user's environment cannot change a recipe):
+#   RECIPE               the recipe's file name, used in messages
+#   ENTRY                python -m hpc_rlhf.cli.<ENTRY>: train_ppo (RL), train_sft, train_rm, train_dpo, train_kto
+#   CONFIG               the YAML recipe, keeping a CONFIG=... given by the user
+#   DEFAULT_OMP_THREADS  OMP_NUM_THREADS unless the user set it
+#   GPU_JOB              1: NCCL ranks (NCCL settings below); 0: CPU ranks over gloo
+#   PREPARE_ASSETS       1: build a CPU recipe's tiny model and synthetic data before the guard
+# Arguments are dotted overrides, given to the guard and to every rank. User environment: CONFIG, PYTHON,
+# PLAN_ARGS (extra `plan` flags, e.g. "--gpu-mem-gb 141" on H200), OMP_NUM_THREADS, NCCL_DEBUG.
+set -euo pipefail
+
+: "${RECIPE:?slurm/launch.sh is sourced by a slurm/*.sbatch recipe, not run on its own}"
+: "${ENTRY:?$RECIPE: ENTRY is not set}" "${CONFIG:?$RECIPE: CONFIG is not set}"
+: "${DEFAULT_OMP_THREADS:?$RECIPE: DEFAULT_OMP_THREADS is not set}"
+: "${GPU_JOB:?$RECIPE: GPU_JOB is not set}" "${PREPARE_ASSETS:?$RECIPE: PREPARE_ASSETS is not set}"
+
+# plan's own detection of the trainer goes by the config's file name; CONFIG=my_run.yaml must still be
+# checked as the trainer that this recipe starts.
+case "$ENTRY" in
+    train_ppo) PLAN_KIND=rl ;;
+    train_sft | train_rm | train_dpo | train_kto) PLAN_KIND="${ENTRY#train_}" ;;
+    *) echo "$RECIPE: unknown ENTRY=$ENTRY (train_ppo, train_sft, train_rm, train_dpo or train_kto)" >&2; exit 1 ;;
+esac
+
+PYTHON="${PYTHON:-python}"
+
+export PYTHONUNBUFFERED=1
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$DEFAULT_OMP_THREADS}"
+export TOKENIZERS_PARALLELISM=false
+if [ "$GPU_JOB" = 1 ]; then
+    # A dead or stuck peer aborts the collective (error on every rank) instead of hanging to the time limit.
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+    export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+    # Site-specific (ask your admins; see docs/slurm.md "Troubleshooting"). Uncomment here for every GPU
+    # recipe, or export them before sbatch, which passes the submitting environment on to the job:
+    # export NCCL_SOCKET_IFNAME=ib0         # interface for NCCL's bootstrap / socket transport
+    # export NCCL_IB_HCA=mlx5               # InfiniBand adapters to use
+    # export NCCL_IB_GID_INDEX=3            # RoCE
+    # export NCCL_IB_TIMEOUT=22             # large clusters: tolerate slow fabric recovery
+fi
+
+# A requeued run (preemption, time limit, node failure) resumes from the checkpoint LATEST.
+RESUME=()
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(ckpt.load=true); fi
+echo "[$(date -Is)] job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0}: ${SLURM_NTASKS} ranks on" \
+     "${SLURM_JOB_NODELIST}, config ${CONFIG} ${RESUME[*]-} $*"
+
+if [ "$PREPARE_ASSETS" = 1 ]; then
+    # A CPU recipe builds its tiny model and data on first use; build them here, once, so that `plan`
+    # sizes the model the ranks will load.
+    "$PYTHON" - "$PLAN_KIND" "$CONFIG" "$@" <<'PY'
+import sys
+from hpc_rlhf.cli.startup import prepare_local_assets
+from hpc_rlhf.config import ConfigError, load_config
+from hpc_rlhf.config.supervised import load_supervised_config
+kind, config, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+try:
+    cfg = load_config(config, overrides) if kind == "rl" else load_supervised_config(kind, config, overrides)
+except ConfigError:
+    sys.exit(0)  # the guard below names the error and stops the job
+prepare_local_assets(cfg)
+PY
+fi
+
+# Guard: a config error (unknown key, bad value), an invalid layout or one that does not fit in GPU memory
+# stops the job here, before any rank starts and holds the nodes.
+# shellcheck disable=SC2086  # PLAN_ARGS is a list of flags
+"$PYTHON" -m hpc_rlhf.cli.plan --config "$CONFIG" --kind "$PLAN_KIND" --nodes "$SLURM_JOB_NUM_NODES" \
+    --gpus-per-node "$SLURM_NTASKS_PER_NODE" ${PLAN_ARGS:-} "$@" \
+    || { echo "$RECIPE: hpc-rlhf plan rejected this layout (see above); not starting" >&2; exit 1; }
+
+# One rank per task (per GPU on GPU recipes), rank order = node order: rank 0, on the first node, logs,
+# writes the HF export and, in RL, is the controller. The master address is the first host of SLURM_JOB_NODELIST
+# and the port is derived from the job id (hpc_rlhf.world.launch_env): no torchrun, no Ray, no waiting for
+# services. --kill-on-bad-exit: one failing rank ends the whole step at once, with its error in this log.
+# --cpus-per-task is repeated because not every SLURM version passes the job's value on to srun.
+srun --kill-on-bad-exit=1 --label --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
+    "$PYTHON" -m "hpc_rlhf.cli.$ENTRY" --config "$CONFIG" ${RESUME[@]+"${RESUME[@]}"} "$@"
+echo "[$(date -Is)] job ${SLURM_JOB_ID}: training finished"
