@@ -163,7 +163,8 @@ class AlgoConfig(Section):
     )
     entropy_loss_coef: float = Field(0.0, ge=0)
     no_advantage_std_norm: bool = False
-    reward_clip_range: tuple[float, float] | None = None
+    reward_clip_range: tuple[float, float] | None = Field(
+        None, description="clamp on the sequence rewards after group shaping (OpenRLHF's order)")
     normalize_reward: bool = Field(False, description="running mean/std normalisation of the rewards")
     is_correction: Literal["none", "tis", "icepop", "seq_mask_tis"] = "none"
     is_truncation: tuple[float, float] = (0.5, 2.0)
