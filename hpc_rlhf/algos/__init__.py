@@ -6,6 +6,7 @@ take counts (global token count, dp size) as arguments instead.
 
 from hpc_rlhf.algos.advantages import (
     ESTIMATORS,
+    GROUP_ESTIMATORS,
     compute_advantages,
     discounted_returns,
     dr_grpo_rewards,
@@ -38,6 +39,7 @@ __all__ = [
     "AGGREGATION_MODES",
     "CORRECTION_MODES",
     "ESTIMATORS",
+    "GROUP_ESTIMATORS",
     "KL_ESTIMATORS",
     "POLICY_LOSS_TYPES",
     "AdaptiveKLController",

@@ -27,6 +27,18 @@ ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "d
 # already normalised within their group.
 _WHITEN_BY_DEFAULT = {"gae": True, "reinforce": True, "reinforce_baseline": True}
 
+# Estimators whose baseline is the other samples of the prompt group.
+GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
+
+
+def _check_group_size(estimator: str, n_samples_per_prompt: int) -> None:
+    """A group baseline of one sample is the sample itself: the advantage would be 0 (or 0 / 0)."""
+    if n_samples_per_prompt < 2:
+        raise ValueError(
+            f"{estimator} needs n_samples_per_prompt >= 2 (a baseline from the other samples of the prompt), "
+            f"got {n_samples_per_prompt}"
+        )
+
 
 def _grouped(rewards: torch.Tensor, n_samples_per_prompt: int) -> torch.Tensor:
     if rewards.dim() != 1:
@@ -156,8 +168,10 @@ def gae_advantages(
 def reinforce_baseline_rewards(rewards: torch.Tensor, n_samples_per_prompt: int) -> torch.Tensor:
     """REINFORCE++-baseline shaping: ``r - mean(r of the prompt group)``.
 
-    Hu et al. 2025, "REINFORCE++" (arXiv:2501.03262). (B,) -> (B,) fp32.
+    Hu et al. 2025, "REINFORCE++" (arXiv:2501.03262). (B,) -> (B,) fp32. Needs
+    ``n_samples_per_prompt >= 2``.
     """
+    _check_group_size("reinforce_baseline", n_samples_per_prompt)
     grouped = _grouped(rewards, n_samples_per_prompt)
     return (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
 
@@ -169,8 +183,7 @@ def rloo_rewards(rewards: torch.Tensor, n_samples_per_prompt: int) -> torch.Tens
     for Learning from Human Feedback" (arXiv:2402.14740); Kool et al. 2019.
     (B,) -> (B,) fp32. Needs ``n_samples_per_prompt >= 2``.
     """
-    if n_samples_per_prompt < 2:
-        raise ValueError("rloo needs n_samples_per_prompt >= 2 (leave-one-out of one sample)")
+    _check_group_size("rloo", n_samples_per_prompt)
     grouped = _grouped(rewards, n_samples_per_prompt)
     baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (n_samples_per_prompt - 1)
     return (grouped - baseline).view(-1)
@@ -186,14 +199,13 @@ def group_norm_rewards(
 
     Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300). The std is the unbiased
     sample std (as in TRL and OpenRLHF). ``norm_by_std=False`` gives Dr. GRPO.
-    (B,) -> (B,) fp32.
+    (B,) -> (B,) fp32. Needs ``n_samples_per_prompt >= 2``.
     """
+    _check_group_size("group_norm" if norm_by_std else "dr_grpo", n_samples_per_prompt)
     grouped = _grouped(rewards, n_samples_per_prompt)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if not norm_by_std:
         return centred.view(-1)
-    if n_samples_per_prompt < 2:
-        raise ValueError("group_norm with std needs n_samples_per_prompt >= 2")
     return (centred / (grouped.std(dim=1, keepdim=True) + eps)).view(-1)
 
 
@@ -202,7 +214,7 @@ def dr_grpo_rewards(rewards: torch.Tensor, n_samples_per_prompt: int) -> torch.T
 
     Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective"
     (arXiv:2503.20783). Pair with the ``seq_mean_token_sum_norm`` aggregation.
-    (B,) -> (B,) fp32.
+    (B,) -> (B,) fp32. Needs ``n_samples_per_prompt >= 2``.
     """
     return group_norm_rewards(rewards, n_samples_per_prompt, norm_by_std=False)
 
@@ -225,13 +237,20 @@ def compute_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns for the whole rollout batch, estimator chosen by name.
 
-    Pipeline: clip scalar rewards -> estimator-specific scalar shaping (group
-    baselines) -> per-token rewards (scalar on the last action token, ``-kl_coef * kl``
+    Pipeline: estimator-specific scalar shaping (group baselines) -> clip the
+    (shaped) scalar rewards -> per-token rewards (scalar on the last action token, ``-kl_coef * kl``
     on every action token when ``kl`` is given) -> GAE (``gae``) or discounted
     reward-to-go (all others) -> optional batch whitening.
 
-    With ``kl=None`` (KL as a separate loss term) and ``gamma = 1`` the group
-    estimators give every action token of a row the same, sequence-level advantage.
+    The clip comes after shaping, as in OpenRLHF (``compute_reward`` clamps the
+    reward its group shaping produced); for ``gae`` / ``reinforce`` there is no
+    shaping and it clips the raw reward.
+
+    Group estimators need ``n_samples_per_prompt >= 2`` and ``gamma = 1``: their
+    baseline is a sequence-level reward, which a discount would shrink toward the
+    start of the response (OpenRLHF forces gamma to 1 for them; this refuses instead).
+    With ``kl=None`` (KL as a separate loss term) they give every action token of a
+    row the same, sequence-level advantage.
 
     Args:
         estimator: one of ``ESTIMATORS``.
@@ -243,7 +262,7 @@ def compute_advantages(
         kl: (B, T) per-token KL to fold into the reward; None keeps it out.
         kl_coef: beta for the folded KL.
         gamma, lambd: discount and GAE lambda.
-        reward_clip_range: ``(low, high)`` clamp on scalar rewards, applied first.
+        reward_clip_range: ``(low, high)`` clamp on scalar rewards, after group shaping.
         norm_adv_by_std: ``group_norm`` only; False gives Dr. GRPO.
         whiten: batch-whiten advantages; default True for gae / reinforce /
             reinforce_baseline, False otherwise. Whitening is over the batch
@@ -263,8 +282,8 @@ def compute_advantages(
             f"got {tuple(mask.shape)}"
         )
     rewards = rewards.float()
-    if reward_clip_range is not None:
-        rewards = rewards.clamp(min=reward_clip_range[0], max=reward_clip_range[1])
+    if estimator in GROUP_ESTIMATORS and gamma != 1.0:
+        raise ValueError(f"{estimator} needs gamma = 1 (a sequence-level group baseline), got gamma={gamma}")
 
     if estimator == "reinforce_baseline":
         rewards = reinforce_baseline_rewards(rewards, n_samples_per_prompt)
@@ -276,6 +295,8 @@ def compute_advantages(
         rewards = dr_grpo_rewards(rewards, n_samples_per_prompt)
     else:
         _grouped(rewards, n_samples_per_prompt)  # validates the batch shape only
+    if reward_clip_range is not None:
+        rewards = rewards.clamp(min=reward_clip_range[0], max=reward_clip_range[1])
 
     token_rewards = token_level_rewards(rewards, mask, kl, kl_coef)
     if estimator == "gae":

@@ -15,8 +15,9 @@ Modes, with band ``[low, high]`` (inclusive):
   Team 2025, "Every Step Evolves: Scaling RL for Trillion-Scale Thinking Model",
   arXiv:2510.18855).
 * ``seq_mask_tis``: the sequence weight is the geometric mean
-  ``exp(mean_t log w_t)``; a row whose sequence weight is outside the band gets
-  weight 0 on every token, other rows keep their raw token weights (as OpenRLHF).
+  ``exp(mean_t log w_t)`` of the *unclamped* token weights; a row whose sequence weight is
+  outside the band gets weight 0 on every token, other rows keep their raw token weights
+  (as OpenRLHF's ``seq-mask-tis``).
 
 Weights are detached and 0 on masked positions.
 """
@@ -53,7 +54,8 @@ def rollout_importance_weights(
     Returns:
         ``(weights (B, T) fp32 detached, stats)`` with stats ``masked_fraction``
         (action tokens whose weight was zeroed by the band), ``truncated_fraction``
-        (tis: tokens clamped), ``rollout_kl`` (k3 estimate of KL(pi_rollout || pi_old)).
+        (tis: tokens clamped), ``rollout_kl_k1`` (masked mean of ``rollout_logprobs - old_logprobs``:
+        OpenRLHF's ``vllm_kl``) and ``rollout_kl_k3``, two estimates of KL(pi_rollout || pi_old).
     """
     if mode not in CORRECTION_MODES:
         raise ValueError(
@@ -63,10 +65,10 @@ def rollout_importance_weights(
         raise ValueError(f"rollout correction band needs low <= high, got [{low}, {high}]")
     mask = as_bool_mask(action_mask)
     with torch.no_grad():
-        log_weight = fill_masked(old_logprobs.detach().float(), mask) - fill_masked(
+        raw_log_weight = fill_masked(old_logprobs.detach().float(), mask) - fill_masked(
             rollout_logprobs.detach().float(), mask
         )
-        log_weight = log_weight.clamp(-_MAX_ABS_LOG_WEIGHT, _MAX_ABS_LOG_WEIGHT)
+        log_weight = raw_log_weight.clamp(-_MAX_ABS_LOG_WEIGHT, _MAX_ABS_LOG_WEIGHT)
         raw = torch.exp(log_weight)
         in_band = (raw >= low) & (raw <= high)
         zeroed = torch.zeros_like(mask)
@@ -78,16 +80,19 @@ def rollout_importance_weights(
             weights = torch.where(in_band, raw, 0.0)
             zeroed = ~in_band
         else:
-            seq_weight = torch.exp(masked_mean(log_weight, mask, dim=1))
+            # The gate reads the unclamped mean: a row with one token at log-weight -30 among 30
+            # must be judged by e^-1, not by the e^(-20/30) its clamped weight would give.
+            seq_weight = torch.exp(masked_mean(raw_log_weight, mask, dim=1))
             seq_in_band = ((seq_weight >= low) & (seq_weight <= high)).unsqueeze(1)
             weights = torch.where(seq_in_band, raw, 0.0)
             zeroed = ~seq_in_band.expand_as(mask)
         weights = fill_masked(weights, mask)
-        # Tokens come from pi_rollout, so k3 with ratio pi_old / pi_rollout estimates
-        # KL(pi_rollout || pi_old): the diagnostic OpenRLHF logs as vllm_kl.
+        # Tokens come from pi_rollout, so with ratio pi_old / pi_rollout both estimate
+        # KL(pi_rollout || pi_old); k1 is the one OpenRLHF logs as vllm_kl.
         stats = {
             "masked_fraction": masked_mean(zeroed.float(), mask),
             "truncated_fraction": masked_mean(truncated.float(), mask),
-            "rollout_kl": masked_mean(torch.expm1(log_weight) - log_weight, mask),
+            "rollout_kl_k1": masked_mean(-raw_log_weight, mask),
+            "rollout_kl_k3": masked_mean(torch.expm1(log_weight) - log_weight, mask),
         }
     return weights, stats

@@ -16,6 +16,11 @@ from hpc_rlhf.algos.masking import as_bool_mask, fill_masked, masked_mean
 
 POLICY_LOSS_TYPES = ("ppo", "gspo")
 
+# OpenRLHF's PolicyLoss clamps the PPO log-ratio to +-20 before exp: exp(20) ~ 5e8 is far outside any clip
+# band, so a clamped token's surrogate is clipped (or dual-clipped, or multiplied by A = 0) and gets zero
+# gradient, whereas exp(100) = inf turns that same token's gradient into inf * 0 = nan.
+MAX_ABS_LOG_RATIO = 20.0
+
 
 def _sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B, T) -> (B, 1): masked mean of the log-ratio per row (0 for empty rows)."""
@@ -50,6 +55,11 @@ def policy_loss(
     Dual clip (Ye et al. 2020, arXiv:1912.09729): for ``A_t < 0`` the loss is capped
     at ``-dual_clip * A_t`` so a huge ratio on a bad token cannot dominate.
 
+    The token log-ratio (``ppo``) and the sequence log-ratio (``gspo``) are clamped to
+    ``[-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO]`` before ``exp``, as OpenRLHF does for ``ppo`` (its
+    ``gspo`` does not clamp; the same bound is used here so one diverged row cannot give NaN either).
+    Inside the bound nothing changes; a token beyond it contributes a finite loss and zero gradient.
+
     Args:
         logprobs: (B, T) current policy log-probs (carries the gradient).
         old_logprobs: (B, T) log-probs of the rollout policy, recomputed by the trainer.
@@ -63,7 +73,8 @@ def policy_loss(
     Returns:
         ``(loss (B, T) fp32, stats)`` with stats ``clip_fraction`` (fraction of
         action tokens whose surrogate is clipped), ``dual_clip_fraction``,
-        ``approx_kl`` (k3 of old vs new, masked mean), ``ratio_mean``.
+        ``ppo_kl_k1`` (masked mean of ``old_logprobs - logprobs``: OpenRLHF's ``ppo_kl``),
+        ``ppo_kl_k3`` (k3 of the same, on the clamped log-ratio), ``ratio_mean``.
     """
     if loss_type not in POLICY_LOSS_TYPES:
         raise ValueError(
@@ -77,12 +88,14 @@ def policy_loss(
     logprobs = fill_masked(logprobs.float(), mask)
     old_logprobs = fill_masked(old_logprobs.float(), mask)
     advantages = fill_masked(advantages.float(), mask)
-    log_ratio = logprobs - old_logprobs
+    raw_log_ratio = logprobs - old_logprobs
+    log_ratio = raw_log_ratio.clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
 
     if loss_type == "ppo":
         ratio = torch.exp(log_ratio)
     else:
-        seq_log_ratio = _sequence_log_ratio(log_ratio, mask).detach()
+        seq_log_ratio = _sequence_log_ratio(raw_log_ratio, mask).detach()
+        seq_log_ratio = seq_log_ratio.clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
         # Value equals s_i; d/dlogprobs_t = s_i (token-level gradient of GSPO-token).
         ratio = torch.exp(seq_log_ratio + logprobs - logprobs.detach())
 
@@ -104,7 +117,9 @@ def policy_loss(
         stats = {
             "clip_fraction": masked_mean(is_clipped.float(), mask),
             "dual_clip_fraction": masked_mean(is_dual_clipped.float(), mask),
-            "approx_kl": masked_mean(torch.expm1(-log_ratio) + log_ratio, mask),
+            # Named by estimator: OpenRLHF logs k1 as ``ppo_kl``; k3 is the lower-variance one.
+            "ppo_kl_k1": masked_mean(-raw_log_ratio, mask),
+            "ppo_kl_k3": masked_mean(torch.expm1(-log_ratio) + log_ratio, mask),
             "ratio_mean": masked_mean(ratio, mask),
         }
     return loss, stats

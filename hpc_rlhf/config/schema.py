@@ -51,7 +51,8 @@ class ActorConfig(TrainedRole):
 
 class CriticConfig(TrainedRole):
     learning_rate: float = Field(9e-6, gt=0)
-    value_head_prefix: str = "score"
+    value_head_prefix: str = Field(
+        "score", description="checkpoint name of the value head (OpenRLHF: value_head); fresh head when absent")
 
 
 class RefConfig(ModelRole):
@@ -59,12 +60,14 @@ class RefConfig(ModelRole):
 
 
 class RewardConfig(ModelRole):
-    value_head_prefix: str = "score"
+    value_head_prefix: str = Field("score", description="checkpoint name of the reward model's value head")
     reward_func_path: str | None = Field(None, description="Python file defining reward_func(queries, prompts, labels)")
     remote_url: list[str] = Field(default_factory=list, description="OpenRLHF /get_reward servers")
     remote_timeout_s: float = Field(60.0, gt=0)
     remote_max_retries: int = Field(3, ge=0)
-    normalize: bool = False
+    normalize: bool = Field(
+        False, description="reward model: (score - reward_mean) / reward_std from its config.json (OpenRLHF's "
+        "--normalize_reward)")
 
 
 class RolloutConfig(Section):
@@ -159,10 +162,10 @@ class AlgoConfig(Section):
         "token_mean"
     )
     entropy_loss_coef: float = Field(0.0, ge=0)
-    aux_loss_coef: float = Field(0.0, ge=0)
     no_advantage_std_norm: bool = False
-    reward_clip_range: tuple[float, float] | None = None
-    normalize_reward: bool = False
+    reward_clip_range: tuple[float, float] | None = Field(
+        None, description="clamp on the sequence rewards after group shaping (OpenRLHF's order)")
+    normalize_reward: bool = Field(False, description="running mean/std normalisation of the rewards")
     is_correction: Literal["none", "tis", "icepop", "seq_mask_tis"] = "none"
     is_truncation: tuple[float, float] = (0.5, 2.0)
     dynamic_filtering: bool = False
@@ -289,6 +292,17 @@ class RunConfig(Section):
             raise ValueError(
                 f"algo.advantage_estimator={self.algo.advantage_estimator} needs a group per prompt: "
                 "set rollout.n_samples_per_prompt >= 2"
+            )
+        if self.algo.advantage_estimator in GROUP_ESTIMATORS and self.algo.gamma != 1.0:
+            raise ValueError(
+                f"algo.advantage_estimator={self.algo.advantage_estimator} needs algo.gamma=1 (its baseline is a "
+                f"sequence-level group reward; OpenRLHF forces gamma to 1 for it), got {self.algo.gamma}"
+            )
+        if self.reward.normalize and not self.needs_reward_model:
+            raise ValueError(
+                "reward.normalize=true applies the reward model's reward_mean / reward_std and needs reward.pretrain "
+                "as the scorer (no reward.remote_url or reward.reward_func_path; a remote server normalises with "
+                "serve_rm --normalize)"
             )
         if self.train.async_train and self.train.colocate_all:
             raise ValueError(

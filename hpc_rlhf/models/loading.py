@@ -1,10 +1,13 @@
 """Load the models of each role from local HF folders (their forwards: ``hpc_rlhf.models.forward``).
 
 The critic and the reward model are ``AutoModelForSequenceClassification`` with one label: their linear
-head is called ``score`` like OpenRLHF's value head, so a reward model trained elsewhere loads as is.
+head is called ``score`` in memory; a checkpoint whose head has another name (OpenRLHF's ``value_head``)
+loads through ``value_head_prefix``.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from transformers import (
@@ -18,6 +21,7 @@ from transformers import (
 # resolve_attn_implementation is re-exported: the trainers import it from here.
 from hpc_rlhf.models.kernels import apply_liger_kernel, resolve_attn_implementation  # noqa: F401
 from hpc_rlhf.models.quantization import bnb_4bit_load_kwargs, keep_cpu_numerics_exact
+from hpc_rlhf.models.value_head import check_value_head
 
 
 def load_tokenizer(path: str | None, key: str) -> PreTrainedTokenizerBase:
@@ -51,11 +55,23 @@ def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sd
 
 
 def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa",
-                     use_liger_kernel: bool = False, load_in_4bit: bool = False) -> PreTrainedModel:
+                     use_liger_kernel: bool = False, load_in_4bit: bool = False, value_head_prefix: str = "score",
+                     require_head: bool = False, key: str = "value_head_prefix") -> PreTrainedModel:
     """A critic or reward model: base transformer + linear ``score`` head with one output (kept in full
-    precision under ``load_in_4bit``: bitsandbytes skips the modules transformers marks as heads)."""
+    precision under ``load_in_4bit``: bitsandbytes skips the modules transformers marks as heads).
+
+    ``value_head_prefix``: the head's name in the checkpoint, loaded into ``score`` (renamed while the
+    weights load, so it works under ZeRO-3's partitioned init too). A name other than ``score`` must exist
+    in the checkpoint, and so must ``score`` with ``require_head``; otherwise a missing ``score`` head starts
+    fresh, as a critic initialised from a causal LM needs. ``key``: the option named in errors.
+    """
+    kwargs = {}
+    if value_head_prefix != "score" or require_head:
+        check_value_head(path, value_head_prefix, key)
+    if value_head_prefix != "score":
+        kwargs["key_mapping"] = {rf"^{re.escape(value_head_prefix)}\.": "score."}
     model = _from_pretrained(AutoModelForSequenceClassification, path, dtype, attn_implementation, use_liger_kernel,
-                             load_in_4bit, num_labels=1)
+                             load_in_4bit, num_labels=1, **kwargs)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     return model

@@ -11,9 +11,8 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from hpc_rlhf.config.schema import RunConfig
+from hpc_rlhf.config.schema import ModelRole, RunConfig
 
 # The projections of a Llama / Qwen / Mistral decoder layer, by module name (what peft's target_modules match).
 LAYER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -127,7 +126,7 @@ def count_params_from_hf_config(cfg: dict) -> int:
     return ModelShape.from_hf_config(cfg).num_params
 
 
-def local_hf_config(section: Any) -> dict | None:
+def local_hf_config(section: ModelRole) -> dict | None:
     """The ``config.json`` of a config section's ``pretrain`` when it is a local folder, else None."""
     if section.pretrain is not None:
         path = Path(section.pretrain) / "config.json"
@@ -136,7 +135,7 @@ def local_hf_config(section: Any) -> dict | None:
     return None
 
 
-def section_num_params(section: Any) -> int | None:
+def section_num_params(section: ModelRole) -> int | None:
     """A config section's model size: its ``num_params_b``, else the count of its local config.json; None if
     it has neither."""
     if section.num_params_b is not None:

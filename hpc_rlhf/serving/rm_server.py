@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import socket
 import threading
 import time
@@ -40,9 +39,9 @@ import torch
 from fastapi import FastAPI, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-log = logging.getLogger(__name__)
+from hpc_rlhf.models.value_head import ValueHeadError, read_reward_normalization
 
-NORMALIZE_KEYS = ("reward_mean", "reward_std")
+log = logging.getLogger(__name__)
 
 
 class RewardServerError(RuntimeError):
@@ -50,73 +49,6 @@ class RewardServerError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------------------------- scoring
-
-
-def read_normalization(model_path: str | Path) -> tuple[float, float]:
-    """``(reward_mean, reward_std)`` from ``config.json``, or an error naming the file and keys."""
-    config_file = Path(model_path) / "config.json"
-    config = json.loads(config_file.read_text())
-    missing = [k for k in NORMALIZE_KEYS if config.get(k) is None]
-    if missing:
-        raise RewardServerError(
-            f"--normalize needs {' and '.join(NORMALIZE_KEYS)} in {config_file}; missing {missing}. "
-            "The RM trainer stores them; add them by hand or serve without --normalize.")
-    mean, std = config["reward_mean"], config["reward_std"]
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (mean, std)) \
-            or std <= 0:
-        raise RewardServerError(f"{config_file}: reward_mean={mean!r} and reward_std={std!r} must be finite "
-                                "numbers with reward_std > 0")
-    return float(mean), float(std)
-
-
-def _checkpoint_tensor_names(model_path: Path) -> set[str] | None:
-    """Tensor names in the safetensors files of a folder; None when it holds no safetensors."""
-    files = sorted(model_path.glob("*.safetensors"))
-    if not files:
-        return None
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            names.update(handle.keys())
-    return names
-
-
-def _load_head(model: Any, model_path: Path, prefix: str) -> None:
-    """Make sure ``model.score`` holds the checkpoint's value head ``<prefix>.weight``.
-
-    With ``prefix == "score"`` transformers loaded it already; we only check it exists, because a
-    missing head is silently initialised at random (scores would be noise). Another prefix (e.g.
-    OpenRLHF's ``value_head``) is copied into ``score`` by hand.
-    """
-    names = _checkpoint_tensor_names(model_path)
-    if names is None:
-        log.warning("%s has no safetensors files; cannot verify that the value head %r was loaded",
-                    model_path, prefix)
-        return
-    if f"{prefix}.weight" not in names:
-        heads = sorted(n for n in names if n.endswith(".weight") and "." not in n[: -len(".weight")])
-        raise RewardServerError(
-            f"{model_path} holds no value head {prefix}.weight (top-level weights: {heads}); "
-            "is this a reward model? Pass --value_head_prefix to name its head.")
-    if prefix == "score":
-        return
-    from safetensors import safe_open
-
-    for file in sorted(model_path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                if name.startswith(prefix + "."):
-                    param = getattr(model.score, name[len(prefix) + 1:], None)
-                    if param is None:
-                        raise RewardServerError(f"{model_path}: {name} has no counterpart in the score head")
-                    tensor = handle.get_tensor(name)
-                    if tensor.shape != param.shape:
-                        raise RewardServerError(
-                            f"{model_path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-                    with torch.no_grad():
-                        param.copy_(tensor.to(param.dtype))
 
 
 class RewardScorer:
@@ -141,7 +73,11 @@ class RewardScorer:
             raise ValueError(f"max_len and batch_size must be >= 1, got {max_len} and {batch_size}")
         # Normalisation stats first: a missing key fails before minutes of weight loading.
         self.normalize = normalize
-        self.reward_mean, self.reward_std = read_normalization(self.model_path) if normalize else (0.0, 1.0)
+        try:
+            self.reward_mean, self.reward_std = (read_reward_normalization(self.model_path, "--normalize")
+                                                 if normalize else (0.0, 1.0))
+        except ValueHeadError as err:
+            raise RewardServerError(str(err)) from None
         self.max_len = max_len
         self.batch_size = batch_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -149,9 +85,13 @@ class RewardScorer:
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         self.tokenizer.truncation_side = "left"
-        self.model = load_value_model(str(self.model_path), resolve_dtype(param_dtype, on_gpu),
-                                      resolve_attn_implementation("auto", on_gpu))
-        _load_head(self.model, self.model_path, value_head_prefix)
+        try:
+            self.model = load_value_model(str(self.model_path), resolve_dtype(param_dtype, on_gpu),
+                                          resolve_attn_implementation("auto", on_gpu),
+                                          value_head_prefix=value_head_prefix, require_head=True,
+                                          key="--value_head_prefix")
+        except ValueHeadError as err:
+            raise RewardServerError(str(err)) from None
         self.model.to(self.device).eval()
         pad_id = self.tokenizer.pad_token_id
         self.pad_id = pad_id if pad_id is not None else self.model.config.pad_token_id

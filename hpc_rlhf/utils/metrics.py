@@ -1,8 +1,9 @@
 """Step metrics: ``metrics.jsonl`` (always), TensorBoard (``logger.use_tensorboard``, on by default) and
 wandb (``logger.use_wandb``).
 
-Only the controller (rank 0) writes. Each step is one JSON object on one line, flushed at once, so a
-crashed run keeps every completed step.
+Only the controller (rank 0) writes. Each logged step is one JSON object on one line, flushed at once, so
+a crashed run keeps every logged step. Trainers log every ``logger.logging_steps`` steps and the last
+one (:func:`is_logging_step`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from hpc_rlhf.config.schema import LoggerConfig
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
+
+
+def is_logging_step(step: int, num_steps: int, logging_steps: int) -> bool:
+    """Whether step ``step`` (1-based) of ``num_steps`` is written: every ``logging_steps``-th, as OpenRLHF's
+    ``--logging_steps``, and the last one so a run always ends with its final numbers."""
+    return step % logging_steps == 0 or step == num_steps
 
 
 class PhaseTimer:

@@ -89,7 +89,8 @@ def _disaggregated(rank, world_size, overrides):
 def test_disaggregated_4_ranks_syncs_weights_to_rollout(assets, tmp_path):
     overrides = grpo_overrides(
         assets, tmp_path, "train.colocate_all=false", "actor.num_ranks=2", "ref.num_ranks=1",
-        "rollout.num_engines=1", "algo.kl.init_coef=0.01", "algo.kl.use_loss=true", "train.max_steps=3")
+        "rollout.num_engines=1", "algo.kl.init_coef=0.01", "algo.kl.use_loss=true", "train.max_steps=3",
+        "logger.logging_steps=2")
     results = run_on_ranks(_disaggregated, 4, overrides)
     assert [r["roles"] for r in results] == [["actor"], ["actor"], ["ref"], ["rollout"]]
     rollout = results[3]
@@ -110,7 +111,8 @@ def test_disaggregated_4_ranks_syncs_weights_to_rollout(assets, tmp_path):
                 break
     assert rollout["generated"] == ids[0, len(prompt):].tolist()
     rows = read_metrics(tmp_path)
-    assert len(rows) == 3 and "kl_loss" in rows[-1]
+    assert [r["step"] for r in rows] == [2, 3]  # every logger.logging_steps-th step and the last
+    assert "kl_loss" in rows[-1]
 
 
 @pytest.mark.parametrize("ring_attn_size", [1, 2], ids=["unsplit", "ring2"])

@@ -7,6 +7,7 @@ import torch
 
 from hpc_rlhf.algos import (
     ESTIMATORS,
+    GROUP_ESTIMATORS,
     compute_advantages,
     discounted_returns,
     gae_advantages,
@@ -172,7 +173,7 @@ def test_group_norm_without_std_equals_dr_grpo():
     torch.testing.assert_close(a, b)
 
 
-def test_reward_clipping_applies_before_shaping():
+def test_reward_clipping_clips_the_shaped_rewards():
     mask = torch.ones(2, 1, dtype=torch.bool)
     advantages, _ = compute_advantages(
         "dr_grpo", torch.tensor([-10.0, 3.0]), mask, 2, reward_clip_range=(-1.0, 1.0)
@@ -214,7 +215,8 @@ def test_permuting_prompt_groups_permutes_outputs(estimator):
     mask = random_mask(batch, num_positions, g)
     values = torch.randn(batch, num_positions, generator=g)
     kl = torch.rand(batch, num_positions, generator=g)
-    kwargs = dict(kl=kl, kl_coef=0.05, gamma=0.99, lambd=0.95)
+    gamma = 1.0 if estimator in GROUP_ESTIMATORS else 0.99  # group estimators refuse discounting
+    kwargs = dict(kl=kl, kl_coef=0.05, gamma=gamma, lambd=0.95)
     advantages, returns = compute_advantages(estimator, rewards, mask, n, values=values, **kwargs)
 
     group_order = torch.tensor([2, 0, 3, 1])
@@ -238,8 +240,9 @@ def test_masked_values_and_kl_cannot_leak(estimator, poison):
     def run(values_in, kl_in):
         values_in = values_in.clone().requires_grad_(True)
         kl_in = kl_in.clone().requires_grad_(True)
+        gamma = 1.0 if estimator in GROUP_ESTIMATORS else 0.9
         advantages, returns = compute_advantages(estimator, rewards, mask, 2, values=values_in,
-                                                 kl=kl_in, kl_coef=0.1, gamma=0.9, lambd=0.9)
+                                                 kl=kl_in, kl_coef=0.1, gamma=gamma, lambd=0.9)
         (advantages.square().sum() + returns.sum()).backward()
         return advantages, returns, values_in.grad, kl_in.grad
 

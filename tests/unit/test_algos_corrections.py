@@ -45,8 +45,9 @@ def test_seq_mask_tis_drops_whole_sequences_by_geometric_mean():
 def test_rollout_kl_diagnostic_by_hand():
     mask = torch.tensor([[1, 1]], dtype=torch.bool)
     _, stats = weights_for([[2.0, 1.0]], mask, "tis")
-    # k3 with ratio pi_old / pi_rollout = 2 on one token, 1 on the other.
-    assert stats["rollout_kl"].item() == pytest.approx((2 - 1 - LOG(2)) / 2)
+    # ratio pi_old / pi_rollout = 2 on one token, 1 on the other: k1 = mean(log pi_rollout - log pi_old).
+    assert stats["rollout_kl_k1"].item() == pytest.approx(-LOG(2) / 2)
+    assert stats["rollout_kl_k3"].item() == pytest.approx((2 - 1 - LOG(2)) / 2)
 
 
 @pytest.mark.parametrize("mode", CORRECTION_MODES)

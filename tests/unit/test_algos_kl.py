@@ -36,16 +36,18 @@ def test_k3_is_non_negative_and_zero_only_at_equality():
     assert (kl_estimate(logprobs, logprobs, mask, "k3") == 0).all()
 
 
-def test_log_ratio_is_clamped_and_k3_stays_finite():
+def test_estimate_is_clamped_and_k3_stays_finite():
     logprobs = torch.tensor([[0.0, -200.0, 0.0]])
     ref_logprobs = torch.tensor([[-15.0, 0.0, 0.0]])
     torch.testing.assert_close(kl_estimate(logprobs, ref_logprobs, MASK, "k1"),
                                torch.tensor([[10.0, -10.0, 0.0]]))
+    # k3(15) = 14 + e^-15 and k3(-200) = e^200 - 201 are both above the bound of 10 (OpenRLHF's value clamp).
     k3 = kl_estimate(logprobs, ref_logprobs, MASK, "k3")
-    expected_k3 = [[math.exp(-10) - 1 + 10, math.exp(10) - 1 - 10, 0.0]]
-    torch.testing.assert_close(k3, torch.tensor(expected_k3))
-    unclamped = kl_estimate(logprobs, ref_logprobs, MASK, "k1", log_ratio_clamp=None)
+    torch.testing.assert_close(k3, torch.tensor([[10.0, 10.0, 0.0]]))
+    unclamped = kl_estimate(logprobs, ref_logprobs, MASK, "k1", value_clamp=None)
     torch.testing.assert_close(unclamped, torch.tensor([[15.0, -200.0, 0.0]]))
+    inside = kl_estimate(torch.tensor([[-1.0, -3.0]]), torch.tensor([[-3.0, -1.0]]), MASK[:, :2], "k3", value_clamp=20)
+    torch.testing.assert_close(inside, torch.tensor([[math.exp(-2) + 1, math.exp(2) - 3]]))
 
 
 def test_low_precision_inputs_are_computed_in_fp32():

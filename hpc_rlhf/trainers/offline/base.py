@@ -41,7 +41,7 @@ from hpc_rlhf.data.prompts import PromptStream
 from hpc_rlhf.engines.deepspeed_engine import FrozenEngine, TrainEngine, gradient_accumulation_steps
 from hpc_rlhf.models.loading import load_causal_lm, load_tokenizer, resolve_attn_implementation
 from hpc_rlhf.models.precision import resolve_dtype
-from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
+from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer, is_logging_step
 from hpc_rlhf.utils.seeding import seed_everything
 from hpc_rlhf.world.groups import comm_device, tensor_data_parallel_groups
 from hpc_rlhf.world.preemption import preemption_guard, requeue_if_enabled
@@ -228,7 +228,7 @@ class SupervisedTrainer:
 
     def _log(self, step: int, row: dict[str, Any]) -> dict[str, Any]:
         row = {k: v for k, v in row.items() if v is not None}
-        if self.metrics is not None and (step % self.cfg.logger.logging_steps == 0 or step == self.num_steps
+        if self.metrics is not None and (is_logging_step(step, self.num_steps, self.cfg.logger.logging_steps)
                                          or any(k.startswith("eval_") for k in row)):
             self.metrics.log(step, row)
         if self.rank == 0:

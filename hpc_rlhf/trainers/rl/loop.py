@@ -36,7 +36,7 @@ from hpc_rlhf.trainers.rl.controller_steps import (
 )
 from hpc_rlhf.trainers.rl.experience import cat_rows, pack_trajectories, split_rows, take_rows
 from hpc_rlhf.trainers.rl.workers import Batching, forward_logprobs, forward_values, train_actor, train_critic
-from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
+from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer, is_logging_step
 from hpc_rlhf.utils.seeding import seed_everything
 from hpc_rlhf.utils.watchdog import STALL_EXIT_CODE, Watchdog
 from hpc_rlhf.world.channel import broadcast_to_role, gather_from_role, scatter_to_role
@@ -96,7 +96,8 @@ class PPOTrainer:
             if self.world.is_controller:
                 row = {**row, **timer.metrics(), "kl_coef": self.data.kl_controller.value}
                 self.data.after_step(row)
-                self.metrics.log(step, row)
+                if is_logging_step(step, self.num_steps, self.cfg.logger.logging_steps):
+                    self.metrics.log(step, row)
                 history.append(row)
                 progress.set_postfix(reward=f"{row['reward']:.3f}", refresh=False)
             progress.update(1)

@@ -24,6 +24,7 @@ from hpc_rlhf.models.loading import (
 )
 from hpc_rlhf.models.micro_forward import SequenceParallel, forward_scope
 from hpc_rlhf.models.precision import resolve_dtype
+from hpc_rlhf.models.value_head import read_reward_normalization
 from hpc_rlhf.world.groups import WorldGroups
 
 
@@ -105,10 +106,14 @@ class RolloutSide:
 
 
 class RewardModelRole:
-    """The reward-model role: a frozen sequence scorer (value head ``score``)."""
+    """The reward-model role: a frozen sequence scorer (value head loaded into ``score``).
 
-    def __init__(self, engine: Any, micro_batch_size: int) -> None:
-        self.engine, self.micro = engine, micro_batch_size
+    ``normalization``: ``(reward_mean, reward_std)`` stored with the reward model (``reward.normalize``, as
+    OpenRLHF's ``--normalize_reward``): scores become ``(score - mean) / std``; None keeps raw scores.
+    """
+
+    def __init__(self, engine: Any, micro_batch_size: int, normalization: tuple[float, float] | None = None) -> None:
+        self.engine, self.micro, self.normalization = engine, micro_batch_size, normalization
 
     @torch.no_grad()
     def scores(self, shard: dict[str, torch.Tensor], sp: SequenceParallel | None = None) -> torch.Tensor:
@@ -120,7 +125,11 @@ class RewardModelRole:
             rows = {k: shard[k][i : i + m] for k in ("sequences", "attention_mask")}
             with forward_scope(self.engine, rows, sp=sp) as fwd:
                 scores.append(fwd.sequence_scores())
-        return torch.cat(scores)
+        scores = torch.cat(scores)
+        if self.normalization is not None:
+            mean, std = self.normalization
+            scores = (scores - mean) / std
+        return scores
 
 
 @dataclass
@@ -192,8 +201,10 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
                              f"{cfg.train.micro_train_batch_size}")
         if world.has_role(role):
             path = getattr(cfg, role).pretrain or cfg.actor.pretrain
+            head = cfg.critic.value_head_prefix
             factory = (lambda p=path: load_causal_lm(p, dtype, attn, liger, q4)) if role == "actor" else \
-                (lambda p=path: load_value_model(p, dtype, attn, liger, q4))
+                (lambda p=path: load_value_model(p, dtype, attn, liger, q4, value_head_prefix=head,
+                                                 key="critic.value_head_prefix"))
             # DeepSpeed counts every rank of its group (dp x sp) as a replica; sp peers share a micro-batch.
             engine = TrainEngine.create(
                 factory, cfg.ds, getattr(cfg, role),
@@ -209,12 +220,15 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
                                         dp_group=world.roles["ref"].dp_sp_group, tp_group=world.roles["ref"].tp_group,
                                         on_gpu=on_gpu)
     if world.has_role("reward"):
-        path = cfg.reward.pretrain
-        engine = FrozenEngine.create(lambda: load_value_model(path, dtype, attn, liger), cfg.ds, cfg.reward,
+        path, head = cfg.reward.pretrain, cfg.reward.value_head_prefix
+        # Statistics first: a missing key fails before the weights load.
+        normalization = read_reward_normalization(path, "reward.normalize") if cfg.reward.normalize else None
+        engine = FrozenEngine.create(lambda: load_value_model(path, dtype, attn, liger, value_head_prefix=head,
+                                                              key="reward.value_head_prefix"), cfg.ds, cfg.reward,
                                      micro_batch_size=cfg.rollout.micro_rollout_batch_size,
                                      dp_group=world.roles["reward"].dp_sp_group,
                                      tp_group=world.roles["reward"].tp_group, on_gpu=on_gpu)
-        roles.reward = RewardModelRole(engine, cfg.rollout.micro_rollout_batch_size)
+        roles.reward = RewardModelRole(engine, cfg.rollout.micro_rollout_batch_size, normalization)
     return roles
 
 
