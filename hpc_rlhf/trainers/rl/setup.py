@@ -29,6 +29,7 @@ from hpc_rlhf.world.groups import WorldGroups
 
 
 log = logging.getLogger(__name__)
+_REFILL_EPISODES = 1_000_000  # passes the refill stream may make over the data: never the limit in practice
 
 
 class SetupError(ValueError):
@@ -65,6 +66,9 @@ class ControllerState:
         dataset = PromptDataset.from_config(cfg.data, tokenizer, seed=cfg.train.seed)
         self.stream = PromptStream(dataset, cfg.rollout.rollout_batch_size, seed=cfg.train.seed,
                                    num_episodes=cfg.train.num_episodes)
+        # DAPO refill rounds draw from their own endless stream, so the step count above stays exact.
+        self.refill_stream = PromptStream(dataset, cfg.rollout.rollout_batch_size, seed=cfg.train.seed + 1,
+                                          num_episodes=_REFILL_EPISODES)
         self.num_steps = self.stream.num_batches
         if cfg.train.max_steps is not None:
             self.num_steps = min(self.num_steps, cfg.train.max_steps)
@@ -76,6 +80,10 @@ class ControllerState:
 
     def next_prompts(self) -> list:
         return self.stream.next_batch()
+
+    def refill_prompts(self) -> list:
+        """Prompts for a dynamic-filtering refill round (``rollout.dynamic_filtering_max_rounds``)."""
+        return self.refill_stream.next_batch()
 
     def normalized_rewards(self, rewards: torch.Tensor) -> torch.Tensor:
         """(B,) sequence rewards -> the same after the running normaliser (updated with them first) when
@@ -169,6 +177,30 @@ def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool) -> RolloutEngi
     model = load_causal_lm(cfg.actor.pretrain, dtype, resolve_attn_implementation(cfg.ds.attn_implementation, on_gpu))
     return TransformersRolloutEngine(model.to(device).eval(), eos_token_id=tokenizer.eos_token_id,
                                      pad_token_id=tokenizer.pad_token_id, device=device)
+
+
+def check_agent_loads(cfg: RunConfig, tokenizer: Any, rank: int) -> None:
+    """Collective: rank 0 loads the agent file once before any rank builds its executor, so a broken file is
+    reported once, with its traceback, by rank 0; the other ranks exit with a one-line pointer to it."""
+    if not cfg.train.agent_func_path:
+        return
+    import torch.distributed as dist
+
+    from hpc_rlhf.agents.agent_loader import AgentLoadError
+
+    error = None
+    if rank == 0:
+        try:
+            _executor(cfg, tokenizer)
+        except AgentLoadError as err:
+            error = err
+    box = [None if error is None else str(error).splitlines()[0]]
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if box[0] is not None:
+        raise SystemExit(f"rank {rank}: the agent file {cfg.train.agent_func_path} (train.agent_func_path) did not "
+                         "load; rank 0 printed the error and its traceback")
 
 
 def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
