@@ -68,9 +68,10 @@ longer than ``step_timeout_s`` ends only its episode: reward 0.0, ``extra_logs["
 ``finish_reason`` ``"agent_error"`` / ``"agent_timeout"``, ``truncated=False``. Its tokens are kept
 but with ``action_mask`` 0 (``train_on_failed_episodes = False``), so an environment failure does
 not push the policy away from what it generated. Each failure is logged with its cause and counted
-in ``executor.last_run_stats``. Timed-out tasks are cancelled and never awaited, so an agent that
-ignores cancellation cannot hang the run. ``async`` methods must not block the loop; plain ``def``
-methods run in worker threads (they cannot be interrupted, only abandoned, on timeout).
+in ``executor.last_run_stats``. Agent code never runs on the executor's own loop
+(``utils.user_calls``): ``async`` methods run on a private loop in a daemon thread, plain ``def`` methods
+in daemon threads, so a timeout holds even for blocking code inside ``async def``, a timed-out call is
+abandoned (never joined), and a hung call cannot keep the process alive when training ends.
 """
 
 from __future__ import annotations
