@@ -182,6 +182,8 @@ class RewardFunction:
         self.timeout_s = timeout_s
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
+        if self.timeout_s is None:  # in the caller's thread, e.g. for code that relies on signal.alarm
+            return self.func(*args, **kwargs)
         try:
             return call_in_thread(self.func, *args, timeout_s=self.timeout_s, what=f"reward_func in {self.path}",
                                   **kwargs)

@@ -64,8 +64,9 @@ class RewardConfig(ModelRole):
     remote_url: list[str] = Field(default_factory=list, description="OpenRLHF /get_reward servers")
     remote_timeout_s: float = Field(60.0, gt=0)
     remote_max_retries: int = Field(3, ge=0)
-    reward_func_timeout_s: float = Field(
-        300.0, gt=0, description="limit for one reward_func call; a call past it is abandoned and the run stops")
+    reward_func_timeout_s: float | None = Field(
+        300.0, gt=0, description="limit for one reward_func call (run in a worker thread); null: no limit, "
+        "called in the main thread (for functions that use signal.alarm)")
     normalize: bool = False
 
 

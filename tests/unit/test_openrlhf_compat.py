@@ -200,3 +200,13 @@ def test_refill_helpers_and_the_cap_to_one_step():
     merged = append_groups(uniform, more)
     assert [t.group_index for t in merged] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert len(select_samples(merged, cfg)) == 4
+
+
+def test_reward_function_without_timeout_runs_in_the_calling_thread(tmp_path):
+    path = _write(tmp_path, "thread_name.py", """
+        import threading
+        def reward_func(queries, prompts, labels):
+            return [float(threading.current_thread() is threading.main_thread())] * len(queries)
+    """)
+    assert RewardFunction(path, timeout_s=None)(["q"], ["p"]).rewards.tolist() == [1.0]
+    assert RewardFunction(path, timeout_s=5)(["q"], ["p"]).rewards.tolist() == [0.0]
