@@ -1,24 +1,24 @@
 """Load a user agent file (``train.agent_func_path``) into an ``AgentExecutor``.
 
-The file defines, in OpenRLHF's format (only the import changes)::
+Every file shape OpenRLHF has documented loads; only the ``openrlhf`` import changes to
+``hpc_rlhf.agents.multi_turn`` (see ``docs/agents_from_openrlhf.md`` for a minimal example of each):
 
-    from hpc_rlhf.agents.multi_turn import AgentInstanceBase, MultiTurnAgentExecutor
-
-    class AgentInstance(AgentInstanceBase): ...          # async reset(states) / step(states)
-    class AgentExecutor(MultiTurnAgentExecutor): pass    # or __init__ calling super().__init__(AgentInstance)
-
-Accepted shapes:
-
-* ``AgentExecutor`` subclassing ``MultiTurnAgentExecutor``: built with no arguments (as OpenRLHF
-  does), its ``agent_instance_cls`` taken from the file's ``AgentInstance`` when its ``__init__``
-  did not set one, then configured with the token budgets below.
+* ``AgentInstance`` + ``AgentExecutor(MultiTurnAgentExecutor)``: the executor is built with the arguments
+  its ``__init__`` names (none, as in OpenRLHF, or ``agent_instance_cls``), its ``agent_instance_cls`` taken
+  from the file's ``AgentInstance`` when its ``__init__`` did not set one, then configured with the budgets.
 * only ``AgentInstance``: run by a plain ``MultiTurnAgentExecutor``.
+* ``AgentExecutor(AgentExecutorBase)`` with OpenRLHF's ``__init__(self, max_steps, max_length, llm_engine,
+  hf_tokenizer, result_queue)``: those arguments are supplied (``llm_engine`` / ``result_queue`` are None);
+  an ``execute`` override is honoured when it wraps ``super().execute(...)``.
+* function style: module-level ``step(state, action, label, **kwargs)`` (+ optional ``reset``), run through
+  ``function_agent.function_agent_class``.
 * ``AgentExecutor`` subclassing the base ``hpc_rlhf.agents.executor.AgentExecutor`` (advanced: your
   own ``run()``): built as ``AgentExecutor(tokenizer, prompt_max_len, **settings)``, where settings
-  are those of ``max_len``, ``max_turns``, ``num_concurrent``, ``step_timeout_s`` its ``__init__``
-  accepts.
+  are those of ``max_len``, ``max_turns``, ``num_concurrent``, ``step_timeout_s``, ``agent_kwargs`` its
+  ``__init__`` accepts.
 
-Every problem raises ``AgentLoadError`` naming the file.
+``train.agent_kwargs`` go to ``AgentInstance(...)`` and ``reset(...)`` (the names their signatures accept).
+Every problem raises ``AgentLoadError`` naming the file and what to change.
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ import traceback
 from typing import Any
 
 from hpc_rlhf.agents.executor import AgentExecutor
+from hpc_rlhf.agents.function_agent import function_agent_class, is_function_style
 from hpc_rlhf.agents.multi_turn import MultiTurnAgentExecutor
 from hpc_rlhf.utils.user_code import UserCodeImportError, import_user_file
 
 _IMPORT_HINT = ("write `from hpc_rlhf.agents.multi_turn import AgentInstanceBase, MultiTurnAgentExecutor` "
-                "(instead of `from openrlhf.utils.agent import ...`)")
+                "(or AgentExecutorBase) instead of `from openrlhf.utils.agent import ...`")
 
 
 class AgentLoadError(RuntimeError):
@@ -68,31 +69,79 @@ def _check_instance_cls(cls: Any, path: str) -> None:
                              f"subclass AgentInstanceBase ({_IMPORT_HINT})", path=path)
 
 
+def _constructor_args(cls: type, supplied: dict[str, Any], path: str) -> dict[str, Any]:
+    """The arguments ``cls.__init__`` names, from ``supplied``; an error for any other required one."""
+    if cls.__init__ is object.__init__:
+        return {}
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]  # drop self
+    kwargs: dict[str, Any] = {}
+    missing = []
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.name in supplied:
+            kwargs[p.name] = supplied[p.name]
+        elif p.default is inspect.Parameter.empty:
+            missing.append(p.name)
+    if missing:
+        raise AgentLoadError(
+            f"{path}: AgentExecutor.__init__ requires {missing}, which the trainer cannot supply; it can pass "
+            f"{sorted(supplied)} (OpenRLHF's max_steps, max_length, llm_engine, hf_tokenizer, result_queue "
+            "included). Give the others defaults or read them from train.agent_kwargs", path=path)
+    return kwargs
+
+
+def _check_execute_override(cls: type, path: str) -> None:
+    """An ``execute`` override must wrap ``super().execute``: generation is the executor's, not the file's."""
+    if cls.execute is MultiTurnAgentExecutor.execute:
+        return
+    try:
+        source = inspect.getsource(cls.execute)
+    except (OSError, TypeError):
+        return  # no source to read: the executor checks at run time
+    if "super(" not in source or ".execute(" not in source:
+        raise AgentLoadError(
+            f"{path}: AgentExecutor.execute is overridden without calling super().execute(prompt, label, "
+            "sampling_params). This trainer generates tokens itself (token in / token out) and gives agent code "
+            "no vLLM engine, so an execute override may only wrap `await super().execute(...)` (changing the "
+            "prompt or label before, or reward/scores/extra_logs of the dict it returns after). Move per-turn "
+            "logic (tool calls, feedback) into AgentInstance.step, or subclass "
+            "hpc_rlhf.agents.executor.AgentExecutor and implement run()", path=path)
+
+
 def load_agent_executor(path: str, tokenizer: Any, prompt_max_len: int, max_len: int | None = None,
                         max_turns: int = 8, num_concurrent: int = 256,
-                        step_timeout_s: float | None = 300.0) -> AgentExecutor:
+                        step_timeout_s: float | None = 300.0,
+                        agent_kwargs: dict[str, Any] | None = None) -> AgentExecutor:
     """The executor defined by the agent file at ``path`` (see the module docstring)."""
     path = os.path.abspath(os.path.expanduser(path))
+    agent_kwargs = dict(agent_kwargs or {})
     module = _import_file(path)
     executor_cls = getattr(module, "AgentExecutor", None)
     instance_cls = getattr(module, "AgentInstance", None)
     if executor_cls is None and instance_cls is None:
-        raise AgentLoadError(
-            f"{path} defines neither AgentInstance nor AgentExecutor: an agent file defines "
-            "`class AgentInstance(AgentInstanceBase)` with async reset(states) / step(states) and "
-            "`class AgentExecutor(MultiTurnAgentExecutor)` (see examples/agents/math_retry_agent.py)", path=path)
+        if not is_function_style(module):
+            raise AgentLoadError(
+                f"{path} defines neither AgentInstance nor AgentExecutor nor a module-level step function: an "
+                "agent file defines `class AgentInstance(AgentInstanceBase)` with async reset(states) / "
+                "step(states) (see examples/agents/math_retry_agent.py), or OpenRLHF's older "
+                "`async def step(state, action, label, **kwargs)` function (docs/agents_from_openrlhf.md)",
+                path=path)
+        instance_cls = function_agent_class(module)
     settings = {"max_len": max_len, "max_turns": max_turns, "num_concurrent": num_concurrent,
                 "step_timeout_s": step_timeout_s}
 
     if executor_cls is not None and not (inspect.isclass(executor_cls) and issubclass(executor_cls, AgentExecutor)):
         raise AgentLoadError(
-            f"{path}: AgentExecutor must subclass hpc_rlhf.agents.multi_turn.MultiTurnAgentExecutor (or, to write "
-            f"run() yourself, hpc_rlhf.agents.executor.AgentExecutor); {_IMPORT_HINT}", path=path)
+            f"{path}: AgentExecutor must subclass hpc_rlhf.agents.multi_turn.MultiTurnAgentExecutor or "
+            "AgentExecutorBase (or, to write run() yourself, hpc_rlhf.agents.executor.AgentExecutor); "
+            f"{_IMPORT_HINT}", path=path)
 
     if executor_cls is not None and not issubclass(executor_cls, MultiTurnAgentExecutor):
         accepted = inspect.signature(executor_cls.__init__).parameters
         takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-        kwargs = {k: v for k, v in settings.items() if takes_all or k in accepted}
+        offered = {**settings, "agent_kwargs": agent_kwargs}
+        kwargs = {k: v for k, v in offered.items() if takes_all or k in accepted}
         try:
             return executor_cls(tokenizer, prompt_max_len, **kwargs)
         except Exception as err:
@@ -101,11 +150,17 @@ def load_agent_executor(path: str, tokenizer: Any, prompt_max_len: int, max_len:
 
     if executor_cls is None:
         executor_cls = MultiTurnAgentExecutor
+    _check_execute_override(executor_cls, path)
+    # What an OpenRLHF executor's __init__ may name; llm_engine / result_queue have no counterpart here.
+    supplied = {"max_steps": max_turns, "max_length": max_len, "llm_engine": None, "hf_tokenizer": tokenizer,
+                "result_queue": None, "tokenizer": tokenizer, "prompt_max_len": prompt_max_len,
+                "agent_instance_cls": instance_cls, "agent_kwargs": agent_kwargs, **settings}
+    kwargs = _constructor_args(executor_cls, supplied, path)
     try:
-        executor = executor_cls()
+        executor = executor_cls(**kwargs)
     except Exception as err:
-        raise AgentLoadError(f"{path}: AgentExecutor() failed: {type(err).__name__}: {err} (it is built with no "
-                             "arguments, as in OpenRLHF)", path=path) from err
+        raise AgentLoadError(f"{path}: AgentExecutor({', '.join(kwargs)}) failed: {type(err).__name__}: {err}",
+                             path=path) from err
     if executor.agent_instance_cls is None:
         if instance_cls is None:
             raise AgentLoadError(
@@ -115,7 +170,8 @@ def load_agent_executor(path: str, tokenizer: Any, prompt_max_len: int, max_len:
         executor.agent_instance_cls = instance_cls
     _check_instance_cls(executor.agent_instance_cls, path)
     try:
-        executor.configure(tokenizer=tokenizer, prompt_max_len=prompt_max_len, **settings)
+        executor.configure(tokenizer=tokenizer, prompt_max_len=prompt_max_len, agent_kwargs=agent_kwargs,
+                           **settings)
     except ValueError as err:
         raise AgentLoadError(f"{path}: {err}", path=path) from err
     return executor

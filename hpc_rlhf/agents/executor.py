@@ -50,6 +50,7 @@ class Trajectory:
     group_index: int = 0  # the prompt's index within the step; samples of one prompt share it
     policy_version: int = 0  # weight syncs the rollout engine had received when this sample started
     token_versions: list[int] | None = None  # per response token, when generation spanned a weight update
+    failure: str | None = None  # why user code ended the episode ("step: ValueError: ..."), None if it did not
 
     @property
     def num_response_tokens(self) -> int:

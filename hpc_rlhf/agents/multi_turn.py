@@ -68,17 +68,17 @@ longer than ``step_timeout_s`` ends only its episode: reward 0.0, ``extra_logs["
 ``finish_reason`` ``"agent_error"`` / ``"agent_timeout"``, ``truncated=False``. Its tokens are kept
 but with ``action_mask`` 0 (``train_on_failed_episodes = False``), so an environment failure does
 not push the policy away from what it generated. Each failure is logged with its cause and counted
-in ``executor.last_run_stats``. Timed-out tasks are cancelled and never awaited, so an agent that
-ignores cancellation cannot hang the run. ``async`` methods must not block the loop; plain ``def``
-methods run in worker threads (they cannot be interrupted, only abandoned, on timeout).
+in ``executor.last_run_stats``. Agent code never runs on the executor's own loop
+(``utils.user_calls``): ``async`` methods run on a private loop in a daemon thread, plain ``def`` methods
+in daemon threads, so a timeout holds even for blocking code inside ``async def``, a timed-out call is
+abandoned (never joined), and a hung call cannot keep the process alive when training ends.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import contextvars
 import dataclasses
-import functools
 import hashlib
 import inspect
 import logging
@@ -93,6 +93,7 @@ from typing import Any
 from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, Trajectory
 from hpc_rlhf.data.prompts import Prompt, tokenize_prompts
 from hpc_rlhf.engines.rollout_base import GenerationRequest, GenerationResult, SamplingParams
+from hpc_rlhf.utils.user_calls import UserCallRunner, UserCallTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -150,9 +151,18 @@ class _Episode:
     truncated: bool = False
     finish_reason: str = ""
     failure: str | None = None  # "agent_error" / "agent_timeout"
+    error: str | None = None  # the failure's phase and message, for the failure limit's report
+    entered: asyncio.Future | None = None  # execute overrides: set when the override reached super().execute
+    done_signal: Any = None  # execute overrides: concurrent.futures.Future set when the episode ends
 
     def end(self, finish_reason: str, truncated: bool = False) -> None:
         self.finished, self.finish_reason, self.truncated = True, finish_reason, truncated
+        if self.done_signal is not None and not self.done_signal.done():
+            self.done_signal.set_result(None)
+
+
+# The episode whose ``execute`` override is running (set on the user loop, read by the base ``execute``).
+_CURRENT_EPISODE: contextvars.ContextVar[_Episode | None] = contextvars.ContextVar("hpc_rlhf_episode", default=None)
 
 
 @dataclass
@@ -184,6 +194,7 @@ class MultiTurnAgentExecutor(AgentExecutor):
     agent_instance_cls: type | None = None
     reward_mode: str = "last"  # or "sum"
     train_on_failed_episodes: bool = False
+    agent_kwargs: dict[str, Any] = {}  # train.agent_kwargs: given to AgentInstance(...) and reset(...)
 
     def __init__(self, agent_instance_cls: type | None = None, tokenizer: Any = None,
                  prompt_max_len: int | None = None, *, max_len: int | None = None, max_turns: int = 8,
@@ -196,13 +207,16 @@ class MultiTurnAgentExecutor(AgentExecutor):
         self.num_concurrent = num_concurrent
         self.step_timeout_s = step_timeout_s
         self.last_run_stats: dict[str, float] = {}
-        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+        self._runner: UserCallRunner | None = None
 
     def configure(self, *, tokenizer: Any, prompt_max_len: int, max_len: int | None = None,
                   max_turns: int | None = None, num_concurrent: int | None = None,
-                  step_timeout_s: float | None | str = "unchanged") -> MultiTurnAgentExecutor:
+                  step_timeout_s: float | None | str = "unchanged",
+                  agent_kwargs: dict[str, Any] | None = None) -> MultiTurnAgentExecutor:
         """Set the run settings after construction (user executors are built with no arguments)."""
         self.tokenizer, self.prompt_max_len, self.max_len = tokenizer, prompt_max_len, max_len
+        if agent_kwargs is not None:
+            self.agent_kwargs = dict(agent_kwargs)
         if max_turns is not None:
             self.max_turns = max_turns
         if num_concurrent is not None:
@@ -254,13 +268,40 @@ class MultiTurnAgentExecutor(AgentExecutor):
 
     # ------------------------------------------------------------------ scheduling
 
+    async def execute(self, prompt: str, label: Any, sampling_params: Any = None, *args: Any, **kwargs: Any) -> dict:
+        """One episode, for OpenRLHF-style ``execute`` overrides that wrap ``super().execute(...)``.
+
+        The executor calls your override once per episode; the base implementation takes the (possibly
+        changed) prompt, label and sampling parameters, lets the executor run the episode token in / token
+        out, and returns ``{"prompt", "label", "reward", "scores", "extra_logs"}``. Whatever of ``reward``,
+        ``scores`` and ``extra_logs`` your override returns in a dict becomes the episode's.
+        """
+        episode = _CURRENT_EPISODE.get()
+        if episode is None or episode.done_signal is None:
+            raise RuntimeError("execute() is called by the executor once per episode; do not call it yourself")
+        if prompt != episode.prompt.text or label != episode.prompt.label:
+            episode.prompt = dataclasses.replace(episode.prompt, text=str(prompt), label=label)
+        if isinstance(sampling_params, SamplingParams):
+            episode.params = sampling_params
+        episode.entered.get_loop().call_soon_threadsafe(_set_if_pending, episode.entered)
+        await asyncio.wrap_future(episode.done_signal)
+        return {"prompt": episode.prompt_text, "label": episode.prompt.label, "reward": episode.reward,
+                "scores": episode.score, "extra_logs": dict(episode.extra_logs)}
+
+    def _overrides_execute(self) -> bool:
+        return type(self).execute is not MultiTurnAgentExecutor.execute
+
     async def _run_episodes(self, episodes: list[_Episode], generate: GenerateFn, stats: _RunStats) -> None:
         waiting, active = deque(episodes), []
+        self._runner = UserCallRunner()
+        overrides: dict[int, asyncio.Future] = {}
         try:
             while waiting or active:
                 admitted = [waiting.popleft() for _ in range(min(len(waiting), self.num_concurrent - len(active)))]
                 if admitted:
-                    await asyncio.gather(*(self._start(episode, stats) for episode in admitted))
+                    if self._overrides_execute():
+                        await asyncio.gather(*(self._enter_execute(e, overrides, stats) for e in admitted))
+                    await asyncio.gather(*(self._start(e, stats) for e in admitted if not e.finished))
                     active += [episode for episode in admitted if not episode.finished]
                 if not active:
                     continue
@@ -268,17 +309,76 @@ class MultiTurnAgentExecutor(AgentExecutor):
                 self._generate_round(active, generate, stats)
                 await asyncio.gather(*(self._step(episode, stats) for episode in active))
                 active = [episode for episode in active if not episode.finished]
+            await asyncio.gather(*(self._leave_execute(e, overrides[e.index], stats)
+                                   for e in episodes if e.index in overrides))
         finally:
-            if self._threads is not None:
-                self._threads.shutdown(wait=False, cancel_futures=True)
-                self._threads = None
+            self._runner.close()
+            self._runner = None
+
+    async def _enter_execute(self, episode: _Episode, overrides: dict[int, asyncio.Future], stats: _RunStats) -> None:
+        """Start the user's ``execute`` override for ``episode`` and wait until it calls ``super().execute``."""
+        import concurrent.futures
+
+        episode.entered = asyncio.get_running_loop().create_future()
+        episode.done_signal = concurrent.futures.Future()
+
+        async def drive() -> Any:
+            _CURRENT_EPISODE.set(episode)
+            return await self.execute(episode.prompt.text, episode.prompt.label, episode.params)
+
+        task = self._runner.submit(drive())
+        overrides[episode.index] = task
+        done, _ = await asyncio.wait({episode.entered, task}, timeout=self.step_timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if episode.entered in done:
+            return
+        episode.prompt_ids = self._tokenize_prompt(episode.prompt.text)
+        episode.prompt_text = episode.prompt.text
+        if task in done:
+            err = task.exception() or AgentOutputError(
+                f"{type(self).__name__}.execute returned without awaiting super().execute(prompt, label, "
+                "sampling_params): generation is the executor's, so execute may only wrap super().execute; "
+                "move custom per-turn logic into AgentInstance.step")
+            self._fail(episode, "execute", err, stats)
+        else:
+            self._fail(episode, "execute", AgentTimeoutError(
+                f"execute did not reach super().execute within step_timeout_s={self.step_timeout_s}"), stats)
+
+    async def _leave_execute(self, episode: _Episode, task: asyncio.Future, stats: _RunStats) -> None:
+        """Let the override finish after ``super().execute`` returned; apply what it returned."""
+        if episode.failure is not None and not task.done():
+            task.cancel()
+            return
+        try:
+            result = await asyncio.wait_for(asyncio.shield(task), self.step_timeout_s)
+        except asyncio.TimeoutError:
+            task.cancel()
+            self._fail(episode, "execute", AgentTimeoutError(
+                f"execute did not return within step_timeout_s={self.step_timeout_s} after its episode ended"),
+                stats)
+            return
+        except Exception as err:  # noqa: BLE001 - any agent failure ends only this episode
+            if episode.failure is None:
+                self._fail(episode, "execute", err, stats)
+            return
+        if isinstance(result, dict) and episode.failure is None:
+            try:
+                if result.get("reward") is not None:
+                    episode.reward = _to_float(result["reward"], "reward")
+                if result.get("scores") is not None:
+                    episode.score = _to_float(result["scores"], "scores")
+                if isinstance(result.get("extra_logs"), dict):
+                    episode.extra_logs = _numeric_logs(result["extra_logs"])
+            except AgentOutputError as err:
+                self._fail(episode, "execute", err, stats)
 
     async def _start(self, episode: _Episode, stats: _RunStats) -> None:
         try:
-            episode.agent = await self._agent_call(_create_agent, self.agent_instance_cls)
+            episode.agent = await self._agent_call(_construct_agent, self.agent_instance_cls, self.agent_kwargs)
             states = {"observation": episode.prompt.text, "label": episode.prompt.label}
             reset = getattr(episode.agent, "reset", None)  # optional for duck-typed agents
-            result = await self._agent_call(reset, states) if reset is not None else states
+            extra = _accepted(reset, self.agent_kwargs) if reset is not None else {}
+            result = await self._agent_call(reset, states, **extra) if reset is not None else states
             if not isinstance(result, dict) or not isinstance(result.get("observation"), str):
                 raise AgentOutputError(f"reset must return a dict with a str 'observation', got {result!r:.200}")
             episode.prompt_text = result["observation"]
@@ -381,25 +481,13 @@ class MultiTurnAgentExecutor(AgentExecutor):
         episode.action_mask += [0] * len(feedback_ids)
         episode.logprobs += [0.0] * len(feedback_ids)
 
-    async def _agent_call(self, fn: Any, *args: Any) -> Any:
-        """Await ``fn(*args)`` under ``step_timeout_s``; a timed-out call is cancelled, never awaited."""
-        task = asyncio.ensure_future(self._invoke(fn, *args))
-        done, _ = await asyncio.wait({task}, timeout=self.step_timeout_s)
-        if not done:
-            task.cancel()
-            task.add_done_callback(_consume_result)
+    async def _agent_call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args)`` off this loop (see ``utils.user_calls``) under ``step_timeout_s``; abandoned on timeout."""
+        try:
+            return await self._runner.call(fn, *args, timeout_s=self.step_timeout_s, **kwargs)
+        except UserCallTimeout:
             raise AgentTimeoutError(f"{getattr(fn, '__qualname__', fn)} did not return within "
-                                    f"step_timeout_s={self.step_timeout_s}")
-        return task.result()
-
-    async def _invoke(self, fn: Any, *args: Any) -> Any:
-        if inspect.iscoroutinefunction(fn):
-            return await fn(*args)
-        if self._threads is None:  # plain ``def`` agent methods must not block the loop
-            self._threads = concurrent.futures.ThreadPoolExecutor(
-                max_workers=min(32, self.num_concurrent), thread_name_prefix="hpc_rlhf_agent")
-        result = await asyncio.get_running_loop().run_in_executor(self._threads, functools.partial(fn, *args))
-        return await result if inspect.isawaitable(result) else result
+                                    f"step_timeout_s={self.step_timeout_s}") from None
 
     def _fail(self, episode: _Episode, phase: str, err: BaseException, stats: _RunStats) -> None:
         timeout = isinstance(err, AgentTimeoutError)
@@ -414,6 +502,7 @@ class MultiTurnAgentExecutor(AgentExecutor):
             episode.num_turns, type(err).__name__, err,
             exc_info=(type(err), err, err.__traceback__) if first and not timeout else None)
         episode.failure = "agent_timeout" if timeout else "agent_error"
+        episode.error = f"{phase}: {type(err).__name__}: {str(err)[:300]}"
         episode.reward = episode.score = 0.0
         episode.extra_logs = {}
         episode.end(episode.failure)
@@ -432,21 +521,80 @@ class MultiTurnAgentExecutor(AgentExecutor):
             prompt=episode.prompt_text, label=episode.prompt.label, prompt_ids=list(episode.prompt_ids),
             response_ids=list(episode.response_ids), action_mask=list(mask), rollout_logprobs=list(logprobs),
             reward=float(episode.reward), score=float(episode.score), truncated=episode.truncated,
-            finish_reason=episode.finish_reason, extra_logs=extra_logs, group_index=episode.group_index)
+            finish_reason=episode.finish_reason, extra_logs=extra_logs, group_index=episode.group_index,
+            failure=episode.error)
         trajectory.check()
         return trajectory
+
+
+class AgentExecutorBase(MultiTurnAgentExecutor):
+    """OpenRLHF's ``AgentExecutorBase`` constructor shape, for agent files written against it::
+
+        class AgentExecutor(AgentExecutorBase):
+            def __init__(self, max_steps, max_length, llm_engine, hf_tokenizer, result_queue):
+                super().__init__(AgentInstance, max_steps, max_length, llm_engine, hf_tokenizer, result_queue)
+
+            async def execute(self, prompt, label, sampling_params):   # optional; must wrap super().execute
+                return await super().execute(prompt, label, sampling_params)
+
+    The loader supplies the arguments the file's ``__init__`` names: ``max_steps`` (``train.agent_max_turns``),
+    ``max_length`` (``data.max_len``), ``hf_tokenizer``, and ``None`` for ``llm_engine`` and ``result_queue``:
+    generation and result collection are the executor's (token in / token out), so code that calls the
+    vLLM engine itself cannot run here; such logic belongs in ``AgentInstance.step``.
+    """
+
+    def __init__(self, agent_instance_cls: type | None = None, max_steps: int | None = None,
+                 max_length: int | None = None, llm_engine: Any = None, hf_tokenizer: Any = None,
+                 result_queue: Any = None, *args: Any, **kwargs: Any) -> None:
+        super().__init__(agent_instance_cls, hf_tokenizer, max_len=max_length,
+                         max_turns=max_steps if max_steps is not None else 8)
+        self.max_steps, self.max_length = max_steps, max_length
+        self.llm_engine, self.hf_tokenizer, self.result_queue = llm_engine, hf_tokenizer, result_queue
 
 
 # ---------------------------------------------------------------------- helpers
 
 
-async def _create_agent(cls: type) -> Any:
-    """``cls()``, also for agent classes written with ``async def __init__`` (seen in OpenRLHF examples)."""
-    if inspect.iscoroutinefunction(getattr(cls, "__init__", None)):
-        agent = cls.__new__(cls)
-        await agent.__init__()
-        return agent
-    return cls()
+def _accepted(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The subset of ``kwargs`` that ``fn``'s signature accepts (all of them with ``**kwargs``)."""
+    if not kwargs:
+        return {}
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return dict(kwargs)
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+def _construct_agent(cls: type, agent_kwargs: dict[str, Any]) -> Any:
+    """``cls(**agent_kwargs it accepts)``; for ``async def __init__`` (seen in OpenRLHF examples) a coroutine
+    that builds it, which the caller awaits on the user loop."""
+    init = getattr(cls, "__init__", None)
+    kwargs = _accepted(init, agent_kwargs)
+    if inspect.iscoroutinefunction(init):
+        async def build() -> Any:
+            agent = cls.__new__(cls)
+            await agent.__init__(**kwargs)
+            return agent
+        return build()
+    return cls(**kwargs)
+
+
+def _set_if_pending(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _numeric_logs(extra_logs: dict) -> dict:
+    logs = {}
+    for name, value in extra_logs.items():
+        if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
+            value = value.item()
+        logs[name] = float(value) if isinstance(value, (bool, int, float)) else value
+    return logs
 
 
 def _to_float(value: Any, name: str) -> float:
@@ -474,11 +622,7 @@ def _parse_step_output(output: Any) -> dict[str, Any]:
     extra_logs = output.get("extra_logs") or {}
     if not isinstance(extra_logs, dict):
         raise AgentOutputError(f"step output 'extra_logs' must be a dict, got {type(extra_logs).__name__}")
-    logs = {}
-    for name, value in extra_logs.items():
-        if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
-            value = value.item()
-        logs[name] = float(value) if isinstance(value, (bool, int, float)) else value
+    logs = _numeric_logs(extra_logs)
     scores = output.get("scores")
     return {
         "rewards": _to_float(output["rewards"], "rewards"),
@@ -534,12 +678,6 @@ def _split_results(results: list[GenerationResult], requests: list[GenerationReq
             raise RuntimeError(f"rollout engine returned {len(group)} samples for request {index}, "
                                f"expected {request.n}")
     return groups
-
-
-def _consume_result(task: asyncio.Future) -> None:
-    """Retrieve an abandoned task's outcome so asyncio does not warn about it."""
-    if not task.cancelled():
-        task.exception()
 
 
 def _run_coroutine(factory: Any) -> Any:

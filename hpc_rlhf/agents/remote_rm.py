@@ -84,7 +84,8 @@ def normalize_url(url: str) -> str:
         url = "http://" + url
     parts = urlsplit(url)
     if not parts.netloc:
-        raise ValueError(f"remote reward URL {url!r} has no host (expected e.g. http://host:5000/get_reward)")
+        raise ValueError(f"remote reward URL {url!r} has no host (expected e.g. http://host:5000/get_reward; "
+                         "a reward function file goes in reward.reward_func_path)")
     path = parts.path if parts.path not in ("", "/") else "/get_reward"
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, parts.fragment))
 

@@ -29,6 +29,8 @@ Every problem raises ``RewardFunctionError`` naming the file:
   sample succeeds alone, the batch traceback is reported. This re-execution means a function with
   side effects (an external judge, a counter) may see up to B extra calls, only on the failure
   path; pass ``locate_failing_sample=False`` to skip it.
+* a call runs longer than ``timeout_s`` (``reward.reward_func_timeout_s``): it runs in a daemon thread,
+  which is abandoned, so a hung function can neither hang the run nor keep the process alive at exit.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any
 
 import torch
 
+from hpc_rlhf.utils.user_calls import UserCallTimeout, call_in_thread
 from hpc_rlhf.utils.user_code import UserCodeImportError, import_user_file
 
 _PROMPT_CHARS_IN_ERROR = 2000
@@ -172,10 +175,23 @@ def _clip(text: str) -> str:
 class RewardFunction:
     """A user reward file as a callable returning ``RewardOutput``; see the module docstring."""
 
-    def __init__(self, path: str, locate_failing_sample: bool = True):
+    def __init__(self, path: str, locate_failing_sample: bool = True, timeout_s: float | None = 300.0):
         self.path = os.path.abspath(os.path.expanduser(path))
         self.func = load_reward_func(self.path)
         self.locate_failing_sample = locate_failing_sample
+        self.timeout_s = timeout_s
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        if self.timeout_s is None:  # in the caller's thread, e.g. for code that relies on signal.alarm
+            return self.func(*args, **kwargs)
+        try:
+            return call_in_thread(self.func, *args, timeout_s=self.timeout_s, what=f"reward_func in {self.path}",
+                                  **kwargs)
+        except UserCallTimeout as err:
+            raise RewardFunctionError(
+                f"reward function {self.path} did not return within {self.timeout_s} s on a batch of "
+                f"{len(args[0])} samples and was abandoned; make it faster or raise reward.reward_func_timeout_s",
+                path=self.path) from err
 
     def __repr__(self) -> str:
         return f"RewardFunction({self.path!r})"
@@ -191,7 +207,9 @@ class RewardFunction:
             raise ValueError(f"reward inputs must have one entry per sample, got lengths {sizes}")
         kwargs = accepted_kwargs(self.func, kwargs)
         try:
-            output = self.func(list(queries), list(prompts), list(labels), **kwargs)
+            output = self._call(list(queries), list(prompts), list(labels), **kwargs)
+        except RewardFunctionError:
+            raise
         except Exception as err:
             raise self._describe_failure(err, queries, prompts, labels, kwargs) from err
         return validate_reward_output(output, batch_size, self.path)
@@ -203,7 +221,9 @@ class RewardFunction:
             for i in range(len(queries)):
                 one = {k: [v[i]] if isinstance(v, (list, tuple)) else v for k, v in kwargs.items()}
                 try:
-                    self.func([queries[i]], [prompts[i]], [labels[i]], **one)
+                    self._call([queries[i]], [prompts[i]], [labels[i]], **one)
+                except RewardFunctionError:
+                    break  # a timeout while locating: report the batch failure
                 except Exception as sample_err:
                     # chain=False: the batch failure is the context here, and it is reported above.
                     index, tb = i, "".join(traceback.format_exception(

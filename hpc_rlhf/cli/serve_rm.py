@@ -6,6 +6,10 @@ Then point training at it: ``reward.remote_url=[http://<node>:5000/get_reward]``
 ``--remote_rm_url`` works the same). The default host is loopback; pass ``--host 0.0.0.0`` to serve other
 nodes. ``GET /health`` answers once the model is loaded. SIGTERM / Ctrl-C: stop accepting, finish the
 requests in flight (up to ``--graceful_timeout_s``), exit.
+
+OpenRLHF's flag names work too (``--normalize_reward``, ``--bf16``, ``--flash_attn``,
+``--attn_implementation``, ``--max_len``, ``--batch_size``, and the dotted ``--reward.model_name_or_path``,
+``--data.max_len``, ``--ds.*`` forms); a flag with no counterpart here fails naming what to use instead.
 """
 
 from __future__ import annotations
@@ -13,6 +17,52 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+
+log = logging.getLogger(__name__)
+
+# OpenRLHF's serve_rm flag -> ours (with the value, for switches that pick a value).
+_RENAMED = {
+    "--normalize_reward": ["--normalize"],
+    "--reward.normalize_enable": ["--normalize"],
+    "--bf16": ["--param_dtype", "bf16"],
+    "--flash_attn": ["--attn_implementation", "flash_attention_2"],
+    "--reward.model_name_or_path": ["--reward_pretrain"],
+    "--ds.value_head_prefix": ["--value_head_prefix"],
+    "--data.max_len": ["--max_len"],
+    "--ds.param_dtype": ["--param_dtype"],
+    "--ds.attn_implementation": ["--attn_implementation"],
+}
+# Switches that change nothing here: the server always pads and merges concurrent requests itself.
+_IGNORED = {"--packing_samples", "--ds.packing_samples"}
+_UNSUPPORTED = {
+    "--load_in_4bit": "4-bit serving is not supported; serve with --param_dtype bf16",
+    "--ds.load_in_4bit": "4-bit serving is not supported; serve with --param_dtype bf16",
+    "--use_ms": "ModelScope downloads are not supported; download the model and pass its folder as --reward_pretrain",
+    "--disable_fast_tokenizer": "the tokenizer is loaded from --reward_pretrain as saved; drop the flag",
+    "--data.disable_fast_tokenizer": "the tokenizer is loaded from --reward_pretrain as saved; drop the flag",
+    "--ds.experts_implementation": "not configurable here; drop the flag (transformers picks the MoE kernel)",
+}
+
+
+def translate_openrlhf_flags(argv: list[str]) -> list[str]:
+    """OpenRLHF's ``serve_rm`` flags -> this server's; exits naming our equivalent for unsupported ones."""
+    out: list[str] = []
+    for arg in argv:
+        flag, eq, value = arg.partition("=")
+        if flag in _UNSUPPORTED:
+            sys.exit(f"serve_rm: {flag} (OpenRLHF) is not supported: {_UNSUPPORTED[flag]}")
+        if flag in _IGNORED:
+            log.warning("serve_rm: %s has no effect here (concurrent requests are always merged into padded "
+                        "batches; see --batch_size and --batch_wait_ms)", flag)
+            continue
+        if flag in _RENAMED:
+            new = list(_RENAMED[flag])
+            if eq and len(new) > 1:
+                sys.exit(f"serve_rm: {flag} is a switch and takes no value; it means {' '.join(new)}")
+            out += [f"{new[0]}={value}"] if eq else new
+            continue
+        out.append(arg)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--param_dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="auto: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--attn_implementation", default="auto",
+                   choices=["auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3"],
+                   help="auto: flash attention on GPU when installed, else sdpa")
     p.add_argument("--graceful_timeout_s", type=float, default=30.0,
                    help="on shutdown, how long requests in flight may take to finish")
     p.add_argument("--log_level", default="info", choices=["debug", "info", "warning", "error"])
@@ -38,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(translate_openrlhf_flags(sys.argv[1:] if argv is None else list(argv)))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvicorn
@@ -50,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         scorer = RewardScorer(args.reward_pretrain, max_len=args.max_len, device=args.device,
                               normalize=args.normalize, batch_size=args.batch_size,
-                              value_head_prefix=args.value_head_prefix, param_dtype=args.param_dtype)
+                              value_head_prefix=args.value_head_prefix, param_dtype=args.param_dtype,
+                              attn_implementation=args.attn_implementation)
     except (RewardServerError, ValueError, OSError) as err:
         sys.exit(f"serve_rm: {err}")
     app = create_app(scorer, max_wait_s=args.batch_wait_ms / 1000)

@@ -7,7 +7,7 @@ exists (see ``docs/openrlhf_flags.md``). This module imports no torch.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -65,6 +65,9 @@ class RewardConfig(ModelRole):
     remote_url: list[str] = Field(default_factory=list, description="OpenRLHF /get_reward servers")
     remote_timeout_s: float = Field(60.0, gt=0)
     remote_max_retries: int = Field(3, ge=0)
+    reward_func_timeout_s: float | None = Field(
+        300.0, gt=0, description="limit for one reward_func call (run in a worker thread); null: no limit, "
+        "called in the main thread (for functions that use signal.alarm)")
     normalize: bool = Field(
         False, description="reward model: (score - reward_mean) / reward_std from its config.json (OpenRLHF's "
         "--normalize_reward)")
@@ -87,6 +90,8 @@ class RolloutConfig(Section):
     partial_chunk_tokens: int = Field(
         16, ge=1, description="train.partial_rollout: tokens generated before the weight update cuts in"
     )
+    dynamic_filtering_max_rounds: int = Field(
+        4, ge=0, description="algo.dynamic_filtering: extra generation rounds per step to refill the batch")
 
 
 class VllmConfig(Section):
@@ -200,6 +205,11 @@ class TrainConfig(Section):
     agent_func_path: str | None = Field(None, description="Python file with AgentInstance / AgentExecutor")
     agent_max_turns: int = Field(8, ge=1)
     agent_step_timeout_s: float = Field(300.0, gt=0)
+    agent_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments for AgentInstance(...) and reset(...)")
+    max_agent_failure_fraction: float = Field(
+        0.5, ge=0, le=1, description="stop when more agent episodes than this fail over agent_failure_window_steps")
+    agent_failure_window_steps: int = Field(5, ge=1, description="steps the failure fraction is measured over")
     async_train: bool = False
     async_queue_size: int = Field(1, ge=1)
     max_staleness: int = Field(1, ge=0, description="policy versions a trained sample may lag behind")

@@ -60,7 +60,7 @@ class RewardScorer:
 
     def __init__(self, model_path: str | Path, max_len: int = 2048, device: str | torch.device | None = None,
                  normalize: bool = False, batch_size: int = 16, value_head_prefix: str = "score",
-                 param_dtype: str = "auto"):
+                 param_dtype: str = "auto", attn_implementation: str = "auto"):
         from transformers import AutoTokenizer
 
         from hpc_rlhf.models.loading import load_value_model, resolve_attn_implementation
@@ -87,7 +87,7 @@ class RewardScorer:
         self.tokenizer.truncation_side = "left"
         try:
             self.model = load_value_model(str(self.model_path), resolve_dtype(param_dtype, on_gpu),
-                                          resolve_attn_implementation("auto", on_gpu),
+                                          resolve_attn_implementation(attn_implementation, on_gpu),
                                           value_head_prefix=value_head_prefix, require_head=True,
                                           key="--value_head_prefix")
         except ValueHeadError as err:

@@ -138,6 +138,7 @@ class AsyncPPOTrainer(PPOTrainer):
             self.sync_weights()
         if self.rank != 0:
             return None
+        self.health.observe(popped, step)
         row = {**rollout_metrics(popped, batch, gen_seconds), **train_stats}
         mixed = sum(len(set(t.token_versions or [])) > 1 for t in popped)
         row.update(self._async_metrics(staleness, dropped, gen_seconds, train_seconds, timer, mixed))

@@ -21,6 +21,7 @@ from hpc_rlhf.algos import (
     overlong_penalty,
 )
 from hpc_rlhf.config.schema import RunConfig
+from hpc_rlhf.trainers.rl.rollout_health import extra_log_metrics
 
 
 def attach_rewards(trajectories: list, reward_fn: Any, tokenizer: Any, model_scores: dict | None) -> list:
@@ -35,12 +36,30 @@ def attach_rewards(trajectories: list, reward_fn: Any, tokenizer: Any, model_sco
     return trajectories
 
 
+def kept_by_dynamic_filtering(trajectories: list, cfg: RunConfig) -> int:
+    """Samples that DAPO's dynamic filtering would keep (whole groups whose scores are not all alike)."""
+    if not trajectories:
+        return 0
+    scores = torch.tensor([t.score if t.score is not None else t.reward for t in trajectories])
+    low, high = cfg.algo.dynamic_filtering_reward_range
+    return int(dynamic_filter_mask(scores, cfg.rollout.n_samples_per_prompt, low, high).sum())
+
+
+def append_groups(trajectories: list, more: list) -> list:
+    """``trajectories`` then ``more`` (a refill round), with ``more``'s group indices continuing the numbering."""
+    offset = max((t.group_index for t in trajectories), default=-1) + 1
+    for t in more:
+        t.group_index += offset
+    return trajectories + more
+
+
 def select_samples(trajectories: list, cfg: RunConfig) -> list:
     """Overlong penalty, DAPO dynamic filtering, then trim to whole training batches; returns the kept
     trajectories (the overlong penalty is added to their ``reward`` and logged in ``extra_logs``).
 
-    Filtering drops whole prompt groups; the remainder is cut to a multiple of
-    ``train.train_batch_size`` (whole groups first) so every optimizer step sees a full batch.
+    Filtering drops whole prompt groups; the remainder is cut to at most one step's samples
+    (``rollout.rollout_batch_size`` x ``n_samples_per_prompt``; refill rounds may have generated more) and
+    to a multiple of ``train.train_batch_size`` (whole groups first) so every optimizer step sees a full batch.
     """
     algo, n = cfg.algo, cfg.rollout.n_samples_per_prompt
     if algo.overlong_buffer_len is not None:
@@ -55,6 +74,7 @@ def select_samples(trajectories: list, cfg: RunConfig) -> list:
         low, high = algo.dynamic_filtering_reward_range
         keep = dynamic_filter_mask(scores, n, low, high).tolist()
         trajectories = [t for t, k in zip(trajectories, keep, strict=True) if k]
+    trajectories = trajectories[: cfg.rollout.rollout_batch_size * n]
     usable = len(trajectories) - len(trajectories) % cfg.train.train_batch_size
     return trajectories[:usable]
 
@@ -105,7 +125,8 @@ def minibatch_counts(action_mask: torch.Tensor, dp_size: int, rows_per_minibatch
 
 
 def rollout_metrics(trajectories: list, batch: dict | None, generation_s: float) -> dict[str, float]:
-    """Reward, length and throughput of the step's rollouts (before filtering for the reward mean)."""
+    """Reward, length and throughput of the step's rollouts (before filtering for the reward mean), and the
+    batch means of their ``extra_logs`` (``agent/...``, ``extra/...``)."""
     lengths = [len(t.response_ids) for t in trajectories]
     generated = sum(sum(t.action_mask) for t in trajectories)
     row: dict[str, float] = {
@@ -119,4 +140,5 @@ def rollout_metrics(trajectories: list, batch: dict | None, generation_s: float)
     }
     if batch is not None and "kl" in batch:
         row["kl"] = float(masked_mean(batch["kl"], batch["action_mask"]))
+    row.update(extra_log_metrics(trajectories))
     return row

@@ -28,13 +28,16 @@ from hpc_rlhf.trainers.rl import checkpoint as rl_checkpoint
 from hpc_rlhf.trainers.rl import setup as rl_setup
 from hpc_rlhf.trainers.rl.batching import balanced_order
 from hpc_rlhf.trainers.rl.controller_steps import (
+    append_groups,
     attach_rewards,
+    kept_by_dynamic_filtering,
     make_advantages,
     minibatch_counts,
     rollout_metrics,
     select_samples,
 )
 from hpc_rlhf.trainers.rl.experience import cat_rows, pack_trajectories, split_rows, take_rows
+from hpc_rlhf.trainers.rl.rollout_health import AgentFailureLimitError, RolloutHealth
 from hpc_rlhf.trainers.rl.workers import Batching, forward_logprobs, forward_values, train_actor, train_critic
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer, is_logging_step
 from hpc_rlhf.utils.seeding import seed_everything
@@ -59,6 +62,7 @@ class PPOTrainer:
         rl_setup.check_supported(cfg)
         seed_everything(cfg.train.seed + self.rank)
         self.tokenizer = load_tokenizer(cfg.actor.pretrain, key="actor.pretrain")
+        rl_setup.check_agent_loads(cfg, self.tokenizer, self.rank)
         # The controller alone reads the data; every rank needs the step count for its LR schedule.
         self.data = rl_setup.ControllerState(cfg, self.tokenizer) if world.is_controller else None
         box = [self.data.num_steps if self.data else None]
@@ -71,6 +75,8 @@ class PPOTrainer:
                                      resume=cfg.ckpt.load) if world.is_controller else None
         self.ckpt = rl_checkpoint.make_manager(cfg)
         self.stopped_by_signal = False
+        self.health = RolloutHealth(cfg.train.max_agent_failure_fraction, cfg.train.agent_failure_window_steps,
+                                    cfg.data.max_len) if world.is_controller else None
         self.policy_version = 0  # weight syncs done; the rollout side stamps it on every sample
         # Rank 0 plus every rank of a non-rollout role: decisions about the training batch go only to
         # them, so rollout ranks busy generating (asynchronous mode) never hold the trainer up.
@@ -101,6 +107,7 @@ class PPOTrainer:
                 history.append(row)
                 progress.set_postfix(reward=f"{row['reward']:.3f}", refresh=False)
             progress.update(1)
+            self.stop_on_agent_failures()
             if watchdog:
                 watchdog.beat()
             stop = guard.agreed_stop()
@@ -130,6 +137,7 @@ class PPOTrainer:
             trajectories = self.generate(prompts, step)
         with timer("reward"):
             trajectories = self.score(trajectories)
+        trajectories, refill_rounds = self.refill(trajectories, step, timer)
         with timer("make_experience"):
             batch = self.make_experience(trajectories)
         with timer("train"):
@@ -138,7 +146,53 @@ class PPOTrainer:
             self.sync_weights()
         if not self.world.is_controller:
             return None
-        return {**rollout_metrics(trajectories, batch, timer.seconds["generation"]), **train_stats}
+        self.health.observe(trajectories, step)
+        row = {**rollout_metrics(trajectories, batch, timer.seconds["generation"]), **train_stats}
+        if self.cfg.algo.dynamic_filtering:
+            row["dynamic_filtering/refill_rounds"] = float(refill_rounds)
+        return row
+
+    def refill(self, trajectories: list | None, step: int, timer: PhaseTimer) -> tuple[list | None, int]:
+        """DAPO refill: with ``algo.dynamic_filtering``, generate and score more prompts while filtering would
+        leave fewer than a step's samples, at most ``rollout.dynamic_filtering_max_rounds`` extra rounds.
+        Collective (every rank takes part in each round's generation); returns the trajectories and rounds."""
+        cfg = self.cfg
+        if not cfg.algo.dynamic_filtering:
+            return trajectories, 0
+        target = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+        rounds = 0
+        while True:
+            kept = kept_by_dynamic_filtering(trajectories, cfg) if self.rank == 0 else 0
+            wanted = self.rank == 0 and kept < target and rounds < cfg.rollout.dynamic_filtering_max_rounds
+            if not self._broadcast_flag(wanted):
+                break
+            rounds += 1
+            prompts = self.data.refill_prompts() if self.rank == 0 else None
+            with timer("generation"):
+                more = self.generate(prompts, step)
+            with timer("reward"):
+                more = self.score(more)
+            if self.rank == 0:
+                trajectories = append_groups(trajectories, more)
+        if self.rank == 0 and rounds:
+            log.info("step %d: dynamic filtering kept %d of %d samples after %d refill round(s) (target %d, at most "
+                     "rollout.dynamic_filtering_max_rounds=%d)", step, min(kept, target), len(trajectories), rounds,
+                     target, cfg.rollout.dynamic_filtering_max_rounds)
+        return trajectories, rounds
+
+    def stop_on_agent_failures(self) -> None:
+        """Collective: every rank raises when rank 0's failure window is over ``train.max_agent_failure_fraction``
+        (rank 0 with the cause and a sample prompt, the others with a pointer to it)."""
+        box = [self.health.verdict() if self.world.is_controller else None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            return
+        if self.metrics:
+            self.metrics.close()
+        if self.world.is_controller:
+            raise AgentFailureLimitError(box[0])
+        raise AgentFailureLimitError(f"rank {self.rank}: stopping with rank 0, whose log says which agent "
+                                     "failures passed train.max_agent_failure_fraction")
 
     # ------------------------------------------------------------------ phases
     def generate(self, prompts: list | None, step: int) -> list | None:
@@ -204,6 +258,10 @@ class PPOTrainer:
         if self.rank == 0 and trajectories:
             batch = pack_trajectories(trajectories, self.tokenizer.pad_token_id)
             batch["rewards"] = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+        if self.rank == 0 and batch is None:
+            log.warning("dynamic filtering (algo.dynamic_filtering_reward_range=%s) dropped every prompt group of "
+                        "this step: all samples of each prompt scored alike; the update is skipped",
+                        list(cfg.algo.dynamic_filtering_reward_range))
         if not self._broadcast_flag(batch is not None, self.train_group):
             return None  # dynamic filtering removed every group: skip the update this step
         keys = ("sequences", "attention_mask", "action_mask")
@@ -297,7 +355,8 @@ class PPOTrainer:
         state = None
         if self.world.is_controller:
             state = {"stream": self.data.stream.state_dict(), "kl": self.data.kl_controller.state_dict(),
-                     "reward_norm": self.data.reward_normalizer.state_dict()}
+                     "reward_norm": self.data.reward_normalizer.state_dict(),
+                     "refill_stream": self.data.refill_stream.state_dict()}
         rl_checkpoint.save(self.ckpt, step, self.roles, self.world, state,
                             self.checkpoint_buffers() if self.world.is_controller else None,
                             self.checkpoint_rank_buffers())
@@ -325,6 +384,8 @@ class PPOTrainer:
             self.data.stream.load_state_dict(state["stream"])
             self.data.kl_controller.load_state_dict(state["kl"])
             self.data.reward_normalizer.load_state_dict(state["reward_norm"])
+            if "refill_stream" in state:  # checkpoints written before refill existed lack it
+                self.data.refill_stream.load_state_dict(state["refill_stream"])
             self.restore_buffers(state.get("buffers"))
             self.metrics.truncate_after(step)
         if step:

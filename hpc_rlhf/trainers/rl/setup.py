@@ -5,6 +5,7 @@ Kept apart from the loop so ``loop.py`` reads as the step story.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,10 @@ from hpc_rlhf.models.micro_forward import SequenceParallel, forward_scope
 from hpc_rlhf.models.precision import resolve_dtype
 from hpc_rlhf.models.value_head import read_reward_normalization
 from hpc_rlhf.world.groups import WorldGroups
+
+
+log = logging.getLogger(__name__)
+_REFILL_EPISODES = 1_000_000  # passes the refill stream may make over the data: never the limit in practice
 
 
 class SetupError(ValueError):
@@ -62,17 +67,13 @@ class ControllerState:
         dataset = PromptDataset.from_config(cfg.data, tokenizer, seed=cfg.train.seed)
         self.stream = PromptStream(dataset, cfg.rollout.rollout_batch_size, seed=cfg.train.seed,
                                    num_episodes=cfg.train.num_episodes)
+        # DAPO refill rounds draw from their own endless stream, so the step count above stays exact.
+        self.refill_stream = PromptStream(dataset, cfg.rollout.rollout_batch_size, seed=cfg.train.seed + 1,
+                                          num_episodes=_REFILL_EPISODES)
         self.num_steps = self.stream.num_batches
         if cfg.train.max_steps is not None:
             self.num_steps = min(self.num_steps, cfg.train.max_steps)
-        self.reward_fn = None
-        if cfg.reward.reward_func_path:
-            self.reward_fn = RewardFunction(cfg.reward.reward_func_path)
-        elif cfg.reward.remote_url:
-            from hpc_rlhf.agents.remote_rm import RemoteRewardModel
-
-            self.reward_fn = RemoteRewardModel(cfg.reward.remote_url, timeout_s=cfg.reward.remote_timeout_s,
-                                               max_retries=cfg.reward.remote_max_retries)
+        self.reward_fn = reward_function(cfg)
         kl = cfg.algo.kl
         self.kl_controller = (AdaptiveKLController(kl.init_coef, kl.target, kl.horizon) if kl.target
                               else FixedKLController(kl.init_coef))
@@ -80,6 +81,10 @@ class ControllerState:
 
     def next_prompts(self) -> list:
         return self.stream.next_batch()
+
+    def refill_prompts(self) -> list:
+        """Prompts for a dynamic-filtering refill round (``rollout.dynamic_filtering_max_rounds``)."""
+        return self.refill_stream.next_batch()
 
     def normalized_rewards(self, rewards: torch.Tensor) -> torch.Tensor:
         """(B,) sequence rewards -> the same after the running normaliser (updated with them first) when
@@ -92,6 +97,31 @@ class ControllerState:
     def after_step(self, row: dict[str, float]) -> None:
         if "kl" in row:
             self.kl_controller.update(row["kl"], int(row["num_samples"]))
+
+
+def reward_function(cfg: RunConfig) -> Any:
+    """The reward function or remote server that scores on the controller (None: a model role or the agent).
+
+    A ``.py`` path in ``reward.remote_url`` (OpenRLHF's ``--remote_rm_url /path/reward_func.py``) is read as a
+    reward-function file, as OpenRLHF does; ``reward.reward_func_path`` is this project's key for it.
+    """
+    r = cfg.reward
+    path = r.reward_func_path
+    files = [u for u in r.remote_url if u.strip().lower().endswith(".py") and "://" not in u]
+    if files:
+        if len(r.remote_url) > 1:
+            raise SetupError(f"reward.remote_url={r.remote_url} mixes a Python file with other entries: give the "
+                             "reward function alone, as reward.reward_func_path=<file.py>")
+        path = files[0]
+        log.info("reward.remote_url=%s is a Python file: using it as the reward function (the key for it is "
+                 "reward.reward_func_path)", path)
+    if path:
+        return RewardFunction(path, timeout_s=r.reward_func_timeout_s)
+    if r.remote_url:
+        from hpc_rlhf.agents.remote_rm import RemoteRewardModel
+
+        return RemoteRewardModel(r.remote_url, timeout_s=r.remote_timeout_s, max_retries=r.remote_max_retries)
+    return None
 
 
 @dataclass
@@ -158,6 +188,30 @@ def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool) -> RolloutEngi
                                      pad_token_id=tokenizer.pad_token_id, device=device)
 
 
+def check_agent_loads(cfg: RunConfig, tokenizer: Any, rank: int) -> None:
+    """Collective: rank 0 loads the agent file once before any rank builds its executor, so a broken file is
+    reported once, with its traceback, by rank 0; the other ranks exit with a one-line pointer to it."""
+    if not cfg.train.agent_func_path:
+        return
+    import torch.distributed as dist
+
+    from hpc_rlhf.agents.agent_loader import AgentLoadError
+
+    error = None
+    if rank == 0:
+        try:
+            _executor(cfg, tokenizer)
+        except AgentLoadError as err:
+            error = err
+    box = [None if error is None else str(error).splitlines()[0]]
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if box[0] is not None:
+        raise SystemExit(f"rank {rank}: the agent file {cfg.train.agent_func_path} (train.agent_func_path) did not "
+                         "load; rank 0 printed the error and its traceback")
+
+
 def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
     """Single-turn by default; the user's multi-turn agent file when ``train.agent_func_path`` is set."""
     if not cfg.train.agent_func_path:
@@ -167,7 +221,7 @@ def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
     return load_agent_executor(cfg.train.agent_func_path, tokenizer, cfg.data.prompt_max_len,
                                max_len=cfg.data.max_len, max_turns=cfg.train.agent_max_turns,
                                num_concurrent=cfg.rollout.async_num_tasks,
-                               step_timeout_s=cfg.train.agent_step_timeout_s)
+                               step_timeout_s=cfg.train.agent_step_timeout_s, agent_kwargs=cfg.train.agent_kwargs)
 
 
 def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: int) -> Roles:

@@ -1,0 +1,119 @@
+"""OpenRLHF's older function-style agent files, run as an ``AgentInstance``.
+
+Such a file has no classes, only module-level functions::
+
+    async def step(state, action, label, **kwargs):       # `def` works too
+        # state: the text so far (prompt + earlier turns and feedback); action: the model's latest turn
+        return reward, next_state, done, extra_info         # tuple form (the 4th item is optional)
+        # or a dict: {"rewards", "scores"?, "next_state" | "next_observation", "done",
+        #             "sampling_params"?, "extra_logs"?}
+
+    async def reset(states, **kwargs):                     # optional; states: {"observation", "label"}
+        return {"observation": states["observation"]}      # or the observation string
+
+``next_state`` must be ``state + action + feedback``: the executor is token in / token out, so only the
+feedback part is tokenized and appended (never trained on). Module-level variables are shared by every
+episode, as they were in OpenRLHF. ``train.agent_kwargs`` reach ``step`` / ``reset`` as keyword arguments
+when their signatures accept them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from hpc_rlhf.agents.multi_turn import AgentInstanceBase, AgentOutputError
+
+_NEXT_TEXT_KEYS = ("next_state", "next_observation")
+
+
+def is_function_style(module: ModuleType) -> bool:
+    return callable(getattr(module, "step", None)) and not inspect.isclass(getattr(module, "step"))
+
+
+def _kwargs_for(fn: Callable[..., Any], offered: dict[str, Any]) -> dict[str, Any]:
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return dict(offered)
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k: v for k, v in offered.items() if k in names}
+
+
+def _to_step_dict(output: Any, state: str, action: str) -> dict[str, Any]:
+    """A function-style ``step`` result -> the class-style dict (``environment_feedback`` instead of the full text)."""
+    if isinstance(output, tuple):
+        if len(output) not in (3, 4):
+            raise AgentOutputError(f"function-style step must return (reward, next_state, done[, extra_info]), "
+                                   f"got a tuple of {len(output)}")
+        reward, next_text, done = output[:3]
+        extra = output[3] if len(output) == 4 else {}
+        result: dict[str, Any] = {"rewards": reward, "done": done, "extra_logs": extra or {}}
+    elif isinstance(output, dict):
+        key = next((k for k in _NEXT_TEXT_KEYS if k in output), None)
+        if key is None:
+            if "environment_feedback" in output:
+                return output  # already the class-style dict
+            raise AgentOutputError(f"function-style step output needs 'next_state' (state + action + feedback); "
+                                   f"has keys {sorted(output)}")
+        next_text = output[key]
+        result = {k: v for k, v in output.items() if k not in _NEXT_TEXT_KEYS}
+    else:
+        raise AgentOutputError(f"function-style step must return a tuple or a dict, got {type(output).__name__}")
+    if not isinstance(next_text, str):
+        raise AgentOutputError(f"function-style step: next_state must be a str, got {type(next_text).__name__}")
+    prefix = state + action
+    if not next_text.startswith(prefix):
+        raise AgentOutputError(
+            "function-style step: next_state must start with state + action (the text it was given) and add only "
+            "the environment feedback; this executor appends feedback tokens and never re-tokenizes earlier text")
+    result["environment_feedback"] = next_text[len(prefix):]
+    return result
+
+
+def function_agent_class(module: ModuleType) -> type:
+    """An ``AgentInstance`` class whose ``step`` / ``reset`` call the module's functions.
+
+    Each wrapper is ``async`` exactly when the user's function is, so a blocking plain ``def`` runs in a
+    worker thread like any sync agent method and cannot stall the other episodes.
+    """
+    step_fn: Callable[..., Any] = module.step
+    reset_fn: Callable[..., Any] | None = getattr(module, "reset", None)
+
+    def step_args(states: dict, kwargs: dict) -> tuple[tuple, dict]:
+        offered = {"sampling_params": states.get("sampling_params"), **kwargs}
+        args = (states["observation_text"], states["action_text"], states["label"])
+        return args, _kwargs_for(step_fn, offered)
+
+    def reset_result(value: Any, states: dict) -> dict:
+        if isinstance(value, str):
+            return {"observation": value}
+        if value is None:
+            return {"observation": states["observation"]}
+        return value
+
+    class FunctionAgent(AgentInstanceBase):
+        def __init__(self, **kwargs: Any) -> None:
+            self.kwargs = kwargs  # train.agent_kwargs, handed to every step / reset call
+
+        if inspect.iscoroutinefunction(step_fn):
+            async def step(self, states: dict, **kwargs: Any) -> dict:
+                args, kw = step_args(states, {**self.kwargs, **kwargs})
+                return _to_step_dict(await step_fn(*args, **kw), args[0], args[1])
+        else:
+            def step(self, states: dict, **kwargs: Any) -> dict:  # type: ignore[override]
+                args, kw = step_args(states, {**self.kwargs, **kwargs})
+                return _to_step_dict(step_fn(*args, **kw), args[0], args[1])
+
+        if reset_fn is not None and inspect.iscoroutinefunction(reset_fn):
+            async def reset(self, states: dict, **kwargs: Any) -> dict:
+                kw = _kwargs_for(reset_fn, {**self.kwargs, **kwargs})
+                return reset_result(await reset_fn(states, **kw), states)
+        elif reset_fn is not None:
+            def reset(self, states: dict, **kwargs: Any) -> dict:  # type: ignore[override]
+                kw = _kwargs_for(reset_fn, {**self.kwargs, **kwargs})
+                return reset_result(reset_fn(states, **kw), states)
+
+    FunctionAgent.__qualname__ = FunctionAgent.__name__ = f"FunctionAgent[{module.__name__}]"
+    return FunctionAgent
