@@ -134,7 +134,8 @@ def test_linear_three_call_chat_is_one_trajectory_masking_all_but_the_outputs(ti
     executor = OpenAIAgentExecutor(three_turn_chat, tokenizer, prompt_max_len=32, max_len=128, num_concurrent=4)
     try:
         sampling = SamplingParams(max_new_tokens=5, stop_token_ids=[tokenizer.eos_token_id], seed=11)
-        prompts = [Prompt(text="2+5=", label="7", source="t", index=0), Prompt(text="1+1=", label="2", source="t", index=1)]
+        prompts = [Prompt(text="2+5=", label="7", source="t", index=0),
+                   Prompt(text="1+1=", label="2", source="t", index=1)]
         trajectories = executor.run(prompts, capturing.generate, sampling, n_samples_per_prompt=2)
     finally:
         executor.close()
