@@ -12,6 +12,10 @@ Every file shape OpenRLHF has documented loads; only the ``openrlhf`` import cha
   an ``execute`` override is honoured when it wraps ``super().execute(...)``.
 * function style: module-level ``step(state, action, label, **kwargs)`` (+ optional ``reset``), run through
   ``function_agent.function_agent_class``.
+* OpenAI-client agents: a module-level ``async def run_episode(client, prompt, label, **agent_kwargs)`` (and no
+  ``AgentInstance`` / ``AgentExecutor``), run by ``openai_executor.OpenAIAgentExecutor`` against this rank's
+  OpenAI-compatible endpoint; ``num_concurrent`` bounds the episodes alive at once, ``episode_timeout_s`` each
+  episode's wall time (needs the ``agents`` extra: ``pip install 'hpc-rlhf[agents]'``).
 * ``AgentExecutor`` subclassing the base ``hpc_rlhf.agents.executor.AgentExecutor`` (advanced: your
   own ``run()``): built as ``AgentExecutor(tokenizer, prompt_max_len, **settings)``, where settings
   are those of ``max_len``, ``max_turns``, ``num_concurrent``, ``step_timeout_s``, ``agent_kwargs`` its
@@ -109,22 +113,44 @@ def _check_execute_override(cls: type, path: str) -> None:
             "hpc_rlhf.agents.executor.AgentExecutor and implement run()", path=path)
 
 
+def _openai_executor(run_episode: Any, path: str, tokenizer: Any, prompt_max_len: int, max_len: int | None,
+                     num_concurrent: int, episode_timeout_s: float | None,
+                     agent_kwargs: dict[str, Any]) -> AgentExecutor:
+    if not inspect.iscoroutinefunction(run_episode):
+        raise AgentLoadError(f"{path}: run_episode must be `async def run_episode(client, prompt, label, "
+                             "**agent_kwargs)` (the client is an openai.AsyncOpenAI)", path=path)
+    from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor, import_openai
+
+    try:
+        import_openai()
+    except ImportError as err:
+        raise AgentLoadError(f"{path} defines run_episode (an OpenAI-client agent): {err}", path=path) from err
+    return OpenAIAgentExecutor(run_episode, tokenizer, prompt_max_len, max_len=max_len,
+                               num_concurrent=num_concurrent, episode_timeout_s=episode_timeout_s,
+                               agent_kwargs=agent_kwargs)
+
+
 def load_agent_executor(path: str, tokenizer: Any, prompt_max_len: int, max_len: int | None = None,
                         max_turns: int = 8, num_concurrent: int = 256,
                         step_timeout_s: float | None = 300.0,
-                        agent_kwargs: dict[str, Any] | None = None) -> AgentExecutor:
+                        agent_kwargs: dict[str, Any] | None = None,
+                        episode_timeout_s: float | None = 600.0) -> AgentExecutor:
     """The executor defined by the agent file at ``path`` (see the module docstring)."""
     path = os.path.abspath(os.path.expanduser(path))
     agent_kwargs = dict(agent_kwargs or {})
     module = _import_file(path)
     executor_cls = getattr(module, "AgentExecutor", None)
     instance_cls = getattr(module, "AgentInstance", None)
+    if executor_cls is None and instance_cls is None and hasattr(module, "run_episode"):
+        return _openai_executor(module.run_episode, path, tokenizer, prompt_max_len, max_len, num_concurrent,
+                                episode_timeout_s, agent_kwargs)
     if executor_cls is None and instance_cls is None:
         if not is_function_style(module):
             raise AgentLoadError(
                 f"{path} defines neither AgentInstance nor AgentExecutor nor a module-level step function: an "
                 "agent file defines `class AgentInstance(AgentInstanceBase)` with async reset(states) / "
-                "step(states) (see examples/agents/math_retry_agent.py), or OpenRLHF's older "
+                "step(states) (see examples/agents/math_retry_agent.py), `async def run_episode(client, prompt, "
+                "label)` for an OpenAI-client agent (examples/agents/openai_math_agent.py), or OpenRLHF's older "
                 "`async def step(state, action, label, **kwargs)` function (docs/agents_from_openrlhf.md)",
                 path=path)
         instance_cls = function_agent_class(module)

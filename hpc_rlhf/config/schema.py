@@ -202,9 +202,13 @@ class TrainConfig(Section):
     use_dynamic_batch: bool = False
     max_tokens_per_gpu: int | None = Field(
         None, ge=1, description="use_dynamic_batch: tokens per GPU in a micro-batch (x ds.ring_attn_size per ring)")
-    agent_func_path: str | None = Field(None, description="Python file with AgentInstance / AgentExecutor")
+    agent_func_path: str | None = Field(
+        None, description="Python file with AgentInstance / AgentExecutor, or an OpenAI-client agent's "
+        "`async def run_episode(client, prompt, label)`")
     agent_max_turns: int = Field(8, ge=1)
     agent_step_timeout_s: float = Field(300.0, gt=0)
+    agent_episode_timeout_s: float = Field(
+        600.0, gt=0, description="OpenAI-client agents (run_episode): wall time limit of one episode")
     agent_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="keyword arguments for AgentInstance(...) and reset(...)")
     max_agent_failure_fraction: float = Field(

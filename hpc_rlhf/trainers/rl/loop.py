@@ -121,6 +121,9 @@ class PPOTrainer:
         progress.close()
         if watchdog:
             watchdog.stop()
+        close_executor = getattr(self.roles.rollout.executor, "close", None) if self.roles.rollout else None
+        if close_executor is not None:  # e.g. the OpenAI-agent endpoint: stop serving when training ends
+            close_executor()
         if not self.stopped_by_signal:
             self.export()
         if self.metrics:

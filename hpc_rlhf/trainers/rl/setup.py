@@ -213,15 +213,25 @@ def check_agent_loads(cfg: RunConfig, tokenizer: Any, rank: int) -> None:
 
 
 def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
-    """Single-turn by default; the user's multi-turn agent file when ``train.agent_func_path`` is set."""
+    """Single-turn by default; the user's agent file (multi-turn or OpenAI-client) when ``train.agent_func_path``
+    is set."""
     if not cfg.train.agent_func_path:
         return SingleTurnExecutor(tokenizer, cfg.data.prompt_max_len)
     from hpc_rlhf.agents.agent_loader import load_agent_executor
 
-    return load_agent_executor(cfg.train.agent_func_path, tokenizer, cfg.data.prompt_max_len,
-                               max_len=cfg.data.max_len, max_turns=cfg.train.agent_max_turns,
-                               num_concurrent=cfg.rollout.async_num_tasks,
-                               step_timeout_s=cfg.train.agent_step_timeout_s, agent_kwargs=cfg.train.agent_kwargs)
+    from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor  # imports no openai / fastapi by itself
+
+    executor = load_agent_executor(cfg.train.agent_func_path, tokenizer, cfg.data.prompt_max_len,
+                                   max_len=cfg.data.max_len, max_turns=cfg.train.agent_max_turns,
+                                   num_concurrent=cfg.rollout.async_num_tasks,
+                                   step_timeout_s=cfg.train.agent_step_timeout_s,
+                                   agent_kwargs=cfg.train.agent_kwargs,
+                                   episode_timeout_s=cfg.train.agent_episode_timeout_s)
+    if isinstance(executor, OpenAIAgentExecutor) and cfg.rollout.tensor_parallel_size > 1:
+        # Each engine rank would batch its own HTTP requests: tensor-parallel peers would not agree on the calls.
+        raise SetupError(f"train.agent_func_path={cfg.train.agent_func_path} is an OpenAI-client agent (run_episode), "
+                         f"which needs rollout.tensor_parallel_size=1 (got {cfg.rollout.tensor_parallel_size})")
+    return executor
 
 
 def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: int) -> Roles:

@@ -1,0 +1,421 @@
+"""An OpenAI-compatible HTTP endpoint over this rank's rollout engine, recording every completion.
+
+``OpenAIEndpoint`` serves ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models`` with FastAPI /
+uvicorn in a daemon thread on ``127.0.0.1`` and a free port. Requests are not generated in the server's
+thread: each becomes a ``GenerationRequest`` put on a queue, and the thread that owns the engine (the
+executor's, which holds the ``generate`` callable) takes everything queued, from every concurrent episode,
+into one batched ``generate`` call (:meth:`GenerationQueue.take`), then hands each request its results.
+
+Episode id: the API key. The executor gives each episode a client built with ``api_key=<episode id>``, so
+every request of the episode carries ``Authorization: Bearer <episode id>`` whatever framework wraps the
+client; a request with an unknown key is refused (401) and nothing unattributed is generated.
+
+Request fields honoured: ``messages`` / ``prompt`` (text or token ids), ``n``, ``temperature``, ``top_p``,
+``max_tokens`` / ``max_completion_tokens`` (default ``rollout.generate_max_len``; capped so prompt + output fit
+``data.max_len``), ``stop`` (strings; see ``openai_chat``), ``seed``, ``logprobs`` (chat: ``true``; completions:
+an int, only the sampled token's logprob is reported), ``tools`` (passed to the chat template; ``tool_choice:
+"none"`` leaves them out). Reported logprobs are the engine's (temperature-scaled, see ``rollout_base``).
+Not supported (400): ``stream``, ``top_logprobs`` > 0, ``echo``, ``best_of`` > ``n``.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the handlers' `Request` annotation at definition time.
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+import queue
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from hpc_rlhf.agents.openai_chat import (
+    ChatTemplateError,
+    apply_stop_strings,
+    chat_prompt_ids,
+    completion_prompt_ids,
+    parse_tool_calls,
+)
+from hpc_rlhf.agents.openai_recording import CompletionRecord, EpisodeRecorder
+from hpc_rlhf.engines.rollout_base import GenerationRequest, GenerationResult, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EndpointRequestError(ValueError):
+    """A request the endpoint refuses; ``status`` is the HTTP status, ``param`` the field at fault."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+# ---------------------------------------------------------------------- batching
+
+
+@dataclass
+class PendingRequest:
+    episode_id: str
+    request: GenerationRequest
+    future: concurrent.futures.Future
+
+
+class GenerationQueue:
+    """Requests from the server thread to the engine thread, batched across episodes."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[PendingRequest] = queue.Queue()
+
+    def submit(self, episode_id: str, request: GenerationRequest) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put(PendingRequest(episode_id, request, future))
+        return future
+
+    def take(self, waiting_for: set[str], first_timeout_s: float, batch_wait_s: float) -> list[PendingRequest]:
+        """Block up to ``first_timeout_s`` for a request, then gather more until every episode in
+        ``waiting_for`` (the running ones) has one queued or ``batch_wait_s`` passed: an episode that is
+        busy elsewhere (a tool, the environment) delays the batch by at most ``batch_wait_s``."""
+        try:
+            batch = [self._queue.get(timeout=first_timeout_s)]
+        except queue.Empty:
+            return []
+        deadline = time.monotonic() + batch_wait_s
+        while not waiting_for <= {p.episode_id for p in batch}:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                batch.append(self._queue.get(timeout=left))
+            except queue.Empty:
+                break
+        while True:  # whatever else is already queued rides along
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                return batch
+
+    def fail_all(self, error: BaseException) -> None:
+        while True:
+            try:
+                pending = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if not pending.future.done():
+                pending.future.set_exception(error)
+
+
+def run_batch(batch: list[PendingRequest], generate: Any) -> None:
+    """One ``generate`` call for ``batch``; each pending request gets its ``n`` results (or the error)."""
+    if not batch:
+        return
+    try:
+        results: list[GenerationResult] = generate([p.request for p in batch])
+        grouped: list[list[GenerationResult]] = [[] for _ in batch]
+        for result in results:
+            grouped[result.request_index].append(result)
+        for pending, group in zip(batch, grouped):
+            if len(group) != pending.request.n:
+                raise RuntimeError(f"rollout engine returned {len(group)} samples for a request with "
+                                   f"n={pending.request.n}")
+    except BaseException as err:  # noqa: BLE001 - every waiting request learns of the failure, then it propagates
+        for pending in batch:
+            if not pending.future.done():
+                pending.future.set_exception(err)
+        raise
+    for pending, group in zip(batch, grouped):
+        if not pending.future.done():
+            pending.future.set_result(group)
+
+
+# ---------------------------------------------------------------------- request handling
+
+
+def _derive_seed(seed: int, episode_id: str, call_index: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{episode_id}:{call_index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") >> 1
+
+
+def _number(body: dict, key: str, kind: type, default: Any) -> Any:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise EndpointRequestError(f"'{key}' must be {'an integer' if kind is int else 'a number'}, got {value!r}",
+                                   param=key)
+    return kind(value)
+
+
+def _stop_list(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise EndpointRequestError(f"'stop' must be a string or a list of strings, got {stop!r:.100}", param="stop")
+
+
+class OpenAIEndpoint:
+    """The endpoint of one rollout rank (module docstring). ``start()`` binds and serves; ``close()`` stops.
+
+    Args:
+        tokenizer: the actor's tokenizer (chat template, decoding).
+        max_len: prompt + output token budget per call (``data.max_len``); None for none.
+        model_name: the name ``/v1/models`` reports (any ``model`` value is accepted).
+        batch_wait_s: how long a batch waits for running episodes that have no request queued yet.
+    """
+
+    def __init__(self, tokenizer: Any, max_len: int | None = None, model_name: str = "policy",
+                 batch_wait_s: float = 0.05) -> None:
+        self.tokenizer, self.max_len, self.model_name = tokenizer, max_len, model_name
+        self.batch_wait_s = batch_wait_s
+        self.recorder = EpisodeRecorder()
+        self.queue = GenerationQueue()
+        self.defaults = SamplingParams(max_new_tokens=16)
+        self.stop_token_ids: list[int] = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self._sock: socket.socket | None = None
+        self.port: int | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def base_url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("OpenAIEndpoint.base_url before start()")
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self, startup_timeout_s: float = 30.0) -> "OpenAIEndpoint":
+        import uvicorn
+
+        # Bound before the thread starts: the port is ours at once and no other process can take it.
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(create_app(self), log_level="warning", lifespan="off",
+                                                     timeout_graceful_shutdown=2))
+        self._thread = threading.Thread(target=self._serve, name=f"openai-endpoint-{self.port}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + startup_timeout_s
+        while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self._server.started:
+            self.close()
+            raise RuntimeError(f"OpenAI endpoint on 127.0.0.1:{self.port} did not start")
+        return self
+
+    def _serve(self) -> None:
+        try:
+            self._server.run(sockets=[self._sock])
+        except SystemExit:  # uvicorn exits this way when startup fails; it logged why
+            pass
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop serving (requests still waiting for the engine fail) and release the port."""
+        self.queue.fail_all(RuntimeError("the OpenAI endpoint is shutting down"))
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout_s)
+        if self._sock is not None:
+            self._sock.close()
+        self._server = self._thread = self._sock = None
+
+    def set_defaults(self, sampling: SamplingParams) -> None:
+        """The run's sampling parameters: defaults for fields a request leaves out (and the stop tokens)."""
+        self.defaults = sampling
+        self.stop_token_ids = list(dict.fromkeys([*sampling.stop_token_ids, *self.stop_token_ids]))
+
+    # ------------------------------------------------------------------ requests
+
+    def _sampling(self, body: dict, prompt_len: int, episode_id: str, call_index: int, max_key: str) -> SamplingParams:
+        d = self.defaults
+        max_tokens = _number(body, max_key, int, None)
+        if max_key == "max_completion_tokens" and max_tokens is None:
+            max_tokens = _number(body, "max_tokens", int, None)
+        if max_tokens is not None and max_tokens < 1:
+            raise EndpointRequestError(f"'{max_key}' must be >= 1, got {max_tokens}", param=max_key)
+        limit = d.max_new_tokens if max_tokens is None else max_tokens
+        if self.max_len is not None:
+            room = self.max_len - prompt_len
+            if room < 1:
+                raise EndpointRequestError(
+                    f"the prompt has {prompt_len} tokens, which leaves no room in the context of {self.max_len} "
+                    "tokens (data.max_len)", param="messages", status=400)
+            limit = min(limit, room)
+        seed = _number(body, "seed", int, None)
+        if seed is None and d.seed is not None:
+            seed = _derive_seed(d.seed, episode_id, call_index)
+        try:
+            return SamplingParams(max_new_tokens=limit, temperature=_number(body, "temperature", float, d.temperature),
+                                  top_p=_number(body, "top_p", float, d.top_p), top_k=d.top_k,
+                                  stop_token_ids=list(self.stop_token_ids), seed=seed)
+        except ValueError as err:
+            raise EndpointRequestError(str(err)) from None
+
+    def _episode(self, authorization: str | None) -> str:
+        key = (authorization or "").removeprefix("Bearer ").strip()
+        if not key or not self.recorder.is_open(key):
+            raise EndpointRequestError("unknown episode: the API key must be the episode id the trainer gave this "
+                                       "client (requests outside a running episode are refused)", status=401)
+        return key
+
+    @staticmethod
+    def _check_unsupported(body: dict, is_chat: bool) -> int:
+        if body.get("stream"):
+            raise EndpointRequestError("stream=true is not supported by the training endpoint", param="stream")
+        if _number(body, "top_logprobs", int, 0) > 0 or (not is_chat and _number(body, "logprobs", int, 0) > 1):
+            raise EndpointRequestError("only the sampled token's logprob is reported: top_logprobs / logprobs > 1 "
+                                       "are not supported", param="top_logprobs")
+        if body.get("echo"):
+            raise EndpointRequestError("echo is not supported", param="echo")
+        n = _number(body, "n", int, 1)
+        if n < 1 or _number(body, "best_of", int, n) != n:
+            raise EndpointRequestError(f"'n' must be >= 1 (and best_of, if given, equal to n), got n={n}", param="n")
+        return n
+
+    async def _generate(self, episode_id: str, prompt_ids: list[int], params: SamplingParams,
+                        n: int) -> list[GenerationResult]:
+        request = GenerationRequest(prompt_ids=prompt_ids, params=params, n=n)
+        return await asyncio.wrap_future(self.queue.submit(episode_id, request))
+
+    async def chat(self, body: dict, authorization: str | None) -> dict:
+        episode_id = self._episode(authorization)
+        n = self._check_unsupported(body, is_chat=True)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise EndpointRequestError("'messages' must be a non-empty list of message objects", param="messages")
+        render_kwargs: dict[str, Any] = {}
+        if body.get("tools") and body.get("tool_choice") != "none":
+            render_kwargs["tools"] = [t.get("function", t) if isinstance(t, dict) else t for t in body["tools"]]
+        try:
+            prompt_ids, _ = chat_prompt_ids(self.tokenizer, messages, self.recorder.records(episode_id),
+                                            render_kwargs)
+        except ChatTemplateError as err:
+            raise EndpointRequestError(str(err), param="messages") from None
+        if not prompt_ids:
+            raise EndpointRequestError("the chat template rendered an empty prompt", param="messages")
+        call_index = self.recorder.next_call_index(episode_id)
+        params = self._sampling(body, len(prompt_ids), episode_id, call_index, "max_completion_tokens")
+        stop = _stop_list(body)
+        results = await self._generate(episode_id, prompt_ids, params, n)
+        choices, completion_tokens = [], 0
+        for index, result in enumerate(results):
+            ids, logprobs, text, finish = apply_stop_strings(self.tokenizer, list(result.output_ids),
+                                                             [float(x) for x in result.output_logprobs],
+                                                             result.finish_reason, stop)
+            content, tool_calls = parse_tool_calls(text) if render_kwargs else (text, [])
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            self.recorder.add(episode_id, CompletionRecord(
+                call_index=call_index, prompt_ids=list(prompt_ids), output_ids=ids, output_logprobs=logprobs,
+                finish_reason=finish, kind="chat", output_text=text, messages=messages, message=message,
+                render_kwargs=render_kwargs))
+            completion_tokens += len(ids)
+            choice: dict[str, Any] = {"index": index, "message": message, "logprobs": None,
+                                      "finish_reason": "tool_calls" if tool_calls else finish}
+            if body.get("logprobs"):
+                choice["logprobs"] = {"content": [
+                    {"token": self.tokenizer.decode([t]), "logprob": lp,
+                     "bytes": list(self.tokenizer.decode([t]).encode()), "top_logprobs": []}
+                    for t, lp in zip(ids, logprobs)]}
+            choices.append(choice)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": body.get("model") or self.model_name, "choices": choices,
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                          "total_tokens": len(prompt_ids) * len(choices) + completion_tokens}}
+
+    async def completion(self, body: dict, authorization: str | None) -> dict:
+        episode_id = self._episode(authorization)
+        n = self._check_unsupported(body, is_chat=False)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str) and prompt:
+            prompt_text: str | None = prompt
+            prompt_ids = completion_prompt_ids(self.tokenizer, prompt, self.recorder.records(episode_id))
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in prompt):
+            prompt_text, prompt_ids = None, list(prompt)
+        else:
+            raise EndpointRequestError("'prompt' must be a non-empty string or list of token ids (one prompt per "
+                                       "request)", param="prompt")
+        call_index = self.recorder.next_call_index(episode_id)
+        params = self._sampling(body, len(prompt_ids), episode_id, call_index, "max_tokens")
+        stop = _stop_list(body)
+        results = await self._generate(episode_id, prompt_ids, params, n)
+        choices, completion_tokens = [], 0
+        for index, result in enumerate(results):
+            ids, logprobs, text, finish = apply_stop_strings(self.tokenizer, list(result.output_ids),
+                                                             [float(x) for x in result.output_logprobs],
+                                                             result.finish_reason, stop)
+            self.recorder.add(episode_id, CompletionRecord(
+                call_index=call_index, prompt_ids=list(prompt_ids), output_ids=ids, output_logprobs=logprobs,
+                finish_reason=finish, kind="completion", prompt_text=prompt_text, output_text=text))
+            completion_tokens += len(ids)
+            choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            if body.get("logprobs") is not None:
+                tokens = [self.tokenizer.decode([t]) for t in ids]
+                offsets, at = [], 0
+                for token in tokens:
+                    offsets.append(at)
+                    at += len(token)
+                choice["logprobs"] = {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None,
+                                      "text_offset": offsets}
+            choices.append(choice)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": body.get("model") or self.model_name, "choices": choices,
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                          "total_tokens": len(prompt_ids) * len(choices) + completion_tokens}}
+
+
+def _error(status: int, message: str, param: str | None = None) -> Any:
+    from fastapi.responses import JSONResponse
+
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error")
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
+                                                               "code": None}})
+
+
+def create_app(endpoint: OpenAIEndpoint) -> Any:
+    """The FastAPI app of ``endpoint``; errors use OpenAI's ``{"error": {...}}`` shape."""
+    from fastapi import FastAPI, Request
+
+    app = FastAPI(title="hpc-rlhf rollout (OpenAI-compatible)")
+
+    async def handle(request: Request, method: Any) -> Any:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "the request body is not JSON")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        try:
+            return await method(body, request.headers.get("authorization"))
+        except EndpointRequestError as err:
+            return _error(err.status, str(err), err.param)
+        except Exception as err:  # noqa: BLE001 - an engine failure is the client's 500, logged here
+            logger.exception("OpenAI endpoint request failed")
+            return _error(500, f"{type(err).__name__}: {err}")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await handle(request, endpoint.chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await handle(request, endpoint.completion)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": endpoint.model_name, "object": "model", "created": 0,
+                                            "owned_by": "hpc-rlhf"}]}
+
+    return app
+

@@ -1,0 +1,274 @@
+"""Agents written against the OpenAI API, trained as they are: episodes -> trajectories.
+
+An agent file (``train.agent_func_path``) defines::
+
+    async def run_episode(client, prompt, label, **agent_kwargs):
+        reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": prompt}])
+        return 1.0 if reply.choices[0].message.content.strip() == label else 0.0
+
+``client`` is an ``openai.AsyncOpenAI`` pointed at this rank's endpoint (``openai_endpoint``), its API key the
+episode id; ``agent_kwargs`` are ``train.agent_kwargs`` (the names the function accepts). Return the reward
+(a number), a dict ``{"reward": float, "score": float, "extra_logs": {name: number}}``, or None to let the
+configured reward function / reward model score the trajectory.
+
+Each of the step's ``len(prompts) * n_samples_per_prompt`` episodes runs once; at most ``num_concurrent`` at a
+time on one private event loop (a daemon thread), while the calling thread - the one that owns the engine -
+batches their requests into ``generate`` calls. When an episode ends, its recorded calls become its
+trajectory (``openai_recording.episode_sequences``): the linear chain that holds the episode's last call, with
+the model's tokens at ``action_mask`` 1 and everything between calls at 0. Group advantage estimators need
+exactly one row per episode, so calls on other branches (a second choice of an ``n > 1`` call that the agent
+did not continue, a call with an unrelated prompt) are not trained; ``extra_logs`` counts them
+(``dropped_calls``, ``num_branches``). An agent that wants every call trained keeps its chat linear.
+
+Failures (an exception, no model call at all, or running past ``episode_timeout_s``) end only that episode:
+reward 0.0, ``finish_reason`` ``"agent_error"`` / ``"agent_timeout"``, the tokens kept with ``action_mask`` 0, and
+``Trajectory.failure`` set, so the trainer's failure bound (``train.max_agent_failure_fraction``) applies. A
+timed-out episode is abandoned, never joined, and its later requests are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import inspect
+import logging
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, Trajectory
+from hpc_rlhf.agents.openai_endpoint import OpenAIEndpoint, run_batch
+from hpc_rlhf.agents.openai_recording import CompletionRecord, episode_sequences
+from hpc_rlhf.data.prompts import Prompt
+from hpc_rlhf.engines.rollout_base import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.02  # how often the engine thread checks deadlines while no request is queued
+
+
+def import_openai() -> Any:
+    try:
+        import openai
+    except ImportError as err:
+        raise ImportError("OpenAI-client agents need the `openai` package: pip install 'hpc-rlhf[agents]' "
+                          "(or pip install openai)") from err
+    return openai
+
+
+@dataclass
+class _Episode:
+    index: int
+    group_index: int
+    prompt: Prompt
+    episode_id: str
+    started: float | None = None  # monotonic time the agent began (None while it waits for a slot)
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+    timed_out: bool = False
+    records: list[CompletionRecord] = field(default_factory=list)
+
+
+class OpenAIAgentExecutor(AgentExecutor):
+    """Runs ``run_episode`` agents against this rank's OpenAI-compatible endpoint (see the module docstring).
+
+    Args:
+        run_episode: ``async def run_episode(client, prompt, label, **agent_kwargs)``.
+        tokenizer, prompt_max_len: as every executor.
+        max_len: prompt + output budget of every call (``data.max_len``).
+        num_concurrent: episodes alive at once.
+        episode_timeout_s: wall time limit of one episode (None: none).
+        agent_kwargs: extra keyword arguments for ``run_episode`` (those its signature accepts).
+        batch_wait_s: how long a generate batch waits for running episodes without a queued request.
+    """
+
+    def __init__(self, run_episode: Any, tokenizer: Any, prompt_max_len: int, *, max_len: int | None = None,
+                 num_concurrent: int = 64, episode_timeout_s: float | None = 600.0,
+                 agent_kwargs: dict[str, Any] | None = None, batch_wait_s: float = 0.05,
+                 model_name: str = "policy") -> None:
+        super().__init__(tokenizer, prompt_max_len)
+        if not inspect.iscoroutinefunction(run_episode):
+            raise ValueError(f"run_episode must be an `async def` function, got {run_episode!r:.100}")
+        if num_concurrent < 1:
+            raise ValueError(f"num_concurrent must be >= 1, got {num_concurrent}")
+        if episode_timeout_s is not None and not episode_timeout_s > 0:
+            raise ValueError(f"episode_timeout_s must be > 0 or None, got {episode_timeout_s}")
+        self.run_episode = run_episode
+        self.max_len, self.num_concurrent, self.episode_timeout_s = max_len, num_concurrent, episode_timeout_s
+        self.agent_kwargs = _accepted(run_episode, dict(agent_kwargs or {}))
+        self.batch_wait_s, self.model_name = batch_wait_s, model_name
+        self.endpoint: OpenAIEndpoint | None = None
+        self.last_run_stats: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start_endpoint(self) -> OpenAIEndpoint:
+        """Start the endpoint once (the first ``run`` does it); it serves until :meth:`close` or exit."""
+        if self.endpoint is None:
+            import_openai()  # fail before serving when the client package is missing
+            self.endpoint = OpenAIEndpoint(self.tokenizer, self.max_len, self.model_name,
+                                           self.batch_wait_s).start()
+            atexit.register(self.close)
+        return self.endpoint
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
+
+    # ------------------------------------------------------------------ the contract
+
+    def run(self, prompts: list[Prompt], generate: GenerateFn, sampling: SamplingParams,
+            n_samples_per_prompt: int) -> list[Trajectory]:
+        if n_samples_per_prompt < 1:
+            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
+        if not prompts:
+            return []
+        endpoint = self.start_endpoint()
+        endpoint.set_defaults(sampling)
+        episodes = [_Episode(index=g * n_samples_per_prompt + s, group_index=g, prompt=prompt,
+                             episode_id=f"episode-{uuid.uuid4().hex}")
+                    for g, prompt in enumerate(prompts) for s in range(n_samples_per_prompt)]
+        for episode in episodes:
+            endpoint.recorder.open(episode.episode_id)
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="hpc_rlhf_openai_agents", daemon=True)
+        thread.start()
+        asyncio.run_coroutine_threadsafe(self._run_all(episodes, endpoint.base_url), loop)
+        try:
+            self._drive(episodes, endpoint, generate)
+        finally:
+            loop.call_soon_threadsafe(_cancel_all_and_stop, loop)  # a blocked loop is abandoned (daemon)
+            for episode in episodes:
+                if not episode.timed_out:
+                    episode.records = endpoint.recorder.close(episode.episode_id)
+        trajectories = [self._trajectory(episode) for episode in episodes]
+        self._stats(episodes, trajectories)
+        return trajectories
+
+    def _drive(self, episodes: list[_Episode], endpoint: OpenAIEndpoint, generate: GenerateFn) -> None:
+        """The engine thread: batch queued requests into ``generate`` until every episode ended or timed out."""
+        open_episodes = list(episodes)
+        while open_episodes:
+            now = time.monotonic()
+            for episode in open_episodes:
+                if (not episode.done.is_set() and episode.started is not None and self.episode_timeout_s
+                        and now - episode.started > self.episode_timeout_s):
+                    episode.timed_out = True  # its later requests get 401: nothing more is generated for it
+                    episode.records = endpoint.recorder.close(episode.episode_id)
+            open_episodes = [e for e in open_episodes if not (e.done.is_set() or e.timed_out)]
+            running = {e.episode_id for e in open_episodes if e.started is not None}
+            run_batch(endpoint.queue.take(running, _POLL_S, self.batch_wait_s), generate)
+
+    async def _run_all(self, episodes: list[_Episode], base_url: str) -> None:
+        openai = import_openai()
+        slots = asyncio.Semaphore(self.num_concurrent)
+
+        async def one(episode: _Episode) -> None:
+            async with slots:
+                episode.started = time.monotonic()
+                # No client retries: a retried request would generate (and record) a second time.
+                client = openai.AsyncOpenAI(base_url=base_url, api_key=episode.episode_id, max_retries=0,
+                                            timeout=self.episode_timeout_s)
+                try:
+                    episode.result = await self.run_episode(client, episode.prompt.text, episode.prompt.label,
+                                                            **self.agent_kwargs)
+                except BaseException as err:  # noqa: BLE001 - any agent failure ends only this episode
+                    episode.error = err
+                finally:
+                    episode.done.set()
+                    try:
+                        await client.close()
+                    except Exception:  # noqa: BLE001 - closing a client must not turn a result into a failure
+                        pass
+
+        await asyncio.gather(*(one(e) for e in episodes), return_exceptions=True)
+
+    # ------------------------------------------------------------------ trajectories
+
+    def _outcome(self, episode: _Episode) -> tuple[float | None, float | None, dict, str | None]:
+        """(reward, score, extra_logs, failure message) from what ``run_episode`` returned."""
+        if episode.timed_out:
+            return 0.0, 0.0, {}, f"episode: did not finish within episode_timeout_s={self.episode_timeout_s}"
+        if episode.error is not None:
+            err = episode.error
+            return 0.0, 0.0, {}, f"run_episode: {type(err).__name__}: {str(err)[:300]}"
+        if not episode.records:
+            return 0.0, 0.0, {}, "run_episode: made no model call (nothing to train)"
+        result = episode.result
+        if result is None:
+            return None, None, {}, None
+        extra: dict = {}
+        score = None
+        if isinstance(result, dict):
+            if "reward" not in result:
+                return 0.0, 0.0, {}, f"run_episode: returned a dict without 'reward' (keys {sorted(result)})"
+            extra = {k: float(v) for k, v in (result.get("extra_logs") or {}).items()
+                     if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            score = result.get("score", result.get("scores"))
+            result = result["reward"]
+        try:
+            reward = float(result)
+            score = reward if score is None else float(score)
+        except (TypeError, ValueError):
+            return 0.0, 0.0, {}, f"run_episode: returned {result!r:.100}, not a number (the reward)"
+        if not (math.isfinite(reward) and math.isfinite(score)):
+            return 0.0, 0.0, {}, f"run_episode: returned a non-finite reward {reward} / score {score}"
+        return reward, score, extra, None
+
+    def _trajectory(self, episode: _Episode) -> Trajectory:
+        reward, score, extra, failure = self._outcome(episode)
+        sequences = episode_sequences(episode.records)
+        if sequences:
+            last_call = max(r.call_index for r in episode.records)
+            chosen = next(s for s in sequences if last_call in s.calls)
+            prompt_ids, response_ids = chosen.prompt_ids, chosen.response_ids
+            mask, logprobs, finish = chosen.action_mask, chosen.logprobs, chosen.finish_reason
+            trained_calls = len(chosen.calls)
+        else:  # no call: one masked eos keeps the row well formed
+            prompt_ids = self.tokenize([episode.prompt])[0]
+            eos = self.tokenizer.eos_token_id
+            response_ids, mask, logprobs, finish, trained_calls = [eos], [0], [0.0], "", 0
+        num_calls = len(episode.records)
+        if failure is not None:
+            mask, logprobs = [0] * len(mask), [0.0] * len(logprobs)
+            finish = "agent_timeout" if episode.timed_out else "agent_error"
+        extra_logs = {**extra, "num_turns": float(trained_calls), "num_calls": float(num_calls),
+                      "num_branches": float(len(sequences)), "dropped_calls": float(num_calls - trained_calls),
+                      "agent_error": float(failure is not None), "agent_timeout": float(episode.timed_out)}
+        trajectory = Trajectory(
+            prompt=self.tokenizer.decode(prompt_ids), label=episode.prompt.label, prompt_ids=list(prompt_ids),
+            response_ids=list(response_ids), action_mask=list(mask), rollout_logprobs=list(logprobs),
+            reward=reward, score=score, truncated=finish == "length", finish_reason=finish,
+            extra_logs=extra_logs, group_index=episode.group_index, failure=failure)
+        trajectory.check()
+        return trajectory
+
+    def _stats(self, episodes: list[_Episode], trajectories: list[Trajectory]) -> None:
+        errors = sum(t.finish_reason == "agent_error" for t in trajectories)
+        timeouts = sum(t.finish_reason == "agent_timeout" for t in trajectories)
+        self.last_run_stats = {"num_episodes": len(episodes), "agent_errors": errors, "agent_timeouts": timeouts,
+                               "num_calls": sum(len(e.records) for e in episodes)}
+        if errors or timeouts:
+            first = next(t for t in trajectories if t.failure)
+            logger.warning("OpenAI-agent rollout: %d of %d episodes failed (%d errors, %d timeouts); first: %s",
+                           errors + timeouts, len(episodes), errors, timeouts, first.failure)
+
+
+def _accepted(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The subset of ``kwargs`` that ``fn`` accepts (all with ``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return kwargs
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+def _cancel_all_and_stop(loop: asyncio.AbstractEventLoop) -> None:
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
+    loop.call_soon(loop.stop)
