@@ -184,8 +184,9 @@ class PPOTrainer:
         return trajectories, rounds
 
     def stop_on_agent_failures(self) -> None:
-        """Collective: every rank raises when rank 0's failure window is over ``train.max_agent_failure_fraction``
-        (rank 0 with the cause and a sample prompt, the others with a pointer to it)."""
+        """Collective: every rank raises when rank 0's failure window is over ``train.max_agent_failure_fraction``,
+        all with rank 0's verdict (cause and sample prompt): whichever rank's error the launcher reports first,
+        it says why."""
         box = [self.health.verdict() if self.world.is_controller else None]
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
@@ -194,8 +195,7 @@ class PPOTrainer:
             self.metrics.close()
         if self.world.is_controller:
             raise AgentFailureLimitError(box[0])
-        raise AgentFailureLimitError(f"rank {self.rank}: stopping with rank 0, whose log says which agent "
-                                     "failures passed train.max_agent_failure_fraction")
+        raise AgentFailureLimitError(f"rank {self.rank}: stopping with rank 0: {box[0]}")
 
     # ------------------------------------------------------------------ phases
     def generate(self, prompts: list | None, step: int) -> list | None:
