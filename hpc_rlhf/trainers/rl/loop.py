@@ -72,11 +72,8 @@ class PPOTrainer:
         self.ckpt = rl_checkpoint.make_manager(cfg)
         self.stopped_by_signal = False
         self.policy_version = 0  # weight syncs done; the rollout side stamps it on every sample
-        # Rank 0 plus every rank of a non-rollout role: decisions about the training batch go only to
-        # them, so rollout ranks busy generating (asynchronous mode) never hold the trainer up.
-        train_ranks = sorted({0} | {r for name, g in world.roles.items() if name != "rollout" for r in g.ranks})
-        self.train_ranks = set(train_ranks)
-        self.train_group = dist.new_group(train_ranks)  # collective: every rank creates it
+        self.train_ranks = set(world.train_ranks)  # decisions about the training batch go only to these
+        self.train_group = world.train_group
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, Any]]:
