@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.ckpt import CheckpointManager, load_json, load_rank_rng, save_json_atomic, save_rank_rng
+from hpc_rlhf.ckpt.resume import agreed_checkpoint
 from hpc_rlhf.config import save_resolved_config
 from hpc_rlhf.config.supervised import SupervisedRunConfig
 from hpc_rlhf.data.packing import TokenSample, collate
@@ -249,7 +250,7 @@ class SupervisedTrainer:
     def maybe_resume(self) -> bool:
         if not self.cfg.ckpt.load:
             return False
-        latest = self.ckpt.latest()
+        latest = agreed_checkpoint(self.ckpt)  # verified, and the same on every rank
         if latest is None:
             log.info("ckpt.load=true but no checkpoint under %s: starting from scratch", self.ckpt.root)
             return False

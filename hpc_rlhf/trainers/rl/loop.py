@@ -316,6 +316,10 @@ class PPOTrainer:
     def resume(self) -> int:
         """Restore ``LATEST`` (weights, optimizer, data position, controllers, RNG); returns its step."""
         step, state = rl_checkpoint.restore(self.ckpt, self.roles, self.world)
+        if self.metrics is not None:
+            # Rows after the checkpoint will be logged again; with nothing to load (step 0) that is all of them,
+            # so a fresh start under ckpt.load=true leaves one row per step, as ckpt.load=false does.
+            self.metrics.truncate_after(step)
         if state is not None and "rank_buffers" in state:
             self.restore_rank_buffers(state.pop("rank_buffers"))
         if state is not None and self.world.is_controller:
@@ -323,7 +327,6 @@ class PPOTrainer:
             self.data.kl_controller.load_state_dict(state["kl"])
             self.data.reward_normalizer.load_state_dict(state["reward_norm"])
             self.restore_buffers(state.get("buffers"))
-            self.metrics.truncate_after(step)
         if step:
             self.policy_version = step - 1  # one sync per step; the sync below makes it ``step``
             self.sync_weights()  # the rollout engines start from the restored actor
