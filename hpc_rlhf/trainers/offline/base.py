@@ -103,6 +103,8 @@ class SupervisedTrainer:
         self.setup_reference()
         self.ckpt = CheckpointManager(cfg.ckpt.path or self.output_dir / "ckpt", max_num=cfg.ckpt.max_num)
         self.step = 0
+        self.stopped_by_signal = False
+        self.requeued = False  # with stopped_by_signal: SLURM restarts the job (cli exit status, preemption.py)
         resumed = self.maybe_resume()
         if self.rank == 0:
             save_resolved_config(cfg, self.output_dir)
@@ -187,7 +189,8 @@ class SupervisedTrainer:
             save_due = self.cfg.ckpt.save_steps and self.step % self.cfg.ckpt.save_steps == 0
             if guard.agreed_stop():
                 self.save()
-                requeue_if_enabled(self.cfg.slurm.requeue, self.rank)
+                self.stopped_by_signal = True
+                self.requeued = requeue_if_enabled(self.cfg.slurm.requeue, self.rank)
                 return rows
             if save_due:
                 self.save()

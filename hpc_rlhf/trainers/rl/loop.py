@@ -71,6 +71,7 @@ class PPOTrainer:
                                      resume=cfg.ckpt.load) if world.is_controller else None
         self.ckpt = rl_checkpoint.make_manager(cfg)
         self.stopped_by_signal = False
+        self.requeued = False  # with stopped_by_signal: SLURM restarts the job (cli exit status, preemption.py)
         self.policy_version = 0  # weight syncs done; the rollout side stamps it on every sample
         self.train_ranks = set(world.train_ranks)  # decisions about the training batch go only to these
         self.train_group = world.train_group
@@ -106,7 +107,7 @@ class PPOTrainer:
                 self.save_checkpoint(step)
             if stop:
                 self.stopped_by_signal = True
-                requeue_if_enabled(self.cfg.slurm.requeue, self.rank)
+                self.requeued = requeue_if_enabled(self.cfg.slurm.requeue, self.rank)
                 break
         progress.close()
         if watchdog:
