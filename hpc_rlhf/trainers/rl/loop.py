@@ -57,6 +57,7 @@ class PPOTrainer:
         self.cfg, self.world = cfg, world
         self.rank = world.rank
         rl_setup.check_supported(cfg)
+        rl_setup.check_model_paths(cfg)
         seed_everything(cfg.train.seed + self.rank)
         self.tokenizer = load_tokenizer(cfg.actor.pretrain, key="actor.pretrain")
         # The controller alone reads the data; every rank needs the step count for its LR schedule.
