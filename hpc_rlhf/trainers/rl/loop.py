@@ -82,8 +82,9 @@ class PPOTrainer:
         """Run the remaining steps; returns the metrics rows (rank 0). Stops early on SLURM's signals."""
         start = self.resume() if self.cfg.ckpt.load else 0
         guard = preemption_guard()
-        watchdog = Watchdog(self.cfg.train.watchdog_timeout_s, rank=self.rank, exit_code=STALL_EXIT_CODE).start() \
-            if self.cfg.train.watchdog_timeout_s else None
+        watchdog = Watchdog(self.cfg.train.watchdog_timeout_s, rank=self.rank, exit_code=STALL_EXIT_CODE,
+                            heartbeat_dir=Path(self.cfg.train.output_dir) / ".watchdog",
+                            world_size=dist.get_world_size()).start() if self.cfg.train.watchdog_timeout_s else None
         history = []
         self.before_steps(start)
         progress = rl_setup.progress_bar(self.num_steps, self.world.is_controller)
