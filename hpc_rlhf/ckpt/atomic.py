@@ -31,6 +31,7 @@ imported and the default process group is initialised.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -46,6 +47,14 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+# A save that fails while the filesystem has less free space than this is reported as out of space.
+LOW_SPACE_BYTES = 64 << 20
+
+
+class CheckpointSpaceError(OSError):
+    """A checkpoint save failed because its filesystem is full (or a quota is exhausted)."""
+
 
 LATEST_NAME = "LATEST"
 COMPLETE_NAME = "COMPLETE"
@@ -329,14 +338,51 @@ class CheckpointManager:
             self._wait_visible(tmp)
         try:
             yield tmp
-        except BaseException:
+        except BaseException as exc:
             log.warning("rank %d: save of step %d failed; not committing (%s left for cleanup)", self.rank, step,
                         tmp)
+            self._raise_if_out_of_space(exc, step)
             raise
         self._barrier()  # every rank finished writing
         if self.rank == 0:
-            self._commit(step, tmp)
+            try:
+                self._commit(step, tmp)
+            except OSError as exc:
+                self._raise_if_out_of_space(exc, step)
+                raise
         self._barrier()  # nobody reads LATEST before it moved
+
+    def _raise_if_out_of_space(self, exc: BaseException, step: int) -> None:
+        """Re-raise a save failure caused by a full filesystem (or quota) as CheckpointSpaceError naming the root.
+
+        torch.save reports a full disk as a bare C++ stream error ("basic_ios::clear: iostream error", "unexpected
+        pos"), so besides ENOSPC / EDQUOT anywhere in the exception chain, a failure while the filesystem has
+        almost no space left counts too."""
+        if not isinstance(exc, Exception):
+            return
+        chain, seen = exc, set()
+        errno_hit = None
+        while chain is not None and id(chain) not in seen:
+            seen.add(id(chain))
+            if isinstance(chain, OSError) and chain.errno in (errno.ENOSPC, errno.EDQUOT):
+                errno_hit = chain.errno
+                break
+            chain = chain.__cause__ or chain.__context__
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            free = None
+        if errno_hit is None and (free is None or free >= LOW_SPACE_BYTES):
+            return
+        what = "disk quota exceeded" if errno_hit == errno.EDQUOT else "no space left"
+        previous = self.latest()
+        kept = f"the previous checkpoint {previous} is kept" if previous else "no earlier checkpoint exists"
+        free_text = f", {free / 2**20:.1f} MiB free" if free is not None else ""
+        raise CheckpointSpaceError(
+            errno_hit or errno.ENOSPC,
+            f"{what} on {self.root}{free_text}: the save of step {step} failed ({type(exc).__name__}: {exc}); "
+            f"nothing was committed and {kept}. Free space there or point ckpt.path at a filesystem with room "
+            "(ckpt.max_num bounds how many checkpoints are kept)") from exc
 
     def _wait_visible(self, tmp: Path) -> None:
         deadline = time.monotonic() + self.visibility_timeout_s

@@ -122,6 +122,40 @@ def test_fallback_warning_is_printed_once_and_reads_well(tmp_path, caplog):
     assert "LATEST names step_99, which is not a complete checkpoint" in caplog.text
 
 
+def test_full_disk_during_save_names_the_root_and_keeps_the_previous_checkpoint(tmp_path):
+    from hpc_rlhf.ckpt import CheckpointSpaceError
+
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    previous = _save(mgr, 1)
+    with pytest.raises(CheckpointSpaceError, match=f"no space left on {tmp_path / 'ckpt'}") as info:
+        with mgr.saving(2) as tmp:
+            (tmp / "model.bin").symlink_to("/dev/full")  # the kernel answers every write with ENOSPC
+            (tmp / "model.bin").write_bytes(b"weights" * 1000)
+    assert f"previous checkpoint {previous} is kept" in str(info.value)
+    assert "No space left on device" in str(info.value)  # the original error stays in the message and chain
+    assert mgr.latest() == previous and verify_checkpoint(previous) == []
+
+
+def test_torch_save_on_a_full_filesystem_is_reported_as_out_of_space(tmp_path):
+    """torch.save says only "unexpected pos" / "iostream error" on a full disk; a real small tmpfs."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        from hpc_rlhf.ckpt import CheckpointSpaceError
+
+        mgr = CheckpointManager(mount / "ckpt")
+        previous = _save(mgr, 1)
+        with pytest.raises(CheckpointSpaceError, match=f"no space left on {mount / 'ckpt'}"):
+            with mgr.saving(2) as tmp:
+                torch.save({"w": torch.zeros(1 << 20)}, tmp / "model.pt")  # 4 MiB into 2 MiB
+        assert mgr.latest() == previous
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
 def test_rotation_keeps_max_num_newest(tmp_path):
     mgr = CheckpointManager(tmp_path, max_num=2)
     for step in (10, 20, 30, 40):
