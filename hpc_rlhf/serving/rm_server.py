@@ -120,7 +120,8 @@ class RewardScorer:
                              max_length=self.max_len)["input_ids"] if texts else []
         for i, row in enumerate(ids):
             if not row:
-                raise ValueError(f"query[{first_index + i}] has no tokens (empty text, or only padding); cannot score it")
+                raise ValueError(f"query[{first_index + i}] has no tokens (empty text, or only padding); "
+                                 "cannot score it")
         return ids
 
     @torch.inference_mode()
