@@ -11,6 +11,7 @@ from hpc_rlhf.ckpt.atomic import (
     COMPLETE_NAME,
     LATEST_NAME,
     CheckpointManager,
+    CheckpointSpaceError,
     atomic_write_bytes,
     atomic_write_text,
     is_complete,
@@ -23,8 +24,9 @@ from hpc_rlhf.ckpt.atomic import (
 _RNG_NAMES = ("capture_rng_state", "restore_rng_state", "save_rank_rng", "load_rank_rng")
 
 __all__ = [
-    "COMPLETE_NAME", "LATEST_NAME", "CheckpointManager", "atomic_write_bytes", "atomic_write_text", "is_complete",
-    "load_json", "read_manifest", "save_json_atomic", "verify_checkpoint", *_RNG_NAMES,
+    "COMPLETE_NAME", "LATEST_NAME", "CheckpointManager", "CheckpointSpaceError", "atomic_write_bytes",
+    "atomic_write_text", "is_complete", "load_json", "read_manifest", "save_json_atomic", "verify_checkpoint",
+    *_RNG_NAMES,
 ]
 
 

@@ -31,6 +31,8 @@ imported and the default process group is initialised.
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import logging
 import os
@@ -45,6 +47,14 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+# A save that fails while the filesystem has less free space than this is reported as out of space.
+LOW_SPACE_BYTES = 64 << 20
+
+
+class CheckpointSpaceError(OSError):
+    """A checkpoint save failed because its filesystem is full (or a quota is exhausted)."""
+
 
 LATEST_NAME = "LATEST"
 COMPLETE_NAME = "COMPLETE"
@@ -141,12 +151,35 @@ def is_complete(step_dir: str | Path) -> bool:
 
 
 def read_manifest(step_dir: str | Path) -> dict:
-    """The COMPLETE manifest: ``{"step", "time", "time_iso", "world_size", "files": [{"path", "size"}]}``."""
+    """The COMPLETE manifest: ``{"step", "time", "time_iso", "world_size", "files": [{"path", "size", "digest"}]}``
+    (``digest``: see :func:`file_digest`; manifests written before it existed have sizes only)."""
     return load_json(Path(step_dir) / COMPLETE_NAME)
 
 
+# Files up to this size are hashed whole (controller state, RNG, small shards); larger ones (model and optimizer
+# shards, often GBs) by DIGEST_WINDOW bytes at their start, middle and end, so saving and resuming a large
+# checkpoint reads a few MiB per file, not all of it. Truncation is caught by the size check either way.
+DIGEST_FULL_LIMIT = 64 << 20
+DIGEST_WINDOW = 4 << 20
+
+
+def file_digest(path: str | Path) -> str:
+    """A cheap content hash of ``path`` (BLAKE2b): whole files up to DIGEST_FULL_LIMIT, sampled windows above."""
+    path = Path(path)
+    size = path.stat().st_size
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        if size <= DIGEST_FULL_LIMIT:
+            return "blake2b:" + hashlib.file_digest(f, lambda: h).hexdigest()
+        for offset in (0, (size - DIGEST_WINDOW) // 2, size - DIGEST_WINDOW):
+            f.seek(offset)
+            h.update(f.read(DIGEST_WINDOW))
+    return f"blake2b-sampled:{h.hexdigest()}"
+
+
 def verify_checkpoint(step_dir: str | Path) -> list[str]:
-    """Problems found comparing the directory with its manifest (missing files, size changes); [] if none."""
+    """Problems found comparing the directory with its manifest (missing files, size or content changes);
+    [] if none. Each problem names the file at fault."""
     step_dir = Path(step_dir)
     try:
         manifest = read_manifest(step_dir)
@@ -155,10 +188,15 @@ def verify_checkpoint(step_dir: str | Path) -> list[str]:
     problems = []
     for entry in manifest.get("files", []):
         file = step_dir / entry["path"]
-        if not file.is_file():
-            problems.append(f"missing {file}")
-        elif file.stat().st_size != entry["size"]:
-            problems.append(f"size of {file} is {file.stat().st_size}, manifest says {entry['size']}")
+        try:
+            if not file.is_file():
+                problems.append(f"missing {file}")
+            elif file.stat().st_size != entry["size"]:
+                problems.append(f"size of {file} is {file.stat().st_size}, manifest says {entry['size']}")
+            elif "digest" in entry and file_digest(file) != entry["digest"]:
+                problems.append(f"content of {file} changed since it was saved (hash differs from the manifest)")
+        except OSError as exc:
+            problems.append(f"cannot read {file}: {exc}")
     return problems
 
 
@@ -218,14 +256,14 @@ class CheckpointManager:
         try:
             text = self.latest_file.read_text(encoding="utf-8").strip()
         except FileNotFoundError:
-            return None, "missing"
+            return None, "is missing"
         except (OSError, UnicodeDecodeError) as exc:
-            return None, f"unreadable ({exc})"
+            return None, f"is unreadable ({exc})"
         if parse_step_name(text) is None:
-            return None, f"corrupt (content {text[:64]!r})"
+            return None, f"is corrupt (content {text[:64]!r})"
         target = self.root / text
         if not is_complete(target):
-            return None, f"points to {text}, which is not a complete checkpoint"
+            return None, f"names {text}, which is not a complete checkpoint"
         return target, None
 
     def latest(self) -> Path | None:
@@ -239,13 +277,39 @@ class CheckpointManager:
             return target
         complete = self.list_complete()
         if not complete:
-            if problem != "missing":
-                log.warning("checkpoint root %s: LATEST is %s and no complete checkpoint exists", self.root, problem)
+            if problem != "is missing":
+                log.warning("checkpoint root %s: LATEST %s and no complete checkpoint exists", self.root, problem)
             return None
         step, fallback = complete[-1]
-        log.warning("checkpoint root %s: LATEST is %s; falling back to the newest complete checkpoint %s",
+        log.warning("checkpoint root %s: LATEST %s; falling back to the newest complete checkpoint %s",
                     self.root, problem, fallback.name)
         return fallback
+
+    def latest_verified(self) -> Path | None:
+        """The checkpoint to resume from: :meth:`latest` if it verifies against its manifest, else the newest
+        complete checkpoint that does (a warning names each bad file). None when there is no complete checkpoint.
+
+        Raises RuntimeError, listing the problems, when complete checkpoints exist but none verifies: starting
+        fresh over them would silently throw the run away.
+        """
+        first = self.latest()
+        if first is None:
+            return None
+        candidates = [first, *(d for _, d in reversed(self.list_complete()) if d != first)]
+        rejected = []
+        for candidate in candidates:
+            problems = verify_checkpoint(candidate)
+            if not problems:
+                if rejected:
+                    log.warning("checkpoint root %s: resuming from %s, the newest checkpoint that verifies",
+                                self.root, candidate.name)
+                return candidate
+            log.warning("checkpoint %s is damaged and will not be loaded: %s", candidate, "; ".join(problems))
+            rejected.append(f"{candidate.name}: {'; '.join(problems)}")
+        raise RuntimeError(f"no checkpoint under {self.root} verifies against its manifest:\n  "
+                           + "\n  ".join(rejected)
+                           + "\nrestore the damaged files, remove those checkpoints, or set ckpt.load=false to start "
+                             "fresh")
 
     def latest_step(self) -> int | None:
         latest = self.latest()
@@ -274,14 +338,51 @@ class CheckpointManager:
             self._wait_visible(tmp)
         try:
             yield tmp
-        except BaseException:
+        except BaseException as exc:
             log.warning("rank %d: save of step %d failed; not committing (%s left for cleanup)", self.rank, step,
                         tmp)
+            self._raise_if_out_of_space(exc, step)
             raise
         self._barrier()  # every rank finished writing
         if self.rank == 0:
-            self._commit(step, tmp)
+            try:
+                self._commit(step, tmp)
+            except OSError as exc:
+                self._raise_if_out_of_space(exc, step)
+                raise
         self._barrier()  # nobody reads LATEST before it moved
+
+    def _raise_if_out_of_space(self, exc: BaseException, step: int) -> None:
+        """Re-raise a save failure caused by a full filesystem (or quota) as CheckpointSpaceError naming the root.
+
+        torch.save reports a full disk as a bare C++ stream error ("basic_ios::clear: iostream error", "unexpected
+        pos"), so besides ENOSPC / EDQUOT anywhere in the exception chain, a failure while the filesystem has
+        almost no space left counts too."""
+        if not isinstance(exc, Exception):
+            return
+        chain, seen = exc, set()
+        errno_hit = None
+        while chain is not None and id(chain) not in seen:
+            seen.add(id(chain))
+            if isinstance(chain, OSError) and chain.errno in (errno.ENOSPC, errno.EDQUOT):
+                errno_hit = chain.errno
+                break
+            chain = chain.__cause__ or chain.__context__
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            free = None
+        if errno_hit is None and (free is None or free >= LOW_SPACE_BYTES):
+            return
+        what = "disk quota exceeded" if errno_hit == errno.EDQUOT else "no space left"
+        previous = self.latest()
+        kept = f"the previous checkpoint {previous} is kept" if previous else "no earlier checkpoint exists"
+        free_text = f", {free / 2**20:.1f} MiB free" if free is not None else ""
+        raise CheckpointSpaceError(
+            errno_hit or errno.ENOSPC,
+            f"{what} on {self.root}{free_text}: the save of step {step} failed ({type(exc).__name__}: {exc}); "
+            f"nothing was committed and {kept}. Free space there or point ckpt.path at a filesystem with room "
+            "(ckpt.max_num bounds how many checkpoints are kept)") from exc
 
     def _wait_visible(self, tmp: Path) -> None:
         deadline = time.monotonic() + self.visibility_timeout_s
@@ -307,7 +408,8 @@ class CheckpointManager:
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
             # Durable data before the marker; on a shared FS each writer's close() already flushed to the servers.
             _fsync_file(path)
-            files.append({"path": path.relative_to(tmp).as_posix(), "size": path.stat().st_size})
+            files.append({"path": path.relative_to(tmp).as_posix(), "size": path.stat().st_size,
+                          "digest": file_digest(path)})
         for directory in sorted({p.parent for p in tmp.rglob("*")} | {tmp}):
             fsync_dir(directory)
         now = time.time()

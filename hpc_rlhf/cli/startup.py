@@ -79,5 +79,9 @@ def run_offline_trainer(kind: str, module: str, class_name: str, argv: list[str]
 
     cfg, _ = start_run(f"train_{kind}", argv, functools.partial(load_supervised_config, kind))
     trainer_cls = getattr(importlib.import_module(module), class_name)
-    trainer_cls(cfg).fit()
+    from hpc_rlhf.world.preemption import exit_if_stopped
+
+    trainer = trainer_cls(cfg)
+    trainer.fit()
     dist.destroy_process_group()
+    exit_if_stopped(trainer)  # status 75: stopped on a signal, resume with ckpt.load=true

@@ -20,8 +20,12 @@ def main(argv: list[str] | None = None) -> None:
 
     world = build_world_groups(build_placement(cfg, env.world_size))
 
-    trainer_class(cfg)(cfg, world).fit()
+    from hpc_rlhf.world.preemption import exit_if_stopped
+
+    trainer = trainer_class(cfg)(cfg, world)
+    trainer.fit()
     dist.destroy_process_group()
+    exit_if_stopped(trainer)  # status 75: stopped on a signal, resume with ckpt.load=true
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from hpc_rlhf.data.sources import DataError, mixture_plan, read_rows, row_error
+from hpc_rlhf.data.sources import DataError, make_row, mixture_plan, read_rows, row_error
 
 logger = logging.getLogger(__name__)
 
@@ -197,11 +197,12 @@ class PromptDataset(Sequence[Prompt]):
 
     def _load_source(self, path: str, limit: int | None = None) -> list[Prompt]:
         prompts: list[Prompt] = []
-        for row_index, row in enumerate(read_rows(path)):
+        rows = read_rows(path)
+        for row_index in range(len(rows)):
             if limit is not None and len(prompts) >= limit:
                 break
             try:
-                prompts.append(self._make_prompt(row, path, row_index))
+                prompts.append(make_row(self._make_prompt, rows, path, row_index))
             except DataError as err:
                 if not self.skip_bad_rows:
                     raise

@@ -23,7 +23,7 @@ from typing import Any
 
 from hpc_rlhf.data.packing import TokenSample
 from hpc_rlhf.data.prompts import _check_messages, _check_template, _special_prefix
-from hpc_rlhf.data.sources import DataError, mixture_plan, read_rows, row_error
+from hpc_rlhf.data.sources import DataError, make_row, mixture_plan, read_rows, row_error
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,12 @@ def load_examples(paths: Sequence[str], make: Callable[[Any, str, int], Any], *,
     def load(path: str, limit: int | None = None) -> list[Any]:
         nonlocal dropped
         out: list[Any] = []
-        for index, row in enumerate(read_rows(path)):
+        rows = read_rows(path)
+        for index in range(len(rows)):
             if limit is not None and len(out) >= limit:
                 break
             try:
-                example = make(row, path, index)
+                example = make_row(make, rows, path, index)
             except DataError as err:
                 if not skip_bad_rows:
                     raise

@@ -24,33 +24,71 @@ SUPPORTED_FORMATS = ".jsonl, .json, .parquet, or a datasets.save_to_disk folder"
 
 
 class DataError(ValueError):
-    """A data file or row is unusable. The message names the file, the row and the key."""
+    """A data file or row is unusable. The message names the file, the row (1-based; the 1-based line for JSON
+    lines files) and the key. ``row`` is the 0-based position among the file's rows."""
 
-    def __init__(self, message: str, *, path: str | None = None, row: int | None = None, key: str | None = None):
+    def __init__(self, message: str, *, path: str | None = None, row: int | None = None, key: str | None = None,
+                 line: int | None = None, reason: str | None = None):
         super().__init__(message)
         self.path = path
         self.row = row
         self.key = key
+        self.line = line
+        self.reason = reason
 
 
-def row_error(path: str, row: int, key: str | None, reason: str) -> DataError:
-    where = f"{path}: row {row}" + (f": key {key!r}" if key is not None else "")
-    return DataError(f"{where}: {reason}", path=path, row=row, key=key)
+def row_error(path: str, row: int, key: str | None, reason: str, line: int | None = None) -> DataError:
+    """The error for row ``row`` (0-based) of ``path``; shown 1-based, as its line when ``line`` is known."""
+    where = f"{path}: line {line}" if line is not None else f"{path}: row {row + 1}"
+    where += f": key {key!r}" if key is not None else ""
+    return DataError(f"{where}: {reason}", path=path, row=row, key=key, line=line, reason=reason)
 
 
-def _read_jsonl(path: str, text: str | None = None) -> list[Any]:
-    rows: list[Any] = []
-    lines = text.splitlines() if text is not None else open(path, encoding="utf-8").read().splitlines()
-    for line_number, line in enumerate(lines, start=1):
+class Rows(list):
+    """A file's rows in order; ``lines[i]`` is row i's 1-based line number for JSON lines files, else None."""
+
+    def __init__(self, rows=(), lines: list[int] | None = None):
+        super().__init__(rows)
+        self.lines = lines
+
+
+class InvalidRow:
+    """Stands in for a line that is not valid JSON, so the readers of rows raise (or skip and count) it in order,
+    like any other bad row, instead of the whole file failing to read."""
+
+    def __init__(self, error: DataError):
+        self.error = error
+
+
+def make_row(make, rows: Rows, path: str, index: int):
+    """``make(rows[index], path, index)``; an invalid JSON line raises its DataError, and a DataError from ``make``
+    is re-raised naming the row's line when the file has lines."""
+    row = rows[index]
+    if isinstance(row, InvalidRow):
+        raise row.error
+    try:
+        return make(row, path, index)
+    except DataError as err:
+        lines = getattr(rows, "lines", None)
+        if lines is None or err.line is not None or err.row is None or err.path != path or err.reason is None:
+            raise
+        located = row_error(path, err.row, err.key, err.reason, line=lines[err.row])
+        raise located from err.__cause__
+
+
+def _read_jsonl(path: str, text: str | None = None) -> Rows:
+    rows, lines = Rows(), []
+    text_lines = text.splitlines() if text is not None else open(path, encoding="utf-8").read().splitlines()
+    for line_number, line in enumerate(text_lines, start=1):
         if not line.strip():
             continue
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as err:
-            raise DataError(
-                f"{path}: row {len(rows)} (line {line_number}): invalid JSON: {err.msg} at column {err.colno}",
-                path=path, row=len(rows),
-            ) from None
+            rows.append(InvalidRow(row_error(path, len(rows), None, f"invalid JSON: {err.msg} at column {err.colno}",
+                                             line=line_number)))
+        lines.append(line_number)
+    rows.lines = lines
     return rows
 
 
@@ -99,7 +137,8 @@ def _read_saved_dataset(path: str) -> list[Any]:
 
 
 def read_rows(path: str) -> list[Any]:
-    """All rows of one local data source, in file order (rows are not validated here)."""
+    """All rows of one local data source, in file order (rows are not validated here; a JSON lines file's
+    unparseable line is an ``InvalidRow``: read rows with ``make_row``)."""
     if os.path.isdir(path):
         return _read_saved_dataset(path)
     if not os.path.exists(path):

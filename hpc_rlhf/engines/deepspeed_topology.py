@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from hpc_rlhf.config.schema import DeepSpeedConfig
+from hpc_rlhf.world.groups import new_group
 
 
 class _RoleMpu:
@@ -45,7 +46,7 @@ class _RoleMpu:
         if tp_group is None:
             rank = dist.get_rank()
             if rank not in self._singletons:
-                self._singletons[rank] = dist.new_group([rank], use_local_synchronization=True)
+                self._singletons[rank] = new_group([rank], use_local_synchronization=True)
             tp_group = self._singletons[rank]
         self._mp_group = tp_group
 
@@ -98,6 +99,11 @@ def dp_setup(dp_group: ProcessGroup | None, tp_group: ProcessGroup | None = None
 
     if tp_group is None and (dp_group is None or dist.get_world_size(dp_group) == dist.get_world_size()):
         mpu = None
+        # Without an mpu DeepSpeed runs ZeRO on its own clone of the world group (groups._clone_world_group),
+        # made by a bare dist.new_group with torch's 30-minute default; make the clone here, with the world's
+        # timeout. Every rank builds a world-spanning engine, so every rank gets here (the call is collective).
+        if groups._WORLD_GROUP is None:
+            groups._WORLD_GROUP = new_group(range(dist.get_world_size()))
     else:
         mpu = _RoleMpu(dp_group, tp_group)
     groups.mpu = mpu

@@ -7,6 +7,7 @@ loads through ``value_head_prefix``.
 
 from __future__ import annotations
 
+import os
 import re
 
 import torch
@@ -24,10 +25,21 @@ from hpc_rlhf.models.quantization import bnb_4bit_load_kwargs, keep_cpu_numerics
 from hpc_rlhf.models.value_head import check_value_head
 
 
-def load_tokenizer(path: str | None, key: str) -> PreTrainedTokenizerBase:
-    """The tokenizer of the local HF folder ``path`` (config key ``key``); pad token = EOS when it has none."""
+def require_local_model(path: str | None, key: str) -> None:
+    """Fail naming ``key`` unless ``path`` is an existing local folder. transformers would take a missing path
+    for a Hugging Face Hub repo id and fail with "Repo id must be in the form ...", which names neither."""
     if path is None:
         raise ValueError(f"{key} is not set: give a local HF model folder")
+    if not os.path.isdir(path):
+        state = "is a file, not a folder" if os.path.exists(path) else "does not exist"
+        raise FileNotFoundError(f"{key}={path}: the local path {state} (relative paths count from "
+                                f"{os.getcwd()}); give a local Hugging Face model folder (config.json, weights, "
+                                "tokenizer)")
+
+
+def load_tokenizer(path: str | None, key: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of the local HF folder ``path`` (config key ``key``); pad token = EOS when it has none."""
+    require_local_model(path, key)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -15,7 +15,11 @@ Pieces, each testable alone:
   thread so the event loop keeps accepting requests (and ``/health``) during a forward; each request
   gets back its own slice.
 * ``create_app``: the FastAPI app: ``POST /get_reward``, ``GET /health``. Malformed bodies get 422 (or
-  400 for a query that tokenises to nothing) with the reason.
+  400 for a query that tokenises to nothing) with the reason. Bounds, so one request cannot stall or exhaust
+  the server: a body over ``max_body_bytes`` or with more than ``max_texts`` texts gets 413 naming the
+  limit; parsing and tokenising run in one worker thread (never on the event loop, which keeps answering
+  ``/health``); a request is scored in slices of the batch size, so other requests interleave, and the
+  rest is dropped once its client has disconnected.
 * ``BackgroundServer``: uvicorn in a thread on a pre-bound socket (tests, embedding in a driver).
 
 Shutdown: uvicorn stops accepting on SIGTERM/SIGINT, lets in-flight requests finish, then the app's
@@ -25,6 +29,7 @@ lifespan cancels the batcher task; requests still queued (none after a graceful 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -106,15 +111,17 @@ class RewardScorer:
     def model_name(self) -> str:
         return self.model_path.name
 
-    def encode(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids per text (left-truncated to ``max_len``); ``ValueError`` naming an empty one."""
+    def encode(self, texts: Sequence[str], first_index: int = 0) -> list[list[int]]:
+        """Token ids per text (left-truncated to ``max_len``); ``ValueError`` naming an empty one (counted from
+        ``first_index``, for a slice of a longer query)."""
         if self._strip_token:
             texts = [_strip(t, self._strip_token) for t in texts]
         ids = self.tokenizer(list(texts), add_special_tokens=False, truncation=True,
                              max_length=self.max_len)["input_ids"] if texts else []
         for i, row in enumerate(ids):
             if not row:
-                raise ValueError(f"query[{i}] has no tokens (empty text, or only padding); cannot score it")
+                raise ValueError(f"query[{first_index + i}] has no tokens (empty text, or only padding); "
+                                 "cannot score it")
         return ids
 
     @torch.inference_mode()
@@ -261,8 +268,34 @@ class RewardRequest(BaseModel):
     labels: list[Any] | None = None
 
 
-def parse_reward_request(body: bytes) -> RewardRequest:
-    """JSON whatever the Content-Type (``curl -d`` sends a form type); 400 for bad JSON, 422 for a bad shape."""
+DEFAULT_MAX_BODY_BYTES = 16 << 20  # 16 MiB: ~16k texts of 1k characters
+DEFAULT_MAX_TEXTS = 8192  # texts per request; OpenRLHF sends one micro-batch of rollouts per request
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was being scored."""
+
+
+async def read_body_capped(request: Request, max_bytes: int) -> bytes:
+    """The request body, or 413 as soon as it is known to exceed ``max_bytes`` (by Content-Length, or while
+    streaming a chunked body), before it is all held in memory."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise HTTPException(status_code=413, detail=f"request body of {int(declared)} bytes is over the limit of "
+                                                    f"{max_bytes} bytes (max_body_bytes); send fewer texts per request")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise HTTPException(status_code=413, detail=f"request body is over the limit of {max_bytes} bytes "
+                                                        "(max_body_bytes); send fewer texts per request")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_reward_request(body: bytes, max_texts: int | None = None) -> RewardRequest:
+    """JSON whatever the Content-Type (``curl -d`` sends a form type); 400 for bad JSON, 422 for a bad shape
+    (including more ``prompts`` than ``query`` texts), 413 for more than ``max_texts`` texts."""
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -270,16 +303,49 @@ def parse_reward_request(body: bytes) -> RewardRequest:
     if not isinstance(data, dict):
         raise HTTPException(status_code=422, detail=f"request body must be a JSON object with 'query' (a list of "
                                                     f"strings), got {type(data).__name__}")
+    query = data.get("query")
+    if max_texts is not None and isinstance(query, list) and len(query) > max_texts:  # before validating them all
+        raise HTTPException(status_code=413, detail=f"request has {len(query)} texts in 'query', over the "
+                                                    f"limit of {max_texts} (max_texts); split it into smaller requests")
     try:
-        return RewardRequest.model_validate(data)
+        request = RewardRequest.model_validate(data)
     except ValidationError as err:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in err.errors())
         raise HTTPException(status_code=422, detail=f"malformed /get_reward request: {problems}") from err
+    if request.prompts is not None and len(request.prompts) > len(request.query):
+        raise HTTPException(status_code=422, detail=f"'prompts' has {len(request.prompts)} entries but 'query' has "
+                                                    f"{len(request.query)}; send one prompt per query text")
+    return request
 
 
-def create_app(scorer: RewardScorer, max_batch_size: int | None = None, max_wait_s: float = 0.005) -> FastAPI:
+def create_app(scorer: RewardScorer, max_batch_size: int | None = None, max_wait_s: float = 0.005,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_texts: int = DEFAULT_MAX_TEXTS) -> FastAPI:
     """The FastAPI app serving ``scorer``; the batcher lives as long as the app's lifespan."""
+    if max_body_bytes < 1 or max_texts < 1:
+        raise ValueError(f"max_body_bytes and max_texts must be >= 1, got {max_body_bytes} and {max_texts}")
     batcher = MicroBatcher(scorer.score_ids, max_batch_size or scorer.batch_size, max_wait_s)
+    # One thread for parsing and tokenising: off the event loop, and fast tokenizers are not safe to call
+    # from several threads at once.
+    prepare_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-tokenize")
+
+    def encode(texts: list[str], first_index: int) -> list[list[int]]:
+        try:
+            return scorer.encode(texts, first_index)
+        except ValueError as err:
+            raise HTTPException(status_code=400, detail=str(err)) from err
+
+    async def score_while_connected(http_request: Request, texts: list[str]) -> list[float]:
+        """Tokenise and score ``texts`` a batch at a time, so other requests interleave with a large one, and
+        stop once the client is gone."""
+        loop = asyncio.get_running_loop()
+        scores: list[float] = []
+        step = batcher.max_batch_size
+        for start in range(0, len(texts), step):
+            if await http_request.is_disconnected():
+                raise ClientGone(f"client disconnected; dropped {len(texts) - start} of {len(texts)} texts unscored")
+            ids = await loop.run_in_executor(prepare_pool, encode, texts[start:start + step], start)
+            scores.extend(await batcher.submit(ids))
+        return scores
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -290,6 +356,7 @@ def create_app(scorer: RewardScorer, max_batch_size: int | None = None, max_wait
             yield
         finally:
             await batcher.close()
+            prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="hpc_rlhf reward model", lifespan=lifespan)
     app.state.scorer = scorer
@@ -297,14 +364,16 @@ def create_app(scorer: RewardScorer, max_batch_size: int | None = None, max_wait
 
     @app.post("/get_reward")
     async def get_reward(http_request: Request) -> dict[str, Any]:
-        request = parse_reward_request(await http_request.body())
+        body = await read_body_capped(http_request, max_body_bytes)
+        request = await asyncio.get_running_loop().run_in_executor(prepare_pool, parse_reward_request, body,
+                                                                   max_texts)
         try:
-            # In the event loop on purpose: fast tokenizers are not safe to call from several threads.
-            ids = scorer.encode(request.query)
-        except ValueError as err:
-            raise HTTPException(status_code=400, detail=str(err)) from err
-        try:
-            rewards = await batcher.submit(ids)
+            rewards = await score_while_connected(http_request, request.query)
+        except HTTPException:
+            raise
+        except ClientGone as gone:
+            log.info("/get_reward: %s", gone)
+            raise HTTPException(status_code=499, detail=str(gone)) from None  # nobody reads it; ends the handler
         except Exception as err:
             raise HTTPException(status_code=500, detail=f"scoring failed: {type(err).__name__}: {err}") from err
         return {"rewards": rewards, "scores": rewards, "extra_logs": {}}

@@ -16,6 +16,11 @@ from hpc_rlhf.world.placement import Placement, RoleGrid
 
 log = logging.getLogger(__name__)
 
+# The world's collective timeout (``train.collective_timeout_s``), kept for the groups made after init_world:
+# torch gives every ``dist.new_group`` its own 30-minute default instead of the default group's timeout, so a
+# hang on any other group would outlive the configured limit.
+_collective_timeout: datetime.timedelta | None = None
+
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
@@ -26,9 +31,11 @@ def init_world(timeout_s: int = 1800, env: LaunchEnv | None = None, backend: str
 
     NCCL with one GPU per rank (``cuda:local_rank``) when CUDA is present, gloo otherwise.
     """
+    global _collective_timeout
     env = env or detect_launch_env()
     if dist.is_initialized():
         return env
+    _collective_timeout = datetime.timedelta(seconds=timeout_s)
     env.export()
     backend = backend or default_backend()
     if backend == "nccl":
@@ -38,11 +45,25 @@ def init_world(timeout_s: int = 1800, env: LaunchEnv | None = None, backend: str
         init_method=f"tcp://{env.master_addr}:{env.master_port}",
         rank=env.rank,
         world_size=env.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=_collective_timeout,
     )
     log.info("rank %d/%d up (%s, %s, master %s:%d)", env.rank, env.world_size, env.launcher, backend,
              env.master_addr, env.master_port)
     return env
+
+
+def collective_timeout() -> datetime.timedelta | None:
+    """The timeout given to init_world (None if the world was initialised elsewhere: torch's default)."""
+    return _collective_timeout
+
+
+def new_group(ranks, *, use_local_synchronization: bool = False) -> dist.ProcessGroup | None:
+    """``dist.new_group`` with the world's collective timeout; use it for every group (see _collective_timeout).
+
+    Collective like ``dist.new_group``: every rank calls it in the same order, unless use_local_synchronization.
+    """
+    return dist.new_group(list(ranks), timeout=_collective_timeout,
+                          use_local_synchronization=use_local_synchronization)
 
 
 def comm_device() -> torch.device:
@@ -74,6 +95,10 @@ class WorldGroups:
     placement: Placement
     rank: int
     roles: dict[str, RoleGroups] = field(default_factory=dict)
+    # Rank 0 plus every rank of a non-rollout role: the RL loop's decisions about the training batch go only to
+    # them, so rollout ranks busy generating (asynchronous mode) never hold the trainer up.
+    train_ranks: tuple[int, ...] = ()
+    train_group: dist.ProcessGroup | None = None
 
     def has_role(self, role: str) -> bool:
         return role in self.roles and self.rank in self.roles[role].ranks
@@ -87,7 +112,7 @@ def _new_group(ranks: tuple[int, ...], rank: int, cache: dict) -> dist.ProcessGr
     """Create (or reuse) a group; every rank must call this in the same order for every group."""
     key = tuple(sorted(ranks))
     if key not in cache:
-        cache[key] = dist.new_group(list(key))
+        cache[key] = new_group(key)
     return cache[key] if rank in key else None
 
 
@@ -138,6 +163,8 @@ def build_world_groups(placement: Placement) -> WorldGroups:
         for attr, handle in _grid_subgroups(grid, rank, cache).items():
             setattr(groups, attr, handle)
         out.roles[name] = groups
+    out.train_ranks = tuple(sorted({0} | {r for name, g in out.roles.items() if name != "rollout" for r in g.ranks}))
+    out.train_group = new_group(out.train_ranks)  # every rank creates it, member or not
     if rank == placement.controller_rank:
         for row in placement.describe():
             log.info("role %(role)s on ranks %(ranks)s (dp %(dp)s, tp %(tp)s)", row)

@@ -15,10 +15,15 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 
 log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+# sysexits' EX_TEMPFAIL ("try again later"): the run stopped on SIGUSR1/SIGTERM after checkpointing and was not
+# requeued (outside SLURM, slurm.requeue=false, or scontrol failed). Not 0, which means finished with the model
+# exported, so a wrapper can tell "stopped, resume me with ckpt.load=true" from "done".
+STOPPED_EXIT_CODE = 75
 
 
 class PreemptionGuard:
@@ -59,20 +64,36 @@ def preemption_guard() -> PreemptionGuard:
     return _GUARD
 
 
-def requeue_if_enabled(enabled: bool, rank: int) -> None:
-    """After the stop checkpoint: rank 0 requeues the job when the recipe allows it (``slurm.requeue``)."""
+def requeue_if_enabled(enabled: bool, rank: int) -> bool:
+    """After the stop checkpoint: rank 0 requeues the job when the recipe allows it (``slurm.requeue``).
+
+    Returns whether the job is being requeued: rank 0's ``scontrol`` outcome; on other ranks whether rank 0
+    will try (enabled and inside a SLURM job)."""
     if rank != 0:
-        return
+        return enabled and _slurm_job_id() is not None
     if enabled:
-        requeue_slurm_job()
-    else:
-        log.warning("slurm.requeue=false: the job is not requeued; resume it with ckpt.load=true")
+        return requeue_slurm_job()
+    log.warning("slurm.requeue=false: the job is not requeued; resume it with ckpt.load=true")
+    return False
+
+
+def exit_if_stopped(trainer: object) -> None:
+    """End the process with STOPPED_EXIT_CODE when ``trainer`` stopped on a signal and the job is not being
+    requeued; return otherwise. Call it last in an entry point, after the process group is torn down."""
+    if getattr(trainer, "stopped_by_signal", False) and not getattr(trainer, "requeued", False):
+        log.warning("stopped on a signal after checkpointing: exit status %d; run again with ckpt.load=true to "
+                    "resume", STOPPED_EXIT_CODE)
+        sys.exit(STOPPED_EXIT_CODE)
+
+
+def _slurm_job_id() -> str | None:
+    array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array_job}_{array_task}" if array_job and array_task else os.environ.get("SLURM_JOB_ID")
 
 
 def requeue_slurm_job() -> bool:
     """``scontrol requeue $SLURM_JOB_ID`` (rank 0 only). Returns whether a requeue was requested."""
-    array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    job_id = f"{array_job}_{array_task}" if array_job and array_task else os.environ.get("SLURM_JOB_ID")
+    job_id = _slurm_job_id()
     if not job_id:
         log.warning("stopped on a signal outside SLURM: resume with ckpt.load=true")
         return False

@@ -19,9 +19,16 @@ def assets(tmp_path_factory):
     return make_assets(tmp_path_factory.mktemp("assets"))
 
 
-def _fit(rank, world_size, overrides, stop_after=None, fail_save_at=None):
+def _fit(rank, world_size, overrides, stop_after=None, fail_save_at=None, log_file=None):
     """Train; optionally behave as if SLURM signalled after ``stop_after`` steps, or fail a save."""
+    import logging
+
     from hpc_rlhf.world import preemption
+
+    if log_file is not None and rank == 0:
+        handler = logging.FileHandler(log_file)
+        handler.setLevel(logging.WARNING)
+        logging.getLogger("hpc_rlhf").addHandler(handler)
 
     steps_seen = {"n": 0}
     original = preemption.PreemptionGuard.agreed_stop
@@ -102,3 +109,27 @@ def test_failed_save_leaves_previous_checkpoint_usable(assets, tmp_path):
     run_on_ranks(_fit, 2, [*overrides, "ckpt.load=true"])
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
     assert manager.latest_step() == 3
+
+
+def test_fresh_start_under_load_then_damaged_checkpoints_fall_back(assets, tmp_path):
+    """ckpt.load=true with nothing to load starts fresh with a fresh metrics.jsonl; a resume skips checkpoints that
+    fail verification (a truncated DeepSpeed shard, a same-size garbage controller.json), naming the files."""
+    log_file = tmp_path / "warnings.log"
+    overrides = grpo_overrides(assets, tmp_path, "ckpt.load=true", "ckpt.save_steps=1", "train.max_steps=2")
+    run_on_ranks(_fit, 2, overrides)
+    root = tmp_path / "ckpt"
+    for step_dir in root.glob("step_*"):
+        (step_dir / "COMPLETE").unlink()  # nothing loadable left: the next run starts fresh
+    run_on_ranks(_fit, 2, [*overrides, "train.max_steps=3"])
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+
+    shard = root / "step_3" / "actor" / "ds" / "mp_rank_00_model_states.pt"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    controller = root / "step_2" / "controller.json"
+    controller.write_bytes(b"#" * controller.stat().st_size)
+    run_on_ranks(_fit, 2, [*overrides, "train.max_steps=3"], None, None, str(log_file))
+    warnings = log_file.read_text()
+    assert str(shard) in warnings and str(controller) in warnings, warnings
+    assert "resuming from step_1" in warnings
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert CheckpointManager(root).latest_step() == 3

@@ -130,3 +130,31 @@ def test_kto_moves_rewards_apart(tmp_path):
     assert good[0] == pytest.approx(0.0, abs=1e-5) and bad[0] == pytest.approx(0.0, abs=1e-5)
     assert good[-1] - bad[-1] > 0.1, (good, bad)
     assert _evals(rows, "eval_reward_accuracy")[-1] > 0.6
+
+
+def _fit_logging_warnings(rank, world_size, kind, overrides, log_file):
+    import logging
+
+    if rank == 0:
+        handler = logging.FileHandler(log_file)
+        handler.setLevel(logging.WARNING)
+        logging.getLogger("hpc_rlhf").addHandler(handler)
+    return _fit(rank, world_size, kind, overrides)
+
+
+def test_offline_resume_skips_damaged_checkpoints(tmp_path):
+    """Every rank resumes from the newest checkpoint that verifies, with a warning naming each bad file."""
+    overrides = _overrides(tmp_path, "sft", "train.max_steps=3", "ckpt.save_steps=1", "train.eval_steps=100",
+                           "ckpt.load=true")
+    assert run_on_ranks(_fit, 2, "sft", overrides) == [{"step": 0, "batches_consumed": 0}] * 2  # nothing to load
+    root = tmp_path / "sft" / "ckpt"
+    shard = next((root / "step_3").rglob("*model_states.pt"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    state = root / "step_2" / "trainer_state.json"
+    state.write_bytes(b"{" * state.stat().st_size)
+    log_file = tmp_path / "warnings.log"
+    starts = run_on_ranks(_fit_logging_warnings, 2, "sft", overrides, str(log_file))
+    assert starts == [{"step": 1, "batches_consumed": 1}] * 2
+    warnings = log_file.read_text()
+    assert str(shard) in warnings and str(state) in warnings, warnings
+    assert [r["step"] for r in read_metrics(tmp_path / "sft") if "loss" in r] == [1, 2, 3]

@@ -67,6 +67,95 @@ def test_verify_detects_tampering(tmp_path):
     assert len(problems) == 2 and any("missing" in p for p in problems)
 
 
+def test_verify_detects_same_size_corruption(tmp_path):
+    final = _save(CheckpointManager(tmp_path), 1)
+    model = final / "model.bin"
+    model.write_bytes(b"x" * model.stat().st_size)  # same size, other bytes: only a content hash sees it
+    problems = verify_checkpoint(final)
+    assert len(problems) == 1 and str(model) in problems[0] and "content" in problems[0]
+
+
+def test_digest_of_a_large_file_samples_it(tmp_path, monkeypatch):
+    from hpc_rlhf.ckpt import atomic
+
+    monkeypatch.setattr(atomic, "DIGEST_FULL_LIMIT", 1024)
+    monkeypatch.setattr(atomic, "DIGEST_WINDOW", 64)
+    final = _save(CheckpointManager(tmp_path), 1, payload=bytes(range(256)) * 40)
+    assert read_manifest(final)["files"][0]["digest"].startswith("blake2b-sampled:")
+    data = bytearray((final / "model.bin").read_bytes())
+    data[-1] ^= 1  # in the tail window
+    (final / "model.bin").write_bytes(bytes(data))
+    assert "content" in verify_checkpoint(final)[0]
+
+
+def test_latest_verified_skips_damaged_checkpoints_naming_the_file(tmp_path, caplog):
+    mgr = CheckpointManager(tmp_path, max_num=5)
+    good = _save(mgr, 1)
+    same_size = _save(mgr, 2)
+    truncated = _save(mgr, 3)
+    (truncated / "sub" / "optim.bin").write_bytes(b"o")
+    (same_size / "model.bin").write_bytes(b"W" * len(b"weights 2"))
+    with caplog.at_level(logging.WARNING, logger="hpc_rlhf.ckpt.atomic"):
+        assert mgr.latest_verified() == good
+    assert str(truncated / "sub" / "optim.bin") in caplog.text and str(same_size / "model.bin") in caplog.text
+    assert "resuming from step_1" in caplog.text
+    assert mgr.latest() == truncated  # LATEST itself is left alone
+
+
+def test_latest_verified_refuses_to_start_fresh_over_damaged_checkpoints(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    only = _save(mgr, 1)
+    (only / "model.bin").write_bytes(b"")
+    with pytest.raises(RuntimeError, match="no checkpoint under .* verifies(.|\n)*model.bin(.|\n)*ckpt.load=false"):
+        mgr.latest_verified()
+    assert CheckpointManager(tmp_path / "empty").latest_verified() is None
+
+
+def test_fallback_warning_is_printed_once_and_reads_well(tmp_path, caplog):
+    mgr = CheckpointManager(tmp_path, max_num=5)
+    _save(mgr, 3)
+    newest = _save(mgr, 4)
+    (tmp_path / "LATEST").write_text("step_99\n")
+    with caplog.at_level(logging.WARNING, logger="hpc_rlhf.ckpt.atomic"):
+        assert mgr.latest_verified() == newest
+    assert caplog.text.count("falling back") == 1
+    assert "LATEST names step_99, which is not a complete checkpoint" in caplog.text
+
+
+def test_full_disk_during_save_names_the_root_and_keeps_the_previous_checkpoint(tmp_path):
+    from hpc_rlhf.ckpt import CheckpointSpaceError
+
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    previous = _save(mgr, 1)
+    with pytest.raises(CheckpointSpaceError, match=f"no space left on {tmp_path / 'ckpt'}") as info:
+        with mgr.saving(2) as tmp:
+            (tmp / "model.bin").symlink_to("/dev/full")  # the kernel answers every write with ENOSPC
+            (tmp / "model.bin").write_bytes(b"weights" * 1000)
+    assert f"previous checkpoint {previous} is kept" in str(info.value)
+    assert "No space left on device" in str(info.value)  # the original error stays in the message and chain
+    assert mgr.latest() == previous and verify_checkpoint(previous) == []
+
+
+def test_torch_save_on_a_full_filesystem_is_reported_as_out_of_space(tmp_path):
+    """torch.save says only "unexpected pos" / "iostream error" on a full disk; a real small tmpfs."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        from hpc_rlhf.ckpt import CheckpointSpaceError
+
+        mgr = CheckpointManager(mount / "ckpt")
+        previous = _save(mgr, 1)
+        with pytest.raises(CheckpointSpaceError, match=f"no space left on {mount / 'ckpt'}"):
+            with mgr.saving(2) as tmp:
+                torch.save({"w": torch.zeros(1 << 20)}, tmp / "model.pt")  # 4 MiB into 2 MiB
+        assert mgr.latest() == previous
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
 def test_rotation_keeps_max_num_newest(tmp_path):
     mgr = CheckpointManager(tmp_path, max_num=2)
     for step in (10, 20, 30, 40):

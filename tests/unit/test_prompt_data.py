@@ -99,7 +99,7 @@ def test_missing_and_unsupported_paths_fail_naming_them(tmp_path):
 def test_invalid_json_line_names_file_and_line(tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_text('{"input": "a"}\n\n{"input": "b"\n')
-    with pytest.raises(DataError, match=r"broken.jsonl: row 1 \(line 3\): invalid JSON"):
+    with pytest.raises(DataError, match=r"broken.jsonl: line 3: invalid JSON"):
         PromptDataset([str(path)])
 
 
@@ -196,7 +196,7 @@ def test_chat_template_needs_a_template_and_lists_need_chat_mode(tmp_path):
     path = write_jsonl(tmp_path / "chat.jsonl", [{"input": [{"role": "user", "content": "hi"}]}])
     with pytest.raises(DataError, match="chat_template"):
         PromptDataset([path], apply_chat_template=True, tokenizer=make_tokenizer(chat_template=None))
-    with pytest.raises(DataError, match=r"chat.jsonl: row 0: key 'input': expected a string, got list"):
+    with pytest.raises(DataError, match=r"chat.jsonl: line 1: key 'input': expected a string, got list"):
         PromptDataset([path])
 
 
@@ -216,23 +216,40 @@ def test_bad_row_error_names_file_row_and_key(tmp_path, bad_row, key, reason):
     path = write_jsonl(tmp_path / "rows.jsonl", rows)
     with pytest.raises(DataError, match=reason) as info:
         PromptDataset([path], label_key="label")
-    assert f"{path}: row 2: key '{key}'" in str(info.value)
+    assert f"{path}: line 3: key '{key}'" in str(info.value)
     assert (info.value.path, info.value.row, info.value.key) == (path, 2, key)
+
+
+def test_skip_mode_skips_invalid_json_lines_with_a_count(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"input": "a"}\n{"input": "b"\n\n{"input": "c"}\nnot json\n{"x": 1}\n')
+    ds = PromptDataset([str(path)], skip_bad_rows=True)
+    assert [p.text for p in ds] == ["a", "c"]
+    assert ds.num_skipped == 3 and ds.skipped_by_source == {str(path): 3}
+    assert [r.split(": ", 2)[1] for r in ds.skip_reasons] == ["line 2", "line 5", "line 6"]
+
+
+def test_row_numbers_are_one_based_and_jsonl_errors_give_the_line(tmp_path):
+    path = tmp_path / "gaps.jsonl"
+    path.write_text('{"input": "a"}\n\n\n{"prompt": "b"}\n')  # blank lines: row 2 is on line 4
+    with pytest.raises(DataError, match=r"gaps.jsonl: line 4: key 'input': missing") as info:
+        PromptDataset([str(path)])
+    assert (info.value.row, info.value.line) == (1, 4)
 
 
 def test_non_object_row_and_bad_chat_message(tmp_path):
     path = write_jsonl(tmp_path / "rows.jsonl", [{"input": "ok"}, ["not", "a", "dict"]])
-    with pytest.raises(DataError, match="row 1: expected an object, got list"):
+    with pytest.raises(DataError, match="line 2: expected an object, got list"):
         PromptDataset([path])
     path = write_jsonl(tmp_path / "msgs.jsonl", [{"input": [{"content": "no role"}]}])
-    with pytest.raises(DataError, match="row 0: key 'input': message 0 must be an object with 'role'"):
+    with pytest.raises(DataError, match="line 1: key 'input': message 0 must be an object with 'role'"):
         PromptDataset([path], apply_chat_template=True, tokenizer=make_tokenizer())
 
 
 def test_parquet_null_label_is_a_bad_row(tmp_path):
     rows = [{"input": "a", "label": 1}, {"input": "b", "label": None}]
     path = write_format(tmp_path, "parquet", rows)
-    with pytest.raises(DataError, match=r"row 1: key 'label': label is null"):
+    with pytest.raises(DataError, match=r"row 2: key 'label': label is null"):
         PromptDataset([path], label_key="label")
 
 
@@ -243,7 +260,7 @@ def test_skip_mode_skips_and_counts(tmp_path):
     ds = PromptDataset([path], label_key="label", skip_bad_rows=True)
     assert [(p.text, p.index) for p in ds] == [("a", 0), ("d", 3), ("f", 5)]
     assert ds.num_skipped == 3 and ds.skipped_by_source == {path: 3}
-    assert "row 1" in ds.skip_reasons[0]
+    assert "line 2" in ds.skip_reasons[0]
     all_bad = write_jsonl(tmp_path / "bad.jsonl", [{"x": 1}, {"x": 2}])
     with pytest.raises(DataError, match="no usable prompts.*skipped 2"):
         PromptDataset([all_bad], skip_bad_rows=True)

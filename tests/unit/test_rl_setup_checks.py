@@ -49,3 +49,19 @@ def test_trim_padding_keeps_the_forward_identical():
         full = action_logprobs(model, seq, mask, 6)
         short = action_logprobs(model, trimmed["sequences"], trimmed["attention_mask"], 3)
     assert torch.allclose(full[:, :3][action[:, :3]], short[trimmed["action_mask"]], atol=1e-5)
+
+
+def test_missing_model_folders_fail_naming_the_key(tmp_path):
+    from hpc_rlhf.models.loading import load_tokenizer
+    from hpc_rlhf.trainers.rl.setup import check_model_paths
+
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match=f"model.pretrain={missing}: the local path does not exist"):
+        load_tokenizer(str(missing), key="model.pretrain")
+    model = tmp_path / "model"
+    model.mkdir()
+    with pytest.raises(FileNotFoundError, match=f"actor.pretrain={missing}: the local path does not exist"):
+        check_model_paths(load_config(None, [f"actor.pretrain={missing}"]))
+    with pytest.raises(FileNotFoundError, match=f"ref.pretrain={missing}: the local path does not exist"):
+        check_model_paths(load_config(None, [f"actor.pretrain={model}", f"ref.pretrain={missing}"]))
+    check_model_paths(load_config(None, [f"actor.pretrain={model}"]))

@@ -219,7 +219,7 @@ class SlowScorer:
     def __init__(self):
         self.started = threading.Event()
 
-    def encode(self, texts):
+    def encode(self, texts, first_index=0):
         return [[len(t)] for t in texts]
 
     def score_ids(self, ids):
@@ -270,3 +270,83 @@ def test_cli_serves_and_stops_on_sigterm(rm_path):
             proc.kill()
             proc.communicate()
     assert "Application shutdown complete" in output, output
+
+
+# --------------------------------------------------------------------------- request bounds
+
+
+@pytest.fixture(scope="module")
+def small_limits_server(scorer):
+    with BackgroundServer(create_app(scorer, max_body_bytes=2000, max_texts=4)) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (json.dumps({"query": ["x" * 3000]}).encode(), 413, "over the limit of 2000 bytes (max_body_bytes)"),
+    (json.dumps({"query": ["a"] * 5}).encode(), 413, "5 texts in 'query', over the limit of 4 (max_texts)"),
+    (json.dumps({"query": ["a"], "prompts": ["p", "q"]}).encode(), 422, "'prompts' has 2 entries but 'query' has 1"),
+])
+def test_oversized_requests_get_413_naming_the_limit(small_limits_server, body, status, message):
+    response = httpx.post(small_limits_server.url + "/get_reward", content=body, timeout=30)
+    assert response.status_code == status
+    assert message in response.json()["detail"]
+
+
+def test_chunked_body_over_the_limit_gets_413(small_limits_server):
+    def chunks():
+        for _ in range(10):
+            yield b" " * 500  # no Content-Length: the limit is enforced while streaming
+    response = httpx.post(small_limits_server.url + "/get_reward", content=chunks(), timeout=30)
+    assert response.status_code == 413 and "2000 bytes" in response.json()["detail"]
+
+
+# Within the default limits (16 MiB, 8192 texts), and seconds of tokenising and scoring on a CPU.
+LARGE_QUERY = [f"Q: {i}+{i}=\nA: {2 * i} " + "lorem ipsum dolor " * 100 for i in range(8000)]
+
+
+def _health_latencies(url: str, busy: threading.Event) -> list[float]:
+    latencies = []
+    with httpx.Client(timeout=30) as client:
+        while busy.is_set():
+            start = time.monotonic()
+            assert client.get(url + "/health").status_code == 200
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.05)
+    return latencies
+
+
+def test_health_answers_while_a_large_request_is_scored(scorer, server):
+    body = json.dumps({"query": LARGE_QUERY}).encode()
+    assert len(body) < 16 << 20
+    busy, answer = threading.Event(), {}
+    busy.set()
+
+    def score() -> None:
+        try:
+            answer["response"] = httpx.post(server.url + "/get_reward", content=body, timeout=300)
+        finally:
+            busy.clear()
+
+    worker = threading.Thread(target=score)
+    worker.start()
+    latencies = _health_latencies(server.url, busy)
+    worker.join()
+    assert answer["response"].status_code == 200 and len(answer["response"].json()["rewards"]) == len(LARGE_QUERY)
+    assert len(latencies) >= 3, latencies
+    assert max(latencies) < 1.0, f"/health took {max(latencies):.2f}s while a large request was scored"
+
+
+def test_work_of_a_disconnected_client_is_dropped(scorer, server):
+    body = json.dumps({"query": LARGE_QUERY}).encode()
+    needed = -(-len(LARGE_QUERY) // scorer.batch_size)
+    before = scorer.num_forwards
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/get_reward", content=body, timeout=httpx.Timeout(30, read=1.5))
+    time.sleep(1.0)  # the server notices between two slices of the request
+    settled = scorer.num_forwards
+    time.sleep(1.0)
+    assert scorer.num_forwards == settled, "still scoring for a client that has gone"
+    assert settled - before < needed, f"all {needed} forwards ran for a client that disconnected"
+    start = time.monotonic()
+    assert httpx.post(server.url + "/get_reward", json={"query": TEXTS}, timeout=30).status_code == 200
+    assert time.monotonic() - start < 5

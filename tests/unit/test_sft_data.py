@@ -75,9 +75,13 @@ def test_pretrain_mode_trains_every_token_and_truncation(tok, tmp_path):
 
 def test_bad_rows_name_file_row_and_key_or_are_skipped(tok, tmp_path):
     path = _write(tmp_path / "d.jsonl", [{"input": "1+1=", "output": "2"}, {"input": "2+2="}, {"input": 5, "output": "x"}])
-    with pytest.raises(DataError, match=r"d\.jsonl: row 1: key 'output': missing") as err:
+    with pytest.raises(DataError, match=r"d\.jsonl: line 2: key 'output': missing") as err:
         build_sft_datasets(_data([path]), tok, 0)
     assert (err.value.row, err.value.key) == (1, "output")
+    train, _ = build_sft_datasets(_data([path], skip_bad_rows=True), tok, 0)
+    assert len(train) == 1
+    with open(path, "a") as f:
+        f.write('{"input": "3+3=", "output": \n')  # invalid JSON: skipped and counted like the other bad rows
     train, _ = build_sft_datasets(_data([path], skip_bad_rows=True), tok, 0)
     assert len(train) == 1
 

@@ -1,14 +1,19 @@
 """Watchdog: stack dumps with the rank id on a stall, optional exit, C backstop when the GIL is held."""
 
 import io
+import os
+import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
 from hpc_rlhf.utils.watchdog import STALL_EXIT_CODE, Watchdog
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(code: str, timeout: float = 30, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -95,3 +100,37 @@ def test_rejects_non_positive_timeout():
     with pytest.raises(ValueError, match="> 0"):
         Watchdog(0)
     assert STALL_EXIT_CODE == 124
+
+
+RANK_1 = """
+import sys, time
+from hpc_rlhf.utils.watchdog import Watchdog
+wd = Watchdog(60, rank=1, backstop=False, heartbeat_dir=sys.argv[1], world_size=2).start()
+while True:
+    wd.beat()
+    time.sleep(0.1)
+"""
+
+
+def test_rank_0_names_the_rank_that_stopped_checking_in(tmp_path):
+    beats = tmp_path / "heartbeats"
+    other = subprocess.Popen([sys.executable, "-c", RANK_1, str(beats)], env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 30
+        while not (beats / "rank_1").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(other.pid, signal.SIGSTOP)  # a hung node: alive, silent
+        buf = io.StringIO()
+        wd = Watchdog(3.0, rank=0, stream=buf, backstop=False, heartbeat_dir=beats, world_size=2)
+        wd.STALE_AFTER_S = 2.0
+        wd.start()
+        deadline = time.monotonic() + 30
+        while wd.num_dumps == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        wd.stop()
+    finally:
+        other.kill()
+        other.wait()
+    text = buf.getvalue()
+    assert "[rank 0] watchdog: rank 1 stopped checking in" in text, text[:2000]
+    assert "rank 0 stopped" not in text

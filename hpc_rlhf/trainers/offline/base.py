@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.ckpt import CheckpointManager, load_json, load_rank_rng, save_json_atomic, save_rank_rng
+from hpc_rlhf.ckpt.resume import agreed_checkpoint
 from hpc_rlhf.config import save_resolved_config
 from hpc_rlhf.config.supervised import SupervisedRunConfig
 from hpc_rlhf.data.packing import TokenSample, collate
@@ -102,6 +103,8 @@ class SupervisedTrainer:
         self.setup_reference()
         self.ckpt = CheckpointManager(cfg.ckpt.path or self.output_dir / "ckpt", max_num=cfg.ckpt.max_num)
         self.step = 0
+        self.stopped_by_signal = False
+        self.requeued = False  # with stopped_by_signal: SLURM restarts the job (cli exit status, preemption.py)
         resumed = self.maybe_resume()
         if self.rank == 0:
             save_resolved_config(cfg, self.output_dir)
@@ -186,7 +189,8 @@ class SupervisedTrainer:
             save_due = self.cfg.ckpt.save_steps and self.step % self.cfg.ckpt.save_steps == 0
             if guard.agreed_stop():
                 self.save()
-                requeue_if_enabled(self.cfg.slurm.requeue, self.rank)
+                self.stopped_by_signal = True
+                self.requeued = requeue_if_enabled(self.cfg.slurm.requeue, self.rank)
                 return rows
             if save_due:
                 self.save()
@@ -249,7 +253,7 @@ class SupervisedTrainer:
     def maybe_resume(self) -> bool:
         if not self.cfg.ckpt.load:
             return False
-        latest = self.ckpt.latest()
+        latest = agreed_checkpoint(self.ckpt)  # verified, and the same on every rank
         if latest is None:
             log.info("ckpt.load=true but no checkpoint under %s: starting from scratch", self.ckpt.root)
             return False

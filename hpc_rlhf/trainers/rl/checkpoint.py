@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.ckpt import CheckpointManager, load_json, load_rank_rng, save_json_atomic, save_rank_rng
+from hpc_rlhf.ckpt.resume import agreed_checkpoint
 from hpc_rlhf.config import RunConfig
 from hpc_rlhf.world.placement import TRAINED_ROLES
 
@@ -67,12 +68,10 @@ def restore(manager: CheckpointManager, roles: Any, world: Any) -> tuple[int, di
 
     Step 0 means no checkpoint was found and the run starts fresh.
     """
-    box = [str(manager.latest()) if world.rank == 0 and manager.latest() is not None else None]
-    dist.broadcast_object_list(box, src=0)  # every rank resumes the same checkpoint
-    if box[0] is None:
+    latest = agreed_checkpoint(manager)  # verified, and the same on every rank
+    if latest is None:
         log.warning("ckpt.load=true but no complete checkpoint under %s: starting fresh", manager.root)
         return 0, None
-    latest = Path(box[0])
     for role in TRAINED_ROLES:
         engine = getattr(roles, role)
         if engine is not None:

@@ -60,6 +60,7 @@ class PPOTrainer:
         self.cfg, self.world = cfg, world
         self.rank = world.rank
         rl_setup.check_supported(cfg)
+        rl_setup.check_model_paths(cfg)
         seed_everything(cfg.train.seed + self.rank)
         self.tokenizer = load_tokenizer(cfg.actor.pretrain, key="actor.pretrain")
         rl_setup.check_agent_loads(cfg, self.tokenizer, self.rank)
@@ -77,20 +78,19 @@ class PPOTrainer:
         self.stopped_by_signal = False
         self.health = RolloutHealth(cfg.train.max_agent_failure_fraction, cfg.train.agent_failure_window_steps,
                                     cfg.data.max_len) if world.is_controller else None
+        self.requeued = False  # with stopped_by_signal: SLURM restarts the job (cli exit status, preemption.py)
         self.policy_version = 0  # weight syncs done; the rollout side stamps it on every sample
-        # Rank 0 plus every rank of a non-rollout role: decisions about the training batch go only to
-        # them, so rollout ranks busy generating (asynchronous mode) never hold the trainer up.
-        train_ranks = sorted({0} | {r for name, g in world.roles.items() if name != "rollout" for r in g.ranks})
-        self.train_ranks = set(train_ranks)
-        self.train_group = dist.new_group(train_ranks)  # collective: every rank creates it
+        self.train_ranks = set(world.train_ranks)  # decisions about the training batch go only to these
+        self.train_group = world.train_group
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, Any]]:
         """Run the remaining steps; returns the metrics rows (rank 0). Stops early on SLURM's signals."""
         start = self.resume() if self.cfg.ckpt.load else 0
         guard = preemption_guard()
-        watchdog = Watchdog(self.cfg.train.watchdog_timeout_s, rank=self.rank, exit_code=STALL_EXIT_CODE).start() \
-            if self.cfg.train.watchdog_timeout_s else None
+        watchdog = Watchdog(self.cfg.train.watchdog_timeout_s, rank=self.rank, exit_code=STALL_EXIT_CODE,
+                            heartbeat_dir=Path(self.cfg.train.output_dir) / ".watchdog",
+                            world_size=dist.get_world_size()).start() if self.cfg.train.watchdog_timeout_s else None
         history = []
         self.before_steps(start)
         progress = rl_setup.progress_bar(self.num_steps, self.world.is_controller)
@@ -116,7 +116,7 @@ class PPOTrainer:
                 self.save_checkpoint(step)
             if stop:
                 self.stopped_by_signal = True
-                requeue_if_enabled(self.cfg.slurm.requeue, self.rank)
+                self.requeued = requeue_if_enabled(self.cfg.slurm.requeue, self.rank)
                 break
         progress.close()
         if watchdog:
@@ -381,6 +381,10 @@ class PPOTrainer:
     def resume(self) -> int:
         """Restore ``LATEST`` (weights, optimizer, data position, controllers, RNG); returns its step."""
         step, state = rl_checkpoint.restore(self.ckpt, self.roles, self.world)
+        if self.metrics is not None:
+            # Rows after the checkpoint will be logged again; with nothing to load (step 0) that is all of them,
+            # so a fresh start under ckpt.load=true leaves one row per step, as ckpt.load=false does.
+            self.metrics.truncate_after(step)
         if state is not None and "rank_buffers" in state:
             self.restore_rank_buffers(state.pop("rank_buffers"))
         if state is not None and self.world.is_controller:
@@ -390,7 +394,6 @@ class PPOTrainer:
             if "refill_stream" in state:  # checkpoints written before refill existed lack it
                 self.data.refill_stream.load_state_dict(state["refill_stream"])
             self.restore_buffers(state.get("buffers"))
-            self.metrics.truncate_after(step)
         if step:
             self.policy_version = step - 1  # one sync per step; the sync below makes it ``step``
             self.sync_weights()  # the rollout engines start from the restored actor

@@ -21,6 +21,7 @@ from hpc_rlhf.engines.rollout_base import RolloutEngine, SamplingParams
 from hpc_rlhf.models.loading import (
     load_causal_lm,
     load_value_model,
+    require_local_model,
     resolve_attn_implementation,
 )
 from hpc_rlhf.models.micro_forward import SequenceParallel, forward_scope
@@ -47,6 +48,15 @@ def check_supported(cfg: RunConfig) -> None:
     if keys:
         raise SetupError(f"{', '.join(keys)}: not supported by the RL trainer yet (plan accepts them for sizing); "
                          "change the recipe")
+
+
+def check_model_paths(cfg: RunConfig) -> None:
+    """Every role's model folder exists, before minutes of start-up (errors name the key)."""
+    for key in ("actor.pretrain", "critic.pretrain", "ref.pretrain", "reward.pretrain"):
+        section, field = key.split(".")
+        path = getattr(getattr(cfg, section), field)
+        if path is not None or key == "actor.pretrain":
+            require_local_model(path, key)
 
 
 def optimizer_steps(cfg: RunConfig, num_steps: int) -> int:

@@ -1,0 +1,29 @@
+"""Which checkpoint a resuming job loads: decided once, on rank 0, and broadcast so every rank loads the same one.
+
+Each rank verifying on its own could disagree (a file still being repaired, a flaky network filesystem), and
+ranks restoring different steps would train on silently mixed state.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hpc_rlhf.ckpt.atomic import CheckpointManager
+
+
+def agreed_checkpoint(manager: CheckpointManager) -> Path | None:
+    """The newest checkpoint under ``manager.root`` that verifies (None: nothing to load); collective over the
+    world. Rank 0's error (no checkpoint verifies) is raised on every rank, so no rank waits for the others."""
+    import torch.distributed as dist
+
+    box: list[str | None] = [None, None]  # (path, error)
+    if dist.get_rank() == 0:
+        try:
+            chosen = manager.latest_verified()
+            box[0] = None if chosen is None else str(chosen)
+        except RuntimeError as err:
+            box[1] = str(err)
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise RuntimeError(box[1])
+    return None if box[0] is None else Path(box[0])
