@@ -77,6 +77,23 @@ def test_function_style_step_file(assets, tmp_path):
     assert any(row["agent/num_turns"] > 1.0 for row in rows)  # the "\nA: " feedback led to a second turn
 
 
+def _fit_capturing_the_error(rank, world_size, overrides):
+    try:
+        run_trainer(rank, world_size, overrides).fit()
+    except BaseException as err:  # noqa: BLE001 - SystemExit included: the test compares what each rank says
+        return type(err).__name__, str(err)
+    return None
+
+
+def test_agent_load_error_is_reported_once_by_rank_0(assets, tmp_path):
+    overrides = _agent(assets, tmp_path, "broken_import_agent.py")
+    (kind0, message0), (kind1, message1) = run_on_ranks(_fit_capturing_the_error, 2, overrides)
+    assert kind0 == "AgentLoadError" and "my_lab_env" in message0 and "Traceback" in message0
+    # The other rank points at rank 0 in one line instead of repeating the traceback.
+    assert kind1 == "SystemExit" and "rank 0 printed the error" in message1
+    assert "\n" not in message1 and "Traceback" not in message1
+
+
 def test_always_raising_agent_stops_the_run_within_the_window(assets, tmp_path):
     overrides = _agent(assets, tmp_path, "raising_agent.py", "train.agent_failure_window_steps=2",
                        "train.max_steps=5", "data.max_len=64")
