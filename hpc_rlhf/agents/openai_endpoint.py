@@ -305,10 +305,7 @@ class OpenAIEndpoint:
         stop = _stop_list(body)
         results = await self._generate(episode_id, prompt_ids, params, n)
         choices, completion_tokens = [], 0
-        for index, result in enumerate(results):
-            ids, logprobs, text, finish = apply_stop_strings(self.tokenizer, list(result.output_ids),
-                                                             [float(x) for x in result.output_logprobs],
-                                                             result.finish_reason, stop)
+        for index, (ids, logprobs, text, finish) in enumerate(self._stopped(results, stop)):
             content, tool_calls = parse_tool_calls(text) if render_kwargs else (text, [])
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if tool_calls:
@@ -331,6 +328,12 @@ class OpenAIEndpoint:
                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
                           "total_tokens": len(prompt_ids) * len(choices) + completion_tokens}}
 
+    def _stopped(self, results: list, stop: list[str]) -> list[tuple[list[int], list[float], str, str]]:
+        """Each result cut at its first stop string: (output ids, their logprobs, text, finish reason)."""
+        return [apply_stop_strings(self.tokenizer, list(result.output_ids),
+                                   [float(x) for x in result.output_logprobs], result.finish_reason, stop)
+                for result in results]
+
     async def completion(self, body: dict, authorization: str | None) -> dict:
         episode_id = self._episode(authorization)
         n = self._check_unsupported(body, is_chat=False)
@@ -351,10 +354,7 @@ class OpenAIEndpoint:
         stop = _stop_list(body)
         results = await self._generate(episode_id, prompt_ids, params, n)
         choices, completion_tokens = [], 0
-        for index, result in enumerate(results):
-            ids, logprobs, text, finish = apply_stop_strings(self.tokenizer, list(result.output_ids),
-                                                             [float(x) for x in result.output_logprobs],
-                                                             result.finish_reason, stop)
+        for index, (ids, logprobs, text, finish) in enumerate(self._stopped(results, stop)):
             self.recorder.add(episode_id, CompletionRecord(
                 call_index=call_index, prompt_ids=list(prompt_ids), output_ids=ids, output_logprobs=logprobs,
                 finish_reason=finish, kind="completion", prompt_text=prompt_text, output_text=text))

@@ -12,7 +12,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# Per-episode numbers the multi-turn and OpenAI-agent executors themselves write into ``extra_logs`` (logged under ``agent/``).
+# Per-episode numbers the multi-turn and OpenAI-agent executors themselves write into ``extra_logs``
+# (logged under ``agent/``).
 EXECUTOR_LOGS = ("num_turns", "agent_error", "agent_timeout", "num_calls", "num_branches", "dropped_calls")
 _PROMPT_CHARS = 500
 
