@@ -251,6 +251,19 @@ class DataConfig(Section):
         return self
 
 
+class EvalConfig(Section):
+    data: list[str] = Field(
+        default_factory=list, description="held-out prompt files or save_to_disk folders (data.input_key / "
+        "label_key / templates apply); one data source per file, or per value of a `data_source` column")
+    steps: int | None = Field(
+        None, ge=1, description="evaluate every N steps and after the last one; null with eval.data: the last only")
+    n_samples_per_prompt: int = Field(1, ge=1, description="samples per eval prompt (pass@k for k = 1, 2, 4, ... <= n)")
+    temperature: float = Field(0.0, ge=0, description="eval sampling temperature; 0 is greedy")
+    max_samples: int | None = Field(None, ge=1, description="at most this many prompts from each eval.data entry")
+    pass_threshold: float = Field(
+        1.0, description="a sample counts as correct for pass@k when its score (the reward's `scores`) is >= this")
+
+
 class CkptConfig(Section):
     path: str | None = Field(None, description="default: <train.output_dir>/ckpt")
     save_steps: int | None = Field(None, ge=1)
@@ -290,6 +303,7 @@ class RunConfig(Section):
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.config import RunConfig, save_resolved_config
+from hpc_rlhf.engines.rollout_base import SamplingParams
 from hpc_rlhf.models.loading import load_tokenizer
 from hpc_rlhf.models.micro_forward import SequenceParallel
 from hpc_rlhf.trainers.rl import checkpoint as rl_checkpoint
@@ -36,6 +37,7 @@ from hpc_rlhf.trainers.rl.controller_steps import (
     rollout_metrics,
     select_samples,
 )
+from hpc_rlhf.trainers.rl.evaluation import eval_metrics, eval_sampling, is_eval_step, load_eval_prompts, source_name
 from hpc_rlhf.trainers.rl.experience import cat_rows, pack_trajectories, split_rows, take_rows
 from hpc_rlhf.trainers.rl.rollout_health import AgentFailureLimitError, RolloutHealth
 from hpc_rlhf.trainers.rl.workers import Batching, forward_logprobs, forward_values, train_actor, train_critic
@@ -66,6 +68,8 @@ class PPOTrainer:
         rl_setup.check_agent_loads(cfg, self.tokenizer, self.rank)
         # The controller alone reads the data; every rank needs the step count for its LR schedule.
         self.data = rl_setup.ControllerState(cfg, self.tokenizer) if world.is_controller else None
+        # Held-out prompts: their own list, so evaluating never moves the training prompt stream.
+        self.eval_prompts = load_eval_prompts(cfg, self.tokenizer) if world.is_controller and cfg.eval.data else []
         box = [self.data.num_steps if self.data else None]
         dist.broadcast_object_list(box, src=0)
         self.num_steps: int = box[0]
@@ -99,10 +103,16 @@ class PPOTrainer:
             timer = PhaseTimer()
             with timer("step"):
                 row = self.step(step, timer)
+            eval_row = None
+            if self.cfg.eval.data and is_eval_step(step, self.num_steps, self.cfg.eval.steps):
+                with timer("eval"):
+                    eval_row = self.evaluate(step)
             if self.world.is_controller:
                 row = {**row, **timer.metrics(), "kl_coef": self.data.kl_controller.value}
                 self.data.after_step(row)
-                if is_logging_step(step, self.num_steps, self.cfg.logger.logging_steps):
+                if eval_row is not None:
+                    row.update(eval_row)
+                if eval_row is not None or is_logging_step(step, self.num_steps, self.cfg.logger.logging_steps):
                     self.metrics.log(step, row)
                 history.append(row)
                 progress.set_postfix(reward=f"{row['reward']:.3f}", refresh=False)
@@ -211,8 +221,10 @@ class PPOTrainer:
         shards = _split_even(prompts, len(groups.dp_leaders)) if self.rank == 0 else None
         return scatter_to_role(shards, groups)
 
-    def run_rollouts(self, prompts: list | None, step: int) -> tuple[list, float] | None:
-        """On rollout ranks: the agent executor over this engine's prompts -> (trajectories, seconds)."""
+    def run_rollouts(self, prompts: list | None, step: int, sampling: SamplingParams | None = None,
+                     n: int | None = None) -> tuple[list, float] | None:
+        """On rollout ranks: the agent executor over this engine's prompts -> (trajectories, seconds).
+        ``sampling`` / ``n`` (evaluation) replace the training's sampling parameters and samples per prompt."""
         if self.roles.rollout is None:
             return None
         start = time.perf_counter()
@@ -220,8 +232,8 @@ class PPOTrainer:
         rollout.engine.wake_up()
         # One seed per (step, engine) keeps sampling reproducible and different across engines.
         seed = self.cfg.train.seed * 100_003 + step * 1_009 + groups.dp_rank_of[self.rank]
-        trajectories = rollout.executor.run(prompts, rollout.engine.generate, rollout.sampling(seed),
-                                            self.cfg.rollout.n_samples_per_prompt)
+        trajectories = rollout.executor.run(prompts, rollout.engine.generate, sampling or rollout.sampling(seed),
+                                            n or self.cfg.rollout.n_samples_per_prompt)
         for t in trajectories:
             t.policy_version = self.policy_version
         if self.cfg.train.colocate_all:
@@ -237,6 +249,37 @@ class PPOTrainer:
         if self.rank != 0:
             return None, 0.0
         return [t for part, _ in gathered for t in part], max(seconds for _, seconds in gathered)
+
+    def evaluate(self, step: int) -> dict[str, float] | None:
+        """Collective: generate ``eval.n_samples_per_prompt`` samples per eval prompt on the rollout engines (the
+        training's agent executor, ``eval.temperature``), score them with the training's reward source, and return
+        the per-source metrics on rank 0 (``evaluation.eval_metrics``). Uses no training RNG and no prompt stream."""
+        ev, groups = self.cfg.eval, self.world.roles["rollout"]
+        shards = _split_even(self.eval_prompts, len(groups.dp_leaders)) if self.rank == 0 else None
+        mine = scatter_to_role(shards, groups) if self.rank in groups.controller_ranks else None
+        result = None
+        if self.roles.rollout is not None:
+            sampling = eval_sampling(self.cfg, self.roles.rollout.stop_token_ids, groups.dp_rank_of[self.rank])
+            # The base class's generation: an asynchronous trainer's own run_rollouts feeds its training queue.
+            result = PPOTrainer.run_rollouts(self, mine, step, sampling, ev.n_samples_per_prompt)
+        gathered = gather_from_role(result, groups) if self.rank in groups.controller_ranks else None
+        trajectories = None
+        if self.rank == 0:
+            # Executors number a shard's prompts from 0 (group_index): map each sample back to its prompt.
+            per_prompt = [[] for _ in self.eval_prompts]
+            trajectories, offset = [], 0
+            for shard, (part, _) in zip(shards, gathered, strict=True):
+                for t in part:
+                    per_prompt[offset + t.group_index].append(t)
+                trajectories.extend(part)
+                offset += len(shard)
+        self.score(trajectories)  # collective over a reward-model role; sets reward/score in place on rank 0
+        if self.rank != 0:
+            return None
+        samples = [(source_name(p), group) for p, group in zip(self.eval_prompts, per_prompt, strict=True)]
+        row = eval_metrics(samples, ev.n_samples_per_prompt, ev.pass_threshold)
+        log.info("step %d eval: %s", step, ", ".join(f"{k}={v:.3f}" for k, v in row.items() if "/pass@" in k))
+        return row
 
     def score(self, trajectories: list | None) -> list | None:
         """Rewards from a function, a remote server, a reward-model role, or the agent's environment."""
