@@ -277,6 +277,8 @@ class LoggerConfig(Section):
     use_wandb: bool = False
     wandb_project: str = "hpc-rlhf"
     wandb_run_name: str | None = None
+    dump_rollouts_every: int | None = Field(
+        None, ge=1, description="every N steps, write the step's samples to <train.output_dir>/rollouts/step_<N>.jsonl")
 
 
 class SlurmConfig(Section):

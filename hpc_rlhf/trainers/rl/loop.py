@@ -39,6 +39,7 @@ from hpc_rlhf.trainers.rl.controller_steps import (
 )
 from hpc_rlhf.trainers.rl.evaluation import eval_metrics, eval_sampling, is_eval_step, load_eval_prompts, source_name
 from hpc_rlhf.trainers.rl.experience import cat_rows, pack_trajectories, split_rows, take_rows
+from hpc_rlhf.trainers.rl.rollout_dump import is_dump_step, rollout_records, write_rollouts
 from hpc_rlhf.trainers.rl.rollout_health import AgentFailureLimitError, RolloutHealth
 from hpc_rlhf.trainers.rl.workers import Batching, forward_logprobs, forward_values, train_actor, train_critic
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer, is_logging_step
@@ -153,6 +154,7 @@ class PPOTrainer:
         trajectories, refill_rounds = self.refill(trajectories, step, timer)
         with timer("make_experience"):
             batch = self.make_experience(trajectories)
+        self.dump_rollouts(step, trajectories)
         with timer("train"):
             train_stats = self.train(batch)
         with timer("weight_sync"):
@@ -192,6 +194,12 @@ class PPOTrainer:
                      "rollout.dynamic_filtering_max_rounds=%d)", step, min(kept, target), len(trajectories), rounds,
                      target, cfg.rollout.dynamic_filtering_max_rounds)
         return trajectories, rounds
+
+    def dump_rollouts(self, step: int, trajectories: list | None) -> None:
+        """Rank 0, every ``logger.dump_rollouts_every`` steps: the step's scored samples (all of them, also those
+        dynamic filtering dropped; rewards include the overlong penalty) to ``rollouts/step_<N>.jsonl``."""
+        if self.rank == 0 and is_dump_step(step, self.cfg.logger.dump_rollouts_every):
+            write_rollouts(self.cfg.train.output_dir, step, rollout_records(trajectories, self.tokenizer, step))
 
     def stop_on_agent_failures(self) -> None:
         """Collective: every rank raises when rank 0's failure window is over ``train.max_agent_failure_fraction``,
