@@ -267,8 +267,15 @@ class EvalConfig(Section):
 class CkptConfig(Section):
     path: str | None = Field(None, description="default: <train.output_dir>/ckpt")
     save_steps: int | None = Field(None, ge=1)
-    max_num: int = Field(3, ge=1)
+    max_num: int = Field(3, ge=1, description="checkpoints kept; also HF exports kept (ckpt.save_hf), besides the best")
     load: bool = False
+    save_hf: bool = Field(
+        False, description="at each checkpoint, also export the actor in HF format to <train.output_dir>/hf/step_<N>")
+    save_critic_hf: bool = Field(False, description="ckpt.save_hf: export the critic too, to hf/step_<N>/critic")
+    best_metric: str | None = Field(
+        None, description="ckpt.save_hf: a metrics key (e.g. eval/all/pass@1); hf/BEST names the export where it "
+        "was best, and rotation keeps that export")
+    best_mode: Literal["max", "min"] = Field("max", description="ckpt.best_metric: whether higher or lower is better")
 
 
 class LoggerConfig(Section):
@@ -342,6 +349,12 @@ class RunConfig(Section):
         if self.train.use_dynamic_batch and self.train.max_tokens_per_gpu is None:
             raise ValueError("train.use_dynamic_batch=true needs train.max_tokens_per_gpu (tokens per micro-batch "
                              "per rank; rollout.max_tokens_per_gpu for the experience forwards defaults to it)")
+        if (self.ckpt.best_metric or self.ckpt.save_critic_hf) and not self.ckpt.save_hf:
+            key = "ckpt.best_metric" if self.ckpt.best_metric else "ckpt.save_critic_hf"
+            raise ValueError(f"{key} applies to the HF exports: set ckpt.save_hf=true too")
+        if self.ckpt.save_critic_hf and not self.algo.needs_critic:
+            raise ValueError("ckpt.save_critic_hf=true but the run has no critic (algo.advantage_estimator="
+                             f"{self.algo.advantage_estimator}; only gae trains one)")
         if self.reward.remote_url and self.reward.reward_func_path:
             raise ValueError("set only one of reward.remote_url and reward.reward_func_path")
         return self

@@ -5,6 +5,7 @@ run dumps its rollouts (logger.dump_rollouts_every)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def _eval_then_fit(rank, world_size, overrides):
 
 def test_grpo_eval_rows_per_source(tmp_path):
     assets = make_assets(tmp_path / "assets")
-    rows = [json.loads(line) for line in open(assets["data"])]
+    rows = [json.loads(line) for line in Path(assets["data"]).read_text().splitlines()]
     (tmp_path / "add_a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:5]))
     # A second file whose rows name their source: reported under it, not under the file name.
     (tmp_path / "mixed.jsonl").write_text("".join(json.dumps({**r, "data_source": "add_b"}) + "\n" for r in rows[5:]))

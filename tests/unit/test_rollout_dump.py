@@ -5,7 +5,12 @@ from __future__ import annotations
 import json
 
 from hpc_rlhf.agents.executor import Trajectory
-from hpc_rlhf.trainers.rl.rollout_dump import is_dump_step, rollout_records, turn_segments, write_rollouts
+from hpc_rlhf.trainers.rl.rollout_dump import (
+    is_dump_step,
+    rollout_records,
+    turn_segments,
+    write_rollouts,
+)
 
 
 class CharTokenizer:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hpc_rlhf.ckpt.hf_exports import HFExports
 from hpc_rlhf.config import RunConfig, save_resolved_config
 from hpc_rlhf.engines.rollout_base import SamplingParams
 from hpc_rlhf.models.loading import load_tokenizer
@@ -37,11 +38,32 @@ from hpc_rlhf.trainers.rl.controller_steps import (
     rollout_metrics,
     select_samples,
 )
-from hpc_rlhf.trainers.rl.evaluation import eval_metrics, eval_sampling, is_eval_step, load_eval_prompts, source_name
-from hpc_rlhf.trainers.rl.experience import cat_rows, pack_trajectories, split_rows, take_rows
-from hpc_rlhf.trainers.rl.rollout_dump import is_dump_step, rollout_records, write_rollouts
+from hpc_rlhf.trainers.rl.evaluation import (
+    eval_metrics,
+    eval_sampling,
+    is_eval_step,
+    load_eval_prompts,
+    source_name,
+)
+from hpc_rlhf.trainers.rl.experience import (
+    cat_rows,
+    pack_trajectories,
+    split_rows,
+    take_rows,
+)
+from hpc_rlhf.trainers.rl.rollout_dump import (
+    is_dump_step,
+    rollout_records,
+    write_rollouts,
+)
 from hpc_rlhf.trainers.rl.rollout_health import AgentFailureLimitError, RolloutHealth
-from hpc_rlhf.trainers.rl.workers import Batching, forward_logprobs, forward_values, train_actor, train_critic
+from hpc_rlhf.trainers.rl.workers import (
+    Batching,
+    forward_logprobs,
+    forward_values,
+    train_actor,
+    train_critic,
+)
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer, is_logging_step
 from hpc_rlhf.utils.seeding import seed_everything
 from hpc_rlhf.utils.watchdog import STALL_EXIT_CODE, Watchdog
@@ -84,6 +106,7 @@ class PPOTrainer:
         self.health = RolloutHealth(cfg.train.max_agent_failure_fraction, cfg.train.agent_failure_window_steps,
                                     cfg.data.max_len) if world.is_controller else None
         self.requeued = False  # with stopped_by_signal: SLURM restarts the job (cli exit status, preemption.py)
+        self.last_row: dict[str, Any] = {}  # rank 0: the latest step's metrics (ckpt.best_metric reads them)
         self.policy_version = 0  # weight syncs done; the rollout side stamps it on every sample
         self.train_ranks = set(world.train_ranks)  # decisions about the training batch go only to these
         self.train_group = world.train_group
@@ -113,6 +136,7 @@ class PPOTrainer:
                 self.data.after_step(row)
                 if eval_row is not None:
                     row.update(eval_row)
+                self.last_row = row
                 if eval_row is not None or is_logging_step(step, self.num_steps, self.cfg.logger.logging_steps):
                     self.metrics.log(step, row)
                 history.append(row)
@@ -414,6 +438,35 @@ class PPOTrainer:
         rl_checkpoint.save(self.ckpt, step, self.roles, self.world, state,
                             self.checkpoint_buffers() if self.world.is_controller else None,
                             self.checkpoint_rank_buffers())
+        if self.cfg.ckpt.save_hf:
+            self.save_hf_export(step)
+
+    def save_hf_export(self, step: int) -> None:
+        """Collective: the actor (and with ``ckpt.save_critic_hf`` the critic) in HF format to ``hf/step_<N>``,
+        written to a temporary directory and renamed; then rank 0 moves ``hf/BEST`` if ``ckpt.best_metric``
+        improved at this step and rotates old exports (never the best)."""
+        ckpt = self.cfg.ckpt
+        exports = HFExports(self.cfg.train.output_dir, ckpt.max_num)
+        box = [str(exports.prepare(step)) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        tmp = Path(box[0])
+        if self.rank in self.world.roles["actor"].ranks:
+            self.roles.actor.save_hf(str(tmp), tokenizer=self.tokenizer)
+        if ckpt.save_critic_hf and self.rank in self.world.roles["critic"].ranks:
+            self.roles.critic.save_hf(str(tmp / "critic"), tokenizer=self.tokenizer)
+        dist.barrier()  # every writer is done before the rename
+        if self.rank != 0:
+            return
+        exports.commit(step)
+        if ckpt.best_metric:
+            value = self.last_row.get(ckpt.best_metric)
+            if isinstance(value, (int, float)):
+                exports.update_best(step, ckpt.best_metric, float(value), ckpt.best_mode)
+            else:
+                log.warning("ckpt.best_metric=%s is not among step %d's metrics, so hf/BEST cannot move here; "
+                            "evaluate at checkpoint steps (eval.steps dividing ckpt.save_steps)", ckpt.best_metric,
+                            step)
+        exports.rotate()
 
     def checkpoint_buffers(self) -> Any:
         """Controller objects to keep across a restart beyond the JSON state (none when synchronous)."""
