@@ -225,6 +225,14 @@ class TrainConfig(Section):
     watchdog_timeout_s: int | None = Field(None, ge=1)
 
 
+class ReasoningGymConfig(Section):
+    task: str | None = Field(
+        None, description="a reasoning-gym task (countdown, basic_arithmetic, chain_sum, ...): its generated questions "
+        "are the prompts and its score_answer the reward (extra `tasks`); null: off")
+    size: int = Field(1000, ge=1, description="task instances generated")
+    seed: int | None = Field(None, description="generator seed; default train.seed")
+
+
 class DataConfig(Section):
     prompt_data: list[str] = Field(default_factory=list, description="files or save_to_disk folders")
     prompt_data_probs: list[float] | None = None
@@ -240,9 +248,13 @@ class DataConfig(Section):
         None, description="write a seeded task to data.prompt_data[0] if that file is missing (CPU recipes)"
     )
     synthetic_num_samples: int = Field(512, ge=1)
+    reasoning_gym: ReasoningGymConfig = Field(default_factory=ReasoningGymConfig)
 
     @model_validator(mode="after")
     def _probs_match_data(self) -> DataConfig:
+        if self.reasoning_gym.task and self.prompt_data:
+            raise ValueError(f"data.reasoning_gym.task={self.reasoning_gym.task} generates the prompts: leave "
+                             f"data.prompt_data empty (got {self.prompt_data})")
         if self.prompt_data_probs is not None and len(self.prompt_data_probs) != len(self.prompt_data):
             raise ValueError(
                 f"data.prompt_data_probs has {len(self.prompt_data_probs)} entries but data.prompt_data "
