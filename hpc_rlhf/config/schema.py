@@ -272,6 +272,8 @@ class EvalConfig(Section):
     n_samples_per_prompt: int = Field(1, ge=1, description="samples per eval prompt (pass@k for k = 1, 2, 4, ... <= n)")
     temperature: float = Field(0.0, ge=0, description="eval sampling temperature; 0 is greedy")
     max_samples: int | None = Field(None, ge=1, description="at most this many prompts from each eval.data entry")
+    at_start: bool = Field(False, description="also evaluate the initial weights before the first step (logged as "
+                           "step 0; not on resume)")
     pass_threshold: float = Field(
         1.0, description="a sample counts as correct for pass@k when its score (the reward's `scores`) is >= this")
 

@@ -120,6 +120,10 @@ class PPOTrainer:
                             heartbeat_dir=Path(self.cfg.train.output_dir) / ".watchdog",
                             world_size=dist.get_world_size()).start() if self.cfg.train.watchdog_timeout_s else None
         history = []
+        if start == 0 and self.cfg.eval.data and self.cfg.eval.at_start:
+            eval_row = self.evaluate(0)  # the initial weights: the baseline every later eval compares with
+            if self.metrics:
+                self.metrics.log(0, eval_row)
         self.before_steps(start)
         progress = rl_setup.progress_bar(self.num_steps, self.world.is_controller)
         progress.update(start)
