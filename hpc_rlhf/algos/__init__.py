@@ -34,6 +34,7 @@ from hpc_rlhf.algos.losses import (
     value_loss,
 )
 from hpc_rlhf.algos.masking import fill_masked, masked_mean, masked_sum, masked_whiten
+from hpc_rlhf.algos.pass_at_k import pass_at_k, powers_of_two_up_to
 
 __all__ = [
     "AGGREGATION_MODES",
@@ -61,7 +62,9 @@ __all__ = [
     "masked_sum",
     "masked_whiten",
     "overlong_penalty",
+    "pass_at_k",
     "policy_loss",
+    "powers_of_two_up_to",
     "reinforce_baseline_rewards",
     "rloo_rewards",
     "rollout_importance_weights",

@@ -14,6 +14,7 @@ COMMANDS = {
     "train-kto": ("hpc_rlhf.cli.train_kto", "KTO"),
     "submit": ("hpc_rlhf.cli.submit", "submit a run to SLURM with submitit (plan check first)"),
     "quickstart": ("hpc_rlhf.cli.quickstart", "SFT then GRPO on this CPU in minutes, no downloads"),
+    "export": ("hpc_rlhf.cli.export", "HF model from a run's last checkpoint (e.g. an interrupted run)"),
     "lora-merge": ("hpc_rlhf.cli.lora_merge", "merge a LoRA adapter into its base model (HF folder)"),
     "serve-rm": ("hpc_rlhf.cli.serve_rm", "serve a reward model over HTTP (OpenRLHF /get_reward)"),
 }

@@ -225,6 +225,14 @@ class TrainConfig(Section):
     watchdog_timeout_s: int | None = Field(None, ge=1)
 
 
+class ReasoningGymConfig(Section):
+    task: str | None = Field(
+        None, description="a reasoning-gym task (countdown, basic_arithmetic, chain_sum, ...): its generated questions "
+        "are the prompts and its score_answer the reward (extra `tasks`); null: off")
+    size: int = Field(1000, ge=1, description="task instances generated")
+    seed: int | None = Field(None, description="generator seed; default train.seed")
+
+
 class DataConfig(Section):
     prompt_data: list[str] = Field(default_factory=list, description="files or save_to_disk folders")
     prompt_data_probs: list[float] | None = None
@@ -240,9 +248,13 @@ class DataConfig(Section):
         None, description="write a seeded task to data.prompt_data[0] if that file is missing (CPU recipes)"
     )
     synthetic_num_samples: int = Field(512, ge=1)
+    reasoning_gym: ReasoningGymConfig = Field(default_factory=ReasoningGymConfig)
 
     @model_validator(mode="after")
     def _probs_match_data(self) -> DataConfig:
+        if self.reasoning_gym.task and self.prompt_data:
+            raise ValueError(f"data.reasoning_gym.task={self.reasoning_gym.task} generates the prompts: leave "
+                             f"data.prompt_data empty (got {self.prompt_data})")
         if self.prompt_data_probs is not None and len(self.prompt_data_probs) != len(self.prompt_data):
             raise ValueError(
                 f"data.prompt_data_probs has {len(self.prompt_data_probs)} entries but data.prompt_data "
@@ -251,11 +263,33 @@ class DataConfig(Section):
         return self
 
 
+class EvalConfig(Section):
+    data: list[str] = Field(
+        default_factory=list, description="held-out prompt files or save_to_disk folders (data.input_key / "
+        "label_key / templates apply); one data source per file, or per value of a `data_source` column")
+    steps: int | None = Field(
+        None, ge=1, description="evaluate every N steps and after the last one; null with eval.data: the last only")
+    n_samples_per_prompt: int = Field(1, ge=1, description="samples per eval prompt (pass@k for k = 1, 2, 4, ... <= n)")
+    temperature: float = Field(0.0, ge=0, description="eval sampling temperature; 0 is greedy")
+    max_samples: int | None = Field(None, ge=1, description="at most this many prompts from each eval.data entry")
+    at_start: bool = Field(False, description="also evaluate the initial weights before the first step (logged as "
+                           "step 0; not on resume)")
+    pass_threshold: float = Field(
+        1.0, description="a sample counts as correct for pass@k when its score (the reward's `scores`) is >= this")
+
+
 class CkptConfig(Section):
     path: str | None = Field(None, description="default: <train.output_dir>/ckpt")
     save_steps: int | None = Field(None, ge=1)
-    max_num: int = Field(3, ge=1)
+    max_num: int = Field(3, ge=1, description="checkpoints kept; also HF exports kept (ckpt.save_hf), besides the best")
     load: bool = False
+    save_hf: bool = Field(
+        False, description="at each checkpoint, also export the actor in HF format to <train.output_dir>/hf/step_<N>")
+    save_critic_hf: bool = Field(False, description="ckpt.save_hf: export the critic too, to hf/step_<N>/critic")
+    best_metric: str | None = Field(
+        None, description="ckpt.save_hf: a metrics key (e.g. eval/all/pass@1); hf/BEST names the export where it "
+        "was best, and rotation keeps that export")
+    best_mode: Literal["max", "min"] = Field("max", description="ckpt.best_metric: whether higher or lower is better")
 
 
 class LoggerConfig(Section):
@@ -264,6 +298,8 @@ class LoggerConfig(Section):
     use_wandb: bool = False
     wandb_project: str = "hpc-rlhf"
     wandb_run_name: str | None = None
+    dump_rollouts_every: int | None = Field(
+        None, ge=1, description="every N steps, write the step's samples to <train.output_dir>/rollouts/step_<N>.jsonl")
 
 
 class SlurmConfig(Section):
@@ -290,6 +326,7 @@ class RunConfig(Section):
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
@@ -326,6 +363,12 @@ class RunConfig(Section):
         if self.train.use_dynamic_batch and self.train.max_tokens_per_gpu is None:
             raise ValueError("train.use_dynamic_batch=true needs train.max_tokens_per_gpu (tokens per micro-batch "
                              "per rank; rollout.max_tokens_per_gpu for the experience forwards defaults to it)")
+        if (self.ckpt.best_metric or self.ckpt.save_critic_hf) and not self.ckpt.save_hf:
+            key = "ckpt.best_metric" if self.ckpt.best_metric else "ckpt.save_critic_hf"
+            raise ValueError(f"{key} applies to the HF exports: set ckpt.save_hf=true too")
+        if self.ckpt.save_critic_hf and not self.algo.needs_critic:
+            raise ValueError("ckpt.save_critic_hf=true but the run has no critic (algo.advantage_estimator="
+                             f"{self.algo.advantage_estimator}; only gae trains one)")
         if self.reward.remote_url and self.reward.reward_func_path:
             raise ValueError("set only one of reward.remote_url and reward.reward_func_path")
         return self

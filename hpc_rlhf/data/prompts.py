@@ -37,13 +37,15 @@ class Prompt:
     """One prompt as the model sees it.
 
     ``text`` is final (template and chat template applied); ``source`` is the file it came from and
-    ``index`` its row there, so any prompt in a log can be traced back to its row.
+    ``index`` its row there, so any prompt in a log can be traced back to its row. ``data_source`` is the
+    row's ``data_source`` column when it has one (evaluation reports metrics per data source).
     """
 
     text: str
     label: Any | None
     source: str
     index: int
+    data_source: str | None = None
 
 
 def _check_messages(messages: list, path: str, row: int, key: str) -> None:
@@ -233,7 +235,11 @@ class PromptDataset(Sequence[Prompt]):
                 state = "null" if self.label_key in row else "missing"
                 raise row_error(path, row_index, self.label_key, f"label is {state}")
             label = row[self.label_key]
-        return Prompt(text=self._format(value, path, row_index), label=label, source=path, index=row_index)
+        data_source = row.get("data_source")
+        if data_source is not None and not isinstance(data_source, str):
+            raise row_error(path, row_index, "data_source", f"expected a string, got {type(data_source).__name__}")
+        return Prompt(text=self._format(value, path, row_index), label=label, source=path, index=row_index,
+                      data_source=data_source)
 
     def _format(self, value: str | list, path: str, row_index: int) -> str:
         template = self.input_template

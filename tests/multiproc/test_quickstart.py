@@ -24,6 +24,9 @@ def test_quickstart_short_run_writes_every_output(tmp_path):
     assert [a["stage"] for a in accuracy] == ["base", "after SFT", "after GRPO"]
     assert all(0.0 <= a["heldout_accuracy"] <= 1.0 for a in accuracy)
     rows = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]  # step 0: the SFT policy's evaluation
+    evals = [r for r in rows if "eval/heldout_prompts/pass@1" in r]
+    assert [r["step"] for r in evals] == [0, 4]
+    assert [a["heldout_accuracy"] for a in accuracy[1:]] == [r["eval/heldout_prompts/pass@1"] for r in evals]
     assert (out / "quickstart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "grpo" / "model" / "config.json").is_file()

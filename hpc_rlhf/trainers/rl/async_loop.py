@@ -128,6 +128,7 @@ class AsyncPPOTrainer(PPOTrainer):
         trajectories, staleness, dropped = self._drop_stale(popped) if self.rank == 0 else (None, [], 0)
         with timer("make_experience"):
             batch = self.make_experience(trajectories)
+        self.dump_rollouts(step, popped)
         with timer("train"):
             train_stats = self.train(batch)
         train_seconds = time.perf_counter() - train_start

@@ -21,7 +21,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hpc_rlhf.ckpt.hf_exports import HFExports
 from hpc_rlhf.config import RunConfig, save_resolved_config
+from hpc_rlhf.engines.rollout_base import SamplingParams
 from hpc_rlhf.models.loading import load_tokenizer
 from hpc_rlhf.models.micro_forward import SequenceParallel
 from hpc_rlhf.trainers.rl import checkpoint as rl_checkpoint
@@ -36,9 +38,32 @@ from hpc_rlhf.trainers.rl.controller_steps import (
     rollout_metrics,
     select_samples,
 )
-from hpc_rlhf.trainers.rl.experience import cat_rows, pack_trajectories, split_rows, take_rows
+from hpc_rlhf.trainers.rl.evaluation import (
+    eval_metrics,
+    eval_sampling,
+    is_eval_step,
+    load_eval_prompts,
+    source_name,
+)
+from hpc_rlhf.trainers.rl.experience import (
+    cat_rows,
+    pack_trajectories,
+    split_rows,
+    take_rows,
+)
+from hpc_rlhf.trainers.rl.rollout_dump import (
+    is_dump_step,
+    rollout_records,
+    write_rollouts,
+)
 from hpc_rlhf.trainers.rl.rollout_health import AgentFailureLimitError, RolloutHealth
-from hpc_rlhf.trainers.rl.workers import Batching, forward_logprobs, forward_values, train_actor, train_critic
+from hpc_rlhf.trainers.rl.workers import (
+    Batching,
+    forward_logprobs,
+    forward_values,
+    train_actor,
+    train_critic,
+)
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer, is_logging_step
 from hpc_rlhf.utils.seeding import seed_everything
 from hpc_rlhf.utils.watchdog import STALL_EXIT_CODE, Watchdog
@@ -66,6 +91,8 @@ class PPOTrainer:
         rl_setup.check_agent_loads(cfg, self.tokenizer, self.rank)
         # The controller alone reads the data; every rank needs the step count for its LR schedule.
         self.data = rl_setup.ControllerState(cfg, self.tokenizer) if world.is_controller else None
+        # Held-out prompts: their own list, so evaluating never moves the training prompt stream.
+        self.eval_prompts = load_eval_prompts(cfg, self.tokenizer) if world.is_controller and cfg.eval.data else []
         box = [self.data.num_steps if self.data else None]
         dist.broadcast_object_list(box, src=0)
         self.num_steps: int = box[0]
@@ -79,6 +106,7 @@ class PPOTrainer:
         self.health = RolloutHealth(cfg.train.max_agent_failure_fraction, cfg.train.agent_failure_window_steps,
                                     cfg.data.max_len) if world.is_controller else None
         self.requeued = False  # with stopped_by_signal: SLURM restarts the job (cli exit status, preemption.py)
+        self.last_row: dict[str, Any] = {}  # rank 0: the latest step's metrics (ckpt.best_metric reads them)
         self.policy_version = 0  # weight syncs done; the rollout side stamps it on every sample
         self.train_ranks = set(world.train_ranks)  # decisions about the training batch go only to these
         self.train_group = world.train_group
@@ -92,6 +120,10 @@ class PPOTrainer:
                             heartbeat_dir=Path(self.cfg.train.output_dir) / ".watchdog",
                             world_size=dist.get_world_size()).start() if self.cfg.train.watchdog_timeout_s else None
         history = []
+        if start == 0 and self.cfg.eval.data and self.cfg.eval.at_start:
+            eval_row = self.evaluate(0)  # the initial weights: the baseline every later eval compares with
+            if self.metrics:
+                self.metrics.log(0, eval_row)
         self.before_steps(start)
         progress = rl_setup.progress_bar(self.num_steps, self.world.is_controller)
         progress.update(start)
@@ -99,10 +131,17 @@ class PPOTrainer:
             timer = PhaseTimer()
             with timer("step"):
                 row = self.step(step, timer)
+            eval_row = None
+            if self.cfg.eval.data and is_eval_step(step, self.num_steps, self.cfg.eval.steps):
+                with timer("eval"):
+                    eval_row = self.evaluate(step)
             if self.world.is_controller:
                 row = {**row, **timer.metrics(), "kl_coef": self.data.kl_controller.value}
                 self.data.after_step(row)
-                if is_logging_step(step, self.num_steps, self.cfg.logger.logging_steps):
+                if eval_row is not None:
+                    row.update(eval_row)
+                self.last_row = row
+                if eval_row is not None or is_logging_step(step, self.num_steps, self.cfg.logger.logging_steps):
                     self.metrics.log(step, row)
                 history.append(row)
                 progress.set_postfix(reward=f"{row['reward']:.3f}", refresh=False)
@@ -143,6 +182,7 @@ class PPOTrainer:
         trajectories, refill_rounds = self.refill(trajectories, step, timer)
         with timer("make_experience"):
             batch = self.make_experience(trajectories)
+        self.dump_rollouts(step, trajectories)
         with timer("train"):
             train_stats = self.train(batch)
         with timer("weight_sync"):
@@ -183,6 +223,12 @@ class PPOTrainer:
                      target, cfg.rollout.dynamic_filtering_max_rounds)
         return trajectories, rounds
 
+    def dump_rollouts(self, step: int, trajectories: list | None) -> None:
+        """Rank 0, every ``logger.dump_rollouts_every`` steps: the step's scored samples (all of them, also those
+        dynamic filtering dropped; rewards include the overlong penalty) to ``rollouts/step_<N>.jsonl``."""
+        if self.rank == 0 and is_dump_step(step, self.cfg.logger.dump_rollouts_every):
+            write_rollouts(self.cfg.train.output_dir, step, rollout_records(trajectories, self.tokenizer, step))
+
     def stop_on_agent_failures(self) -> None:
         """Collective: every rank raises when rank 0's failure window is over ``train.max_agent_failure_fraction``,
         all with rank 0's verdict (cause and sample prompt): whichever rank's error the launcher reports first,
@@ -211,8 +257,10 @@ class PPOTrainer:
         shards = _split_even(prompts, len(groups.dp_leaders)) if self.rank == 0 else None
         return scatter_to_role(shards, groups)
 
-    def run_rollouts(self, prompts: list | None, step: int) -> tuple[list, float] | None:
-        """On rollout ranks: the agent executor over this engine's prompts -> (trajectories, seconds)."""
+    def run_rollouts(self, prompts: list | None, step: int, sampling: SamplingParams | None = None,
+                     n: int | None = None) -> tuple[list, float] | None:
+        """On rollout ranks: the agent executor over this engine's prompts -> (trajectories, seconds).
+        ``sampling`` / ``n`` (evaluation) replace the training's sampling parameters and samples per prompt."""
         if self.roles.rollout is None:
             return None
         start = time.perf_counter()
@@ -220,8 +268,8 @@ class PPOTrainer:
         rollout.engine.wake_up()
         # One seed per (step, engine) keeps sampling reproducible and different across engines.
         seed = self.cfg.train.seed * 100_003 + step * 1_009 + groups.dp_rank_of[self.rank]
-        trajectories = rollout.executor.run(prompts, rollout.engine.generate, rollout.sampling(seed),
-                                            self.cfg.rollout.n_samples_per_prompt)
+        trajectories = rollout.executor.run(prompts, rollout.engine.generate, sampling or rollout.sampling(seed),
+                                            n or self.cfg.rollout.n_samples_per_prompt)
         for t in trajectories:
             t.policy_version = self.policy_version
         if self.cfg.train.colocate_all:
@@ -237,6 +285,37 @@ class PPOTrainer:
         if self.rank != 0:
             return None, 0.0
         return [t for part, _ in gathered for t in part], max(seconds for _, seconds in gathered)
+
+    def evaluate(self, step: int) -> dict[str, float] | None:
+        """Collective: generate ``eval.n_samples_per_prompt`` samples per eval prompt on the rollout engines (the
+        training's agent executor, ``eval.temperature``), score them with the training's reward source, and return
+        the per-source metrics on rank 0 (``evaluation.eval_metrics``). Uses no training RNG and no prompt stream."""
+        ev, groups = self.cfg.eval, self.world.roles["rollout"]
+        shards = _split_even(self.eval_prompts, len(groups.dp_leaders)) if self.rank == 0 else None
+        mine = scatter_to_role(shards, groups) if self.rank in groups.controller_ranks else None
+        result = None
+        if self.roles.rollout is not None:
+            sampling = eval_sampling(self.cfg, self.roles.rollout.stop_token_ids, groups.dp_rank_of[self.rank])
+            # The base class's generation: an asynchronous trainer's own run_rollouts feeds its training queue.
+            result = PPOTrainer.run_rollouts(self, mine, step, sampling, ev.n_samples_per_prompt)
+        gathered = gather_from_role(result, groups) if self.rank in groups.controller_ranks else None
+        trajectories = None
+        if self.rank == 0:
+            # Executors number a shard's prompts from 0 (group_index): map each sample back to its prompt.
+            per_prompt = [[] for _ in self.eval_prompts]
+            trajectories, offset = [], 0
+            for shard, (part, _) in zip(shards, gathered, strict=True):
+                for t in part:
+                    per_prompt[offset + t.group_index].append(t)
+                trajectories.extend(part)
+                offset += len(shard)
+        self.score(trajectories)  # collective over a reward-model role; sets reward/score in place on rank 0
+        if self.rank != 0:
+            return None
+        samples = [(source_name(p), group) for p, group in zip(self.eval_prompts, per_prompt, strict=True)]
+        row = eval_metrics(samples, ev.n_samples_per_prompt, ev.pass_threshold)
+        log.info("step %d eval: %s", step, ", ".join(f"{k}={v:.3f}" for k, v in row.items() if "/pass@" in k))
+        return row
 
     def score(self, trajectories: list | None) -> list | None:
         """Rewards from a function, a remote server, a reward-model role, or the agent's environment."""
@@ -363,6 +442,35 @@ class PPOTrainer:
         rl_checkpoint.save(self.ckpt, step, self.roles, self.world, state,
                             self.checkpoint_buffers() if self.world.is_controller else None,
                             self.checkpoint_rank_buffers())
+        if self.cfg.ckpt.save_hf:
+            self.save_hf_export(step)
+
+    def save_hf_export(self, step: int) -> None:
+        """Collective: the actor (and with ``ckpt.save_critic_hf`` the critic) in HF format to ``hf/step_<N>``,
+        written to a temporary directory and renamed; then rank 0 moves ``hf/BEST`` if ``ckpt.best_metric``
+        improved at this step and rotates old exports (never the best)."""
+        ckpt = self.cfg.ckpt
+        exports = HFExports(self.cfg.train.output_dir, ckpt.max_num)
+        box = [str(exports.prepare(step)) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        tmp = Path(box[0])
+        if self.rank in self.world.roles["actor"].ranks:
+            self.roles.actor.save_hf(str(tmp), tokenizer=self.tokenizer)
+        if ckpt.save_critic_hf and self.rank in self.world.roles["critic"].ranks:
+            self.roles.critic.save_hf(str(tmp / "critic"), tokenizer=self.tokenizer)
+        dist.barrier()  # every writer is done before the rename
+        if self.rank != 0:
+            return
+        exports.commit(step)
+        if ckpt.best_metric:
+            value = self.last_row.get(ckpt.best_metric)
+            if isinstance(value, (int, float)):
+                exports.update_best(step, ckpt.best_metric, float(value), ckpt.best_mode)
+            else:
+                log.warning("ckpt.best_metric=%s is not among step %d's metrics, so hf/BEST cannot move here; "
+                            "evaluate at checkpoint steps (eval.steps dividing ckpt.save_steps)", ckpt.best_metric,
+                            step)
+        exports.rotate()
 
     def checkpoint_buffers(self) -> Any:
         """Controller objects to keep across a restart beyond the JSON state (none when synchronous)."""

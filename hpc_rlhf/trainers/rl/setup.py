@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,10 +72,13 @@ class ControllerState:
     def __init__(self, cfg: RunConfig, tokenizer: Any) -> None:
         self.cfg, self.tokenizer = cfg, tokenizer
         r = cfg.reward
-        if not (r.reward_func_path or r.remote_url or r.pretrain or cfg.train.agent_func_path):
-            raise SetupError("no reward source: set reward.reward_func_path, reward.pretrain, reward.remote_url "
-                             "or an agent (train.agent_func_path) whose environment returns rewards")
-        dataset = PromptDataset.from_config(cfg.data, tokenizer, seed=cfg.train.seed)
+        gym = cfg.data.reasoning_gym
+        if not (r.reward_func_path or r.remote_url or r.pretrain or cfg.train.agent_func_path or gym.task):
+            raise SetupError("no reward source: set reward.reward_func_path, reward.pretrain, reward.remote_url, "
+                             "data.reasoning_gym.task, or an agent (train.agent_func_path) whose environment returns "
+                             "rewards")
+        dataset = PromptDataset.from_config(cfg.data, tokenizer, seed=cfg.train.seed) if not gym.task else \
+            reasoning_gym_prompts(cfg, tokenizer)
         self.stream = PromptStream(dataset, cfg.rollout.rollout_batch_size, seed=cfg.train.seed,
                                    num_episodes=cfg.train.num_episodes)
         # DAPO refill rounds draw from their own endless stream, so the step count above stays exact.
@@ -109,6 +113,19 @@ class ControllerState:
             self.kl_controller.update(row["kl"], int(row["num_samples"]))
 
 
+def reasoning_gym_prompts(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
+    """``data.reasoning_gym``: the task's questions, written once under ``<train.output_dir>/data`` and read like
+    any prompt file (``data.input_template``, ``apply_chat_template``, ``max_samples`` apply)."""
+    from hpc_rlhf.data.reasoning_gym import write_prompt_file
+
+    data, gym = cfg.data, cfg.data.reasoning_gym
+    seed = cfg.train.seed if gym.seed is None else gym.seed
+    path = write_prompt_file(gym.task, gym.size, seed, Path(cfg.train.output_dir) / "data")
+    return PromptDataset([str(path)], input_key="question", label_key="label", input_template=data.input_template,
+                         apply_chat_template=data.apply_chat_template, tokenizer=tokenizer,
+                         max_samples=data.max_samples, seed=cfg.train.seed)
+
+
 def reward_function(cfg: RunConfig) -> Any:
     """The reward function or remote server that scores on the controller (None: a model role or the agent).
 
@@ -131,6 +148,10 @@ def reward_function(cfg: RunConfig) -> Any:
         from hpc_rlhf.agents.remote_rm import RemoteRewardModel
 
         return RemoteRewardModel(r.remote_url, timeout_s=r.remote_timeout_s, max_retries=r.remote_max_retries)
+    if cfg.data.reasoning_gym.task and not r.pretrain and not cfg.train.agent_func_path:
+        from hpc_rlhf.data.reasoning_gym import reasoning_gym_reward
+
+        return reasoning_gym_reward  # the task's own score_answer
     return None
 
 

@@ -1,0 +1,89 @@
+"""Held-out evaluation during RL: which prompts, when, and what is reported (``eval.*`` keys).
+
+The loop generates the eval samples through the training rollout engines and agent executor and scores them
+with the training reward source; this module holds the parts that need no process group: loading the eval
+prompts, the eval schedule, the sampling parameters, and the per-source metrics (mean@n, pass@k).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from hpc_rlhf.algos.pass_at_k import pass_at_k, powers_of_two_up_to
+from hpc_rlhf.config.schema import RunConfig
+from hpc_rlhf.data.prompts import Prompt, PromptDataset
+from hpc_rlhf.engines.rollout_base import SamplingParams
+
+ALL_SOURCES = "all"
+
+
+def source_name(prompt: Prompt) -> str:
+    """The data source a prompt is reported under: its ``data_source`` column, else its file's stem."""
+    return prompt.data_source or Path(prompt.source).stem
+
+
+def load_eval_prompts(cfg: RunConfig, tokenizer: Any) -> list[Prompt]:
+    """The prompts of every ``eval.data`` entry (at most ``eval.max_samples`` from each), with the training data's
+    keys and templates; the training prompt stream is not touched."""
+    prompts: list[Prompt] = []
+    for path in cfg.eval.data:
+        data = cfg.data
+        prompts.extend(PromptDataset([path], input_key=data.input_key, label_key=data.label_key,
+                                     input_template=data.input_template,
+                                     apply_chat_template=data.apply_chat_template, tokenizer=tokenizer,
+                                     max_samples=cfg.eval.max_samples, skip_bad_rows=data.skip_bad_rows))
+    names = {source_name(p) for p in prompts}
+    if ALL_SOURCES in names:
+        raise ValueError(f"eval.data: a data source is named {ALL_SOURCES!r}, which is the name of the overall "
+                         "metrics; rename the file or its data_source values")
+    return prompts
+
+
+def is_eval_step(step: int, num_steps: int, every: int | None) -> bool:
+    """Every ``eval.steps``-th step and the last one."""
+    return step == num_steps or (every is not None and step % every == 0)
+
+
+def eval_sampling(cfg: RunConfig, stop_token_ids: list[int], engine_index: int) -> SamplingParams:
+    """Training's length and truncation settings with ``eval.temperature``; the seed is the same at every eval
+    (only the weights change between two evals) and never the training's."""
+    r = cfg.rollout
+    return SamplingParams(max_new_tokens=r.generate_max_len, temperature=cfg.eval.temperature, top_p=r.top_p,
+                          top_k=r.top_k, stop_token_ids=list(stop_token_ids),
+                          seed=(cfg.train.seed + 1) * 7_919 + engine_index)
+
+
+def eval_metrics(samples: list[tuple[str, list[Any]]], n: int, pass_threshold: float) -> dict[str, float]:
+    """Per-source and overall metrics of one evaluation.
+
+    ``samples``: one ``(source, trajectories)`` per prompt, ``n`` scored trajectories each. Returns
+    ``eval/<source>/mean@n`` (mean score), ``eval/<source>/pass@k`` for k = 1, 2, 4, ... <= n (the unbiased
+    estimator averaged over prompts; correct: score >= ``pass_threshold``), ``response_length`` (tokens),
+    ``truncated_fraction`` and ``num_prompts``; ``<source>`` = ``all`` pools every prompt.
+    """
+    by_source: dict[str, list[list[Any]]] = defaultdict(list)
+    for source, group in samples:
+        if len(group) != n:
+            raise ValueError(f"eval: a prompt of data source {source!r} has {len(group)} samples, expected "
+                             f"eval.n_samples_per_prompt={n}")
+        by_source[source].append(group)
+        by_source[ALL_SOURCES].append(group)
+    row: dict[str, float] = {}
+    for source, groups in sorted(by_source.items()):
+        flat = [t for g in groups for t in g]
+        scores = [_score(t) for t in flat]
+        prefix = f"eval/{source}/"
+        row[f"{prefix}mean@{n}"] = sum(scores) / len(scores)
+        for k in powers_of_two_up_to(n):
+            row[f"{prefix}pass@{k}"] = sum(pass_at_k(n, sum(_score(t) >= pass_threshold for t in g), k)
+                                           for g in groups) / len(groups)
+        row[f"{prefix}response_length"] = sum(len(t.response_ids) for t in flat) / len(flat)
+        row[f"{prefix}truncated_fraction"] = sum(bool(t.truncated) for t in flat) / len(flat)
+        row[f"{prefix}num_prompts"] = float(len(groups))
+    return row
+
+
+def _score(trajectory: Any) -> float:
+    return float(trajectory.score if trajectory.score is not None else trajectory.reward)
