@@ -330,7 +330,7 @@ class CheckpointManager:
         tmp = self.tmp_dir(step)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            self._clean_temp_dirs()
+            clean_temp_dirs(self.root)
             tmp.mkdir()
             fsync_dir(self.root)
         self._barrier()
@@ -397,12 +397,6 @@ class CheckpointManager:
                 pass
             time.sleep(0.05)
 
-    def _clean_temp_dirs(self) -> None:
-        for child in self.root.iterdir():
-            if child.name.startswith(TMP_PREFIX):
-                log.warning("removing leftover %s from an interrupted save", child)
-                _remove(child)
-
     def _commit(self, step: int, tmp: Path) -> None:
         files = []
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
@@ -421,10 +415,7 @@ class CheckpointManager:
         if final.exists():
             # An earlier run's crashed (incomplete) copy, or a complete one being re-saved after a resume.
             log.warning("replacing existing %s (%s)", final, "complete" if is_complete(final) else "incomplete")
-            aside = self.root / f"{TMP_PREFIX}replaced_{final.name}_{uuid.uuid4().hex[:8]}"
-            os.rename(final, aside)
-            fsync_dir(self.root)
-            _remove(aside)
+            discard_dir(self.root, final, "replaced")
         os.rename(tmp, final)
         fsync_dir(self.root)
 
@@ -437,17 +428,32 @@ class CheckpointManager:
             return
         others = [d for _, d in reversed(self.list_complete()) if d != keep]
         for stale in others[self.max_num - 1:]:
-            # Rename first so a crash mid-delete leaves a .tmp_ dir (ignored, cleaned later), never a
-            # step_<N> with some files gone.
-            aside = self.root / f"{TMP_PREFIX}delete_{stale.name}"
+            # A crash mid-delete leaves a .tmp_ dir, never a step_<N> with some files gone.
             try:
-                os.rename(stale, aside)
+                discard_dir(self.root, stale, "delete")
             except OSError as exc:
                 log.warning("could not rotate out %s: %s", stale, exc)
                 continue
-            _remove(aside)
             log.info("rotated out %s", stale)
         fsync_dir(self.root)
+
+
+def discard_dir(root: Path, path: Path, reason: str) -> None:
+    """Delete ``path``, a child of ``root``, so no reader ever sees it half-deleted: rename it to a ``.tmp_``
+    name first (ignored by every listing, cleaned on the next save), make the rename durable, then delete.
+    Raises ``OSError`` when the rename fails (``path`` is then untouched)."""
+    aside = root / f"{TMP_PREFIX}{reason}_{path.name}_{uuid.uuid4().hex[:8]}"
+    os.rename(path, aside)
+    fsync_dir(root)
+    _remove(aside)
+
+
+def clean_temp_dirs(root: Path) -> None:
+    """Remove what interrupted saves left under ``root`` (``.tmp_*`` entries)."""
+    for child in root.iterdir():
+        if child.name.startswith(TMP_PREFIX):
+            log.warning("removing leftover %s from an interrupted save", child)
+            _remove(child)
 
 
 def _fsync_file(path: Path) -> None:

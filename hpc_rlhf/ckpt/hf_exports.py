@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 from pathlib import Path
 
 from hpc_rlhf.ckpt.atomic import (
     TMP_PREFIX,
+    clean_temp_dirs,
+    discard_dir,
     fsync_dir,
     load_json,
     parse_step_name,
@@ -57,9 +58,7 @@ class HFExports:
     def prepare(self, step: int) -> Path:
         """A fresh temporary directory for export ``step`` (leftovers of an interrupted export removed)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        for child in self.root.iterdir():
-            if child.name.startswith(TMP_PREFIX):
-                shutil.rmtree(child, ignore_errors=True)
+        clean_temp_dirs(self.root)
         tmp = self.tmp_dir(step)
         tmp.mkdir()
         fsync_dir(self.root)
@@ -69,9 +68,7 @@ class HFExports:
         """Rename the temporary export into ``step_<N>`` (replacing an older one of that step, e.g. after a resume)."""
         final = self.step_dir(step)
         if final.exists():
-            aside = self.root / f"{TMP_PREFIX}replaced_{final.name}"
-            final.rename(aside)
-            shutil.rmtree(aside, ignore_errors=True)
+            discard_dir(self.root, final, "replaced")
         self.tmp_dir(step).rename(final)
         fsync_dir(self.root)
         return final
@@ -102,9 +99,7 @@ class HFExports:
         for _, stale in exports[: max(0, len(exports) - self.max_num)]:
             if stale == keep_best:
                 continue
-            aside = self.root / f"{TMP_PREFIX}delete_{stale.name}"
-            stale.rename(aside)
-            shutil.rmtree(aside, ignore_errors=True)
+            discard_dir(self.root, stale, "delete")
             deleted.append(stale)
         fsync_dir(self.root)
         return deleted
