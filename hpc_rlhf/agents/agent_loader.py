@@ -36,7 +36,7 @@ from typing import Any
 from hpc_rlhf.agents.executor import AgentExecutor
 from hpc_rlhf.agents.function_agent import function_agent_class, is_function_style
 from hpc_rlhf.agents.multi_turn import MultiTurnAgentExecutor
-from hpc_rlhf.utils.user_code import UserCodeImportError, import_user_file
+from hpc_rlhf.utils.user_code import UserCodeImportError, accepted_kwargs, import_user_file
 
 _IMPORT_HINT = ("write `from hpc_rlhf.agents.multi_turn import AgentInstanceBase, MultiTurnAgentExecutor` "
                 "(or AgentExecutorBase) instead of `from openrlhf.utils.agent import ...`")
@@ -164,10 +164,7 @@ def load_agent_executor(path: str, tokenizer: Any, prompt_max_len: int, max_len:
             f"{_IMPORT_HINT}", path=path)
 
     if executor_cls is not None and not issubclass(executor_cls, MultiTurnAgentExecutor):
-        accepted = inspect.signature(executor_cls.__init__).parameters
-        takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-        offered = {**settings, "agent_kwargs": agent_kwargs}
-        kwargs = {k: v for k, v in offered.items() if takes_all or k in accepted}
+        kwargs = accepted_kwargs(executor_cls.__init__, {**settings, "agent_kwargs": agent_kwargs})
         try:
             return executor_cls(tokenizer, prompt_max_len, **kwargs)
         except Exception as err:

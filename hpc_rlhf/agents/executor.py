@@ -99,6 +99,12 @@ class AgentExecutor(ABC):
         ...
 
 
+def check_samples_per_prompt(n_samples_per_prompt: int) -> None:
+    """Every executor's ``run`` refuses ``n_samples_per_prompt < 1`` the same way."""
+    if n_samples_per_prompt < 1:
+        raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
+
+
 def group_results(results: Sequence[GenerationResult], num_requests: int, n: int) -> list[list[GenerationResult]]:
     """``n`` results per request, in request order; errors if the engine broke the contract."""
     if len(results) != num_requests * n:
@@ -125,8 +131,7 @@ class SingleTurnExecutor(AgentExecutor):
 
     def run(self, prompts: list[Prompt], generate: GenerateFn, sampling: SamplingParams,
             n_samples_per_prompt: int) -> list[Trajectory]:
-        if n_samples_per_prompt < 1:
-            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
+        check_samples_per_prompt(n_samples_per_prompt)
         if not prompts:
             return []
         prompt_ids = self.tokenize(prompts)

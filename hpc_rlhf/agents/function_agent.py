@@ -24,21 +24,15 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from hpc_rlhf.agents.multi_turn import AgentInstanceBase, AgentOutputError
+from hpc_rlhf.agents.multi_turn import AgentInstanceBase
+from hpc_rlhf.agents.step_output import AgentOutputError
+from hpc_rlhf.utils.user_code import accepted_kwargs
 
 _NEXT_TEXT_KEYS = ("next_state", "next_observation")
 
 
 def is_function_style(module: ModuleType) -> bool:
     return callable(getattr(module, "step", None)) and not inspect.isclass(getattr(module, "step"))
-
-
-def _kwargs_for(fn: Callable[..., Any], offered: dict[str, Any]) -> dict[str, Any]:
-    params = inspect.signature(fn).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return dict(offered)
-    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return {k: v for k, v in offered.items() if k in names}
 
 
 def _to_step_dict(output: Any, state: str, action: str) -> dict[str, Any]:
@@ -84,7 +78,7 @@ def function_agent_class(module: ModuleType) -> type:
     def step_args(states: dict, kwargs: dict) -> tuple[tuple, dict]:
         offered = {"sampling_params": states.get("sampling_params"), **kwargs}
         args = (states["observation_text"], states["action_text"], states["label"])
-        return args, _kwargs_for(step_fn, offered)
+        return args, accepted_kwargs(step_fn, offered)
 
     def reset_result(value: Any, states: dict) -> dict:
         if isinstance(value, str):
@@ -108,11 +102,11 @@ def function_agent_class(module: ModuleType) -> type:
 
         if reset_fn is not None and inspect.iscoroutinefunction(reset_fn):
             async def reset(self, states: dict, **kwargs: Any) -> dict:
-                kw = _kwargs_for(reset_fn, {**self.kwargs, **kwargs})
+                kw = accepted_kwargs(reset_fn, {**self.kwargs, **kwargs})
                 return reset_result(await reset_fn(states, **kw), states)
         elif reset_fn is not None:
             def reset(self, states: dict, **kwargs: Any) -> dict:  # type: ignore[override]
-                kw = _kwargs_for(reset_fn, {**self.kwargs, **kwargs})
+                kw = accepted_kwargs(reset_fn, {**self.kwargs, **kwargs})
                 return reset_result(reset_fn(states, **kw), states)
 
     FunctionAgent.__qualname__ = FunctionAgent.__name__ = f"FunctionAgent[{module.__name__}]"

@@ -82,24 +82,20 @@ import dataclasses
 import hashlib
 import inspect
 import logging
-import math
-import threading
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, Trajectory
+from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, Trajectory, check_samples_per_prompt
+from hpc_rlhf.agents.step_output import AgentOutputError, apply_sampling, numeric_logs, parse_step_output, to_float
 from hpc_rlhf.data.prompts import Prompt, tokenize_prompts
 from hpc_rlhf.engines.rollout_base import GenerationRequest, GenerationResult, SamplingParams
-from hpc_rlhf.utils.user_calls import UserCallRunner, UserCallTimeout
+from hpc_rlhf.utils.user_calls import UserCallRunner, UserCallTimeout, run_to_completion
+from hpc_rlhf.utils.user_code import accepted_kwargs
 
 logger = logging.getLogger(__name__)
 
-_CANCEL_GRACE_S = 1.0  # how long cancelled agent tasks get to unwind when a run ends
-_SAMPLING_ALIASES = {"max_tokens": "max_new_tokens"}  # vLLM's names
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 class AgentInstanceBase(ABC):
@@ -115,10 +111,6 @@ class AgentInstanceBase(ABC):
     @abstractmethod
     async def step(self, states: dict, **kwargs: Any) -> dict:
         """Judge ``states["action_text"]``; return rewards, scores, environment_feedback, done (see module doc)."""
-
-
-class AgentOutputError(ValueError):
-    """An agent's ``reset`` / ``step`` returned something the executor cannot use."""
 
 
 class AgentTimeoutError(TimeoutError):
@@ -250,14 +242,13 @@ class MultiTurnAgentExecutor(AgentExecutor):
 
     def run(self, prompts: list[Prompt], generate: GenerateFn, sampling: SamplingParams,
             n_samples_per_prompt: int) -> list[Trajectory]:
-        if n_samples_per_prompt < 1:
-            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
+        check_samples_per_prompt(n_samples_per_prompt)
         self._validate()
         stats = _RunStats(num_episodes=len(prompts) * n_samples_per_prompt)
         episodes = [_Episode(index=g * n_samples_per_prompt + s, group_index=g, prompt=prompt, params=sampling)
                     for g, prompt in enumerate(prompts) for s in range(n_samples_per_prompt)]
         if episodes:
-            _run_coroutine(lambda: self._run_episodes(episodes, generate, stats))
+            run_to_completion(lambda: self._run_episodes(episodes, generate, stats))
         trajectories = [self._trajectory(episode) for episode in episodes]
         self.last_run_stats = dataclasses.asdict(stats)
         failed = stats.agent_errors + stats.agent_timeouts
@@ -364,11 +355,11 @@ class MultiTurnAgentExecutor(AgentExecutor):
         if isinstance(result, dict) and episode.failure is None:
             try:
                 if result.get("reward") is not None:
-                    episode.reward = _to_float(result["reward"], "reward")
+                    episode.reward = to_float(result["reward"], "reward")
                 if result.get("scores") is not None:
-                    episode.score = _to_float(result["scores"], "scores")
+                    episode.score = to_float(result["scores"], "scores")
                 if isinstance(result.get("extra_logs"), dict):
-                    episode.extra_logs = _numeric_logs(result["extra_logs"])
+                    episode.extra_logs = numeric_logs(result["extra_logs"])
             except AgentOutputError as err:
                 self._fail(episode, "execute", err, stats)
 
@@ -377,7 +368,7 @@ class MultiTurnAgentExecutor(AgentExecutor):
             episode.agent = await self._agent_call(_construct_agent, self.agent_instance_cls, self.agent_kwargs)
             states = {"observation": episode.prompt.text, "label": episode.prompt.label}
             reset = getattr(episode.agent, "reset", None)  # optional for duck-typed agents
-            extra = _accepted(reset, self.agent_kwargs) if reset is not None else {}
+            extra = accepted_kwargs(reset, self.agent_kwargs) if reset is not None else {}
             result = await self._agent_call(reset, states, **extra) if reset is not None else states
             if not isinstance(result, dict) or not isinstance(result.get("observation"), str):
                 raise AgentOutputError(f"reset must return a dict with a str 'observation', got {result!r:.200}")
@@ -451,8 +442,8 @@ class MultiTurnAgentExecutor(AgentExecutor):
             "sampling_params": episode.turn_params,
         }
         try:
-            parsed = _parse_step_output(await self._agent_call(episode.agent.step, states))
-            params = _apply_sampling(episode.params, parsed["sampling_params"])
+            parsed = parse_step_output(await self._agent_call(episode.agent.step, states))
+            params = apply_sampling(episode.params, parsed["sampling_params"])
         except Exception as err:  # noqa: BLE001 - any agent failure ends only this episode
             self._fail(episode, "step", err, stats)
             return
@@ -555,25 +546,11 @@ class AgentExecutorBase(MultiTurnAgentExecutor):
 # ---------------------------------------------------------------------- helpers
 
 
-def _accepted(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The subset of ``kwargs`` that ``fn``'s signature accepts (all of them with ``**kwargs``)."""
-    if not kwargs:
-        return {}
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return {}
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return dict(kwargs)
-    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return {k: v for k, v in kwargs.items() if k in names}
-
-
 def _construct_agent(cls: type, agent_kwargs: dict[str, Any]) -> Any:
     """``cls(**agent_kwargs it accepts)``; for ``async def __init__`` (seen in OpenRLHF examples) a coroutine
     that builds it, which the caller awaits on the user loop."""
     init = getattr(cls, "__init__", None)
-    kwargs = _accepted(init, agent_kwargs)
+    kwargs = accepted_kwargs(init, agent_kwargs)
     if inspect.iscoroutinefunction(init):
         async def build() -> Any:
             agent = cls.__new__(cls)
@@ -587,68 +564,6 @@ def _set_if_pending(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
 
-
-def _numeric_logs(extra_logs: dict) -> dict:
-    logs = {}
-    for name, value in extra_logs.items():
-        if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
-            value = value.item()
-        logs[name] = float(value) if isinstance(value, (bool, int, float)) else value
-    return logs
-
-
-def _to_float(value: Any, name: str) -> float:
-    if hasattr(value, "numel") and value.numel() != 1:
-        raise AgentOutputError(f"step output {name!r} must be one number, got a tensor of shape {tuple(value.shape)}")
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise AgentOutputError(f"step output {name!r} must be a number or a 1-element tensor, got {value!r:.100}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise AgentOutputError(f"step output {name!r} is {value}")
-    return value
-
-
-def _parse_step_output(output: Any) -> dict[str, Any]:
-    if not isinstance(output, dict):
-        raise AgentOutputError(f"step must return a dict, got {type(output).__name__}")
-    missing = [key for key in ("rewards", "done") if key not in output]
-    if missing:
-        raise AgentOutputError(f"step output lacks {missing} (has keys {sorted(output)})")
-    feedback = output.get("environment_feedback") or ""
-    if not isinstance(feedback, str):
-        raise AgentOutputError(f"step output 'environment_feedback' must be a str, got {type(feedback).__name__}")
-    extra_logs = output.get("extra_logs") or {}
-    if not isinstance(extra_logs, dict):
-        raise AgentOutputError(f"step output 'extra_logs' must be a dict, got {type(extra_logs).__name__}")
-    logs = _numeric_logs(extra_logs)
-    scores = output.get("scores")
-    return {
-        "rewards": _to_float(output["rewards"], "rewards"),
-        "scores": None if scores is None else _to_float(scores, "scores"),
-        "done": bool(output["done"]),
-        "environment_feedback": feedback,
-        "sampling_params": output.get("sampling_params"),
-        "extra_logs": logs,
-    }
-
-
-def _apply_sampling(current: SamplingParams, overrides: Any) -> SamplingParams:
-    """The episode's sampling parameters after a step's ``sampling_params`` (a dict of overrides)."""
-    if overrides is None:
-        return current
-    if isinstance(overrides, SamplingParams):
-        return overrides
-    if not isinstance(overrides, dict):
-        raise AgentOutputError(f"step output 'sampling_params' must be a dict of overrides or SamplingParams, "
-                               f"got {type(overrides).__name__}")
-    changes = {_SAMPLING_ALIASES.get(key, key): value for key, value in overrides.items()}
-    unknown = sorted(set(changes) - _SAMPLING_FIELDS)
-    if unknown:
-        raise AgentOutputError(f"step output 'sampling_params' has unknown keys {unknown}; "
-                               f"known: {sorted(_SAMPLING_FIELDS | set(_SAMPLING_ALIASES))}")
-    return dataclasses.replace(current, **changes)
 
 
 def _params_key(params: SamplingParams) -> tuple:
@@ -679,44 +594,3 @@ def _split_results(results: list[GenerationResult], requests: list[GenerationReq
                                f"expected {request.n}")
     return groups
 
-
-def _run_coroutine(factory: Any) -> Any:
-    """Run ``factory()`` on a private event loop (in a helper thread if this thread already runs one)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return _run_in_new_loop(factory())
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = _run_in_new_loop(factory())
-        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = err
-
-    thread = threading.Thread(target=target, name="hpc_rlhf_agent_loop")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
-
-
-def _run_in_new_loop(coroutine: Coroutine) -> Any:
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coroutine)
-    finally:
-        try:
-            pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
-            for task in pending:
-                task.cancel()
-            if pending:
-                loop.run_until_complete(asyncio.wait(pending, timeout=_CANCEL_GRACE_S))
-                stuck = sum(not task.done() for task in pending)
-                if stuck:
-                    logger.warning("%d agent tasks ignored cancellation for %.1f s and were abandoned",
-                                   stuck, _CANCEL_GRACE_S)
-            loop.run_until_complete(loop.shutdown_asyncgens())
-        finally:
-            loop.close()

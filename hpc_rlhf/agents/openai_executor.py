@@ -39,11 +39,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, Trajectory
+from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, Trajectory, check_samples_per_prompt
 from hpc_rlhf.agents.openai_endpoint import OpenAIEndpoint, run_batch
 from hpc_rlhf.agents.openai_recording import CompletionRecord, episode_sequences
 from hpc_rlhf.data.prompts import Prompt
 from hpc_rlhf.engines.rollout_base import SamplingParams
+from hpc_rlhf.utils.user_calls import UserCallRunner
+from hpc_rlhf.utils.user_code import accepted_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +101,7 @@ class OpenAIAgentExecutor(AgentExecutor):
             raise ValueError(f"episode_timeout_s must be > 0 or None, got {episode_timeout_s}")
         self.run_episode = run_episode
         self.max_len, self.num_concurrent, self.episode_timeout_s = max_len, num_concurrent, episode_timeout_s
-        self.agent_kwargs = _accepted(run_episode, dict(agent_kwargs or {}))
+        self.agent_kwargs = accepted_kwargs(run_episode, dict(agent_kwargs or {}))
         self.batch_wait_s, self.model_name = batch_wait_s, model_name
         self.endpoint: OpenAIEndpoint | None = None
         self.last_run_stats: dict[str, float] = {}
@@ -124,8 +126,7 @@ class OpenAIAgentExecutor(AgentExecutor):
 
     def run(self, prompts: list[Prompt], generate: GenerateFn, sampling: SamplingParams,
             n_samples_per_prompt: int) -> list[Trajectory]:
-        if n_samples_per_prompt < 1:
-            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
+        check_samples_per_prompt(n_samples_per_prompt)
         if not prompts:
             return []
         endpoint = self.start_endpoint()
@@ -135,14 +136,12 @@ class OpenAIAgentExecutor(AgentExecutor):
                     for g, prompt in enumerate(prompts) for s in range(n_samples_per_prompt)]
         for episode in episodes:
             endpoint.recorder.open(episode.episode_id)
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="hpc_rlhf_openai_agents", daemon=True)
-        thread.start()
-        asyncio.run_coroutine_threadsafe(self._run_all(episodes, endpoint.base_url), loop)
+        agents = UserCallRunner()  # the episodes run on its private loop, so this thread can drive the engine
+        agents.start(self._run_all(episodes, endpoint.base_url))
         try:
             self._drive(episodes, endpoint, generate)
         finally:
-            loop.call_soon_threadsafe(_cancel_all_and_stop, loop)  # a blocked loop is abandoned (daemon)
+            agents.close()  # a loop blocked by agent code is abandoned (daemon thread)
             for episode in episodes:
                 if not episode.timed_out:
                     episode.records = endpoint.recorder.close(episode.episode_id)
@@ -259,16 +258,3 @@ class OpenAIAgentExecutor(AgentExecutor):
                            errors + timeouts, len(episodes), errors, timeouts, first.failure)
 
 
-def _accepted(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The subset of ``kwargs`` that ``fn`` accepts (all with ``**kwargs``)."""
-    params = inspect.signature(fn).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return kwargs
-    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return {k: v for k, v in kwargs.items() if k in names}
-
-
-def _cancel_all_and_stop(loop: asyncio.AbstractEventLoop) -> None:
-    for task in asyncio.all_tasks(loop):
-        task.cancel()
-    loop.call_soon(loop.stop)

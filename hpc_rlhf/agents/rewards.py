@@ -35,7 +35,6 @@ Every problem raises ``RewardFunctionError`` naming the file:
 
 from __future__ import annotations
 
-import inspect
 import numbers
 import os
 import traceback
@@ -46,7 +45,7 @@ from typing import Any
 import torch
 
 from hpc_rlhf.utils.user_calls import UserCallTimeout, call_in_thread
-from hpc_rlhf.utils.user_code import UserCodeImportError, import_user_file
+from hpc_rlhf.utils.user_code import UserCodeImportError, accepted_kwargs, import_user_file
 
 _PROMPT_CHARS_IN_ERROR = 2000
 
@@ -151,19 +150,6 @@ def validate_reward_output(output: Any, batch_size: int, path: str = "<reward_fu
             value = [float(value)] * batch_size  # one number for the batch: broadcast
         extra_logs[str(name)] = _to_float_tensor(value, f"extra_logs[{name!r}]", batch_size, path)
     return RewardOutput(rewards=rewards, scores=scores, extra_logs=extra_logs)
-
-
-def accepted_kwargs(func: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The subset of ``kwargs`` that ``func``'s signature accepts (all of them with ``**kwargs``)."""
-    try:
-        params = inspect.signature(func).parameters.values()
-    except (TypeError, ValueError):
-        return kwargs
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return kwargs
-    named_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    names = {p.name for p in params if p.kind in named_kinds}
-    return {k: v for k, v in kwargs.items() if k in names}
 
 
 def _clip(text: str) -> str:

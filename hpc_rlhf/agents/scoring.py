@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from hpc_rlhf.agents.executor import Trajectory
-from hpc_rlhf.agents.rewards import RewardFunction, RewardOutput, accepted_kwargs, validate_reward_output
+from hpc_rlhf.agents.rewards import RewardFunction, RewardOutput, validate_reward_output
+from hpc_rlhf.utils.user_code import accepted_kwargs
 
 
 def score_trajectories(trajectories: Sequence[Trajectory], reward_fn: Callable[..., Any], tokenizer: Any,

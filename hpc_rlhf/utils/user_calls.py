@@ -15,10 +15,15 @@ never keep the interpreter from exiting when training ends.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
+import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
+
+log = logging.getLogger(__name__)
+CANCEL_GRACE_S = 1.0  # how long cancelled tasks get to unwind when a run ends
 
 
 class UserCallTimeout(TimeoutError):
@@ -82,9 +87,13 @@ class UserCallRunner:
             future.cancel()
             raise UserCallTimeout(f"{_describe(fn)} did not return within {timeout_s} s and was abandoned") from None
 
+    def start(self, coroutine: Any) -> concurrent.futures.Future:
+        """Schedule ``coroutine`` on the private loop from synchronous code (no time limit)."""
+        return asyncio.run_coroutine_threadsafe(_await(coroutine), self._user_loop())
+
     def submit(self, coroutine: Any) -> asyncio.Future:
         """Schedule ``coroutine`` on the private loop; a future of the calling loop (no time limit)."""
-        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_await(coroutine), self._user_loop()))
+        return asyncio.wrap_future(self.start(coroutine))
 
     def _start_thread(self, caller: asyncio.AbstractEventLoop, future: asyncio.Future, fn: Callable[..., Any],
                       args: tuple, kwargs: dict) -> None:
@@ -137,3 +146,46 @@ def _cancel_all_and_stop(loop: asyncio.AbstractEventLoop) -> None:
 
 async def _await(awaitable: Any) -> Any:
     return await awaitable
+
+
+def run_to_completion(factory: Callable[[], Coroutine]) -> Any:
+    """Run ``factory()`` to completion on a fresh event loop (in a helper thread if this thread already runs one);
+    tasks it leaves behind get ``CANCEL_GRACE_S`` to unwind, then are abandoned with a warning."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return _run_in_new_loop(factory())
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = _run_in_new_loop(factory())
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = err
+
+    thread = threading.Thread(target=target, name="hpc_rlhf_agent_loop")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def _run_in_new_loop(coroutine: Coroutine) -> Any:
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coroutine)
+    finally:
+        try:
+            pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.wait(pending, timeout=CANCEL_GRACE_S))
+                stuck = sum(not task.done() for task in pending)
+                if stuck:
+                    log.warning("%d agent tasks ignored cancellation for %.1f s and were abandoned",
+                                   stuck, CANCEL_GRACE_S)
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()

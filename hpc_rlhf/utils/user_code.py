@@ -1,11 +1,15 @@
-"""Import a user's Python file (reward function, agent) under a module name unique to its path."""
+"""Import a user's Python file (reward function, agent) under a module name unique to its path, and pass it only
+the keyword arguments its functions accept."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import sys
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 
 class UserCodeImportError(ImportError):
@@ -31,3 +35,17 @@ def import_user_file(path: str, kind: str) -> ModuleType:
         sys.modules.pop(module_name, None)
         raise UserCodeImportError(f"{type(err).__name__}: {err}") from err
     return module
+
+
+def accepted_kwargs(func: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The subset of ``kwargs`` that ``func``'s signature accepts (all of them with ``**kwargs``, or when the
+    signature cannot be read)."""
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return kwargs
+    named_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    names = {p.name for p in params if p.kind in named_kinds}
+    return {k: v for k, v in kwargs.items() if k in names}

@@ -30,7 +30,6 @@ from hpc_rlhf.models.precision import resolve_dtype
 from hpc_rlhf.models.value_head import read_reward_normalization
 from hpc_rlhf.world.groups import WorldGroups
 
-
 log = logging.getLogger(__name__)
 _REFILL_EPISODES = 1_000_000  # passes the refill stream may make over the data: never the limit in practice
 
@@ -249,7 +248,6 @@ def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
     if not cfg.train.agent_func_path:
         return SingleTurnExecutor(tokenizer, cfg.data.prompt_max_len)
     from hpc_rlhf.agents.agent_loader import load_agent_executor
-
     from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor  # imports no openai / fastapi by itself
 
     executor = load_agent_executor(cfg.train.agent_func_path, tokenizer, cfg.data.prompt_max_len,
