@@ -233,6 +233,8 @@ class PPOTrainer:
         """Collective: every rank raises when rank 0's failure window is over ``train.max_agent_failure_fraction``,
         all with rank 0's verdict (cause and sample prompt): whichever rank's error the launcher reports first,
         it says why."""
+        if not self.cfg.train.agent_func_path:
+            return  # only agent episodes fail; every rank reads the same config, so all skip the collective
         box = [self.health.verdict() if self.world.is_controller else None]
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
