@@ -9,8 +9,8 @@ drawn from the pool (seeded), ``--concurrency`` in flight at once, and checks ev
 references (micro-batching and padding must not change a score beyond ``--tolerance``). Rejections with
 back-pressure (503/429) are counted and retried after ``Retry-After``, as the trainer's client does; any other
 failure is an error. It finishes with ``GET /health`` (the server is still up) and prints one JSON report:
-latency p50 / p99 / max of the successful requests (the last attempt's round trip), throughput, errors,
-wrong answers, busy rejections.
+latency p50 / p99 / max of the successful requests (first send to answer, busy answers and waits included),
+throughput, errors, wrong answers, busy rejections.
 
 With ``--tiny`` the server is ``python -m hpc_rlhf.cli.serve_rm`` in its own process (so client and server do
 not share a GIL), on a free loopback port, stopped with SIGTERM at the end. The API key, if any, comes from
@@ -113,14 +113,13 @@ async def run_load(base_url: str, num_requests: int = 2000, concurrency: int = 3
 
         async def one(texts: list[str]) -> None:
             async with gate:
+                start = time.perf_counter()  # latency as the caller sees it: busy answers and waits included
                 for _ in range(max_busy_retries + 1):
-                    start = time.perf_counter()
                     try:
                         response = await client.post(url, json={"query": texts})
                     except httpx.HTTPError as err:
                         errors[type(err).__name__] += 1
                         return
-                    elapsed = time.perf_counter() - start
                     if response.status_code not in BUSY_STATUS:
                         break
                     report.busy_retries += 1
@@ -132,7 +131,7 @@ async def run_load(base_url: str, num_requests: int = 2000, concurrency: int = 3
                 if len(rewards) != len(texts) or any(abs(r - expected[t]) > tolerance for r, t in zip(rewards, texts)):
                     report.num_wrong += 1
                     return
-                latencies.append(elapsed)
+                latencies.append(time.perf_counter() - start)
                 report.num_ok += 1
 
         start = time.perf_counter()

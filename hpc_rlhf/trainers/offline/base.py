@@ -255,7 +255,7 @@ class SupervisedTrainer:
             return False
         latest = agreed_checkpoint(self.ckpt)  # verified, and the same on every rank
         if latest is None:
-            log.info("ckpt.load=true but no checkpoint under %s: starting from scratch", self.ckpt.root)
+            log.warning("ckpt.load=true but no checkpoint under %s: starting from scratch", self.ckpt.root)
             return False
         state = load_json(latest / STATE_FILE)
         if state.get("kind") != self.kind:
