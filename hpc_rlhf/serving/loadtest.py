@@ -26,7 +26,6 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from typing import Any
 import httpx
 
 from hpc_rlhf.serving.guards import API_KEY_ENV
+from hpc_rlhf.world.launch_env import free_port
 
 BUSY_STATUS = (429, 503)
 
@@ -152,17 +152,13 @@ async def run_load(base_url: str, num_requests: int = 2000, concurrency: int = 3
 # ----------------------------------------------------------------------------------------------- --tiny
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_server(model: Path, port: int, extra: list[str], startup_timeout_s: float = 120.0,
-                 api_key: str | None = None) -> subprocess.Popen:
-    """``serve_rm`` on 127.0.0.1:``port`` in a child process; returns once ``/health`` answers."""
+                 api_key: str | None = None, **popen_kwargs: Any) -> subprocess.Popen:
+    """``serve_rm`` on 127.0.0.1:``port`` in a child process (``extra`` flags win over the defaults here);
+    returns once ``/health`` answers."""
     proc = subprocess.Popen([sys.executable, "-m", "hpc_rlhf.cli.serve_rm", "--reward_pretrain", str(model),
-                             "--port", str(port), "--device", "cpu", "--log_level", "warning", *extra])
+                             "--port", str(port), "--device", "cpu", "--log_level", "warning", *extra],
+                            **popen_kwargs)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + startup_timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
@@ -206,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.tiny:
             from hpc_rlhf.models.tiny import build_tiny_reward_model
 
-            port = _free_port()
+            port = free_port()
             proc = start_server(build_tiny_reward_model(Path(tmp) / "rm"), port, args.server_args.split(),
                                 api_key=api_key)
             url = f"http://127.0.0.1:{port}"

@@ -25,8 +25,9 @@ from hpc_rlhf.models.forward import sequence_scores
 from hpc_rlhf.models.loading import load_value_model
 from hpc_rlhf.models.tiny import build_tiny_reward_model
 from hpc_rlhf.serving.guards import API_KEY_ENV
-from hpc_rlhf.serving.loadtest import run_load
+from hpc_rlhf.serving.loadtest import run_load, start_server
 from hpc_rlhf.serving.rm_server import BackgroundServer, MicroBatcher, RewardScorer, RewardServerError, create_app
+from hpc_rlhf.world.launch_env import free_port
 
 MAX_LEN = 48
 TEXTS = ["<bos>Q: 1+1=\nA: 2<eos>", "hello world", "Q: 3+4=\nA: 7", "x", "a much longer text " * 6]
@@ -237,25 +238,13 @@ def test_graceful_shutdown_finishes_in_flight_request():
 
 
 def test_cli_serves_and_stops_on_sigterm(rm_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", API_KEY_ENV: "cli-secret"}
     auth = {"Authorization": "Bearer cli-secret"}
-    proc = subprocess.Popen([sys.executable, "-m", "hpc_rlhf.cli.serve_rm", "--reward_pretrain", str(rm_path),
-                             "--port", str(port), "--max_len", str(MAX_LEN), "--device", "cpu",
-                             "--log_level", "info"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = start_server(rm_path, port, ["--max_len", str(MAX_LEN), "--log_level", "info"], startup_timeout_s=60,
+                        api_key="cli-secret", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(url + "/health", headers=auth, timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        assert proc.poll() is None, proc.communicate()[0]
         assert httpx.post(url + "/get_reward", json={"query": TEXTS[:2]}, timeout=30).status_code == 401
         answer = httpx.post(url + "/get_reward", json={"query": TEXTS[:2]}, headers=auth, timeout=30).json()
         assert answer["rewards"] == pytest.approx(direct_scores(rm_path, TEXTS[:2]), abs=1e-5)
