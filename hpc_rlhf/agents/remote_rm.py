@@ -162,8 +162,8 @@ class RemoteRewardModel:
         # One pooled client shared by the worker threads (httpx.Client is thread-safe); keep-alive
         # connections make the per-step requests cheap.
         headers = {"Content-Type": "application/json"}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
+        if api_key and api_key.strip():
+            headers["Authorization"] = f"Bearer {api_key.strip()}"  # as the server strips its own
         self._client = httpx.Client(timeout=httpx.Timeout(self.timeout_s), headers=headers)
 
     def __repr__(self) -> str:

@@ -62,7 +62,8 @@ class RequestGuard:
         check_guard_settings(api_key, max_pending, retry_after_s)
         self.app = app
         self.counters = counters
-        self._expected = None if api_key is None else f"Bearer {api_key}".encode()
+        # Surrounding white space is never part of a key (a trailing newline from a key file, say).
+        self._expected = None if api_key is None else f"Bearer {api_key.strip()}".encode()
         self.max_pending = max_pending
         self.retry_after_s = retry_after_s
 

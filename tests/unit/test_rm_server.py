@@ -342,7 +342,8 @@ def test_work_of_a_disconnected_client_is_dropped(scorer, server):
 
 @pytest.fixture(scope="module")
 def keyed_server(scorer):
-    with BackgroundServer(create_app(scorer, api_key="s3cret")) as srv:
+    # A key read from a file keeps its newline; white space around a key is not part of it.
+    with BackgroundServer(create_app(scorer, api_key="s3cret\n")) as srv:
         yield srv
 
 
