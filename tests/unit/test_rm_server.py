@@ -128,7 +128,7 @@ def test_http_scores_equal_direct_scores(rm_path, server):
     (b'{"query": [', 400, "not valid JSON"),
     (b'{"query": [""]}', 400, r"query[0] has no tokens"),
     (b'{"query": ["a"], "labels": "x"}', 422, "labels: Input should be a valid list"),
-    (b"[" * 100_000, 400, "nested too deeply"),
+    pytest.param(b"[" * 100_000, 400, "nested too deeply", id="deeply-nested"),
 ])
 def test_malformed_requests_get_4xx_with_reason(server, body, status, message):
     response = httpx.post(server.url + "/get_reward", content=body, timeout=30)
