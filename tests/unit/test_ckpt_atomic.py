@@ -156,6 +156,20 @@ def test_latest_verified_never_starts_fresh_over_traces_of_a_run(tmp_path, damag
     assert CheckpointManager(fresh).latest_verified() is None
 
 
+def test_fresh_start_over_existing_checkpoints_is_announced(tmp_path, caplog):
+    from hpc_rlhf.ckpt.resume import warn_if_starting_over
+
+    mgr = CheckpointManager(tmp_path, rank=0)
+    with caplog.at_level(logging.WARNING, logger="hpc_rlhf.ckpt.resume"):
+        warn_if_starting_over(mgr)
+        assert caplog.text == ""  # nothing there: nothing to say
+        _save(mgr, 5)
+        warn_if_starting_over(CheckpointManager(tmp_path, rank=1))
+        assert caplog.text == ""  # rank 0 speaks for all
+        warn_if_starting_over(mgr)
+    assert f"ckpt.load=false, but {tmp_path} holds 1 checkpoint(s) of an earlier run (newest step_5)" in caplog.text
+
+
 def test_fallback_warning_is_printed_once_and_reads_well(tmp_path, caplog):
     mgr = CheckpointManager(tmp_path, max_num=5)
     _save(mgr, 3)
