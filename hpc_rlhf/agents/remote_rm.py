@@ -23,11 +23,19 @@ once from a thread pool and the answers are put back in the input order.
 Failures
 --------
 Each request has a timeout (``timeout_s``, per connect / read / write). Transient failures (timeouts,
-connection errors, HTTP 408 / 429 / 5xx) are retried up to ``max_retries`` times (so at most
-``max_retries + 1`` attempts) with exponential backoff ``backoff_s * 2**k`` (capped at 30 s). Other
+connection errors, HTTP 408 / 429 / 5xx, e.g. a busy server's 503) are retried up to ``max_retries`` times (so
+at most ``max_retries + 1`` attempts) with exponential backoff ``backoff_s * 2**k`` plus up to ``backoff_s`` of
+jitter (so clients turned away together do not return together), or the server's ``Retry-After`` when that is
+longer; capped at 30 s. Other
 HTTP errors (4xx: the request itself is wrong) and malformed answers are not retried. Every failure
 raises ``RemoteRewardError`` naming the URL, the number of attempts and the last cause (HTTP status and
 a body excerpt, a timeout, a bad field), so a broken server never hangs or silently zeroes a step.
+
+Authentication
+--------------
+``api_key`` (the trainer reads it from ``$HPC_RLHF_RM_API_KEY``, see ``reward.remote_api_key_env``) is sent as
+``Authorization: Bearer <key>`` to every URL; it appears in no message, log line or ``repr``.
+
 Keyword arguments other than queries / prompts / labels (e.g. ``responses``) are not part of the
 protocol and are not sent.
 """
@@ -43,7 +51,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import torch
-from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential,
+    wait_random,
+)
 
 from hpc_rlhf.agents.rewards import RewardFunctionError, RewardOutput, validate_reward_output
 
@@ -66,9 +81,10 @@ class RemoteRewardError(RuntimeError):
 class _TransientError(Exception):
     """A failure worth retrying (timeout, connection error, 408/429/5xx); ``cause`` is human readable."""
 
-    def __init__(self, cause: str):
+    def __init__(self, cause: str, retry_after_s: float | None = None):
         super().__init__(cause)
         self.cause = cause
+        self.retry_after_s = retry_after_s  # the server's Retry-After, if it sent one
 
 
 class _PermanentError(Exception):
@@ -125,7 +141,7 @@ class RemoteRewardModel:
     """Reward function backed by one or more ``/get_reward`` servers; see the module docstring."""
 
     def __init__(self, urls: Sequence[str] | str, timeout_s: float = 60, max_retries: int = 3,
-                 backoff_s: float = 1.0, batch_size: int | None = None):
+                 backoff_s: float = 1.0, batch_size: int | None = None, api_key: str | None = None):
         if isinstance(urls, str):
             urls = [urls]
         if not urls:
@@ -145,8 +161,10 @@ class RemoteRewardModel:
         self.batch_size = batch_size
         # One pooled client shared by the worker threads (httpx.Client is thread-safe); keep-alive
         # connections make the per-step requests cheap.
-        self._client = httpx.Client(timeout=httpx.Timeout(self.timeout_s),
-                                    headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if api_key and api_key.strip():
+            headers["Authorization"] = f"Bearer {api_key.strip()}"  # as the server strips its own
+        self._client = httpx.Client(timeout=httpx.Timeout(self.timeout_s), headers=headers)
 
     def __repr__(self) -> str:
         return f"RemoteRewardModel({self.urls!r})"
@@ -192,7 +210,7 @@ class RemoteRewardModel:
         attempts = self.max_retries + 1
         retrying = Retrying(
             stop=stop_after_attempt(attempts),
-            wait=wait_exponential(multiplier=self.backoff_s, max=_MAX_BACKOFF_S),
+            wait=self._wait,
             retry=retry_if_exception(lambda err: isinstance(err, _TransientError)),
             before_sleep=lambda state: _log_retry(url, attempts, state),
             reraise=True,
@@ -214,6 +232,14 @@ class RemoteRewardModel:
         except RewardFunctionError as err:
             raise RemoteRewardError(f"{err} (malformed answer, not retried)", url=url, attempts=1) from err
 
+    def _wait(self, state: RetryCallState) -> float:
+        """Seconds before the next attempt: jittered exponential backoff, or the server's Retry-After if longer."""
+        backoff = (wait_exponential(multiplier=self.backoff_s, max=_MAX_BACKOFF_S)
+                   + wait_random(0, self.backoff_s))(state)
+        err = state.outcome.exception() if state.outcome is not None else None
+        hint = getattr(err, "retry_after_s", None) or 0.0
+        return min(max(backoff, hint), _MAX_BACKOFF_S)
+
     def _post_once(self, url: str, body: str) -> Any:
         try:
             response = self._client.post(url, content=body)
@@ -224,7 +250,7 @@ class RemoteRewardModel:
         if response.status_code != 200:
             cause = f"HTTP {response.status_code}: {_excerpt(response.text)}"
             if response.status_code in _RETRYABLE_STATUS:
-                raise _TransientError(cause)
+                raise _TransientError(cause, _retry_after_s(response))
             raise _PermanentError(cause)
         try:
             payload = response.json()
@@ -233,6 +259,14 @@ class RemoteRewardModel:
         if not isinstance(payload, dict):
             raise _PermanentError(f"answer must be a JSON object with 'rewards', got {_excerpt(response.text)!r}")
         return payload
+
+
+def _retry_after_s(response: httpx.Response) -> float | None:
+    """A ``Retry-After`` given in seconds (the HTTP-date form is not used by reward servers); None otherwise."""
+    try:
+        return max(float(response.headers.get("retry-after", "")), 0.0)
+    except ValueError:
+        return None
 
 
 def _log_retry(url: str, attempts: int, state: RetryCallState) -> None:

@@ -18,6 +18,12 @@ Guarantees (single writer per ``root``; every rank sees the same filesystem, e.g
   commit point); the orphan is an ordinary complete checkpoint for rotation, and saving the same step
   again replaces it.
 
+Resume (:meth:`CheckpointManager.latest_verified`) loads the newest checkpoint whose files match its manifest
+(sizes and BLAKE2b digests). A LATEST that is garbage, names a missing or incomplete directory, or names a
+damaged checkpoint makes it fall back to the newest one that verifies, with a warning naming each bad file; it
+raises, naming them, rather than start fresh when checkpoints (or their traces: LATEST, ``step_<N>`` folders)
+exist but none is loadable.
+
 Failure contract across ranks: only rank 0 commits, and only after every rank passed the barrier that
 follows the body of :meth:`CheckpointManager.saving`. A rank that raises inside the body skips that
 barrier, so the other ranks' barrier fails by the caller's collective timeout (the world's
@@ -289,11 +295,18 @@ class CheckpointManager:
         """The checkpoint to resume from: :meth:`latest` if it verifies against its manifest, else the newest
         complete checkpoint that does (a warning names each bad file). None when there is no complete checkpoint.
 
-        Raises RuntimeError, listing the problems, when complete checkpoints exist but none verifies: starting
-        fresh over them would silently throw the run away.
+        Raises RuntimeError, listing the problems, when complete checkpoints exist but none verifies, or when none
+        is complete but an earlier run left LATEST or ``step_<N>`` directories (e.g. a LATEST naming a deleted
+        directory): starting fresh over them would silently throw the run away.
         """
         first = self.latest()
         if first is None:
+            traces = self._traces_of_earlier_saves()
+            if traces:
+                raise RuntimeError(
+                    f"no complete checkpoint under {self.root}, but an earlier run saved there: "
+                    + "; ".join(traces) + "\nrestore the checkpoint, point ckpt.path elsewhere, or set "
+                    "ckpt.load=false to start fresh over it")
             return None
         candidates = [first, *(d for _, d in reversed(self.list_complete()) if d != first)]
         rejected = []
@@ -310,6 +323,18 @@ class CheckpointManager:
                            + "\n  ".join(rejected)
                            + "\nrestore the damaged files, remove those checkpoints, or set ckpt.load=false to start "
                              "fresh")
+
+    def _traces_of_earlier_saves(self) -> list[str]:
+        """What shows that a checkpoint was committed here once (LATEST, ``step_<N>`` directories), each naming
+        the file or directory; [] for a root no save ever committed to (interrupted ``.tmp_*`` saves only)."""
+        traces = []
+        if self.latest_file.exists():
+            _, problem = self._read_latest_pointer()
+            traces.append(f"{self.latest_file} {problem}")
+        for child in sorted(self.root.iterdir()) if self.root.is_dir() else []:
+            if parse_step_name(child.name) is not None:
+                traces.append(f"{child} has no {COMPLETE_NAME} marker")
+        return traces
 
     def latest_step(self) -> int | None:
         latest = self.latest()

@@ -6,9 +6,12 @@ ranks restoring different steps would train on silently mixed state.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from hpc_rlhf.ckpt.atomic import CheckpointManager
+
+log = logging.getLogger(__name__)
 
 
 def agreed_checkpoint(manager: CheckpointManager) -> Path | None:
@@ -27,3 +30,13 @@ def agreed_checkpoint(manager: CheckpointManager) -> Path | None:
     if box[1] is not None:
         raise RuntimeError(box[1])
     return None if box[0] is None else Path(box[0])
+
+
+def warn_if_starting_over(manager: CheckpointManager) -> None:
+    """For ``ckpt.load=false``: rank 0 warns when ``manager.root`` already holds checkpoints, since this run starts
+    from scratch and its checkpoints will share the directory with them (LATEST moves to this run's)."""
+    complete = manager.list_complete() if manager.rank == 0 else []
+    if complete:
+        log.warning("ckpt.load=false, but %s holds %d checkpoint(s) of an earlier run (newest %s): this run starts "
+                    "from scratch and saves next to them, and LATEST will name this run's. Set ckpt.load=true to "
+                    "resume that run, or point ckpt.path elsewhere", manager.root, len(complete), complete[-1][1].name)

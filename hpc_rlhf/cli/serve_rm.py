@@ -4,7 +4,9 @@
 
 Then point training at it: ``reward.remote_url=[http://<node>:5000/get_reward]`` (OpenRLHF's
 ``--remote_rm_url`` works the same). The default host is loopback; pass ``--host 0.0.0.0`` to serve other
-nodes. ``GET /health`` answers once the model is loaded. SIGTERM / Ctrl-C: stop accepting, finish the
+nodes, and then require a key: ``HPC_RLHF_RM_API_KEY=<secret>`` in the server's and the trainer's environment
+(every request, ``/health`` included, must then carry ``Authorization: Bearer <secret>``; the trainer sends it).
+``GET /health`` answers once the model is loaded. SIGTERM / Ctrl-C: stop accepting, finish the
 requests in flight (up to ``--graceful_timeout_s``), exit.
 
 OpenRLHF's flag names work too (``--normalize_reward``, ``--bf16``, ``--flash_attn``,
@@ -16,9 +18,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
+# guards imports no fastapi, so --help works without the serve extra.
+from hpc_rlhf.serving.guards import API_KEY_ENV, DEFAULT_MAX_PENDING, DEFAULT_REQUEST_TIMEOUT_S
+
 log = logging.getLogger(__name__)
+
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 # OpenRLHF's serve_rm flag -> ours (with the value, for switches that pick a value).
 _RENAMED = {
@@ -84,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn_implementation", default="auto",
                    choices=["auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3"],
                    help="auto: flash attention on GPU when installed, else sdpa")
+    p.add_argument("--api_key", "--api-key", default=None,
+                   help=f"require 'Authorization: Bearer <key>' on every request (default: ${API_KEY_ENV} if set). "
+                        f"A key given here is visible to other users of the node in ps; prefer ${API_KEY_ENV}")
+    p.add_argument("--max_pending", type=int, default=DEFAULT_MAX_PENDING,
+                   help="requests admitted at once (reading, queued, scoring); more get 503 with Retry-After")
+    p.add_argument("--request_timeout_s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
+                   help="one request, admission to answer: 408 while the body arrives, 504 once queued or scoring")
     p.add_argument("--graceful_timeout_s", type=float, default=30.0,
                    help="on shutdown, how long requests in flight may take to finish")
     p.add_argument("--log_level", default="info", choices=["debug", "info", "warning", "error"])
@@ -107,7 +122,17 @@ def main(argv: list[str] | None = None) -> None:
                               attn_implementation=args.attn_implementation)
     except (RewardServerError, ValueError, OSError) as err:
         sys.exit(f"serve_rm: {err}")
-    app = create_app(scorer, max_wait_s=args.batch_wait_ms / 1000)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.api_key:
+        log.warning("serve_rm: --api_key is visible to every user of this node (ps); prefer $%s", API_KEY_ENV)
+    if api_key is None and args.host not in _LOOPBACK:
+        log.warning("serve_rm: serving on %s without an API key: anyone who can reach this node can query the "
+                    "model; set $%s", args.host, API_KEY_ENV)
+    try:
+        app = create_app(scorer, max_wait_s=args.batch_wait_ms / 1000, api_key=api_key, max_pending=args.max_pending,
+                         request_timeout_s=args.request_timeout_s)
+    except ValueError as err:
+        sys.exit(f"serve_rm: {err}")
     try:
         # uvicorn installs SIGTERM/SIGINT handlers: graceful drain, then the lifespan stops the batcher.
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

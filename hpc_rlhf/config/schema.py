@@ -65,6 +65,10 @@ class RewardConfig(ModelRole):
     remote_url: list[str] = Field(default_factory=list, description="OpenRLHF /get_reward servers")
     remote_timeout_s: float = Field(60.0, gt=0)
     remote_max_retries: int = Field(3, ge=0)
+    remote_api_key_env: str = Field(
+        "HPC_RLHF_RM_API_KEY", min_length=1, description="environment variable holding the servers' API key, sent "
+        "as 'Authorization: Bearer <key>' when set (the key itself is never in the config, so never in "
+        "config.resolved.yaml or the logs)")
     reward_func_timeout_s: float | None = Field(
         300.0, gt=0, description="limit for one reward_func call (run in a worker thread); null: no limit, "
         "called in the main thread (for functions that use signal.alarm)")

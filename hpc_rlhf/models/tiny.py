@@ -68,3 +68,26 @@ def build_tiny_model(path: str | Path, seed: int = 0, max_position_embeddings: i
         (tmp / "hpc_rlhf_tiny.json").write_text(json.dumps(recipe))
         tmp.rename(path)
     return path
+
+
+def build_tiny_reward_model(path: str | Path, seed: int = 1) -> Path:
+    """Create (once) a tiny reward model at ``path``: the tiny Llama with a one-label ``score`` head, drawn with
+    std 1 so different texts get clearly different scores (the server tests and the load test compare them)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = Path(path)
+    with FileLock(str(path) + ".lock"):
+        if (path / "config.json").is_file():
+            return path
+        base = build_tiny_model(path.with_name(path.name + ".base"))
+        tok = AutoTokenizer.from_pretrained(base)
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1)
+        with torch.no_grad():
+            model.score.weight.normal_(std=1.0)
+        model.config.pad_token_id = tok.pad_token_id
+        tmp = path.with_name(path.name + ".tmp")
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        tmp.rename(path)
+    return path

@@ -19,7 +19,10 @@ Pieces, each testable alone:
   the server: a body over ``max_body_bytes`` or with more than ``max_texts`` texts gets 413 naming the
   limit; parsing and tokenising run in one worker thread (never on the event loop, which keeps answering
   ``/health``); a request is scored in slices of the batch size, so other requests interleave, and the
-  rest is dropped once its client has disconnected.
+  rest is dropped once its client has disconnected. ``request_timeout_s`` bounds a request from admission to
+  answer (408 while its body arrives, 504 once queued or scoring). Before any of this, ``RequestGuard``
+  (:mod:`hpc_rlhf.serving.guards`) checks the bearer token when one is set (401) and admits at most
+  ``max_pending`` requests at once (503 with ``Retry-After`` beyond), so the queue and its memory are bounded.
 * ``BackgroundServer``: uvicorn in a thread on a pre-bound socket (tests, embedding in a driver).
 
 Shutdown: uvicorn stops accepting on SIGTERM/SIGINT, lets in-flight requests finish, then the app's
@@ -45,6 +48,13 @@ from fastapi import FastAPI, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hpc_rlhf.models.value_head import ValueHeadError, read_reward_normalization
+from hpc_rlhf.serving.guards import (
+    DEFAULT_MAX_PENDING,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    GuardCounters,
+    RequestGuard,
+    check_guard_settings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -300,6 +310,8 @@ def parse_reward_request(body: bytes, max_texts: int | None = None) -> RewardReq
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise HTTPException(status_code=400, detail=f"request body is not valid JSON: {err}") from err
+    except RecursionError:
+        raise HTTPException(status_code=400, detail="request body is JSON nested too deeply to parse") from None
     if not isinstance(data, dict):
         raise HTTPException(status_code=422, detail=f"request body must be a JSON object with 'query' (a list of "
                                                     f"strings), got {type(data).__name__}")
@@ -319,10 +331,20 @@ def parse_reward_request(body: bytes, max_texts: int | None = None) -> RewardReq
 
 
 def create_app(scorer: RewardScorer, max_batch_size: int | None = None, max_wait_s: float = 0.005,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_texts: int = DEFAULT_MAX_TEXTS) -> FastAPI:
-    """The FastAPI app serving ``scorer``; the batcher lives as long as the app's lifespan."""
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_texts: int = DEFAULT_MAX_TEXTS,
+               api_key: str | None = None, max_pending: int = DEFAULT_MAX_PENDING,
+               request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, retry_after_s: int = 1) -> FastAPI:
+    """The FastAPI app serving ``scorer``; the batcher lives as long as the app's lifespan.
+
+    ``api_key``, ``max_pending``, ``retry_after_s``: see :mod:`hpc_rlhf.serving.guards`. ``request_timeout_s``
+    bounds one request from admission to answer: 408 while its body is still arriving, 504 once it is queued
+    or being scored (its remaining texts are then dropped).
+    """
     if max_body_bytes < 1 or max_texts < 1:
         raise ValueError(f"max_body_bytes and max_texts must be >= 1, got {max_body_bytes} and {max_texts}")
+    if not request_timeout_s > 0:
+        raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
+    check_guard_settings(api_key, max_pending, retry_after_s)
     batcher = MicroBatcher(scorer.score_ids, max_batch_size or scorer.batch_size, max_wait_s)
     # One thread for parsing and tokenising: off the event loop, and fast tokenizers are not safe to call
     # from several threads at once.
@@ -358,19 +380,35 @@ def create_app(scorer: RewardScorer, max_batch_size: int | None = None, max_wait
             await batcher.close()
             prepare_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="hpc_rlhf reward model", lifespan=lifespan)
+    # No /docs or /openapi.json: an API for programs, and nothing else to expose on a shared node.
+    app = FastAPI(title="hpc_rlhf reward model", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scorer = scorer
     app.state.batcher = batcher
+    counters = app.state.guard = GuardCounters()
+    app.add_middleware(RequestGuard, counters=counters, api_key=api_key, max_pending=max_pending,
+                       retry_after_s=retry_after_s)
 
     @app.post("/get_reward")
     async def get_reward(http_request: Request) -> dict[str, Any]:
-        body = await read_body_capped(http_request, max_body_bytes)
-        request = await asyncio.get_running_loop().run_in_executor(prepare_pool, parse_reward_request, body,
-                                                                   max_texts)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + request_timeout_s
         try:
-            rewards = await score_while_connected(http_request, request.query)
+            body = await asyncio.wait_for(read_body_capped(http_request, max_body_bytes), request_timeout_s)
+        except asyncio.TimeoutError:
+            raise HTTPException(status_code=408, detail=f"request body not received within {request_timeout_s:g}s "
+                                                        "(request_timeout_s)") from None
+        request = await loop.run_in_executor(prepare_pool, parse_reward_request, body, max_texts)
+        try:
+            rewards = await asyncio.wait_for(score_while_connected(http_request, request.query),
+                                             max(deadline - loop.time(), 0.0))
         except HTTPException:
             raise
+        except asyncio.TimeoutError:
+            log.warning("/get_reward: %d texts not scored within %gs; answered 504", len(request.query),
+                        request_timeout_s)
+            raise HTTPException(status_code=504, detail=f"{len(request.query)} texts not scored within "
+                                                        f"{request_timeout_s:g}s (request_timeout_s): the server is "
+                                                        "overloaded; retry later or send fewer texts") from None
         except ClientGone as gone:
             log.info("/get_reward: %s", gone)
             raise HTTPException(status_code=499, detail=str(gone)) from None  # nobody reads it; ends the handler
@@ -382,7 +420,9 @@ def create_app(scorer: RewardScorer, max_batch_size: int | None = None, max_wait
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": scorer.model_name, "device": str(scorer.device),
                 "normalize": scorer.normalize, "num_requests": batcher.num_requests,
-                "num_batches": batcher.num_batches, "num_forwards": scorer.num_forwards}
+                "num_batches": batcher.num_batches, "num_forwards": scorer.num_forwards,
+                "pending": counters.pending, "rejected_busy": counters.rejected_busy,
+                "rejected_auth": counters.rejected_auth}
 
     return app
 

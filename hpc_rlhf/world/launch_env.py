@@ -187,7 +187,8 @@ def _from_mpi(env: Mapping[str, str]) -> LaunchEnv:
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (another process may take it before it is used)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -216,5 +217,5 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         node_rank=0,
         num_nodes=1,
         master_addr="127.0.0.1",
-        master_port=int(env["MASTER_PORT"]) if "MASTER_PORT" in env else _free_port(),
+        master_port=int(env["MASTER_PORT"]) if "MASTER_PORT" in env else free_port(),
     )

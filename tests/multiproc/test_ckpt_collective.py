@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import shutil
 
 import pytest
 import torch.distributed as dist
@@ -84,3 +85,29 @@ def test_one_rank_failing_inside_saving_commits_nothing_and_does_not_hang(tmp_pa
     assert (tmp_path / "step_1" / "shard_rank0.bin").read_bytes() == b"good"
     assert (tmp_path / "step_1" / "shard_rank1.bin").read_bytes() == b"good"
     assert (tmp_path / ".tmp_step_2").is_dir()  # left for the next save (rank 0) to clean
+
+
+def _agree_on_resume(rank: int, world_size: int, root: str) -> dict:
+    from hpc_rlhf.ckpt import CheckpointManager
+    from hpc_rlhf.ckpt.resume import agreed_checkpoint
+
+    try:
+        chosen = agreed_checkpoint(CheckpointManager(root))
+    except RuntimeError as exc:
+        return {"raised": str(exc)}
+    return {"chosen": None if chosen is None else chosen.name}
+
+
+@pytest.mark.timeout(180)
+def test_every_rank_refuses_to_start_fresh_when_latest_names_a_deleted_checkpoint(tmp_path):
+    """What the RL and offline trainers call on resume: rank 0's verdict reaches every rank, so no rank starts fresh
+    (or waits) over a run whose checkpoints are gone."""
+    from hpc_rlhf.ckpt import CheckpointManager
+
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, barrier=lambda: None)
+    with mgr.saving(3) as tmp:
+        (tmp / "model.bin").write_bytes(b"weights")
+    shutil.rmtree(tmp_path / "step_3")
+    results = run_on_ranks(_agree_on_resume, 2, str(tmp_path))
+    assert results[0] == results[1] and "raised" in results[0], results
+    assert "LATEST names step_3, which is not a complete checkpoint" in results[0]["raised"]

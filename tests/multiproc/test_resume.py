@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from hpc_rlhf.ckpt import CheckpointManager
@@ -112,14 +114,14 @@ def test_failed_save_leaves_previous_checkpoint_usable(assets, tmp_path):
 
 
 def test_fresh_start_under_load_then_damaged_checkpoints_fall_back(assets, tmp_path):
-    """ckpt.load=true with nothing to load starts fresh with a fresh metrics.jsonl; a resume skips checkpoints that
-    fail verification (a truncated DeepSpeed shard, a same-size garbage controller.json), naming the files."""
+    """ckpt.load=true with nothing to load starts fresh with a fresh metrics.jsonl; a resume past a garbage LATEST
+    skips checkpoints that fail verification (a truncated DeepSpeed shard, a same-size garbage controller.json),
+    naming the files."""
     log_file = tmp_path / "warnings.log"
     overrides = grpo_overrides(assets, tmp_path, "ckpt.load=true", "ckpt.save_steps=1", "train.max_steps=2")
     run_on_ranks(_fit, 2, overrides)
     root = tmp_path / "ckpt"
-    for step_dir in root.glob("step_*"):
-        (step_dir / "COMPLETE").unlink()  # nothing loadable left: the next run starts fresh
+    shutil.rmtree(root)  # no checkpoint was ever committed: the next run starts fresh
     run_on_ranks(_fit, 2, [*overrides, "train.max_steps=3"])
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
 
@@ -127,9 +129,10 @@ def test_fresh_start_under_load_then_damaged_checkpoints_fall_back(assets, tmp_p
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     controller = root / "step_2" / "controller.json"
     controller.write_bytes(b"#" * controller.stat().st_size)
+    (root / "LATEST").write_bytes(b"\x00garbage")
     run_on_ranks(_fit, 2, [*overrides, "train.max_steps=3"], None, None, str(log_file))
     warnings = log_file.read_text()
     assert str(shard) in warnings and str(controller) in warnings, warnings
-    assert "resuming from step_1" in warnings
+    assert "LATEST is corrupt" in warnings and "resuming from step_1" in warnings
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
     assert CheckpointManager(root).latest_step() == 3

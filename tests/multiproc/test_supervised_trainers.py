@@ -143,7 +143,8 @@ def _fit_logging_warnings(rank, world_size, kind, overrides, log_file):
 
 
 def test_offline_resume_skips_damaged_checkpoints(tmp_path):
-    """Every rank resumes from the newest checkpoint that verifies, with a warning naming each bad file."""
+    """Every rank resumes from the newest checkpoint that verifies, past a LATEST naming a deleted directory, with
+    a warning naming each bad file."""
     overrides = _overrides(tmp_path, "sft", "train.max_steps=3", "ckpt.save_steps=1", "train.eval_steps=100",
                            "ckpt.load=true")
     assert run_on_ranks(_fit, 2, "sft", overrides) == [{"step": 0, "batches_consumed": 0}] * 2  # nothing to load
@@ -152,9 +153,11 @@ def test_offline_resume_skips_damaged_checkpoints(tmp_path):
     shard.write_bytes(shard.read_bytes()[:100])
     state = root / "step_2" / "trainer_state.json"
     state.write_bytes(b"{" * state.stat().st_size)
+    (root / "LATEST").write_text("step_7\n")  # a directory that does not exist
     log_file = tmp_path / "warnings.log"
     starts = run_on_ranks(_fit_logging_warnings, 2, "sft", overrides, str(log_file))
     assert starts == [{"step": 1, "batches_consumed": 1}] * 2
     warnings = log_file.read_text()
     assert str(shard) in warnings and str(state) in warnings, warnings
+    assert "LATEST names step_7, which is not a complete checkpoint" in warnings
     assert [r["step"] for r in read_metrics(tmp_path / "sft") if "loss" in r] == [1, 2, 3]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -109,6 +110,64 @@ def test_latest_verified_refuses_to_start_fresh_over_damaged_checkpoints(tmp_pat
     with pytest.raises(RuntimeError, match="no checkpoint under .* verifies(.|\n)*model.bin(.|\n)*ckpt.load=false"):
         mgr.latest_verified()
     assert CheckpointManager(tmp_path / "empty").latest_verified() is None
+
+
+@pytest.mark.parametrize("latest", [b"garbage\x00", b"step_9\n", None])
+def test_latest_verified_falls_back_past_a_bad_latest_and_truncated_files(tmp_path, caplog, latest):
+    """LATEST garbage / naming a missing directory / naming a step with a truncated file: the newest checkpoint that
+    verifies is loaded, and the log says which was rejected and why."""
+    mgr = CheckpointManager(tmp_path, max_num=5)
+    good = _save(mgr, 1)
+    truncated = _save(mgr, 2)
+    (truncated / "sub" / "optim.bin").write_bytes(b"o")
+    if latest is not None:
+        (tmp_path / "LATEST").write_bytes(latest)
+    with caplog.at_level(logging.WARNING, logger="hpc_rlhf.ckpt.atomic"):
+        assert mgr.latest_verified() == good
+    assert f"size of {truncated / 'sub' / 'optim.bin'} is 1, manifest says 3" in caplog.text
+    assert "resuming from step_1" in caplog.text
+    if latest == b"step_9\n":
+        assert "LATEST names step_9, which is not a complete checkpoint" in caplog.text
+    elif latest is not None:
+        assert "LATEST is corrupt" in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["latest_names_deleted_dir", "latest_garbage_only", "complete_marker_gone"])
+def test_latest_verified_never_starts_fresh_over_traces_of_a_run(tmp_path, damage):
+    mgr = CheckpointManager(tmp_path)
+    step = _save(mgr, 4)
+    if damage == "latest_names_deleted_dir":
+        shutil.rmtree(step)
+        expected = "LATEST names step_4, which is not a complete checkpoint"
+    elif damage == "latest_garbage_only":
+        shutil.rmtree(step)
+        (tmp_path / "LATEST").write_bytes(b"\x00junk")
+        expected = "LATEST is corrupt"
+    else:
+        (step / "COMPLETE").unlink()
+        (tmp_path / "LATEST").unlink()
+        expected = f"{step} has no COMPLETE marker"
+    with pytest.raises(RuntimeError, match="no complete checkpoint under") as info:
+        mgr.latest_verified()
+    assert expected in str(info.value) and "ckpt.load=false" in str(info.value)
+    # Only interrupted saves (.tmp_*) mean no save was ever committed: that is a fresh start.
+    fresh = tmp_path / "fresh"
+    (fresh / ".tmp_step_1").mkdir(parents=True)
+    assert CheckpointManager(fresh).latest_verified() is None
+
+
+def test_fresh_start_over_existing_checkpoints_is_announced(tmp_path, caplog):
+    from hpc_rlhf.ckpt.resume import warn_if_starting_over
+
+    mgr = CheckpointManager(tmp_path, rank=0)
+    with caplog.at_level(logging.WARNING, logger="hpc_rlhf.ckpt.resume"):
+        warn_if_starting_over(mgr)
+        assert caplog.text == ""  # nothing there: nothing to say
+        _save(mgr, 5)
+        warn_if_starting_over(CheckpointManager(tmp_path, rank=1))
+        assert caplog.text == ""  # rank 0 speaks for all
+        warn_if_starting_over(mgr)
+    assert f"ckpt.load=false, but {tmp_path} holds 1 checkpoint(s) of an earlier run (newest step_5)" in caplog.text
 
 
 def test_fallback_warning_is_printed_once_and_reads_well(tmp_path, caplog):

@@ -203,3 +203,18 @@ def test_chunk_bounds_and_argument_checks():
         RemoteRewardModel(["h:1"], timeout_s=0)
     with RemoteRewardModel(["h:1"]) as rm, pytest.raises(ValueError, match="one entry per sample"):
         rm(["a", "b"], ["a"], None)
+
+
+def test_retry_wait_honours_retry_after_within_the_cap():
+    from types import SimpleNamespace
+
+    from hpc_rlhf.agents.remote_rm import _TransientError
+
+    def state(err, attempt=1):
+        return SimpleNamespace(attempt_number=attempt, outcome=SimpleNamespace(exception=lambda: err))
+
+    with RemoteRewardModel(["h:1"], backoff_s=0.01) as rm:
+        assert rm._wait(state(_TransientError("HTTP 503", retry_after_s=7.0))) == 7.0
+        assert rm._wait(state(_TransientError("HTTP 503", retry_after_s=1e6))) == 30.0  # capped
+        assert 0.01 <= rm._wait(state(_TransientError("HTTP 500"))) <= 0.02  # backoff plus jitter
+        assert 0.04 <= rm._wait(state(_TransientError("HTTP 500"), attempt=3)) <= 0.05

@@ -17,14 +17,17 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoTokenizer
 
-from hpc_rlhf.agents.remote_rm import RemoteRewardModel
+from hpc_rlhf.agents.remote_rm import RemoteRewardError, RemoteRewardModel
 from hpc_rlhf.cli import serve_rm
 from hpc_rlhf.models.forward import sequence_scores
 from hpc_rlhf.models.loading import load_value_model
-from hpc_rlhf.models.tiny import build_tiny_model
+from hpc_rlhf.models.tiny import build_tiny_reward_model
+from hpc_rlhf.serving.guards import API_KEY_ENV
+from hpc_rlhf.serving.loadtest import run_load, start_server
 from hpc_rlhf.serving.rm_server import BackgroundServer, MicroBatcher, RewardScorer, RewardServerError, create_app
+from hpc_rlhf.world.launch_env import free_port
 
 MAX_LEN = 48
 TEXTS = ["<bos>Q: 1+1=\nA: 2<eos>", "hello world", "Q: 3+4=\nA: 7", "x", "a much longer text " * 6]
@@ -32,17 +35,7 @@ TEXTS = ["<bos>Q: 1+1=\nA: 2<eos>", "hello world", "Q: 3+4=\nA: 7", "x", "a much
 
 @pytest.fixture(scope="module")
 def rm_path(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("rm")
-    tiny = build_tiny_model(root / "tiny")
-    tok = AutoTokenizer.from_pretrained(tiny)
-    torch.manual_seed(1)
-    model = AutoModelForSequenceClassification.from_pretrained(tiny, num_labels=1)
-    with torch.no_grad():  # a larger head so different texts get clearly different scores
-        model.score.weight.normal_(std=1.0)
-    model.config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(root / "rm")
-    tok.save_pretrained(root / "rm")
-    return root / "rm"
+    return build_tiny_reward_model(tmp_path_factory.mktemp("rm") / "rm")
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +127,8 @@ def test_http_scores_equal_direct_scores(rm_path, server):
     (b'["a", "b"]', 422, "JSON object"),
     (b'{"query": [', 400, "not valid JSON"),
     (b'{"query": [""]}', 400, r"query[0] has no tokens"),
+    (b'{"query": ["a"], "labels": "x"}', 422, "labels: Input should be a valid list"),
+    pytest.param(b"[" * 100_000, 400, "nested too deeply", id="deeply-nested"),
 ])
 def test_malformed_requests_get_4xx_with_reason(server, body, status, message):
     response = httpx.post(server.url + "/get_reward", content=body, timeout=30)
@@ -243,25 +238,15 @@ def test_graceful_shutdown_finishes_in_flight_request():
 
 
 def test_cli_serves_and_stops_on_sigterm(rm_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "hpc_rlhf.cli.serve_rm", "--reward_pretrain", str(rm_path),
-                             "--port", str(port), "--max_len", str(MAX_LEN), "--device", "cpu",
-                             "--log_level", "info"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", API_KEY_ENV: "cli-secret"}
+    auth = {"Authorization": "Bearer cli-secret"}
+    proc = start_server(rm_path, port, ["--max_len", str(MAX_LEN), "--log_level", "info"], startup_timeout_s=60,
+                        api_key="cli-secret", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        assert proc.poll() is None, proc.communicate()[0]
-        answer = httpx.post(url + "/get_reward", json={"query": TEXTS[:2]}, timeout=30).json()
+        assert httpx.post(url + "/get_reward", json={"query": TEXTS[:2]}, timeout=30).status_code == 401
+        answer = httpx.post(url + "/get_reward", json={"query": TEXTS[:2]}, headers=auth, timeout=30).json()
         assert answer["rewards"] == pytest.approx(direct_scores(rm_path, TEXTS[:2]), abs=1e-5)
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=30)
@@ -350,3 +335,103 @@ def test_work_of_a_disconnected_client_is_dropped(scorer, server):
     start = time.monotonic()
     assert httpx.post(server.url + "/get_reward", json={"query": TEXTS}, timeout=30).status_code == 200
     assert time.monotonic() - start < 5
+
+
+# --------------------------------------------------------------------------- abuse: key, back-pressure, timeouts
+
+
+@pytest.fixture(scope="module")
+def keyed_server(scorer):
+    # A key read from a file keeps its newline; white space around a key is not part of it.
+    with BackgroundServer(create_app(scorer, api_key="s3cret\n")) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
+                                     {"Authorization": "Bearer s3cret2"}, {"Authorization": "s3cret"}])
+def test_api_key_is_required_on_every_path(keyed_server, headers):
+    for response in (httpx.post(keyed_server.url + "/get_reward", json={"query": TEXTS}, headers=headers, timeout=30),
+                     httpx.get(keyed_server.url + "/health", headers=headers, timeout=30),
+                     httpx.get(keyed_server.url + "/docs", headers=headers, timeout=30)):
+        assert response.status_code == 401, response.text
+        assert "API key" in response.json()["detail"] and response.headers["www-authenticate"] == "Bearer"
+
+
+def test_api_key_accepted_and_sent_by_the_client(rm_path, keyed_server):
+    ok = {"Authorization": "bearer s3cret"}  # the scheme is case-insensitive
+    assert httpx.get(keyed_server.url + "/health", headers=ok, timeout=30).status_code == 200
+    with RemoteRewardModel(keyed_server.url, timeout_s=30, max_retries=0, api_key="s3cret") as rm:
+        assert rm(TEXTS, TEXTS, None).rewards.tolist() == pytest.approx(direct_scores(rm_path, TEXTS), abs=1e-5)
+    with RemoteRewardModel(keyed_server.url, timeout_s=30, max_retries=3, api_key="nope") as rm, \
+            pytest.raises(RemoteRewardError, match="HTTP 401") as info:
+        rm(TEXTS, TEXTS, None)
+    assert info.value.attempts == 1 and "nope" not in str(info.value) and "nope" not in repr(rm)
+
+
+def _post_in_thread(url: str, body: dict, results: list, **client_kw) -> threading.Thread:
+    thread = threading.Thread(target=lambda: results.append(httpx.post(url, json=body, timeout=30, **client_kw)))
+    thread.start()
+    return thread
+
+
+def test_full_queue_answers_503_with_retry_after_and_the_client_retries():
+    scorer = SlowScorer()
+    app = create_app(scorer, max_wait_s=0.0, max_pending=1, retry_after_s=1)
+    with BackgroundServer(app) as srv:
+        first: list[httpx.Response] = []
+        thread = _post_in_thread(srv.url + "/get_reward", {"query": ["abc"]}, first)
+        assert scorer.started.wait(10)
+        busy = httpx.post(srv.url + "/get_reward", json={"query": ["de"]}, timeout=30)
+        health = httpx.get(srv.url + "/health", timeout=30).json()  # admission does not apply to /health
+        thread.join(30)
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+        assert "max_pending" in busy.json()["detail"]
+        assert health["pending"] == 1 and health["rejected_busy"] == 1
+        assert first[0].status_code == 200 and first[0].json()["rewards"] == [3.0]
+
+        # The trainer's client waits for Retry-After and gets its answer once the slot is free.
+        scorer.started.clear()
+        thread = _post_in_thread(srv.url + "/get_reward", {"query": ["abcd"]}, first)
+        assert scorer.started.wait(10)
+        with RemoteRewardModel(srv.url, timeout_s=30, max_retries=5, backoff_s=0.05) as rm:
+            assert rm(["xy"], ["xy"], None).rewards.tolist() == [2.0]
+        thread.join(30)
+        assert app.state.guard.rejected_busy >= 2 and app.state.guard.pending == 0
+
+
+def _read_http_answer(sock: socket.socket) -> str:
+    """Status line, headers and the Content-Length body of one HTTP/1.1 answer."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed mid-answer: {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed mid-body: {data!r}"
+        body += chunk
+    return (head + b"\r\n\r\n" + body).decode()
+
+
+def test_request_timeout_answers_504_and_slow_body_408():
+    scorer = SlowScorer()  # 0.5 s per forward
+    with BackgroundServer(create_app(scorer, max_wait_s=0.0, request_timeout_s=0.2)) as srv:
+        late = httpx.post(srv.url + "/get_reward", json={"query": ["abc"]}, timeout=30)
+        assert late.status_code == 504 and "request_timeout_s" in late.json()["detail"]
+
+        # A client that announces 20 bytes, sends 10 and stalls: answered 408, not waited for.
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+            sock.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 20\r\n\r\n" + b'{"query": ')
+            answer = _read_http_answer(sock)
+        assert answer.startswith("HTTP/1.1 408") and "request_timeout_s" in answer, answer
+        assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
+
+
+def test_load_run_answers_every_request_correctly(server):
+    """200 requests of 4 texts, 16 in flight: every answer equals the text's score asked alone."""
+    report = asyncio.run(asyncio.wait_for(run_load(server.url, num_requests=200, concurrency=16), 120))
+    assert report.ok, report
+    assert report.num_ok == 200 and report.p50_ms <= report.p99_ms

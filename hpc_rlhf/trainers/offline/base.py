@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.ckpt import CheckpointManager, load_json, load_rank_rng, save_json_atomic, save_rank_rng
-from hpc_rlhf.ckpt.resume import agreed_checkpoint
+from hpc_rlhf.ckpt.resume import agreed_checkpoint, warn_if_starting_over
 from hpc_rlhf.config import save_resolved_config
 from hpc_rlhf.config.supervised import SupervisedRunConfig
 from hpc_rlhf.data.packing import TokenSample, collate
@@ -102,6 +102,8 @@ class SupervisedTrainer:
                                          tp_group=self.tp_group)
         self.setup_reference()
         self.ckpt = CheckpointManager(cfg.ckpt.path or self.output_dir / "ckpt", max_num=cfg.ckpt.max_num)
+        if not cfg.ckpt.load:
+            warn_if_starting_over(self.ckpt)
         self.step = 0
         self.stopped_by_signal = False
         self.requeued = False  # with stopped_by_signal: SLURM restarts the job (cli exit status, preemption.py)
@@ -255,7 +257,7 @@ class SupervisedTrainer:
             return False
         latest = agreed_checkpoint(self.ckpt)  # verified, and the same on every rank
         if latest is None:
-            log.info("ckpt.load=true but no checkpoint under %s: starting from scratch", self.ckpt.root)
+            log.warning("ckpt.load=true but no checkpoint under %s: starting from scratch", self.ckpt.root)
             return False
         state = load_json(latest / STATE_FILE)
         if state.get("kind") != self.kind:

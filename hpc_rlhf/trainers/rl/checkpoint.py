@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.ckpt import CheckpointManager, load_json, load_rank_rng, save_json_atomic, save_rank_rng
-from hpc_rlhf.ckpt.resume import agreed_checkpoint
+from hpc_rlhf.ckpt.resume import agreed_checkpoint, warn_if_starting_over
 from hpc_rlhf.config import RunConfig
 from hpc_rlhf.world.placement import TRAINED_ROLES
 
@@ -30,7 +30,10 @@ def checkpoint_root(cfg: RunConfig) -> Path:
 
 
 def make_manager(cfg: RunConfig) -> CheckpointManager:
-    return CheckpointManager(checkpoint_root(cfg), max_num=cfg.ckpt.max_num)
+    manager = CheckpointManager(checkpoint_root(cfg), max_num=cfg.ckpt.max_num)
+    if not cfg.ckpt.load:
+        warn_if_starting_over(manager)
+    return manager
 
 
 def save(manager: CheckpointManager, step: int, roles: Any, world: Any, controller_state: dict | None,

@@ -6,6 +6,7 @@ Kept apart from the loop so ``loop.py`` reads as the step story.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,7 +147,8 @@ def reward_function(cfg: RunConfig) -> Any:
     if r.remote_url:
         from hpc_rlhf.agents.remote_rm import RemoteRewardModel
 
-        return RemoteRewardModel(r.remote_url, timeout_s=r.remote_timeout_s, max_retries=r.remote_max_retries)
+        return RemoteRewardModel(r.remote_url, timeout_s=r.remote_timeout_s, max_retries=r.remote_max_retries,
+                                 api_key=os.environ.get(r.remote_api_key_env) or None)
     if cfg.data.reasoning_gym.task and not r.pretrain and not cfg.train.agent_func_path:
         from hpc_rlhf.data.reasoning_gym import reasoning_gym_reward
 
