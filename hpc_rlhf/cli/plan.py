@@ -195,8 +195,9 @@ def plan(argv: list[str] | None = None) -> int:
         tp = placement.roles[name].tp_size
         split = f"; tp {tp}: layer projections and their activations split {tp} ways" if tp > 1 else ""
         print(f"  {name}: {'; '.join(mem.notes)}{split}; shape {shapes[name].describe()}")
-    trained = {r: placement.roles[r].dp_size * placement.roles[r].sp_size for r in ("actor", "critic") if r in roles_mem}
-    print("\n".join(optimizer_lines(cfg.ds, trained)))
+    zero_ranks = {r: placement.roles[r].dp_size * placement.roles[r].sp_size for r in ("actor", "critic")
+                  if r in roles_mem}
+    print("\n".join(optimizer_lines(cfg.ds, zero_ranks)))
 
     budget = args.gpu_mem_gb * (1 - args.headroom)
     distinct: dict[tuple, list[int]] = {}

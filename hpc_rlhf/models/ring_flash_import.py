@@ -65,7 +65,8 @@ def add_missing_transformers_name() -> bool:
 def ring_flash_attn_status() -> RingFlashAttnStatus:
     """Try the real import once per process (with the transformers 5 shim); never raises."""
     if importlib.util.find_spec("ring_flash_attn") is None:
-        return RingFlashAttnStatus(None, installed=False, reason=f"ring-flash-attn is not installed; needs {INSTALL_HINT}")
+        return RingFlashAttnStatus(None, installed=False,
+                                   reason=f"ring-flash-attn is not installed; needs {INSTALL_HINT}")
     try:
         add_missing_transformers_name()
         module = importlib.import_module("ring_flash_attn")

@@ -29,8 +29,9 @@ Backends. ``ring`` (any device, gloo or NCCL): ``hpc_rlhf.models.ring_attention`
 (B, T) batches and packed rows, fp32 accumulation, not a fast kernel. ``ring_flash`` (GPU): the
 ``ring-flash-attn`` package's ``llama3_flash_attn_varlen_func`` over a packed row (``pack=True``), with
 ``heads_k_stride = ds.ring_head_stride`` (kv heads all-gathered at a time: memory vs. messages); needs
-ring-flash-attn (the ``gpu`` extra) and flash-attn (installed on its own, docs/gpu.md), imported only when used
-(``hpc_rlhf.models.ring_flash_import``, which also makes ring-flash-attn 0.1.8 import under transformers 5). Both plug into transformers 5 through
+ring-flash-attn (the ``gpu`` extra) and flash-attn (installed on its own, docs/gpu.md), imported only when
+used (``hpc_rlhf.models.ring_flash_import``, which also makes ring-flash-attn 0.1.8 import under
+transformers 5). Both plug into transformers 5 through
 ``AttentionInterface`` (names ``hpc_ring`` / ``hpc_ring_flash``); the model's own mask is skipped (those
 names have no mask function) and padding / packing comes from the shard, set for the ``with`` block
 (module state, like ring-flash-attn's ``update_ring_flash_attn_params``: not thread-safe).
