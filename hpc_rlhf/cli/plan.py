@@ -19,8 +19,10 @@ import yaml
 
 from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.config.supervised import CONFIG_CLASSES, load_supervised_config
+from hpc_rlhf.engines.optimizer_choice import adam_implementation, optimizer_offloaded
 from hpc_rlhf.planning.memory_estimate import (
     RoleMemory,
+    effective_zero_stage,
     peak_gib,
     rank_memory,
     role_memory,
@@ -112,6 +114,16 @@ FOOTNOTE = ("(training = states of every role on the rank + the largest working 
             "micro-batch, gathered ZeRO-3 parameters; model validated on CPU, see docs/memory.md")
 
 
+def optimizer_lines(ds, zero_ranks: dict[str, int]) -> list[str]:
+    """One line per Adam implementation the trained roles (name -> ZeRO ranks, dp x sp) step with on GPU, and why."""
+    chosen: dict[str, list[str]] = {}
+    for role, ranks in zero_ranks.items():
+        stage = effective_zero_stage(ds.zero_stage, ranks, True, ds.adam_offload)
+        adam = adam_implementation(on_gpu=True, offloaded=optimizer_offloaded(ds.adam_offload, stage))
+        chosen.setdefault(adam.describe(), []).append(role)
+    return [f"optimizer of {', '.join(roles)}: {description}" for description, roles in chosen.items()]
+
+
 def _fits(peak: float, budget: float, where: str) -> int:
     if peak > budget:
         print(f"plan: does not fit: {where} needs {peak:.1f} GiB > {budget:.1f} GiB usable; raise ds.zero_stage, "
@@ -135,6 +147,7 @@ def plan_supervised(args, kind: str, world_size: int) -> int:
           f"data parallel over all ranks")
     rows = [[name, "-" if name == "model" else "frozen", *_role_row(name, mem)] for name, mem in roles.items()]
     print(_table(rows, ["role", "", *MEMORY_HEADER]))
+    print("\n".join(optimizer_lines(cfg.ds, {"model": world_size // cfg.ds.tensor_parallel_size})))
     peak = peak_gib(list(roles.values()))
     budget = args.gpu_mem_gb * (1 - args.headroom)
     print(f"\npeak per rank: {peak:.1f} GiB ({'fits' if peak <= budget else 'does NOT fit'} {budget:.0f} GiB)")
@@ -182,6 +195,9 @@ def plan(argv: list[str] | None = None) -> int:
         tp = placement.roles[name].tp_size
         split = f"; tp {tp}: layer projections and their activations split {tp} ways" if tp > 1 else ""
         print(f"  {name}: {'; '.join(mem.notes)}{split}; shape {shapes[name].describe()}")
+    zero_ranks = {r: placement.roles[r].dp_size * placement.roles[r].sp_size for r in ("actor", "critic")
+                  if r in roles_mem}
+    print("\n".join(optimizer_lines(cfg.ds, zero_ranks)))
 
     budget = args.gpu_mem_gb * (1 - args.headroom)
     distinct: dict[tuple, list[int]] = {}

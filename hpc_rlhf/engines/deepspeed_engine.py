@@ -1,6 +1,7 @@
 """DeepSpeed behind one facade: ``TrainEngine`` and ``FrozenEngine``, built from our config.
 
-``TrainEngine`` wraps a trainable role (actor, critic): ZeRO 0-3, AdamW, cosine LR with warmup,
+``TrainEngine`` wraps a trainable role (actor, critic): ZeRO 0-3, AdamW (torch's, fused on GPU; DeepSpeed's
+CPU Adam under ZeRO-Offload: ``hpc_rlhf.engines.optimizer_choice``), cosine LR with warmup,
 gradient clipping and accumulation. ``FrozenEngine`` wraps an inference-only role (reference model,
 reward model): ZeRO-3 partitioning when asked, no optimizer. Trainers call ``backward`` / ``step`` /
 ``gathered_state_dict_items`` / ``save_checkpoint``; they never see deepspeed. deepspeed is imported only
@@ -44,6 +45,7 @@ from hpc_rlhf.engines.deepspeed_topology import (
     tp_group_for,
     zero_init_group,
 )
+from hpc_rlhf.engines.optimizer_choice import adam_implementation, optimizer_offloaded
 from hpc_rlhf.engines.state_gather import (
     is_first_rank_of_role,
     iter_gathered_state_dict,
@@ -96,7 +98,7 @@ def build_ds_config(ds_cfg: DeepSpeedConfig, role_cfg: TrainedRole | None, *, tr
     zero: dict[str, Any] = {"stage": stage}
     if stage == 3:
         zero.update(stage3_gather_16bit_weights_on_model_save=False, contiguous_gradients=True)
-    if trainable and ds_cfg.adam_offload and stage > 0:
+    if trainable and optimizer_offloaded(ds_cfg.adam_offload, stage):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
     if offload_params and stage == 3 and on_gpu:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
@@ -121,9 +123,8 @@ def build_ds_config(ds_cfg: DeepSpeedConfig, role_cfg: TrainedRole | None, *, tr
             "lr": role_cfg.learning_rate, "betas": list(role_cfg.adam_betas), "eps": ADAM_EPS,
             "weight_decay": role_cfg.weight_decay,
         }
-        if not on_gpu and "offload_optimizer" not in zero:
-            # torch.optim.AdamW instead of FusedAdam: no JIT-built op needed on CPU.
-            params["torch_adam"] = True
+        # torch's AdamW (fused on GPU) unless ZeRO-Offload needs DeepSpeedCPUAdam: see engines.optimizer_choice.
+        params.update(adam_implementation(on_gpu=on_gpu, offloaded="offload_optimizer" in zero).ds_params)
         config["optimizer"] = {"type": "AdamW", "params": params}
         config["gradient_clipping"] = role_cfg.max_norm
         config["zero_allow_untested_optimizer"] = True
@@ -265,6 +266,9 @@ class TrainEngine:
             lr_scheduler=lambda optimizer: _warmup_cosine_scheduler(optimizer, num_training_steps, role_cfg),
             mpu=mpu, dist_init_required=False,
         )
+        if is_first_rank_of_role(dp_group):
+            adam = adam_implementation(on_gpu=on_gpu, offloaded="offload_optimizer" in config["zero_optimization"])
+            log.info("optimizer: %s", adam.describe())
         return cls(engine, zero_stage=config["zero_optimization"]["stage"], dp_group=dp_group, on_gpu=on_gpu,
                    adam_offload=ds_cfg.adam_offload, lora=lora, tp_group=tp_group)
 

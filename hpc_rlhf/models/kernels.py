@@ -3,7 +3,8 @@ kernels (``ds.use_liger_kernel``). Each is used when it is installed and can run
 model keeps SDPA / its plain modules and ONE log line per process says why.
 
 Detection follows what transformers 5 itself checks before it accepts an implementation
-(``transformers.modeling_flash_attention_utils.FLASH_ATTENTION_COMPATIBILITY_MATRIX``):
+(``transformers.modeling_flash_attention_utils.FLASH_ATTENTION_COMPATIBILITY_MATRIX``), and then imports the
+module, once, since an installed package can still fail to load its CUDA extension:
 
 - ``flash_attention_2``: module ``flash_attn`` owned by the ``flash-attn`` distribution (flash-attn 4
   ships the same module under ``flash-attn-4``, which transformers does not take for version 2), CUDA;
@@ -20,6 +21,8 @@ and useless here since logprobs are taken from logits, not from ``labels``).
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.metadata
 import importlib.util
 import logging
@@ -62,6 +65,21 @@ def flash_unavailable_reason(implementation: str, on_gpu: bool) -> str | None:
         return f"module {module!r} does not come from the {dist!r} distribution that transformers expects"
     if min_major and torch.cuda.get_device_capability()[0] < min_major:
         return f"needs CUDA compute capability >= {min_major}.0"
+    error = import_error(module)
+    if error is not None:
+        # e.g. a flash-attn installed without its CUDA extension (FLASH_ATTENTION_SKIP_CUDA_BUILD) or built
+        # for another torch: transformers checks only the metadata and would fail at the first forward.
+        return f"module {module!r} is installed but does not import ({error}); reinstall it as docs/gpu.md says"
+    return None
+
+
+@functools.cache
+def import_error(module: str) -> str | None:
+    """None when ``module`` imports, else the error (tried once per process: it loads the CUDA extension)."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - an ImportError, or an OSError / RuntimeError of a broken binary
+        return f"{type(exc).__name__}: {exc}"
     return None
 
 

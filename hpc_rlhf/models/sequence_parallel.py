@@ -29,7 +29,9 @@ Backends. ``ring`` (any device, gloo or NCCL): ``hpc_rlhf.models.ring_attention`
 (B, T) batches and packed rows, fp32 accumulation, not a fast kernel. ``ring_flash`` (GPU): the
 ``ring-flash-attn`` package's ``llama3_flash_attn_varlen_func`` over a packed row (``pack=True``), with
 ``heads_k_stride = ds.ring_head_stride`` (kv heads all-gathered at a time: memory vs. messages); needs
-flash-attn (the ``gpu`` extra), imported only when used. Both plug into transformers 5 through
+ring-flash-attn (the ``gpu`` extra) and flash-attn (installed on its own, docs/gpu.md), imported only when
+used (``hpc_rlhf.models.ring_flash_import``, which also makes ring-flash-attn 0.1.8 import under
+transformers 5). Both plug into transformers 5 through
 ``AttentionInterface`` (names ``hpc_ring`` / ``hpc_ring_flash``); the model's own mask is skipped (those
 names have no mask function) and padding / packing comes from the shard, set for the ``with`` block
 (module state, like ring-flash-attn's ``update_ring_flash_attn_params``: not thread-safe).
@@ -38,7 +40,7 @@ names have no mask function) and padding / packing comes from the shard, set for
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -47,6 +49,9 @@ import torch.distributed as dist
 
 from hpc_rlhf.models.logprobs import logprobs_from_logits
 from hpc_rlhf.models.ring_attention import ring_attention
+from hpc_rlhf.models.ring_flash_import import load_ring_flash_attn, ring_flash_attn_status
+
+log = logging.getLogger(__name__)
 
 RING = "hpc_ring"
 RING_FLASH = "hpc_ring_flash"
@@ -231,17 +236,6 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     return state.track(out).transpose(1, 2).contiguous(), None
 
 
-def _import_ring_flash_attn():
-    try:
-        import ring_flash_attn  # noqa: PLC0415 - GPU-only dependency, imported on use
-    except ImportError as exc:  # pragma: no cover - depends on the machine
-        raise ImportError(
-            "the ring_flash sequence-parallel backend needs flash-attn and ring-flash-attn on a CUDA machine: "
-            "pip install 'hpc-rlhf[gpu]' (or use backend='ring', the exact CPU/any-device fallback)"
-        ) from exc
-    return ring_flash_attn
-
-
 def ring_flash_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                  value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                                  scaling: float | None = None, is_causal: bool | None = None,
@@ -253,7 +247,7 @@ def ring_flash_attention_forward(module: torch.nn.Module, query: torch.Tensor, k
         raise NotImplementedError("the ring_flash backend implements causal attention only")
     if query.shape[0] != 1 or state.varlen is None:
         raise ValueError("the ring_flash backend needs a packed shard: shard_for_sp(..., pack=True)")
-    rfa = _import_ring_flash_attn()
+    rfa = load_ring_flash_attn()
     q, k, v = (x.transpose(1, 2)[0] for x in (query, key, value))  # (S, heads, D)
     out = rfa.llama3_flash_attn_varlen_func(
         q, k, v, state.varlen["cu_seqlens_q"], state.varlen["cu_seqlens_k"], state.varlen["max_seqlen_q"],
@@ -278,11 +272,27 @@ def register_attention_functions() -> None:
     _REGISTERED = True
 
 
+_FALLBACKS_LOGGED: set[str] = set()  # one warning per process, not one per micro-batch
+
+
 def resolve_backend(backend: str, shard: SPShard, device: torch.device) -> str:
-    """``auto``: ring_flash on CUDA with a packed shard when ring-flash-attn is installed, else ring."""
+    """``auto``: ring_flash on CUDA with a packed shard when ``ring_flash_attn`` imports, else ring.
+
+    The import is really tried (once per process, ``ring_flash_import``): an installed package that fails to
+    import makes ``auto`` fall back with one logged line giving the cause; ``ring_flash`` asked for explicitly
+    fails inside ``sequence_parallel_attention`` with that cause.
+    """
     if backend == "auto":
-        fast = device.type == "cuda" and shard.packed and importlib.util.find_spec("ring_flash_attn") is not None
-        return "ring_flash" if fast else "ring"
+        if device.type != "cuda" or not shard.packed:
+            return "ring"
+        status = ring_flash_attn_status()
+        if status.usable:
+            return "ring_flash"
+        if status.reason not in _FALLBACKS_LOGGED:
+            _FALLBACKS_LOGGED.add(status.reason)
+            log.log(logging.WARNING if status.installed else logging.INFO,
+                    "sequence parallelism: using the `ring` backend, not ring_flash: %s", status.reason)
+        return "ring"
     if backend not in ("ring", "ring_flash"):
         raise ValueError(f"unknown sequence-parallel backend {backend!r}; use auto, ring or ring_flash")
     return backend
@@ -315,7 +325,7 @@ def sequence_parallel_attention(model: torch.nn.Module, sp_group: dist.ProcessGr
         num_kv_heads = getattr(inner.config, "num_key_value_heads", None) or inner.config.num_attention_heads
         if num_kv_heads % head_stride:
             raise ValueError(f"ds.ring_head_stride={head_stride} must divide the {num_kv_heads} kv heads")
-        rfa = _import_ring_flash_attn()
+        rfa = load_ring_flash_attn()
         cu_q, cu_k, max_q, max_k, k_slice = rfa.llama3_flash_attn_prepare_cu_seqlens(
             shard.cu_seqlens.to(shard.input_ids.device), True, shard.sp_rank, shard.sp_size)
         state.varlen = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q,

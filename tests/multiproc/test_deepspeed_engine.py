@@ -17,6 +17,9 @@ VOCAB = 64
 SEQ = 16
 # ZeRO-3 keeps params below this many elements unpartitioned; 0 makes the tiny model really shard.
 SHARD_ALL = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+# The GPU configuration's optimizer parameters (torch_adam + fused; engines.optimizer_choice) on CPU, where torch's
+# fused AdamW runs too: DeepSpeed must hand `fused` through to the torch constructor.
+TORCH_FUSED_ADAMW = {"optimizer": {"params": {"fused": True}}}
 
 
 def _llama_config():
@@ -58,14 +61,14 @@ def _numpy(state: dict[str, torch.Tensor]) -> dict:
 
 def _train_engine(stage: int, *, train_batch_size: int, micro: int = 1, steps: int = 8, lr: float = 1e-2,
                   min_lr_ratio: float = 1.0, warmup_ratio: float = 0.0, dp_group=None,
-                  gradient_checkpointing: bool = False):
+                  gradient_checkpointing: bool = False, extra: dict | None = None):
     from hpc_rlhf.engines.deepspeed_engine import TrainEngine
 
     return TrainEngine.create(
         tiny_llama, DeepSpeedConfig(zero_stage=stage, gradient_checkpointing=gradient_checkpointing),
         ActorConfig(learning_rate=lr, lr_warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio),
         train_batch_size=train_batch_size, micro_train_batch_size=micro, num_training_steps=steps,
-        dp_group=dp_group, on_gpu=False, extra_ds_config=SHARD_ALL if stage == 3 else None,
+        dp_group=dp_group, on_gpu=False, extra_ds_config=SHARD_ALL if stage == 3 else extra,
     )
 
 
@@ -86,7 +89,7 @@ def test_build_ds_config_cpu_fp32_and_gpu_bf16():
     gpu = build_ds_config(DeepSpeedConfig(zero_stage=2, adam_offload=True), actor, train_batch_size=8,
                           micro_train_batch_size=4, dp_size=2, on_gpu=True)
     assert gpu["bf16"] == {"enabled": True} and gpu["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
-    assert "torch_adam" not in gpu["optimizer"]["params"]
+    assert "torch_adam" not in gpu["optimizer"]["params"]  # ZeRO-Offload: DeepSpeedCPUAdam
     frozen = build_ds_config(DeepSpeedConfig(zero_stage=2), None, train_batch_size=4, micro_train_batch_size=2,
                              dp_size=2, on_gpu=False)
     assert "optimizer" not in frozen and frozen["zero_optimization"]["stage"] == 0
@@ -101,7 +104,10 @@ def test_build_ds_config_cpu_fp32_and_gpu_bf16():
 
 def _train_worker(rank: int, world_size: int, stage: int) -> dict:
     # dp=2 -> 2 micro batches per step; ZeRO-2 also runs with gradient checkpointing on.
-    engine = _train_engine(stage, train_batch_size=4, micro=1, gradient_checkpointing=stage == 2)
+    # Stage 0 steps with torch's fused AdamW, as every stage does on GPU.
+    engine = _train_engine(stage, train_batch_size=4, micro=1, gradient_checkpointing=stage == 2,
+                           extra=TORCH_FUSED_ADAMW if stage == 0 else None)
+    optimizer = engine.engine.basic_optimizer
     checkpointing = getattr(engine.module, "is_gradient_checkpointing", False)
     engine.offload_states()  # no accelerator: both must be harmless no-ops
     engine.reload_states()
@@ -122,7 +128,8 @@ def _train_worker(rank: int, world_size: int, stage: int) -> dict:
         if opt_step == 0:
             after_one = _gathered(engine)
             changed = [n for n in before if not torch.equal(before[n], after_one[n])]
-    return {"checkpointing": checkpointing, "losses": losses, "boundaries": boundaries, "grad_norms": grad_norms, "changed": changed,
+    return {"optimizer": (type(optimizer), optimizer.defaults.get("fused")), "checkpointing": checkpointing,
+            "losses": losses, "boundaries": boundaries, "grad_norms": grad_norms, "changed": changed,
             "names": list(before), "global_steps": engine.global_steps, "final": _numpy(_gathered(engine))}
 
 
@@ -131,6 +138,7 @@ def _train_worker(rank: int, world_size: int, stage: int) -> dict:
 def test_train_engine_learns_and_accumulates(stage):
     results = run_on_ranks(_train_worker, 2, stage)
     for res in results:
+        assert res["optimizer"] == (torch.optim.AdamW, True if stage == 0 else None)
         assert res["checkpointing"] == (stage == 2)
         assert res["losses"][-1] < 0.8 * res["losses"][0], res["losses"]
         assert sorted(res["changed"]) == sorted(res["names"])  # every trainable tensor moved in one step

@@ -20,8 +20,10 @@ from hpc_rlhf.models.tiny import build_tiny_model
 @pytest.fixture(autouse=True)
 def _fresh_log_memory():
     kernels._said.clear()
+    kernels.import_error.cache_clear()
     yield
     kernels._said.clear()
+    kernels.import_error.cache_clear()
 
 
 def _ours(caplog) -> list[logging.LogRecord]:
@@ -29,9 +31,14 @@ def _ours(caplog) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name == kernels.__name__]
 
 
-def _fake_env(monkeypatch, modules: dict[str, str], capability: tuple[int, int] = (9, 0), cuda: bool = True):
-    """Pretend ``modules`` (module -> distribution) are installed, and a GPU of ``capability``."""
+def _fake_env(monkeypatch, modules: dict[str, str], capability: tuple[int, int] = (9, 0), cuda: bool = True,
+              broken: tuple[str, ...] = ()):
+    """Pretend ``modules`` (module -> distribution) are installed, and a GPU of ``capability``; importing a
+    module of ``broken`` fails the way a flash-attn without its CUDA extension does."""
     real_find_spec = importlib.util.find_spec
+    for name in modules:
+        # None in sys.modules makes `import name` raise ImportError.
+        monkeypatch.setitem(sys.modules, name, None if name in broken else types.ModuleType(name))
 
     def find_spec(name, *args, **kwargs):
         if name in modules:
@@ -86,6 +93,16 @@ def test_explicit_flash_falls_back_to_sdpa_saying_why_once(monkeypatch, caplog, 
     assert len(_ours(caplog)) == 1
     message = _ours(caplog)[0].getMessage()
     assert _ours(caplog)[0].levelno == logging.WARNING and requested in message and reason in message
+
+
+def test_installed_flash_attn_that_does_not_import_falls_back_to_sdpa(monkeypatch, caplog):
+    """e.g. built without its CUDA extension (FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE) or for another torch."""
+    _fake_env(monkeypatch, FA2, broken=("flash_attn",))
+    with caplog.at_level(logging.INFO, logger=kernels.__name__):
+        assert kernels.resolve_attn_implementation("flash_attention_2", on_gpu=True) == "sdpa"
+        assert kernels.resolve_attn_implementation("auto", on_gpu=True) == "sdpa"
+    messages = [r.getMessage() for r in _ours(caplog)]
+    assert len(messages) == 2 and all("'flash_attn' is installed but does not import" in m for m in messages)
 
 
 @pytest.mark.parametrize("requested", ["flash_attention_2", "flash_attention_3"])

@@ -26,7 +26,22 @@ def test_ppo_70b_plan_fits_on_8x8(capsys):
 def test_plan_rejects_layout_that_does_not_fit(capsys):
     assert plan(["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "8", "--gpus-per-node", "8",
                  "ds.adam_offload=false"]) == 1
-    assert "does not fit" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert "does not fit" in err
+    assert "optimizer of actor, critic: torch.optim.AdamW(fused=True) -- " in out  # no offload: torch's kernel
+
+
+def test_plan_says_which_adam_each_trained_role_uses(capsys):
+    plan(["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "8", "--gpus-per-node", "8"])
+    out = capsys.readouterr().out
+    assert "optimizer of actor, critic: DeepSpeedCPUAdam -- ds.adam_offload" in out  # the recipe offloads Adam
+    # Offline trainers train one model; at ZeRO-0 there is no ZeRO optimizer, so ds.adam_offload offloads nothing.
+    sft = ["--config", str(ROOT / "configs/sft_llama3_8b.yaml"), "--nodes", "1", "--gpus-per-node", "1",
+           "ds.adam_offload=true"]
+    plan([*sft, "ds.zero_stage=0"])
+    assert "optimizer of model: torch.optim.AdamW(fused=True) -- " in capsys.readouterr().out
+    plan([*sft, "ds.zero_stage=2"])
+    assert "optimizer of model: DeepSpeedCPUAdam -- " in capsys.readouterr().out
 
 
 def test_plan_rejects_impossible_layout(capsys):

@@ -43,7 +43,7 @@ from hpc_rlhf.engines.deepspeed_engine import FrozenEngine, TrainEngine, gradien
 from hpc_rlhf.models.loading import load_causal_lm, load_tokenizer, resolve_attn_implementation
 from hpc_rlhf.models.precision import resolve_dtype
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer, is_logging_step
-from hpc_rlhf.utils.seeding import seed_everything
+from hpc_rlhf.utils.seeding import seed_rank
 from hpc_rlhf.world.groups import comm_device, tensor_data_parallel_groups
 from hpc_rlhf.world.preemption import preemption_guard, requeue_if_enabled
 
@@ -77,7 +77,7 @@ class SupervisedTrainer:
         self.rank = dist.get_rank()
         self.tp_group, self.dp_group = tensor_data_parallel_groups(cfg.ds.tensor_parallel_size)
         self.dp_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
-        seed_everything(cfg.train.seed + self.rank)
+        seed_rank(cfg.train.seed, self.rank)
         self.on_gpu = torch.cuda.is_available()
         self.dtype = resolve_dtype(cfg.ds.param_dtype, self.on_gpu)
         self.attn = resolve_attn_implementation(cfg.ds.attn_implementation, self.on_gpu)

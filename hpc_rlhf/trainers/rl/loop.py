@@ -65,7 +65,7 @@ from hpc_rlhf.trainers.rl.workers import (
     train_critic,
 )
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer, is_logging_step
-from hpc_rlhf.utils.seeding import seed_everything
+from hpc_rlhf.utils.seeding import seed_rank
 from hpc_rlhf.utils.watchdog import STALL_EXIT_CODE, Watchdog
 from hpc_rlhf.world.channel import broadcast_to_role, gather_from_role, scatter_to_role
 from hpc_rlhf.world.groups import WorldGroups
@@ -86,7 +86,7 @@ class PPOTrainer:
         self.rank = world.rank
         rl_setup.check_supported(cfg)
         rl_setup.check_model_paths(cfg)
-        seed_everything(cfg.train.seed + self.rank)
+        seed_rank(cfg.train.seed, self.rank)
         self.tokenizer = load_tokenizer(cfg.actor.pretrain, key="actor.pretrain")
         rl_setup.check_agent_loads(cfg, self.tokenizer, self.rank)
         # The controller alone reads the data; every rank needs the step count for its LR schedule.

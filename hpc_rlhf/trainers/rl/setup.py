@@ -29,6 +29,7 @@ from hpc_rlhf.models.loading import (
 from hpc_rlhf.models.micro_forward import SequenceParallel, forward_scope
 from hpc_rlhf.models.precision import resolve_dtype
 from hpc_rlhf.models.value_head import read_reward_normalization
+from hpc_rlhf.utils.seeding import seed_rank
 from hpc_rlhf.world.groups import WorldGroups
 
 log = logging.getLogger(__name__)
@@ -282,6 +283,9 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
         executor = _executor(cfg, tokenizer)
         roles.rollout = RolloutSide(_rollout_engine(cfg, tokenizer, on_gpu), executor, cfg.rollout,
                                     [tokenizer.eos_token_id])
+        # A rollout engine may seed the global RNGs itself, the same on every rank (vLLM's worker calls
+        # set_random_seed(engine seed)): give each rank its own streams back, whatever the engine.
+        seed_rank(cfg.train.seed, world.rank)
     # Exactly on-policy (one epoch, one optimizer step per rollout, no KL needing them): the
     # current logprobs are the old ones, so the extra actor forward is skipped.
     roles.need_old_logprobs = not (cfg.train.max_epochs == 1 and samples == cfg.train.train_batch_size

@@ -1,0 +1,45 @@
+"""Which Adam each trained role steps with (``hpc_rlhf.engines.optimizer_choice``) and how the DeepSpeed
+config carries it. Pure: no process group, no deepspeed engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpc_rlhf.config.schema import ActorConfig, DeepSpeedConfig
+from hpc_rlhf.engines.deepspeed_engine import build_ds_config
+from hpc_rlhf.engines.optimizer_choice import adam_implementation, optimizer_offloaded
+
+
+@pytest.mark.parametrize(("on_gpu", "offloaded", "name", "params"), [
+    (True, False, "torch.optim.AdamW(fused=True)", {"torch_adam": True, "fused": True}),
+    (False, False, "torch.optim.AdamW", {"torch_adam": True}),
+    (True, True, "DeepSpeedCPUAdam", {}),
+    (False, True, "DeepSpeedCPUAdam", {}),
+])
+def test_adam_implementation(on_gpu, offloaded, name, params):
+    adam = adam_implementation(on_gpu=on_gpu, offloaded=offloaded)
+    assert (adam.name, adam.ds_params) == (name, params)
+    assert adam.name in adam.describe() and adam.reason in adam.describe()
+
+
+def test_offload_needs_a_zero_optimizer():
+    assert optimizer_offloaded(True, 1) and optimizer_offloaded(True, 3)
+    assert not optimizer_offloaded(True, 0) and not optimizer_offloaded(False, 2)
+
+
+def _optimizer_params(on_gpu: bool, stage: int, adam_offload: bool, dp_size: int = 2) -> dict:
+    config = build_ds_config(DeepSpeedConfig(zero_stage=stage, adam_offload=adam_offload), ActorConfig(),
+                             train_batch_size=8, micro_train_batch_size=1, dp_size=dp_size, on_gpu=on_gpu)
+    return config["optimizer"]["params"]
+
+
+def test_ds_config_uses_torch_fused_adamw_on_gpu_unless_offloaded():
+    for stage in (0, 1, 2, 3):
+        params = _optimizer_params(True, stage, adam_offload=False)
+        assert params["torch_adam"] is True and params["fused"] is True, stage
+    offloaded = _optimizer_params(True, 2, adam_offload=True)
+    assert "torch_adam" not in offloaded and "fused" not in offloaded  # DeepSpeed then picks DeepSpeedCPUAdam
+    # adam_offload at stage 0 offloads nothing (no ZeRO optimizer): torch's fused AdamW again.
+    assert _optimizer_params(True, 0, adam_offload=True)["fused"] is True
+    cpu = _optimizer_params(False, 2, adam_offload=False)
+    assert cpu["torch_adam"] is True and "fused" not in cpu
