@@ -40,24 +40,7 @@ class CopySink:
             self.targets[name].data.copy_(tensor)
 
 
-class Actor:
-    """The two ``TrainEngine`` methods the sync needs, over a plain module (ZeRO 0-2: full tensors)."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-
-    def state_dict_sizes(self):
-        from hpc_rlhf.engines.state_gather import state_dict_sizes
-
-        return state_dict_sizes(self.module)
-
-    def gathered_state_dict_items(self, bucket_bytes: int = 256 << 20, names=None):
-        from hpc_rlhf.engines.state_gather import iter_gathered_state_dict
-
-        return iter_gathered_state_dict(self.module, 0, bucket_bytes, names)
-
-
-def sync_through_rank0(world, actor: Actor | None, sink: CopySink | None) -> None:
+def sync_through_rank0(world, actor, sink: CopySink | None) -> None:
     """The former path: gathering on every actor rank, rank 0 forwards each bucket to the rollout role."""
     from hpc_rlhf.world.channel import broadcast_to_role
 
@@ -81,6 +64,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from hpc_rlhf.config import load_config
+    from hpc_rlhf.engines.state_gather import ModuleWeights
     from hpc_rlhf.trainers.rl.weight_sync import ShardedWeightSync
     from hpc_rlhf.world.groups import build_world_groups, init_world
     from hpc_rlhf.world.placement import build_placement
@@ -92,7 +76,7 @@ def main() -> None:
     module = Weights(max(1, args.model_mb // 4))
     model_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     is_actor = env.rank < args.actor_ranks
-    actor, sink = (Actor(module), None) if is_actor else (None, CopySink(module))
+    actor, sink = (ModuleWeights(module), None) if is_actor else (None, CopySink(module))
 
     def run_sharded() -> None:
         sharded.send(actor) if is_actor else sharded.receive(sink)

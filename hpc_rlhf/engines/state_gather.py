@@ -105,6 +105,22 @@ def iter_gathered_state_dict(module: torch.nn.Module, zero_stage: int, bucket_by
             yield [(n, _full_copy(t)) for n, t in bucket]
 
 
+class ModuleWeights:
+    """A plain module's weights behind the two methods a weight sync reads from an engine (``state_dict_sizes``,
+    ``gathered_state_dict_items``): full tensors, as a ZeRO 0-2 replica holds them. For benchmarks and tests of
+    the sync without DeepSpeed."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def state_dict_sizes(self) -> list[tuple[str, int]]:
+        return state_dict_sizes(self.module)
+
+    def gathered_state_dict_items(self, bucket_bytes: int = 256 << 20,
+                                  names: list[list[str]] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        return iter_gathered_state_dict(self.module, 0, bucket_bytes, names)
+
+
 def iter_merged_lora_state_dict(module: torch.nn.Module, zero_stage: int, bucket_bytes: int,
                                 names: list[list[str]] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of (plain HF name, LoRA-merged copy): what the model without LoRA would hold.

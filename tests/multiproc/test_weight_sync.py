@@ -1,7 +1,8 @@
 """Sharded actor -> rollout weight sync on 5 gloo ranks: 3 actor replicas send, 2 rollout engines receive.
 
-The actor side runs the real gathering code (``state_gather``, ZeRO 0-2: every replica holds full weights) behind
-the two methods ``ShardedWeightSync`` needs from a ``TrainEngine``; the rollout side is the transformers engine.
+The actor side runs the real gathering code (``state_gather.ModuleWeights``, ZeRO 0-2: every replica holds full
+weights) behind the two methods ``ShardedWeightSync`` needs from a ``TrainEngine``; the rollout side is the
+transformers engine.
 """
 
 from __future__ import annotations
@@ -22,25 +23,9 @@ def _model(seed: int):
     return LlamaForCausalLM(config).eval()
 
 
-class PlainActor:
-    """An actor replica's weights as the TrainEngine facade exposes them (ZeRO 0-2: full tensors)."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def state_dict_sizes(self):
-        from hpc_rlhf.engines.state_gather import state_dict_sizes
-
-        return state_dict_sizes(self.module)
-
-    def gathered_state_dict_items(self, bucket_bytes: int = 256 << 20, names=None):
-        from hpc_rlhf.engines.state_gather import iter_gathered_state_dict
-
-        return iter_gathered_state_dict(self.module, 0, bucket_bytes, names)
-
-
 def _sync_twice(rank: int, world_size: int) -> dict:
     from hpc_rlhf.config import load_config
+    from hpc_rlhf.engines.state_gather import ModuleWeights
     from hpc_rlhf.engines.transformers_rollout import TransformersRolloutEngine
     from hpc_rlhf.trainers.rl.weight_sync import ShardedWeightSync
     from hpc_rlhf.world.groups import build_world_groups
@@ -53,11 +38,11 @@ def _sync_twice(rank: int, world_size: int) -> dict:
     result: dict = {"role": "actor" if rank in actor_ranks else "rollout"}
     if rank in actor_ranks:
         actor = _model(seed=1)  # every replica holds the same weights, as data-parallel ranks do
-        sync.send(PlainActor(actor))
+        sync.send(ModuleWeights(actor))
         with torch.no_grad():  # a training step's change; the second sync reuses the plan and cached headers
             for p in actor.parameters():
                 p.add_(0.5)
-        sync.send(PlainActor(actor))
+        sync.send(ModuleWeights(actor))
         result.update(bytes_sent=sync.bytes_sent, plan_sent=sync.plan.bytes_per_sender())
     else:
         engine = TransformersRolloutEngine(_model(seed=2), eos_token_id=1, pad_token_id=0)

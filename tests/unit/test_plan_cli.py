@@ -66,7 +66,7 @@ def test_plan_vllm_on_a_subset_needs_its_own_processes(capsys):
     code = plan([*ppo_70b, "rollout.vllm_mode=server_process"])
     out, err = capsys.readouterr()
     assert "invalid layout" not in err, err
-    assert "layout partial" in out and "2 engines" in out
+    assert code == 0 and "layout partial" in out and "2 engines" in out
 
 
 def test_console_script_and_module_entry():
