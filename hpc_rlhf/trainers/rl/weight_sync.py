@@ -45,6 +45,8 @@ class ShardedWeightSync:
         this rank is the sender of. ``actor``: a ``TrainEngine`` (``state_dict_sizes``,
         ``gathered_state_dict_items(names=...)``)."""
         rank = self.world.rank
+        if getattr(actor, "zero_stage", 0) == 3:  # check_engines_can_run refuses the layout before this
+            raise ValueError("sharded weight sync plans ZeRO 0-2 replicas; ZeRO-3 runs in the colocated layout only")
         if self.plan is None:
             sizes = actor.state_dict_sizes()
             bucket_bytes = bucket_size_for(sum(n for _, n in sizes), len(self.replicas), self.bucket_bytes)
