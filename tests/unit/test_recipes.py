@@ -228,8 +228,8 @@ def _rl_recipe_worlds() -> dict[str, int]:
             continue
         slurm = sections.get("slurm", {})
         nproc = re.search(r"--nproc_per_node (\d+)", path.read_text())
-        per_node = slurm.get("gpus_per_node", 8) if slurm else int(nproc.group(1)) if nproc else 2
-        worlds[rel] = slurm.get("nodes", 1) * per_node
+        assert slurm or nproc, f"{rel}: neither a slurm: section nor a torchrun --nproc_per_node line says its size"
+        worlds[rel] = slurm.get("nodes", 1) * slurm.get("gpus_per_node", 8) if slurm else int(nproc.group(1))
     return worlds
 
 
