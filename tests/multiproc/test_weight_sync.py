@@ -7,6 +7,7 @@ transformers engine.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.multiproc.spawn import run_on_ranks
@@ -23,7 +24,12 @@ def _model(seed: int):
     return LlamaForCausalLM(config).eval()
 
 
-def _sync_twice(rank: int, world_size: int) -> dict:
+# 5 ranks each: 3 data-parallel replicas -> 2 engines; 2 tensor-parallel replicas of 2 ranks (taking turns) -> 1
+LAYOUTS = {"dp3": ["actor.num_ranks=3", "rollout.num_engines=2"],
+           "tp2": ["actor.num_ranks=4", "ds.tensor_parallel_size=2", "rollout.num_engines=1"]}
+
+
+def _sync_twice(rank: int, world_size: int, overrides: list[str]) -> dict:
     from hpc_rlhf.config import load_config
     from hpc_rlhf.engines.state_gather import ModuleWeights
     from hpc_rlhf.engines.transformers_rollout import TransformersRolloutEngine
@@ -31,7 +37,7 @@ def _sync_twice(rank: int, world_size: int) -> dict:
     from hpc_rlhf.world.groups import build_world_groups
     from hpc_rlhf.world.placement import build_placement
 
-    cfg = load_config(None, ["train.colocate_all=false", "actor.num_ranks=3", "rollout.num_engines=2"])
+    cfg = load_config(None, ["train.colocate_all=false", *overrides])
     world = build_world_groups(build_placement(cfg, world_size))
     sync = ShardedWeightSync(world, bucket_bytes=BUCKET_BYTES)
     actor_ranks = world.placement.roles["actor"].ranks
@@ -61,8 +67,19 @@ def _sync_twice(rank: int, world_size: int) -> dict:
     return result
 
 
-def test_sharded_sync_reaches_every_engine_and_rank0_sends_only_its_share():
-    results = run_on_ranks(_sync_twice, 5)
+def _every_layout(rank: int, world_size: int) -> dict:
+    # One world for both layouts: each builds its own groups, as a fresh run would.
+    return {name: _sync_twice(rank, world_size, overrides) for name, overrides in LAYOUTS.items()}
+
+
+@pytest.fixture(scope="module")
+def synced():
+    per_rank = run_on_ranks(_every_layout, 5)
+    return {name: [r[name] for r in per_rank] for name in LAYOUTS}
+
+
+def test_sharded_sync_reaches_every_engine_and_rank0_sends_only_its_share(synced):
+    results = synced["dp3"]
     actors, rollouts = results[:3], results[3:]
     assert [r["role"] for r in results] == ["actor"] * 3 + ["rollout"] * 2
     for r in rollouts:  # both engines end with the actor's weights, after the first and the second sync
@@ -76,3 +93,12 @@ def test_sharded_sync_reaches_every_engine_and_rank0_sends_only_its_share():
     assert all(s > 0 for s in sent)
     assert sent[0] <= 2 * (total / 3 + largest + padding), (sent, total)
     assert actors[0]["plan_sent"] == actors[1]["plan_sent"] == actors[2]["plan_sent"]  # one plan on every rank
+
+
+def test_tensor_parallel_ranks_take_turns_sending(synced):
+    results = synced["tp2"]
+    actors, rollout = results[:4], results[4]
+    assert rollout["role"] == "rollout" and rollout["first"] and rollout["second"], rollout
+    sent = [r["bytes_sent"] for r in actors]
+    assert all(s > 0 for s in sent), sent  # both ranks of each tp replica send, not only its leader
+    assert 2 * rollout["total"] <= sum(sent) <= 2 * (rollout["total"] + rollout["padding"])
