@@ -19,6 +19,7 @@ import yaml
 
 from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.config.supervised import CONFIG_CLASSES, load_supervised_config
+from hpc_rlhf.config.schema import resolved_param_dtype
 from hpc_rlhf.planning.memory_estimate import (
     RoleMemory,
     peak_gib,
@@ -182,6 +183,14 @@ def plan(argv: list[str] | None = None) -> int:
         tp = placement.roles[name].tp_size
         split = f"; tp {tp}: layer projections and their activations split {tp} ways" if tp > 1 else ""
         print(f"  {name}: {'; '.join(mem.notes)}{split}; shape {shapes[name].describe()}")
+
+    if placement.layout != "colocated":
+        actor = placement.roles["actor"]
+        replicas = len(actor.tp_groups)
+        sync_gb = sizes["actor"] * (2 if resolved_param_dtype(cfg.ds.param_dtype, True) == "bf16" else 4) / 1e9
+        per_rank = f", {sync_gb / replicas / actor.tp_size:.1f} GB per rank" if actor.tp_size > 1 else ""
+        print(f"  weight sync: {sync_gb:.1f} GB to every rollout rank per step, sent by {replicas} actor replicas at "
+              f"once (about {sync_gb / replicas:.1f} GB per replica{per_rank}; rank 0 sends its share only)")
 
     budget = args.gpu_mem_gb * (1 - args.headroom)
     distinct: dict[tuple, list[int]] = {}

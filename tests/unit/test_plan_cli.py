@@ -67,6 +67,9 @@ def test_plan_vllm_on_a_subset_needs_its_own_processes(capsys):
     out, err = capsys.readouterr()
     assert "invalid layout" not in err, err
     assert code == 0 and "layout partial" in out and "2 engines" in out
+    # 70.6B bf16 parameters leave from the 3 tp-8 actor replicas, a third each, their ranks taking turns
+    assert "weight sync: 141.2 GB to every rollout rank per step, sent by 3 actor replicas" in out
+    assert "about 47.1 GB per replica, 5.9 GB per rank" in out
 
 
 def test_console_script_and_module_entry():
