@@ -188,9 +188,9 @@ def plan(argv: list[str] | None = None) -> int:
         actor = placement.roles["actor"]
         replicas = len(actor.tp_groups)
         sync_gb = sizes["actor"] * (2 if resolved_param_dtype(cfg.ds.param_dtype, True) == "bf16" else 4) / 1e9
-        per_rank = f", {sync_gb / replicas / actor.tp_size:.1f} GB per rank" if actor.tp_size > 1 else ""
+        per_sender = f", {sync_gb / replicas / actor.tp_size:.1f} GB per rank" if actor.tp_size > 1 else ""
         print(f"  weight sync: {sync_gb:.1f} GB to every rollout rank per step, sent by {replicas} actor replicas at "
-              f"once (about {sync_gb / replicas:.1f} GB per replica{per_rank}; rank 0 sends its share only)")
+              f"once (about {sync_gb / replicas:.1f} GB per replica{per_sender}; rank 0 sends its share only)")
 
     budget = args.gpu_mem_gb * (1 - args.headroom)
     distinct: dict[tuple, list[int]] = {}
