@@ -19,6 +19,7 @@ import yaml
 
 from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.config.supervised import CONFIG_CLASSES, load_supervised_config
+from hpc_rlhf.config.schema import resolved_param_dtype
 from hpc_rlhf.engines.optimizer_choice import adam_implementation, optimizer_offloaded
 from hpc_rlhf.planning.memory_estimate import (
     RoleMemory,
@@ -198,6 +199,14 @@ def plan(argv: list[str] | None = None) -> int:
     zero_ranks = {r: placement.roles[r].dp_size * placement.roles[r].sp_size for r in ("actor", "critic")
                   if r in roles_mem}
     print("\n".join(optimizer_lines(cfg.ds, zero_ranks)))
+
+    if placement.layout != "colocated":
+        actor = placement.roles["actor"]
+        replicas = len(actor.tp_groups)
+        sync_gb = sizes["actor"] * (2 if resolved_param_dtype(cfg.ds.param_dtype, True) == "bf16" else 4) / 1e9
+        per_sender = f", {sync_gb / replicas / actor.tp_size:.1f} GB per rank" if actor.tp_size > 1 else ""
+        print(f"  weight sync: {sync_gb:.1f} GB to every rollout rank per step, sent by {replicas} actor replicas at "
+              f"once (about {sync_gb / replicas:.1f} GB per replica{per_sender}; rank 0 sends its share only)")
 
     budget = args.gpu_mem_gb * (1 - args.headroom)
     distinct: dict[tuple, list[int]] = {}

@@ -81,6 +81,10 @@ class RolloutConfig(Section):
     backend: Literal["vllm", "transformers"] = "transformers"
     num_engines: int | None = Field(None, ge=1, description="rollout engines; default fills the rollout ranks")
     tensor_parallel_size: int = Field(1, ge=1, description="ranks per rollout engine")
+    vllm_mode: Literal["external_launcher", "server_process"] = Field(
+        "external_launcher", description="backend=vllm: external_launcher runs vLLM inside every rank of the world "
+        "(colocated layouts only); server_process starts each engine's vLLM in processes of its own (layouts where "
+        "rollout ranks are a subset of the world: disaggregated, partial, async)")
     n_samples_per_prompt: int = Field(4, ge=1)
     rollout_batch_size: int = Field(8, ge=1, description="prompts per step")
     micro_rollout_batch_size: int = Field(8, ge=1, description="samples per experience forward")

@@ -50,6 +50,7 @@ from hpc_rlhf.engines.state_gather import (
     is_first_rank_of_role,
     iter_gathered_state_dict,
     iter_merged_lora_state_dict,
+    state_dict_sizes,
     write_hf_folder,
 )
 from hpc_rlhf.models.precision import resolve_dtype
@@ -364,18 +365,24 @@ class TrainEngine:
             self.engine.reload_states()
             self._offloaded = False
 
-    def gathered_state_dict_items(self, bucket_bytes: int = 256 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def gathered_state_dict_items(self, bucket_bytes: int = 256 << 20,
+                                  names: list[list[str]] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of (name, full detached copy) covering each parameter once plus persistent buffers.
 
         Tied weights appear once, under their first name. Under ZeRO-3 this is a collective over the dp
         group, with tensor parallelism over the tp group (each shard is all-gathered into the full tensor): every
         rank of the role must then exhaust the iterator. With LoRA the names are the plain HF ones and
         the tensors the merged ``W + scale * B @ A`` (what the rollout engine and the HF export need).
+        ``names``: only these buckets of ``state_dict_sizes`` names (a weight-sync plan's share of this rank).
         """
         if self.lora:
-            yield from iter_merged_lora_state_dict(self.module, self.zero_stage, bucket_bytes)
+            yield from iter_merged_lora_state_dict(self.module, self.zero_stage, bucket_bytes, names)
         else:
-            yield from iter_gathered_state_dict(self.module, self.zero_stage, bucket_bytes)
+            yield from iter_gathered_state_dict(self.module, self.zero_stage, bucket_bytes, names)
+
+    def state_dict_sizes(self) -> list[tuple[str, int]]:
+        """(name, full bytes) of the entries ``gathered_state_dict_items`` buckets, in its order."""
+        return state_dict_sizes(self.module)
 
     def save_checkpoint(self, path: str, tag: str, client_state: dict | None = None) -> None:
         """Weights, optimizer, LR schedule and ``client_state`` (collective; see module doc for subgroups).

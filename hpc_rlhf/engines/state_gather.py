@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from hpc_rlhf.engines.weight_sync_plan import pack_consecutive
 from hpc_rlhf.models.quantization import is_quantized, plain_config, plain_copy
 
 
@@ -44,19 +45,22 @@ def _numel_bytes(tensor: torch.Tensor) -> int:
     return getattr(tensor, "ds_numel", tensor.numel()) * tensor.element_size()
 
 
-def _buckets(entries: list[tuple[str, torch.Tensor]],
-             bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive runs of ``entries`` of about ``bucket_bytes`` (full, unpartitioned sizes)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in entries:
-        bucket.append((name, tensor))
-        size += _numel_bytes(tensor)
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
+def state_dict_sizes(module: torch.nn.Module) -> list[tuple[str, int]]:
+    """(name, bytes of the full tensor) of every state-dict entry, in the order the buckets take them."""
+    return [(name, _numel_bytes(t)) for name, t in _state_dict_entries(module)]
+
+
+def _buckets(entries: list[tuple[str, torch.Tensor]], bucket_bytes: int,
+             names: list[list[str]] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive runs of ``entries`` of about ``bucket_bytes`` (full, unpartitioned sizes), or the runs
+    ``names`` asks for (a weight-sync plan's buckets, in its order)."""
+    if names is not None:
+        by_name = dict(entries)
+        for bucket in names:
+            yield [(n, by_name[n]) for n in bucket]
+        return
+    for run in pack_consecutive([_numel_bytes(t) for _, t in entries], bucket_bytes):
+        yield [entries[i] for i in run]
 
 
 def _gathered(params: list[torch.Tensor], zero_stage: int):
@@ -91,26 +95,43 @@ def _full_copy(tensor: torch.Tensor) -> torch.Tensor:
         tensor.data = shard
 
 
-def iter_gathered_state_dict(module: torch.nn.Module, zero_stage: int,
-                             bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Buckets of (name, full detached copy). Under ZeRO-3 every rank of the dp group must iterate, with
-    tensor parallelism every rank of the tp group too."""
-    for bucket in _buckets(_state_dict_entries(module), bucket_bytes):
+def iter_gathered_state_dict(module: torch.nn.Module, zero_stage: int, bucket_bytes: int,
+                             names: list[list[str]] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Buckets of (name, full detached copy); ``names``: only these buckets of state-dict names, in this order.
+    Under ZeRO-3 every rank of the dp group must iterate, with tensor parallelism every rank of the tp group
+    too (with the same ``names``)."""
+    for bucket in _buckets(_state_dict_entries(module), bucket_bytes, names):
         with _gathered([t for _, t in bucket], zero_stage):
             yield [(n, _full_copy(t)) for n, t in bucket]
 
 
-def iter_merged_lora_state_dict(module: torch.nn.Module, zero_stage: int,
-                                bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+class ModuleWeights:
+    """A plain module's weights behind the two methods a weight sync reads from an engine (``state_dict_sizes``,
+    ``gathered_state_dict_items``): full tensors, as a ZeRO 0-2 replica holds them. For benchmarks and tests of
+    the sync without DeepSpeed."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def state_dict_sizes(self) -> list[tuple[str, int]]:
+        return state_dict_sizes(self.module)
+
+    def gathered_state_dict_items(self, bucket_bytes: int = 256 << 20,
+                                  names: list[list[str]] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        return iter_gathered_state_dict(self.module, 0, bucket_bytes, names)
+
+
+def iter_merged_lora_state_dict(module: torch.nn.Module, zero_stage: int, bucket_bytes: int,
+                                names: list[list[str]] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of (plain HF name, LoRA-merged copy): what the model without LoRA would hold.
 
     Under ZeRO-3 each bucket gathers its base weights together with the LoRA factors of their layers; a
-    collective over the dp group like ``iter_gathered_state_dict``.
+    collective over the dp group like ``iter_gathered_state_dict``; ``names`` as there.
     """
     from hpc_rlhf.models.lora import lora_factors, merge_lora_entries
 
     factors = lora_factors(module)  # base weight name -> LoRA parameters of its layer
-    for bucket in _buckets(_state_dict_entries(module), bucket_bytes):
+    for bucket in _buckets(_state_dict_entries(module), bucket_bytes, names):
         params = {id(t): t for n, t in bucket for t in (t, *factors.get(n, ()))}
         with _gathered(list(params.values()), zero_stage):
             yield list(merge_lora_entries(module, bucket))

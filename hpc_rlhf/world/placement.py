@@ -199,7 +199,9 @@ def build_placement(cfg: RunConfig, world_size: int) -> Placement:
                     f"train.colocate_all puts every role on all {world_size} ranks, but {key} asks for "
                     f"{size}; drop {key} or set train.colocate_all=false"
                 )
-        return Placement(world_size, "colocated", {r: _grid(cfg, r, everyone) for r in roles})
+        placement = Placement(world_size, "colocated", {r: _grid(cfg, r, everyone) for r in roles})
+        check_engines_can_run(cfg, placement)
+        return placement
 
     shares = {}
     if cfg.train.colocate_actor_ref and "ref" in roles:
@@ -241,12 +243,46 @@ def build_placement(cfg: RunConfig, world_size: int) -> Placement:
                 f"{own_size}; drop {role}.num_ranks"
             )
         grids[role] = _grid(cfg, role, grids[owner].ranks)
-    ordered = {r: grids[r] for r in roles}
-    _refuse_zero3_outside_colocated(cfg, [r for r in roles if r != "rollout"])
-    return Placement(world_size, "partial" if shares else "disaggregated", ordered)
+    placement = Placement(world_size, "partial" if shares else "disaggregated", {r: grids[r] for r in roles})
+    check_engines_can_run(cfg, placement)
+    return placement
 
 
-def _refuse_zero3_outside_colocated(cfg: RunConfig, subset_roles: list[str]) -> None:
+def check_engines_can_run(cfg: RunConfig, placement: Placement) -> None:
+    """Refuse a layout the engines cannot run, naming the key to change. Pure: ``plan`` and start-up
+    (``build_placement``, which both call) apply the same rules before any model is loaded.
+
+    Raises:
+        PlacementError: ZeRO-3 on a subset of the ranks, or a vLLM mode that does not fit the layout.
+    """
+    subset_roles = [r for r, grid in placement.roles.items() if len(grid.ranks) < placement.world_size]
+    _refuse_zero3_on_subset(cfg, [r for r in subset_roles if r != "rollout"])
+    _check_vllm_mode(cfg, placement, "rollout" in subset_roles)
+
+
+def _check_vllm_mode(cfg: RunConfig, placement: Placement, rollout_on_subset: bool) -> None:
+    """vLLM's external launcher takes the torch.distributed world as its own and builds its tensor/data-parallel
+    groups over all of it, so every rank must construct the engine: only the colocated layout fits. Where rollout
+    ranks are a subset (disaggregated, partial, async), each engine runs vLLM in processes of its own
+    (``server_process``) and the main world stays the control plane. A colocated layout keeps vLLM in-process:
+    weights load from the gathered actor state without a copy and sleep/wake time-share the GPU with training."""
+    if cfg.rollout.backend != "vllm":
+        return
+    mode = cfg.rollout.vllm_mode
+    if rollout_on_subset and mode == "external_launcher":
+        rollout = placement.roles["rollout"]
+        raise PlacementError(
+            f"rollout.vllm_mode=external_launcher needs every rank of the world to host rollout, but the {placement.layout} "
+            f"layout puts rollout on {len(rollout.ranks)} of {placement.world_size} ranks; set "
+            "rollout.vllm_mode=server_process (each engine's vLLM in its own processes) or train.colocate_all=true")
+    if not rollout_on_subset and mode == "server_process":
+        raise PlacementError(
+            "rollout.vllm_mode=server_process is for layouts where rollout ranks are a subset of the world; the "
+            "colocated layout runs vLLM in-process (weights loaded without a copy, sleep/wake around training): set "
+            "rollout.vllm_mode=external_launcher")
+
+
+def _refuse_zero3_on_subset(cfg: RunConfig, subset_roles: list[str]) -> None:
     """ZeRO-3 only in the colocated layout, where every DeepSpeed role holds every rank (``subset_roles``: the
     model roles of a partial or disaggregated layout, each on a subset of the ranks).
 
@@ -256,7 +292,7 @@ def _refuse_zero3_outside_colocated(cfg: RunConfig, subset_roles: list[str]) -> 
     A role on a subset of the ranks would hang there (until the gloo / NCCL timeout) or keep random weights.
     ZeRO-2 with ``ds.adam_offload`` and ``ds.tensor_parallel_size`` is how disaggregated roles scale.
     """
-    if cfg.ds.zero_stage != 3:
+    if cfg.ds.zero_stage != 3 or not subset_roles:
         return
     raise PlacementError(
         f"ds.zero_stage=3 needs train.colocate_all=true: DeepSpeed's ZeRO-3 runs world-wide collectives that "

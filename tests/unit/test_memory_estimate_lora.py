@@ -223,6 +223,7 @@ def test_plan_prints_lora_notes(capsys):
 
 
 def test_plan_refuses_lora_with_tensor_parallelism(capsys):
-    recipe = ROOT / "configs/ppo_70b.yaml"  # tp 8
-    assert plan(["--config", str(recipe), "--nodes", "8", "--gpus-per-node", "8", "ds.lora.rank=16"]) == 1
+    recipe = ROOT / "configs/ppo_70b.yaml"
+    assert plan(["--config", str(recipe), "--nodes", "8", "--gpus-per-node", "8", "ds.tensor_parallel_size=8",
+                 "ds.lora.rank=16"]) == 1
     assert "AutoTP cannot shard peft's LoRA layers" in capsys.readouterr().err

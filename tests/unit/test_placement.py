@@ -91,3 +91,22 @@ def test_zero3_needs_the_colocated_layout(layout):
         build_placement(cfg("train.colocate_all=false", "ds.zero_stage=3", *layout), 8)
     assert build_placement(cfg("train.colocate_all=false", "ds.zero_stage=2", *layout), 8).layout != "colocated"
     assert build_placement(cfg("ds.zero_stage=3"), 8).layout == "colocated"
+
+
+@pytest.mark.parametrize("layout", [
+    ["actor.num_ranks=4"],  # disaggregated: rollout on ranks 4-7
+    ["train.colocate_actor_ref=true", "algo.kl.init_coef=0.1", "actor.num_ranks=6"],  # partial
+    ["actor.num_ranks=4", "train.async_train=true"],  # asynchronous
+])
+def test_vllm_external_launcher_needs_every_rank(layout):
+    """vLLM's external launcher builds its groups over the whole world: rollout on a subset needs its own
+    processes. The transformers engine runs anywhere; the colocated layout keeps vLLM in-process."""
+    subset = ["train.colocate_all=false", "rollout.backend=vllm", *layout]
+    with pytest.raises(PlacementError, match=r"rollout.vllm_mode=external_launcher .* of 8 ranks; set "
+                                             r"rollout.vllm_mode=server_process"):
+        build_placement(cfg(*subset), 8)
+    assert build_placement(cfg(*subset, "rollout.vllm_mode=server_process"), 8).layout != "colocated"
+    assert build_placement(cfg(*subset, "rollout.backend=transformers"), 8).layout != "colocated"
+    assert build_placement(cfg("rollout.backend=vllm"), 8).layout == "colocated"
+    with pytest.raises(PlacementError, match="set rollout.vllm_mode=external_launcher"):
+        build_placement(cfg("rollout.backend=vllm", "rollout.vllm_mode=server_process"), 8)

@@ -19,16 +19,20 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_ppo_70b_plan_fits_on_8x8(capsys):
     assert plan(["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "8", "--gpus-per-node", "8"]) == 0
     out = capsys.readouterr().out
-    assert "64 ranks" in out and "critic" in out and "2 engines" in out and "yes" in out
-    assert "tp 8: layer projections" in out
+    assert "64 ranks" in out and "layout colocated" in out and "8 engines" in out and "yes" in out
+    assert "critic: ZeRO-3 over 64 ranks" in out
 
 
 def test_plan_rejects_layout_that_does_not_fit(capsys):
     assert plan(["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "8", "--gpus-per-node", "8",
-                 "ds.adam_offload=false"]) == 1
-    out, err = capsys.readouterr()
-    assert "does not fit" in err
-    assert "optimizer of actor, critic: torch.optim.AdamW(fused=True) -- " in out  # no offload: torch's kernel
+                 "vllm.gpu_memory_utilization=0.95"]) == 1
+    assert "does not fit" in capsys.readouterr().err
+
+
+def test_plan_names_torch_fused_adamw_without_offload(capsys):
+    plan(["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "8", "--gpus-per-node", "8",
+          "ds.adam_offload=false"])
+    assert "optimizer of actor, critic: torch.optim.AdamW(fused=True) -- " in capsys.readouterr().out
 
 
 def test_plan_says_which_adam_each_trained_role_uses(capsys):
@@ -44,9 +48,15 @@ def test_plan_says_which_adam_each_trained_role_uses(capsys):
     assert "optimizer of model: DeepSpeedCPUAdam -- " in capsys.readouterr().out
 
 
+# ppo_70b's roles on subsets: actor+ref on 24 ranks, critic+reward on 24, vLLM on 16
+DISAGGREGATED_70B = ["train.colocate_all=false", "train.colocate_actor_ref=true", "train.colocate_critic_reward=true",
+                     "actor.num_ranks=24", "critic.num_ranks=24", "vllm.enable_sleep=false"]
+
+
 def test_plan_rejects_impossible_layout(capsys):
     assert plan(["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "8", "--gpus-per-node", "8",
-                 "actor.num_ranks=20", "critic.num_ranks=28"]) == 1
+                 *DISAGGREGATED_70B, "ds.zero_stage=2", "ds.tensor_parallel_size=8", "actor.num_ranks=20",
+                 "critic.num_ranks=28"]) == 1
     assert "ds.tensor_parallel_size=8" in capsys.readouterr().err
 
 
@@ -56,15 +66,29 @@ def test_plan_zero3_needs_the_colocated_layout(capsys):
     ppo_70b = ["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "8", "--gpus-per-node", "8",
                "ds.zero_stage=3"]
     for tp in (8, 1):
-        assert plan([*ppo_70b, f"ds.tensor_parallel_size={tp}"]) == 1  # disaggregated: every role on a subset
+        assert plan([*ppo_70b, *DISAGGREGATED_70B, f"ds.tensor_parallel_size={tp}"]) == 1
         err = capsys.readouterr().err
         assert "train.colocate_all=true" in err and "actor, ref, critic, reward" in err, err
-    colocated = [*ppo_70b, "train.colocate_all=true", "actor.num_ranks=null", "critic.num_ranks=null",
-                 "vllm.enable_sleep=true"]
-    code = plan(colocated)
+    code = plan(ppo_70b)
     out, err = capsys.readouterr()
     assert "invalid layout" not in err, err
     assert code == 0 and "colocated" in out, (out, err)
+
+
+def test_plan_vllm_on_a_subset_needs_its_own_processes(capsys):
+    """vLLM's external launcher takes the whole world: on 16 of 64 ranks it is refused, naming the key."""
+    ppo_70b = ["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "8", "--gpus-per-node", "8",
+               *DISAGGREGATED_70B, "ds.zero_stage=2", "ds.tensor_parallel_size=8"]
+    assert plan(ppo_70b) == 1
+    err = capsys.readouterr().err
+    assert "set rollout.vllm_mode=server_process" in err and "16 of 64 ranks" in err, err
+    code = plan([*ppo_70b, "rollout.vllm_mode=server_process"])
+    out, err = capsys.readouterr()
+    assert "invalid layout" not in err, err
+    assert code == 0 and "layout partial" in out and "2 engines" in out
+    # 70.6B bf16 parameters leave from the 3 tp-8 actor replicas, a third each, their ranks taking turns
+    assert "weight sync: 141.2 GB to every rollout rank per step, sent by 3 actor replicas" in out
+    assert "about 47.1 GB per replica, 5.9 GB per rank" in out
 
 
 def test_console_script_and_module_entry():

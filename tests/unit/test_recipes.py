@@ -209,3 +209,46 @@ def test_shared_body_is_not_a_job_script():
     out = subprocess.run(["bash", str(LAUNCH)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=30,
                          check=False)
     assert out.returncode != 0 and "sourced by a slurm/*.sbatch recipe" in out.stderr
+
+
+def _rl_recipe_worlds() -> dict[str, int]:
+    """Every RL recipe (configs/*.yaml with no model: section) -> the world it is meant for: each sbatch recipe's
+    default config at the recipe's node x task count, each other config at its slurm: section's size (or the
+    torchrun line its header gives)."""
+    import yaml
+
+    worlds = {}
+    for name, (entry, nodes, tasks, _) in RECIPES.items():
+        if entry == "train_ppo":
+            worlds[_default_config(name)] = nodes * tasks
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        sections = yaml.safe_load(path.read_text()) or {}
+        rel = f"configs/{path.name}"
+        if "model" in sections or rel in worlds:
+            continue
+        slurm = sections.get("slurm", {})
+        nproc = re.search(r"--nproc_per_node (\d+)", path.read_text())
+        assert slurm or nproc, f"{rel}: neither a slurm: section nor a torchrun --nproc_per_node line says its size"
+        worlds[rel] = slurm.get("nodes", 1) * slurm.get("gpus_per_node", 8) if slurm else int(nproc.group(1))
+    return worlds
+
+
+@pytest.mark.parametrize(("config", "world"), sorted(_rl_recipe_worlds().items()))
+def test_every_rl_recipe_is_a_layout_the_engines_run(config, world):
+    """No shipped recipe describes a layout the engines cannot run: placement, ZeRO-3 on a subset and the vLLM
+    placement rule (external launcher only when every rank hosts rollout) pass at the recipe's own world size,
+    and the rule does bite: the same recipe moved to a layout it does not fit is refused, naming the key."""
+    from hpc_rlhf.config import load_config
+    from hpc_rlhf.world.placement import PlacementError, build_placement
+
+    cfg = load_config(ROOT / config)
+    placement = build_placement(cfg, world)
+    rollout_on_subset = len(placement.roles["rollout"].ranks) < world
+    if cfg.rollout.backend == "vllm":
+        expected = "server_process" if rollout_on_subset else "external_launcher"
+        assert cfg.rollout.vllm_mode == expected, f"{config}: rollout.vllm_mode should be {expected}"
+        other = "external_launcher" if expected == "server_process" else "server_process"
+        with pytest.raises(PlacementError, match=f"rollout.vllm_mode={other}"):
+            build_placement(load_config(ROOT / config, [f"rollout.vllm_mode={other}"]), world)
+    if cfg.ds.zero_stage == 3:
+        assert placement.layout == "colocated", f"{config}: ZeRO-3 runs in the colocated layout only"

@@ -91,7 +91,7 @@ def test_dry_run_without_requeue(capsys):
 
 def test_plan_rejection_exits_nonzero_with_reason(capsys):
     with pytest.raises(SystemExit) as exc:
-        submit_cli.main(["--config", PPO_70B, "--nodes", "8", "--dry-run", "ds.adam_offload=false"])
+        submit_cli.main(["--config", PPO_70B, "--nodes", "8", "--dry-run", "vllm.gpu_memory_utilization=0.95"])
     assert exc.value.code == 1
     err = capsys.readouterr().err
     assert "does not fit" in err and "nothing submitted" in err

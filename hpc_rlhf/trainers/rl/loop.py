@@ -57,6 +57,7 @@ from hpc_rlhf.trainers.rl.rollout_dump import (
     write_rollouts,
 )
 from hpc_rlhf.trainers.rl.rollout_health import AgentFailureLimitError, RolloutHealth
+from hpc_rlhf.trainers.rl.weight_sync import ShardedWeightSync
 from hpc_rlhf.trainers.rl.workers import (
     Batching,
     forward_logprobs,
@@ -67,7 +68,7 @@ from hpc_rlhf.trainers.rl.workers import (
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer, is_logging_step
 from hpc_rlhf.utils.seeding import seed_rank
 from hpc_rlhf.utils.watchdog import STALL_EXIT_CODE, Watchdog
-from hpc_rlhf.world.channel import broadcast_to_role, gather_from_role, scatter_to_role
+from hpc_rlhf.world.channel import gather_from_role, scatter_to_role
 from hpc_rlhf.world.groups import WorldGroups
 from hpc_rlhf.world.preemption import preemption_guard, requeue_if_enabled
 
@@ -96,6 +97,8 @@ class PPOTrainer:
         box = [self.data.num_steps if self.data else None]
         dist.broadcast_object_list(box, src=0)
         self.num_steps: int = box[0]
+        # Collective (one group per actor rank), so built by every rank before any role's engine.
+        self.weight_sync = None if cfg.train.colocate_all else ShardedWeightSync(world)
         self.roles = rl_setup.build_roles(cfg, world, self.tokenizer, self.num_steps)
         if world.is_controller:
             save_resolved_config(cfg, cfg.train.output_dir)
@@ -405,7 +408,8 @@ class PPOTrainer:
         return stats
 
     def sync_weights(self) -> None:
-        """Actor -> rollout engines: in-process when colocated, bucketed broadcast when disaggregated."""
+        """Actor -> rollout engines: in-process when colocated; otherwise sharded (``weight_sync``): buckets leave
+        from the actor ranks that hold them, all senders at once, not through rank 0."""
         actor, rollout = self.world.roles["actor"], self.world.roles["rollout"]
         if self.cfg.train.colocate_all:
             self.roles.rollout.engine.wake_up()
@@ -416,15 +420,9 @@ class PPOTrainer:
             self.policy_version += 1
             return
         if self.rank in actor.ranks:
-            # Gathering is collective over the actor ranks; rank 0 forwards each bucket.
-            for bucket in self.roles.actor.gathered_state_dict_items():
-                if self.rank == 0:
-                    broadcast_to_role(dict(bucket), rollout)
-            if self.rank == 0:
-                broadcast_to_role(None, rollout)
+            self.weight_sync.send(self.roles.actor)  # each replica sends its share of the buckets
         elif self.rank in rollout.ranks:
-            while (bucket := broadcast_to_role(None, rollout)) is not None:
-                self.roles.rollout.engine.update_weights(bucket.items())
+            self.weight_sync.receive(self.roles.rollout.engine)
             self.roles.rollout.engine.reset_prefix_cache()
         self.policy_version += 1
 

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# GPU acceptance: every tests/gpu test on one GPU, including GRPO colocated on a locally built ~0.5B Llama
+# (tests/gpu/test_acceptance_gpu.py), which prints rollout tokens/s, train tokens/s, MFU, state-dict gather
+# GB/s and plan's per-GPU estimate against torch.cuda.max_memory_allocated, and writes them as JSON to
+# $OUT/acceptance (or runs/acceptance).
+#
+#   bash tests/gpu/acceptance.sh [pytest args ...]            # from anywhere; e.g. -k full_zero3
+#
+# For a machine with only torch + transformers: wheels under shared/wheels (DeepSpeed and its small
+# dependencies, the project's own pure-Python dependencies, liger-kernel, bitsandbytes) are installed first,
+# without an index and without dependency resolution, then the project itself (--no-deps). See docs/gpu.md.
+# Without CUDA every test here skips with its reason.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PYTHON="${PYTHON:-python}"
+
+if compgen -G "shared/wheels/*.whl" > /dev/null; then
+    "$PYTHON" -m pip install --quiet --no-index --no-deps shared/wheels/*.whl
+fi
+# The project runs from this checkout (python -m pytest puts it first on the path); its imports must resolve.
+missing=$("$PYTHON" - <<'PY'
+from importlib.util import find_spec
+needed = ["pytest", "omegaconf", "pydantic", "yaml", "hostlist", "filelock", "safetensors", "accelerate", "peft",
+          "tokenizers", "deepspeed"]
+print(" ".join(m for m in needed if find_spec(m) is None))
+PY
+)
+if [[ -n "$missing" ]]; then
+    echo "acceptance: not importable: $missing (carry their wheels under shared/wheels; docs/gpu.md)" >&2
+    [[ " $missing " == *" pytest "* ]] && exit 2
+fi
+"$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
+torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
+exec "$PYTHON" -m pytest tests/gpu -m gpu -rs -s -p no:cacheprovider "$@"
