@@ -186,8 +186,8 @@ def load_agent_executor(path: str, tokenizer: Any, prompt_max_len: int, max_len:
                 "agent file defines `class AgentInstance(AgentInstanceBase)` with async reset(states) / "
                 "step(states) (see examples/agents/math_retry_agent.py), `async def run_episode(client, prompt, "
                 "label)` or a class with `async def arun_episode(self, client, data)` for an OpenAI-client agent "
-                "(examples/agents/openai_math_agent.py, examples/agents/openai_branching_agent.py), or OpenRLHF's older "
-                "`async def step(state, action, label, **kwargs)` function (docs/agents_from_openrlhf.md)",
+                "(examples/agents/openai_math_agent.py, examples/agents/openai_branching_agent.py), or OpenRLHF's "
+                "older `async def step(state, action, label, **kwargs)` function (docs/agents_from_openrlhf.md)",
                 path=path)
         instance_cls = function_agent_class(module)
     settings = {"max_len": max_len, "max_turns": max_turns, "num_concurrent": num_concurrent,

@@ -52,7 +52,7 @@ def _reference_group_advantages(estimator: str, rewards: torch.Tensor, n: int, e
     for group in rewards.view(-1, n).tolist():
         mean = sum(group) / n
         std = (sum((r - mean) ** 2 for r in group) / (n - 1)) ** 0.5
-        for i, r in enumerate(group):
+        for r in group:
             if estimator == "group_norm":
                 out.append((r - mean) / (std + eps))
             elif estimator == "rloo":

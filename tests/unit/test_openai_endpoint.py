@@ -228,7 +228,7 @@ def test_branching_episode_trains_one_row_per_branch_sharing_the_reward(tiny):
             for begin, end in runs:
                 assert row.response_ids[begin:end] in outputs[tuple(sequence[: len(row.prompt_ids) + begin])]
             assert sum(row.action_mask) == sum(end - begin for begin, end in runs)
-            assert all(lp == 0.0 for lp, m in zip(row.rollout_logprobs, row.action_mask) if not m)
+            assert all(lp == 0.0 for lp, m in zip(row.rollout_logprobs, row.action_mask, strict=True) if not m)
             assert "Q: are you sure?\nA: " in tokenizer.decode(sequence)
         # The two rows hold the two choices of one n=2 call, one each.
         (begin0, end0), (begin1, end1) = _trained_runs(first)[0], _trained_runs(second)[0]

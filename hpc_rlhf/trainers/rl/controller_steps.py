@@ -104,8 +104,9 @@ def make_advantages(batch: dict[str, torch.Tensor], cfg: RunConfig, rewards: tor
     """Advantages and returns for the whole step batch (whitening and group baselines are global).
 
     ``batch["episode_index"]`` (B,): each row's episode (group statistics are per episode, see
-    ``hpc_rlhf.algos.episodes``). ``rewards`` (B,): the sequence rewards after any running normalisation (``algo.normalize_reward``);
-    ``kl_coef``: the KL controller's current coefficient, used when the KL is folded into the reward.
+    ``hpc_rlhf.algos.episodes``). ``rewards`` (B,): the sequence rewards after any running normalisation
+    (``algo.normalize_reward``); ``kl_coef``: the KL controller's current coefficient, used when the KL is folded
+    into the reward.
     Returns ``advantages`` / ``returns`` (B, R) and, with a reference model, the per-token ``kl`` (B, R).
     """
     algo = cfg.algo
@@ -118,7 +119,8 @@ def make_advantages(batch: dict[str, torch.Tensor], cfg: RunConfig, rewards: tor
         if not algo.kl.use_loss:
             folded_kl = kl
     advantages, returns = compute_advantages(
-        algo.advantage_estimator, rewards, mask, cfg.rollout.n_samples_per_prompt, episode_index=batch["episode_index"],
+        algo.advantage_estimator, rewards, mask, cfg.rollout.n_samples_per_prompt,
+        episode_index=batch["episode_index"],
         values=batch.get("values"), kl=folded_kl, kl_coef=kl_coef if folded_kl is not None else 0.0,
         gamma=algo.gamma, lambd=algo.lambd, reward_clip_range=algo.reward_clip_range,
         norm_adv_by_std=not algo.no_advantage_std_norm,
