@@ -117,6 +117,8 @@ class OpenAIAgentExecutor(AgentExecutor):
                  agent_kwargs: dict[str, Any] | None = None, batch_wait_s: float = 0.05,
                  model_name: str = "policy") -> None:
         super().__init__(tokenizer, prompt_max_len)
+        if inspect.isclass(run_episode):
+            raise ValueError(f"pass an instance of the workflow class {run_episode.__name__}, not the class")
         if not (inspect.iscoroutinefunction(run_episode) or is_workflow(run_episode)):
             raise ValueError("run_episode must be an `async def` function or an object with `async def "
                              f"arun_episode(self, client, data)`, got {run_episode!r:.100}")
