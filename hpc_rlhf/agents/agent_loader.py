@@ -12,10 +12,12 @@ Every file shape OpenRLHF has documented loads; only the ``openrlhf`` import cha
   an ``execute`` override is honoured when it wraps ``super().execute(...)``.
 * function style: module-level ``step(state, action, label, **kwargs)`` (+ optional ``reset``), run through
   ``function_agent.function_agent_class``.
-* OpenAI-client agents: a module-level ``async def run_episode(client, prompt, label, **agent_kwargs)`` (and no
-  ``AgentInstance`` / ``AgentExecutor``), run by ``openai_executor.OpenAIAgentExecutor`` against this rank's
-  OpenAI-compatible endpoint; ``num_concurrent`` bounds the episodes alive at once, ``episode_timeout_s`` each
-  episode's wall time (needs the ``agents`` extra: ``pip install 'hpc-rlhf[agents]'``).
+* OpenAI-client agents: a module-level ``async def run_episode(client, prompt, label, **agent_kwargs)``, or one
+  class defined in the file with ``async def arun_episode(self, client, data)`` (AReaL's workflow shape, built
+  once per rollout rank with ``train.agent_kwargs``), and no ``AgentInstance`` / ``AgentExecutor``; run by
+  ``openai_executor.OpenAIAgentExecutor`` against this rank's OpenAI-compatible endpoint; ``num_concurrent``
+  bounds the episodes alive at once, ``episode_timeout_s`` each episode's wall time (needs the ``agents``
+  extra: ``pip install 'hpc-rlhf[agents]'``).
 * ``AgentExecutor`` subclassing the base ``hpc_rlhf.agents.executor.AgentExecutor`` (advanced: your
   own ``run()``): built as ``AgentExecutor(tokenizer, prompt_max_len, **settings)``, where settings
   are those of ``max_len``, ``max_turns``, ``num_concurrent``, ``step_timeout_s``, ``agent_kwargs`` its
@@ -113,19 +115,51 @@ def _check_execute_override(cls: type, path: str) -> None:
             "hpc_rlhf.agents.executor.AgentExecutor and implement run()", path=path)
 
 
-def _openai_executor(run_episode: Any, path: str, tokenizer: Any, prompt_max_len: int, max_len: int | None,
+def _workflow_classes(module: Any) -> list[type]:
+    """Classes defined in the agent file (not imported into it) with an ``async def arun_episode``."""
+    from hpc_rlhf.agents.openai_executor import is_workflow
+
+    return [obj for obj in vars(module).values()
+            if inspect.isclass(obj) and obj.__module__ == module.__name__ and is_workflow(obj)]
+
+
+def _openai_agent(module: Any, path: str, agent_kwargs: dict[str, Any]) -> Any:
+    """The file's OpenAI-client agent: its ``run_episode`` function or an instance of its workflow class;
+    None when it has neither."""
+    workflows = _workflow_classes(module)
+    run_episode = getattr(module, "run_episode", None)
+    if run_episode is not None and workflows:
+        raise AgentLoadError(f"{path} defines both `run_episode` and the workflow class {workflows[0].__name__} "
+                             "(async def arun_episode): keep one of the two OpenAI-client agent shapes", path=path)
+    if len(workflows) > 1:
+        raise AgentLoadError(f"{path} defines {len(workflows)} workflow classes with `async def arun_episode` "
+                             f"({', '.join(c.__name__ for c in workflows)}): keep one per agent file", path=path)
+    if run_episode is not None:
+        if not inspect.iscoroutinefunction(run_episode):
+            raise AgentLoadError(f"{path}: run_episode must be `async def run_episode(client, prompt, label, "
+                                 "**agent_kwargs)` (the client is an openai.AsyncOpenAI)", path=path)
+        return run_episode
+    if not workflows:
+        return None
+    cls = workflows[0]
+    kwargs = accepted_kwargs(cls.__init__, agent_kwargs) if cls.__init__ is not object.__init__ else {}
+    try:
+        return cls(**kwargs)
+    except Exception as err:
+        raise AgentLoadError(f"{path}: building the workflow {cls.__name__}(**{sorted(kwargs)}) from "
+                             f"train.agent_kwargs failed: {type(err).__name__}: {err}", path=path) from err
+
+
+def _openai_executor(agent: Any, path: str, tokenizer: Any, prompt_max_len: int, max_len: int | None,
                      num_concurrent: int, episode_timeout_s: float | None,
                      agent_kwargs: dict[str, Any]) -> AgentExecutor:
-    if not inspect.iscoroutinefunction(run_episode):
-        raise AgentLoadError(f"{path}: run_episode must be `async def run_episode(client, prompt, label, "
-                             "**agent_kwargs)` (the client is an openai.AsyncOpenAI)", path=path)
     from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor, import_openai
 
     try:
         import_openai()
     except ImportError as err:
-        raise AgentLoadError(f"{path} defines run_episode (an OpenAI-client agent): {err}", path=path) from err
-    return OpenAIAgentExecutor(run_episode, tokenizer, prompt_max_len, max_len=max_len,
+        raise AgentLoadError(f"{path} defines an OpenAI-client agent: {err}", path=path) from err
+    return OpenAIAgentExecutor(agent, tokenizer, prompt_max_len, max_len=max_len,
                                num_concurrent=num_concurrent, episode_timeout_s=episode_timeout_s,
                                agent_kwargs=agent_kwargs)
 
@@ -141,8 +175,9 @@ def load_agent_executor(path: str, tokenizer: Any, prompt_max_len: int, max_len:
     module = _import_file(path)
     executor_cls = getattr(module, "AgentExecutor", None)
     instance_cls = getattr(module, "AgentInstance", None)
-    if executor_cls is None and instance_cls is None and hasattr(module, "run_episode"):
-        return _openai_executor(module.run_episode, path, tokenizer, prompt_max_len, max_len, num_concurrent,
+    openai_agent = _openai_agent(module, path, agent_kwargs) if executor_cls is None and instance_cls is None else None
+    if openai_agent is not None:
+        return _openai_executor(openai_agent, path, tokenizer, prompt_max_len, max_len, num_concurrent,
                                 episode_timeout_s, agent_kwargs)
     if executor_cls is None and instance_cls is None:
         if not is_function_style(module):
@@ -150,8 +185,9 @@ def load_agent_executor(path: str, tokenizer: Any, prompt_max_len: int, max_len:
                 f"{path} defines neither AgentInstance nor AgentExecutor nor a module-level step function: an "
                 "agent file defines `class AgentInstance(AgentInstanceBase)` with async reset(states) / "
                 "step(states) (see examples/agents/math_retry_agent.py), `async def run_episode(client, prompt, "
-                "label)` for an OpenAI-client agent (examples/agents/openai_math_agent.py), or OpenRLHF's older "
-                "`async def step(state, action, label, **kwargs)` function (docs/agents_from_openrlhf.md)",
+                "label)` or a class with `async def arun_episode(self, client, data)` for an OpenAI-client agent "
+                "(examples/agents/openai_math_agent.py, examples/agents/openai_branching_agent.py), or OpenRLHF's "
+                "older `async def step(state, action, label, **kwargs)` function (docs/agents_from_openrlhf.md)",
                 path=path)
         instance_cls = function_agent_class(module)
     settings = {"max_len": max_len, "max_turns": max_turns, "num_concurrent": num_concurrent,

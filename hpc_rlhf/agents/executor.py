@@ -51,6 +51,10 @@ class Trajectory:
     policy_version: int = 0  # weight syncs the rollout engine had received when this sample started
     token_versions: list[int] | None = None  # per response token, when generation spanned a weight update
     failure: str | None = None  # why user code ended the episode ("step: ValueError: ..."), None if it did not
+    # An episode may give several rows (the branches of an OpenAI-client agent's calls): they are consecutive,
+    # share the episode's reward and group, and are numbered 0, 1, ... here. Group statistics, filtering and
+    # metrics count episodes (``hpc_rlhf.algos.episodes``); every row trains.
+    branch_index: int = 0
 
     @property
     def num_response_tokens(self) -> int:

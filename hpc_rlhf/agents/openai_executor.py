@@ -1,24 +1,34 @@
 """Agents written against the OpenAI API, trained as they are: episodes -> trajectories.
 
-An agent file (``train.agent_func_path``) defines::
+An agent file (``train.agent_func_path``) defines a function::
 
     async def run_episode(client, prompt, label, **agent_kwargs):
         reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": prompt}])
         return 1.0 if reply.choices[0].message.content.strip() == label else 0.0
 
+or a workflow class, AReaL's ``RolloutWorkflow`` shape with the client in the place of AReaL's engine,
+built once per rollout rank as ``MyWorkflow(**agent_kwargs)``::
+
+    class MyWorkflow:
+        def __init__(self, temperature=1.0): ...
+        async def arun_episode(self, client, data):   # data: {"prompt", "label", "messages"}
+            ...
+            return reward
+
 ``client`` is an ``openai.AsyncOpenAI`` pointed at this rank's endpoint (``openai_endpoint``), its API key the
-episode id; ``agent_kwargs`` are ``train.agent_kwargs`` (the names the function accepts). Return the reward
-(a number), a dict ``{"reward": float, "score": float, "extra_logs": {name: number}}``, or None to let the
-configured reward function / reward model score the trajectory.
+episode id; ``agent_kwargs`` are ``train.agent_kwargs`` (the names the function / constructor accepts). Return
+the reward (a number), a dict ``{"reward": float, "score": float, "extra_logs": {name: number}}``, or None to
+let the configured reward function / reward model score the trajectory.
 
 Each of the step's ``len(prompts) * n_samples_per_prompt`` episodes runs once; at most ``num_concurrent`` at a
 time on one private event loop (a daemon thread), while the calling thread - the one that owns the engine -
 batches their requests into ``generate`` calls. When an episode ends, its recorded calls become its
-trajectory (``openai_recording.episode_sequences``): the linear chain that holds the episode's last call, with
-the model's tokens at ``action_mask`` 1 and everything between calls at 0. Group advantage estimators need
-exactly one row per episode, so calls on other branches (a second choice of an ``n > 1`` call that the agent
-did not continue, a call with an unrelated prompt) are not trained; ``extra_logs`` counts them
-(``dropped_calls``, ``num_branches``). An agent that wants every call trained keeps its chat linear.
+training rows (``openai_recording.episode_sequences``): one per linear chain of calls (branch), with the
+model's tokens at ``action_mask`` 1 and everything between calls at 0. A linear chat is one row; an ``n > 1``
+call whose choices are continued, or a call that does not extend an earlier prompt + output, starts another
+branch. The rows of an episode are consecutive, numbered by ``Trajectory.branch_index``, and share the
+episode's reward and extra logs (as AReaL does); group statistics count the episode once
+(``hpc_rlhf.algos.episodes``).
 
 Failures (an exception, no model call at all, or running past ``episode_timeout_s``) end only that episode:
 reward 0.0, ``finish_reason`` ``"agent_error"`` / ``"agent_timeout"``, the tokens kept with ``action_mask`` 0, and
@@ -41,7 +51,7 @@ from typing import Any
 
 from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, Trajectory, check_samples_per_prompt
 from hpc_rlhf.agents.openai_endpoint import OpenAIEndpoint, run_batch
-from hpc_rlhf.agents.openai_recording import CompletionRecord, episode_sequences
+from hpc_rlhf.agents.openai_recording import CompletionRecord, TokenSequence, episode_sequences
 from hpc_rlhf.data.prompts import Prompt
 from hpc_rlhf.engines.rollout_base import SamplingParams
 from hpc_rlhf.utils.user_calls import UserCallRunner
@@ -75,11 +85,25 @@ class _Episode:
     records: list[CompletionRecord] = field(default_factory=list)
 
 
+def episode_data(prompt: Prompt) -> dict[str, Any]:
+    """What a workflow's ``arun_episode(client, data)`` receives: the prompt text, its label, and the prompt as
+    one user message (AReaL's data rows carry ``messages``)."""
+    return {"prompt": prompt.text, "label": prompt.label, "messages": [{"role": "user", "content": prompt.text}],
+            "data_source": prompt.data_source}
+
+
+def is_workflow(agent: Any) -> bool:
+    """Whether ``agent`` (an object or a class) has an ``async def arun_episode`` method."""
+    return inspect.iscoroutinefunction(getattr(agent, "arun_episode", None))
+
+
 class OpenAIAgentExecutor(AgentExecutor):
-    """Runs ``run_episode`` agents against this rank's OpenAI-compatible endpoint (see the module docstring).
+    """Runs OpenAI-client agents against this rank's OpenAI-compatible endpoint (see the module docstring).
 
     Args:
-        run_episode: ``async def run_episode(client, prompt, label, **agent_kwargs)``.
+        run_episode: ``async def run_episode(client, prompt, label, **agent_kwargs)``, or a workflow object
+            with ``async def arun_episode(self, client, data)`` (built by the caller; ``agent_kwargs`` then
+            went to its constructor and are not passed again).
         tokenizer, prompt_max_len: as every executor.
         max_len: prompt + output budget of every call (``data.max_len``).
         num_concurrent: episodes alive at once.
@@ -93,15 +117,18 @@ class OpenAIAgentExecutor(AgentExecutor):
                  agent_kwargs: dict[str, Any] | None = None, batch_wait_s: float = 0.05,
                  model_name: str = "policy") -> None:
         super().__init__(tokenizer, prompt_max_len)
-        if not inspect.iscoroutinefunction(run_episode):
-            raise ValueError(f"run_episode must be an `async def` function, got {run_episode!r:.100}")
+        if inspect.isclass(run_episode):
+            raise ValueError(f"pass an instance of the workflow class {run_episode.__name__}, not the class")
+        if not (inspect.iscoroutinefunction(run_episode) or is_workflow(run_episode)):
+            raise ValueError("run_episode must be an `async def` function or an object with `async def "
+                             f"arun_episode(self, client, data)`, got {run_episode!r:.100}")
         if num_concurrent < 1:
             raise ValueError(f"num_concurrent must be >= 1, got {num_concurrent}")
         if episode_timeout_s is not None and not episode_timeout_s > 0:
             raise ValueError(f"episode_timeout_s must be > 0 or None, got {episode_timeout_s}")
         self.run_episode = run_episode
         self.max_len, self.num_concurrent, self.episode_timeout_s = max_len, num_concurrent, episode_timeout_s
-        self.agent_kwargs = accepted_kwargs(run_episode, dict(agent_kwargs or {}))
+        self.agent_kwargs = {} if is_workflow(run_episode) else accepted_kwargs(run_episode, dict(agent_kwargs or {}))
         self.batch_wait_s, self.model_name = batch_wait_s, model_name
         self.endpoint: OpenAIEndpoint | None = None
         self.last_run_stats: dict[str, float] = {}
@@ -145,7 +172,7 @@ class OpenAIAgentExecutor(AgentExecutor):
             for episode in episodes:
                 if not episode.timed_out:
                     episode.records = endpoint.recorder.close(episode.episode_id)
-        trajectories = [self._trajectory(episode) for episode in episodes]
+        trajectories = [row for episode in episodes for row in self._trajectories(episode)]
         self._stats(episodes, trajectories)
         return trajectories
 
@@ -174,8 +201,7 @@ class OpenAIAgentExecutor(AgentExecutor):
                 client = openai.AsyncOpenAI(base_url=base_url, api_key=episode.episode_id, max_retries=0,
                                             timeout=self.episode_timeout_s)
                 try:
-                    episode.result = await self.run_episode(client, episode.prompt.text, episode.prompt.label,
-                                                            **self.agent_kwargs)
+                    episode.result = await self._run_one(client, episode.prompt)
                 except BaseException as err:  # noqa: BLE001 - any agent failure ends only this episode
                     episode.error = err
                 finally:
@@ -186,6 +212,12 @@ class OpenAIAgentExecutor(AgentExecutor):
                         pass
 
         await asyncio.gather(*(one(e) for e in episodes), return_exceptions=True)
+
+    def _run_one(self, client: Any, prompt: Prompt) -> Any:
+        """The agent's coroutine for one episode, whichever shape it has."""
+        if is_workflow(self.run_episode):
+            return self.run_episode.arun_episode(client, episode_data(prompt))
+        return self.run_episode(client, prompt.text, prompt.label, **self.agent_kwargs)
 
     # ------------------------------------------------------------------ trajectories
 
@@ -219,33 +251,37 @@ class OpenAIAgentExecutor(AgentExecutor):
             return 0.0, 0.0, {}, f"run_episode: returned a non-finite reward {reward} / score {score}"
         return reward, score, extra, None
 
-    def _trajectory(self, episode: _Episode) -> Trajectory:
+    def _trajectories(self, episode: _Episode) -> list[Trajectory]:
+        """The episode's rows: one per branch (linear chain of calls), all with the episode's reward. A failed
+        episode gives one row, its last call's branch, with every token masked (nothing of it trains)."""
         reward, score, extra, failure = self._outcome(episode)
         sequences = episode_sequences(episode.records)
-        if sequences:
+        if failure is not None and sequences:
             last_call = max(r.call_index for r in episode.records)
-            chosen = next(s for s in sequences if last_call in s.calls)
-            prompt_ids, response_ids = chosen.prompt_ids, chosen.response_ids
-            mask, logprobs, finish = chosen.action_mask, chosen.logprobs, chosen.finish_reason
-            trained_calls = len(chosen.calls)
-        else:  # no call: one masked eos keeps the row well formed
-            prompt_ids = self.tokenize([episode.prompt])[0]
+            sequences = [next(s for s in sequences if last_call in s.calls)]
+        if not sequences:  # no call: one masked eos keeps the row well formed
             eos = self.tokenizer.eos_token_id
-            response_ids, mask, logprobs, finish, trained_calls = [eos], [0], [0.0], "", 0
+            sequences = [TokenSequence(prompt_ids=self.tokenize([episode.prompt])[0], response_ids=[eos],
+                                       action_mask=[0], logprobs=[0.0])]
         num_calls = len(episode.records)
-        if failure is not None:
-            mask, logprobs = [0] * len(mask), [0.0] * len(logprobs)
-            finish = "agent_timeout" if episode.timed_out else "agent_error"
-        extra_logs = {**extra, "num_turns": float(trained_calls), "num_calls": float(num_calls),
-                      "num_branches": float(len(sequences)), "dropped_calls": float(num_calls - trained_calls),
+        extra_logs = {**extra, "num_turns": float(sum(len(s.calls) for s in sequences)),
+                      "num_calls": float(num_calls), "num_branches": float(len(sequences)),
                       "agent_error": float(failure is not None), "agent_timeout": float(episode.timed_out)}
-        trajectory = Trajectory(
-            prompt=self.tokenizer.decode(prompt_ids), label=episode.prompt.label, prompt_ids=list(prompt_ids),
-            response_ids=list(response_ids), action_mask=list(mask), rollout_logprobs=list(logprobs),
-            reward=reward, score=score, truncated=finish == "length", finish_reason=finish,
-            extra_logs=extra_logs, group_index=episode.group_index, failure=failure)
-        trajectory.check()
-        return trajectory
+        rows = []
+        for branch, sequence in enumerate(sequences):
+            mask, logprobs, finish = sequence.action_mask, sequence.logprobs, sequence.finish_reason
+            if failure is not None:
+                mask, logprobs = [0] * len(mask), [0.0] * len(logprobs)
+                finish = "agent_timeout" if episode.timed_out else "agent_error"
+            row = Trajectory(
+                prompt=self.tokenizer.decode(sequence.prompt_ids), label=episode.prompt.label,
+                prompt_ids=list(sequence.prompt_ids), response_ids=list(sequence.response_ids),
+                action_mask=list(mask), rollout_logprobs=list(logprobs), reward=reward, score=score,
+                truncated=finish == "length", finish_reason=finish, extra_logs=dict(extra_logs),
+                group_index=episode.group_index, failure=failure, branch_index=branch)
+            row.check()
+            rows.append(row)
+        return rows
 
     def _stats(self, episodes: list[_Episode], trajectories: list[Trajectory]) -> None:
         errors = sum(t.finish_reason == "agent_error" for t in trajectories)

@@ -24,6 +24,12 @@ from hpc_rlhf.algos.controllers import (
     RunningRewardNormalizer,
 )
 from hpc_rlhf.algos.corrections import CORRECTION_MODES, rollout_importance_weights
+from hpc_rlhf.algos.episodes import (
+    check_episode_index,
+    episode_index_from_branches,
+    episode_means,
+    expand_to_rows,
+)
 from hpc_rlhf.algos.filtering import dynamic_filter_mask, overlong_penalty
 from hpc_rlhf.algos.kl import KL_ESTIMATORS, kl_estimate
 from hpc_rlhf.algos.losses import (
@@ -47,12 +53,16 @@ __all__ = [
     "FixedKLController",
     "RunningRewardNormalizer",
     "aggregate_loss",
+    "check_episode_index",
     "compute_advantages",
     "count_tokens_and_seqs",
     "discounted_returns",
     "dr_grpo_rewards",
     "dynamic_filter_mask",
     "entropy_from_logits",
+    "episode_index_from_branches",
+    "episode_means",
+    "expand_to_rows",
     "fill_masked",
     "gae_advantages",
     "group_norm_rewards",

@@ -1,7 +1,9 @@
 """Advantage estimators: GAE, REINFORCE++, REINFORCE++-baseline, RLOO, GRPO, Dr. GRPO.
 
 Shapes: ``B`` rows (= num_prompts * n_samples_per_prompt), ``T`` token positions.
-Rows are grouped as consecutive blocks: row ``i`` answers prompt ``i // n``.
+Rows are grouped as consecutive blocks: row ``i`` answers prompt ``i // n``. When an agent episode has
+several rows (branches), ``compute_advantages(..., episode_index=...)`` groups episodes instead of rows
+(``hpc_rlhf.algos.episodes``).
 
 Conventions shared by every function here:
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from hpc_rlhf.algos.episodes import episode_means, expand_to_rows
 from hpc_rlhf.algos.masking import as_bool_mask, fill_masked, masked_whiten
 
 ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")
@@ -234,6 +237,7 @@ def compute_advantages(
     norm_adv_by_std: bool = True,
     whiten: bool | None = None,
     eps: float = 1e-6,
+    episode_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns for the whole rollout batch, estimator chosen by name.
 
@@ -268,6 +272,11 @@ def compute_advantages(
             reinforce_baseline, False otherwise. Whitening is over the batch
             passed in, so pass the global rollout batch, not a dp shard.
         eps: std epsilon for ``group_norm``.
+        episode_index: (B,) episode of each row when an episode has several rows (a branching agent, see
+            ``hpc_rlhf.algos.episodes``); episodes of one prompt consecutive, ``n_samples_per_prompt`` of them
+            per prompt. The scalar shaping and clip run on one reward per episode (the mean of its rows), and
+            every row gets its episode's shaped reward; the per-token part (KL, GAE, discounting, whitening)
+            then runs per row, each row a sequence ending with that reward. None: one row per episode.
     Returns:
         ``(advantages, returns)``: (B, T) fp32, 0 on masked positions. For ``gae``
         ``returns = raw advantages + values`` (the value target); for the others
@@ -285,18 +294,12 @@ def compute_advantages(
     if estimator in GROUP_ESTIMATORS and gamma != 1.0:
         raise ValueError(f"{estimator} needs gamma = 1 (a sequence-level group baseline), got gamma={gamma}")
 
-    if estimator == "reinforce_baseline":
-        rewards = reinforce_baseline_rewards(rewards, n_samples_per_prompt)
-    elif estimator == "rloo":
-        rewards = rloo_rewards(rewards, n_samples_per_prompt)
-    elif estimator == "group_norm":
-        rewards = group_norm_rewards(rewards, n_samples_per_prompt, norm_adv_by_std, eps)
-    elif estimator == "dr_grpo":
-        rewards = dr_grpo_rewards(rewards, n_samples_per_prompt)
+    if episode_index is None:
+        rewards = _shaped_rewards(estimator, rewards, n_samples_per_prompt, norm_adv_by_std, eps, reward_clip_range)
     else:
-        _grouped(rewards, n_samples_per_prompt)  # validates the batch shape only
-    if reward_clip_range is not None:
-        rewards = rewards.clamp(min=reward_clip_range[0], max=reward_clip_range[1])
+        per_episode = episode_means(rewards, episode_index)
+        rewards = expand_to_rows(_shaped_rewards(estimator, per_episode, n_samples_per_prompt, norm_adv_by_std,
+                                                 eps, reward_clip_range), episode_index)
 
     token_rewards = token_level_rewards(rewards, mask, kl, kl_coef)
     if estimator == "gae":
@@ -312,3 +315,21 @@ def compute_advantages(
     if whiten:
         advantages = masked_whiten(advantages, mask)
     return advantages, returns
+
+
+def _shaped_rewards(estimator: str, rewards: torch.Tensor, n_samples_per_prompt: int, norm_adv_by_std: bool,
+                    eps: float, reward_clip_range: tuple[float, float] | None) -> torch.Tensor:
+    """The estimator's scalar shaping (group baselines), then the clip: (N,) -> (N,) fp32, N = groups x n."""
+    if estimator == "reinforce_baseline":
+        rewards = reinforce_baseline_rewards(rewards, n_samples_per_prompt)
+    elif estimator == "rloo":
+        rewards = rloo_rewards(rewards, n_samples_per_prompt)
+    elif estimator == "group_norm":
+        rewards = group_norm_rewards(rewards, n_samples_per_prompt, norm_adv_by_std, eps)
+    elif estimator == "dr_grpo":
+        rewards = dr_grpo_rewards(rewards, n_samples_per_prompt)
+    else:
+        _grouped(rewards, n_samples_per_prompt)  # validates the batch shape only
+    if reward_clip_range is not None:
+        rewards = rewards.clamp(min=reward_clip_range[0], max=reward_clip_range[1])
+    return rewards

@@ -201,8 +201,10 @@ class TrainConfig(Section):
     max_epochs: int = Field(1, ge=1, description="PPO epochs over each rollout batch")
     num_episodes: int = Field(1, ge=1, description="passes over the prompt data")
     max_steps: int | None = Field(None, ge=1)
-    train_batch_size: int = Field(8, ge=1, description="samples per optimizer step (global)")
-    micro_train_batch_size: int = Field(4, ge=1, description="samples per forward/backward per rank")
+    train_batch_size: int = Field(
+        8, ge=1, description="samples (episodes) per optimizer step (global); a branching OpenAI-client agent's "
+        "episode counts once and brings all its rows")
+    micro_train_batch_size: int = Field(4, ge=1, description="rows per forward/backward per rank")
     colocate_all: bool = Field(True, description="every rank hosts every enabled role (hybrid engine)")
     colocate_actor_ref: bool = False
     colocate_critic_reward: bool = False
@@ -212,13 +214,15 @@ class TrainConfig(Section):
         None, ge=1, description="use_dynamic_batch: tokens per GPU in a micro-batch (x ds.ring_attn_size per ring)")
     agent_func_path: str | None = Field(
         None, description="Python file with AgentInstance / AgentExecutor, or an OpenAI-client agent's "
-        "`async def run_episode(client, prompt, label)`")
+        "`async def run_episode(client, prompt, label)` or workflow class with `async def arun_episode(self, client, "
+        "data)`")
     agent_max_turns: int = Field(8, ge=1)
     agent_step_timeout_s: float = Field(300.0, gt=0)
     agent_episode_timeout_s: float = Field(
-        600.0, gt=0, description="OpenAI-client agents (run_episode): wall time limit of one episode")
+        600.0, gt=0, description="OpenAI-client agents: wall time limit of one episode")
     agent_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="keyword arguments for AgentInstance(...) and reset(...)")
+        default_factory=dict, description="keyword arguments for AgentInstance(...) and reset(...), run_episode(...) "
+        "or the workflow class's constructor (the names each accepts)")
     max_agent_failure_fraction: float = Field(
         0.5, ge=0, le=1, description="stop when more agent episodes than this fail over agent_failure_window_steps")
     agent_failure_window_steps: int = Field(5, ge=1, description="steps the failure fraction is measured over")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
 openai = pytest.importorskip("openai")
 
+from hpc_rlhf.agents.agent_loader import AgentLoadError, load_agent_executor  # noqa: E402
 from hpc_rlhf.agents.openai_endpoint import OpenAIEndpoint, run_batch  # noqa: E402
 from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor  # noqa: E402
 from hpc_rlhf.agents.openai_recording import CompletionRecord, episode_sequences  # noqa: E402
@@ -128,6 +130,27 @@ async def three_turn_chat(client, prompt, label):
     return 1.0
 
 
+def _trained_runs(t):
+    """``(begin, end)`` of each maximal run of action_mask 1 in the response."""
+    runs, start = [], None
+    for i, m in enumerate(t.action_mask + [0]):
+        if m and start is None:
+            start = i
+        if not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def _engine_outputs(capturing):
+    """prompt ids -> every output the engine produced for it."""
+    outputs = {}
+    for requests, results in capturing.calls:
+        for result in results:
+            outputs.setdefault(tuple(requests[result.request_index].prompt_ids), []).append(list(result.output_ids))
+    return outputs
+
+
 def test_linear_three_call_chat_is_one_trajectory_masking_all_but_the_outputs(tiny):
     tokenizer, engine = tiny
     capturing = CapturingEngine(engine)
@@ -142,23 +165,14 @@ def test_linear_three_call_chat_is_one_trajectory_masking_all_but_the_outputs(ti
     assert len(trajectories) == 4 and [t.group_index for t in trajectories] == [0, 0, 1, 1]
     # Concurrent episodes share generate calls: 4 episodes x 3 calls in fewer than 12 engine calls.
     assert len(capturing.calls) < 12
-    outputs = {}
-    for requests, results in capturing.calls:
-        for result in results:
-            outputs.setdefault(tuple(requests[result.request_index].prompt_ids), []).append(list(result.output_ids))
+    outputs = _engine_outputs(capturing)
     for t in trajectories:
         assert t.failure is None and t.reward == 1.0
         assert t.extra_logs["num_calls"] == 3 and t.extra_logs["num_branches"] == 1
-        assert t.extra_logs["dropped_calls"] == 0
+        assert t.extra_logs["num_turns"] == 3 and t.branch_index == 0
         sequence = t.prompt_ids + t.response_ids
-        # Split the response into its trained runs: exactly three, each the engine's output for its prompt.
-        runs, start = [], None
-        for i, m in enumerate(t.action_mask + [0]):
-            if m and start is None:
-                start = i
-            if not m and start is not None:
-                runs.append((start, i))
-                start = None
+        # The trained runs of the response: exactly three, each the engine's output for its prompt.
+        runs = _trained_runs(t)
         assert len(runs) == 3
         for begin, end in runs:
             prefix = tuple(sequence[: len(t.prompt_ids) + begin])
@@ -178,3 +192,78 @@ def test_branching_calls_start_new_sequences():
     assert [s.calls for s in sequences] == [[0, 1], [2]]
     assert sequences[0].response_ids == [3, 9, 4, 5] and sequences[0].action_mask == [1, 0, 1, 1]
     assert sequences[0].logprobs == [-1.0, 0.0, -1.0, -1.0]
+
+
+BRANCHING_AGENT = Path(__file__).resolve().parents[2] / "examples/agents/openai_branching_agent.py"
+
+
+def test_branching_episode_trains_one_row_per_branch_sharing_the_reward(tiny):
+    """The example workflow asks once with n=2 and continues both choices: each episode becomes two rows, each
+    masking in exactly its own branch's two outputs (the n=2 choice, then its follow-up's answer)."""
+    tokenizer, engine = tiny
+    capturing = CapturingEngine(engine)
+    executor = load_agent_executor(str(BRANCHING_AGENT), tokenizer, 32, max_len=128, num_concurrent=4,
+                                   agent_kwargs={"max_tokens": 4, "unused": 1})
+    try:
+        sampling = SamplingParams(max_new_tokens=4, stop_token_ids=[tokenizer.eos_token_id], seed=7, temperature=1.0)
+        prompts = [Prompt(text="2+5=", label="7", source="t", index=0),
+                   Prompt(text="1+1=", label="2", source="t", index=1)]
+        rows = executor.run(prompts, capturing.generate, sampling, n_samples_per_prompt=2)
+    finally:
+        executor.close()
+    assert [(t.group_index, t.branch_index) for t in rows] == [(0, 0), (0, 1), (0, 0), (0, 1),
+                                                                (1, 0), (1, 1), (1, 0), (1, 1)]
+    outputs = _engine_outputs(capturing)
+    n2_choices = [sorted(list(r.output_ids) for r in results if r.request_index == i)
+                  for requests, results in capturing.calls for i, q in enumerate(requests) if q.n == 2]
+    assert len(n2_choices) == 4  # one n=2 call per episode
+    for first, second in zip(rows[::2], rows[1::2], strict=True):
+        assert first.failure is None and first.reward == second.reward and first.score == second.score
+        assert first.prompt_ids == second.prompt_ids  # both branches start at the episode's first prompt
+        assert first.extra_logs["num_calls"] == 4 and first.extra_logs["num_branches"] == 2
+        for row in (first, second):
+            runs = _trained_runs(row)
+            assert len(runs) == 2, row.action_mask  # the branch's choice and its follow-up answer, nothing else
+            sequence = row.prompt_ids + row.response_ids
+            for begin, end in runs:
+                assert row.response_ids[begin:end] in outputs[tuple(sequence[: len(row.prompt_ids) + begin])]
+            assert sum(row.action_mask) == sum(end - begin for begin, end in runs)
+            assert all(lp == 0.0 for lp, m in zip(row.rollout_logprobs, row.action_mask, strict=True) if not m)
+            assert "Q: are you sure?\nA: " in tokenizer.decode(sequence)
+        # The two rows hold the two choices of one n=2 call, one each.
+        (begin0, end0), (begin1, end1) = _trained_runs(first)[0], _trained_runs(second)[0]
+        assert begin0 == begin1 == 0
+        assert sorted([first.response_ids[:end0], second.response_ids[:end1]]) in n2_choices
+
+
+def _agent_file(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_workflow_class_shape_and_its_errors(tiny, tmp_path):
+    tokenizer, _ = tiny
+    workflow = (
+        "class Workflow:\n"
+        "    def __init__(self, bonus=0.0):\n"
+        "        self.bonus = bonus\n"
+        "    async def arun_episode(self, client, data):\n"
+        "        return self.bonus\n")
+    executor = load_agent_executor(_agent_file(tmp_path, "wf.py", workflow), tokenizer, 32,
+                                   agent_kwargs={"bonus": 2.5, "other": 1})
+    assert isinstance(executor, OpenAIAgentExecutor) and executor.run_episode.bonus == 2.5
+    function = "async def run_episode(client, prompt, label):\n    return 0.0\n"
+    both = _agent_file(tmp_path, "both.py", workflow + function)
+    with pytest.raises(AgentLoadError, match=r"both.py defines both `run_episode` and the workflow class Workflow"):
+        load_agent_executor(both, tokenizer, 32)
+    two = _agent_file(tmp_path, "two.py", workflow + workflow.replace("class Workflow", "class Other"))
+    with pytest.raises(AgentLoadError, match=r"two.py defines 2 workflow classes .*Workflow, Other"):
+        load_agent_executor(two, tokenizer, 32)
+    neither = _agent_file(tmp_path, "neither.py", "class Workflow:\n    def arun_episode(self, client, data):\n"
+                                                  "        return 1.0\n")  # not async: no agent shape
+    with pytest.raises(AgentLoadError, match=r"neither.py defines neither .*arun_episode"):
+        load_agent_executor(neither, tokenizer, 32)
+    broken = _agent_file(tmp_path, "broken.py", workflow.replace("self.bonus = bonus", "raise KeyError(bonus)"))
+    with pytest.raises(AgentLoadError, match=r"broken.py: building the workflow Workflow"):
+        load_agent_executor(broken, tokenizer, 32)

@@ -36,7 +36,8 @@ def test_records_and_file(tmp_path):
                   failure="step: ValueError: x")
     records = rollout_records([single, agent], CharTokenizer(), step=4)
     assert records[0] == {
-        "step": 4, "policy_version": 3, "group_index": 1, "prompt": "1+1=", "response": "2", "label": "2",
+        "step": 4, "policy_version": 3, "group_index": 1, "branch_index": 0, "prompt": "1+1=", "response": "2",
+        "label": "2",
         "reward": 1.5, "score": 1.0, "response_length": 1, "truncated": False, "finish_reason": "",
         "extra_logs": {}}
     assert records[1]["turns"] == [{"role": "model", "text": "3"}, {"role": "environment", "text": "no"},

@@ -7,6 +7,8 @@ Pure functions over row lengths (real tokens per sample); no process groups.
   (``train.use_dynamic_batch``). Mini-batch membership is kept, so the global loss counts stay exact.
 - :func:`plan_micro_batches` cuts one rank's rows into micro-batches, either a fixed number of rows each
   or as many rows as fit a token budget (``train.max_tokens_per_gpu`` / ``rollout.max_tokens_per_gpu``).
+- :func:`episode_minibatch_layout` lays out a batch whose agent episodes have several rows (branches):
+  each mini-batch holds whole episodes (``train.train_batch_size`` of them), padded to a common row count.
 - :func:`split_to_count` makes every data-parallel rank run the same number of micro-batches: ZeRO
   reduces gradients (and ZeRO-3 gathers parameters) collectively in every forward/backward, so ranks
   that ran fewer would hang the others.
@@ -55,6 +57,43 @@ def balanced_order(lengths: Sequence[int], dp_size: int, rows_per_minibatch: int
         for d in range(dp_size):
             shards[d].extend(sorted(assigned[d]))
     return [row for shard in shards for row in shard]
+
+
+def episode_minibatch_layout(episode_index: Sequence[int], episodes_per_minibatch: int,
+                             dp_size: int) -> tuple[list[int], list[bool], int]:
+    """Row order of a training batch whose episodes may have several rows.
+
+    ``train.train_batch_size`` counts episodes: mini-batch ``k`` is every row of episodes
+    ``[k*T, (k+1)*T)`` (``T = episodes_per_minibatch``), so the optimizer steps per rollout step do not
+    depend on how an agent branched. Mini-batches then hold different numbers of rows, while the
+    controller's layout (``split_rows`` into ``dp_size`` shards, each cut into equal mini-batches) needs one
+    count ``M`` of rows per rank per mini-batch: each mini-batch is padded to ``dp_size x M`` rows
+    (``M = ceil(largest mini-batch / dp_size)``) by repeating its own rows, flagged in ``is_padding``; the
+    caller clears their action mask, so they add no loss and no token or sequence counts.
+
+    Args:
+        episode_index: (B,) episode of each row, rows of an episode consecutive, episodes ``0 .. E-1``.
+        episodes_per_minibatch: T; E must be a multiple of it.
+        dp_size: data-parallel ranks.
+    Returns:
+        ``(order, is_padding, M)``: position ``i`` of the laid-out batch is original row ``order[i]``
+        (``len(order) = E / T x dp_size x M``), in mini-batch order. With one row per episode and ``T`` a
+        multiple of ``dp_size`` it is the identity without padding.
+    """
+    num_episodes = (max(episode_index) + 1) if len(episode_index) else 0
+    if num_episodes % episodes_per_minibatch:
+        raise ValueError(f"{num_episodes} episodes do not split into mini-batches of {episodes_per_minibatch}")
+    minibatches: list[list[int]] = [[] for _ in range(num_episodes // episodes_per_minibatch)]
+    for row, episode in enumerate(episode_index):
+        minibatches[episode // episodes_per_minibatch].append(row)
+    rows_per_rank = max((-(-len(rows) // dp_size) for rows in minibatches), default=0)
+    order: list[int] = []
+    is_padding: list[bool] = []
+    for rows in minibatches:
+        padding = dp_size * rows_per_rank - len(rows)
+        order += rows + [rows[i % len(rows)] for i in range(padding)]
+        is_padding += [False] * len(rows) + [True] * padding
+    return order, is_padding, rows_per_rank
 
 
 def plan_micro_batches(lengths: Sequence[int], *, micro_size: int | None = None, max_tokens: int | None = None,

@@ -32,6 +32,8 @@ from hpc_rlhf.trainers.rl.batching import balanced_order
 from hpc_rlhf.trainers.rl.controller_steps import (
     append_groups,
     attach_rewards,
+    episode_index_of,
+    episode_layout,
     kept_by_dynamic_filtering,
     make_advantages,
     minibatch_counts,
@@ -311,7 +313,8 @@ class PPOTrainer:
             trajectories, offset = [], 0
             for shard, (part, _) in zip(shards, gathered, strict=True):
                 for t in part:
-                    per_prompt[offset + t.group_index].append(t)
+                    if t.branch_index == 0:  # pass@k counts episodes; an episode's rows share its reward
+                        per_prompt[offset + t.group_index].append(t)
                 trajectories.extend(part)
                 offset += len(shard)
         self.score(trajectories)  # collective over a reward-model role; sets reward/score in place on rank 0
@@ -345,6 +348,7 @@ class PPOTrainer:
         if self.rank == 0 and trajectories:
             batch = pack_trajectories(trajectories, self.tokenizer.pad_token_id)
             batch["rewards"] = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+            batch["episode_index"] = episode_index_of(trajectories)
         if self.rank == 0 and batch is None:
             log.warning("dynamic filtering (algo.dynamic_filtering_reward_range=%s) dropped every prompt group of "
                         "this step: all samples of each prompt scored alike; the update is skipped",
@@ -388,9 +392,13 @@ class PPOTrainer:
             dp = len(groups.dp_leaders)
             shards = None
             if self.rank == 0:
-                view = self._balanced(self._train_view(batch, role), dp, self.cfg.train.train_batch_size // dp)
+                # train.train_batch_size counts episodes; a branching agent's episode brings all its rows.
+                view, rows_per_rank, regrouped = episode_layout(self._train_view(batch, role), batch["episode_index"],
+                                                                self.cfg.train.train_batch_size, dp)
+                view = self._balanced(view, dp, rows_per_rank, regrouped)
+                view["rows_per_minibatch"] = rows_per_rank
                 shards = split_rows(view, dp)
-                counts = minibatch_counts(view["action_mask"], dp, self.cfg.train.train_batch_size // dp)
+                counts = minibatch_counts(view["action_mask"], dp, rows_per_rank)
                 for shard in shards:
                     shard.update(counts)
             shard = scatter_to_role(shards, groups)
@@ -521,9 +529,16 @@ class PPOTrainer:
             return None
         dp = len(groups.dp_leaders)
         shards = order = None
+        pad = num_rows = 0
         if self.rank == 0:
             view = {k: batch[k] for k in keys}
-            rows = view["sequences"].shape[0]
+            num_rows = view["sequences"].shape[0]
+            # Episodes with several rows make any row count possible: repeat the last rows up to a multiple of
+            # dp (their outputs are dropped below).
+            pad = -num_rows % dp
+            if pad:
+                view = take_rows(view, list(range(num_rows)) + [num_rows - 1] * pad)
+            rows = num_rows + pad
             order = self._balanced_order(view, dp, rows // dp)
             shards = split_rows(view if order is None else take_rows(view, order), dp)
         shard = scatter_to_role(shards, groups)
@@ -535,7 +550,9 @@ class PPOTrainer:
         if self.rank != 0:
             return None
         out = cat_rows(gathered)
-        return out if order is None else take_rows(out, torch.argsort(torch.tensor(order)).tolist())
+        if order is not None:
+            out = take_rows(out, torch.argsort(torch.tensor(order)).tolist())
+        return out if not pad else take_rows(out, list(range(num_rows)))
 
     def _sp(self, role: str) -> SequenceParallel | None:
         """This rank's sequence-parallel peers in ``role`` (``ds.ring_attn_size`` > 1), else None."""
@@ -544,14 +561,18 @@ class PPOTrainer:
         group = self.world.roles[role].sp_group
         return SequenceParallel(group, dist.get_rank(group), self.cfg.ds.ring_attn_size, self.cfg.ds.ring_head_stride)
 
-    def _balanced_order(self, view: dict, dp: int, rows_per_minibatch: int) -> list[int] | None:
-        """With ``train.use_dynamic_batch``, the row order that balances tokens over the dp shards."""
-        if not self.cfg.train.use_dynamic_batch or dp == 1:
+    def _balanced_order(self, view: dict, dp: int, rows_per_minibatch: int,
+                        contiguous_minibatches: bool = False) -> list[int] | None:
+        """With ``train.use_dynamic_batch``, the row order that balances tokens over the dp shards. With
+        ``contiguous_minibatches`` (``episode_layout`` regrouped the rows) the mini-batches are dealt to the
+        shards in any case (equal rows each), so that every shard's ``k``-th chunk belongs to mini-batch ``k``."""
+        if dp == 1 or not (self.cfg.train.use_dynamic_batch or contiguous_minibatches):
             return None
-        return balanced_order(view["attention_mask"].sum(dim=1).tolist(), dp, rows_per_minibatch)
+        lengths = view["attention_mask"].sum(dim=1).tolist() if self.cfg.train.use_dynamic_batch else None
+        return balanced_order(lengths or [1] * view["attention_mask"].shape[0], dp, rows_per_minibatch)
 
-    def _balanced(self, view: dict, dp: int, rows_per_minibatch: int) -> dict:
-        order = self._balanced_order(view, dp, rows_per_minibatch)
+    def _balanced(self, view: dict, dp: int, rows_per_minibatch: int, contiguous_minibatches: bool = False) -> dict:
+        order = self._balanced_order(view, dp, rows_per_minibatch, contiguous_minibatches)
         return view if order is None else take_rows(view, order)
 
     def _train_view(self, batch: dict, role: str) -> dict:

@@ -38,7 +38,8 @@ def rollout_records(trajectories: list[Any], tokenizer: Any, step: int) -> list[
     records = []
     for t in trajectories:
         record = {
-            "step": step, "policy_version": t.policy_version, "group_index": t.group_index, "prompt": t.prompt,
+            "step": step, "policy_version": t.policy_version, "group_index": t.group_index,
+            "branch_index": t.branch_index, "prompt": t.prompt,
             "response": tokenizer.decode(t.response_ids, skip_special_tokens=True), "label": t.label,
             "reward": t.reward, "score": t.score, "response_length": len(t.response_ids), "truncated": t.truncated,
             "finish_reason": t.finish_reason, "extra_logs": t.extra_logs,

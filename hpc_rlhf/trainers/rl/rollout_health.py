@@ -1,7 +1,8 @@
 """What the controller watches in each step's rollouts: agent failures (the run stops past a limit), episodes
 cut by ``data.max_len`` (a warning), and the ``extra_logs`` of reward functions and agents (metrics).
 
-Rank 0 only; the trainer shares the stop decision with every rank.
+Rank 0 only; the trainer shares the stop decision with every rank. Everything here counts episodes: an
+episode with several rows (a branching OpenAI-client agent, ``Trajectory.branch_index``) counts once.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ log = logging.getLogger(__name__)
 
 # Per-episode numbers the multi-turn and OpenAI-agent executors themselves write into ``extra_logs``
 # (logged under ``agent/``).
-EXECUTOR_LOGS = ("num_turns", "agent_error", "agent_timeout", "num_calls", "num_branches", "dropped_calls")
+EXECUTOR_LOGS = ("num_turns", "agent_error", "agent_timeout", "num_calls", "num_branches")
 _PROMPT_CHARS = 500
 
 
@@ -26,10 +27,17 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def first_rows(trajectories: list) -> list:
+    """One row per episode: its first (``branch_index`` 0); the rows of an episode share its ``extra_logs``."""
+    return [t for t in trajectories if t.branch_index == 0]
+
+
 def extra_log_metrics(trajectories: list) -> dict[str, float]:
-    """Batch means of every numeric ``extra_logs`` name: the executor's counts as ``agent/<name>``, the reward
+    """Episode means of every numeric ``extra_logs`` name: the executor's counts as ``agent/<name>``, the reward
     function's and agent's own as ``extra/<name>`` (so they can never overwrite a core metric), plus the
-    fractions of episodes ended by error, timeout and length."""
+    fractions of episodes ended by error, timeout and length, and the training rows per episode."""
+    rows = len(trajectories)
+    trajectories = first_rows(trajectories)
     sums: dict[str, float] = {}
     counts: Counter[str] = Counter()
     for t in trajectories:
@@ -45,6 +53,7 @@ def extra_log_metrics(trajectories: list) -> dict[str, float]:
         row["agent/timeout_fraction"] = sum(t.finish_reason == "agent_timeout" for t in trajectories) / n
         row["agent/max_len_fraction"] = sum(t.finish_reason == "max_len" for t in trajectories) / n
         row["agent/max_turns_fraction"] = sum(t.finish_reason == "max_turns" for t in trajectories) / n
+        row["agent/rows_per_episode"] = rows / n
     return row
 
 
@@ -58,6 +67,7 @@ class RolloutHealth:
         self.worst_truncation = 0.0
 
     def observe(self, trajectories: list, step: int) -> None:
+        trajectories = first_rows(trajectories)
         failures: Counter[str] = Counter()
         example: dict[str, str] = {}
         for t in trajectories:

@@ -261,7 +261,7 @@ def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
                                    episode_timeout_s=cfg.train.agent_episode_timeout_s)
     if isinstance(executor, OpenAIAgentExecutor) and cfg.rollout.tensor_parallel_size > 1:
         # Each engine rank would batch its own HTTP requests: tensor-parallel peers would not agree on the calls.
-        raise SetupError(f"train.agent_func_path={cfg.train.agent_func_path} is an OpenAI-client agent (run_episode), "
+        raise SetupError(f"train.agent_func_path={cfg.train.agent_func_path} is an OpenAI-client agent, "
                          f"which needs rollout.tensor_parallel_size=1 (got {cfg.rollout.tensor_parallel_size})")
     return executor
 

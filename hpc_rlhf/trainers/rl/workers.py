@@ -138,8 +138,9 @@ def _finish_stats(stats: dict[str, list[float]], num_updates: int) -> dict[str, 
 
 def _updates(shard: dict[str, Any], cfg: RunConfig, dp_size: int, batching: Batching, dp_group: Any):
     """Yield ``(mini-batch index, micro-batch rows, micro-batches in this update, is it the last)`` for every
-    epoch and mini-batch."""
-    rows_per_mb = cfg.train.train_batch_size // dp_size
+    epoch and mini-batch. ``shard["rows_per_minibatch"]``: this rank's rows of one mini-batch (the controller's
+    layout: ``train.train_batch_size`` episodes per mini-batch, ``controller_steps.episode_layout``)."""
+    rows_per_mb = shard["rows_per_minibatch"]
     for _epoch in range(cfg.train.max_epochs):
         for mb_index, mb in _minibatches(shard, rows_per_mb):
             plan = batching.plan(shard["attention_mask"][mb], dp_group)
@@ -147,8 +148,8 @@ def _updates(shard: dict[str, Any], cfg: RunConfig, dp_size: int, batching: Batc
                 yield mb_index, _micro_rows(shard, index + mb.start), len(plan), i == len(plan) - 1
 
 
-def _num_updates(shard: dict[str, Any], cfg: RunConfig, dp_size: int) -> int:
-    return cfg.train.max_epochs * len(_minibatches(shard, cfg.train.train_batch_size // dp_size))
+def _num_updates(shard: dict[str, Any], cfg: RunConfig) -> int:
+    return cfg.train.max_epochs * len(_minibatches(shard, shard["rows_per_minibatch"]))
 
 
 def _actor_micro_step(engine: Any, fwd: Any, rows: dict[str, torch.Tensor], counts: dict[str, Any], kl_coef: float,
@@ -214,7 +215,7 @@ def train_actor(engine: Any, shard: dict[str, Any], cfg: RunConfig, dp_size: int
             if step_info.get("grad_norm") is not None:
                 stats["actor_grad_norm"].append(float(step_info["grad_norm"]))
             stats["actor_lr"].append(float(step_info["lr"]))
-    return _finish_stats(stats, _num_updates(shard, cfg, dp_size))
+    return _finish_stats(stats, _num_updates(shard, cfg))
 
 
 def train_critic(engine: Any, shard: dict[str, Any], cfg: RunConfig, dp_size: int,
@@ -238,4 +239,4 @@ def train_critic(engine: Any, shard: dict[str, Any], cfg: RunConfig, dp_size: in
             stats[f"critic/{k}"].append(float(v))
         if last and step_info.get("grad_norm") is not None:
             stats["critic_grad_norm"].append(float(step_info["grad_norm"]))
-    return _finish_stats(stats, _num_updates(shard, cfg, dp_size))
+    return _finish_stats(stats, _num_updates(shard, cfg))
