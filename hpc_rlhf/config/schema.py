@@ -92,11 +92,18 @@ class RolloutConfig(Section):
     )
     dynamic_filtering_max_rounds: int = Field(
         4, ge=0, description="algo.dynamic_filtering: extra generation rounds per step to refill the batch")
+    vllm_mode: Literal["auto", "external_launcher", "server_process"] = Field(
+        "auto", description="rollout.backend=vllm: external_launcher runs vLLM inside every rank of the world "
+                            "(colocated layouts only); server_process starts it in processes of its own on each "
+                            "engine's leading rollout rank; auto picks external_launcher when train.colocate_all")
 
 
 class VllmConfig(Section):
     gpu_memory_utilization: float = Field(0.5, gt=0, lt=1)
     enable_sleep: bool = True
+    sleep_level: Literal[1, 2] = Field(
+        2, description="1 copies the weights to host memory while asleep; 2 discards them (the colocated loop "
+                       "loads a full weight sync after every wake, so nothing is lost and no host copy is made)")
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
 
@@ -107,6 +114,14 @@ class LoraConfig(Section):
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[str] = Field(default_factory=lambda: ["all-linear"])
     load_in_4bit: bool = False
+
+
+def resolved_vllm_mode(vllm_mode: str, colocate_all: bool) -> str:
+    """``rollout.vllm_mode`` with ``auto`` resolved: vLLM's external launcher needs every rank of the world
+    to host an engine (``train.colocate_all``); every other layout starts vLLM in its own processes."""
+    if vllm_mode == "auto":
+        return "external_launcher" if colocate_all else "server_process"
+    return vllm_mode
 
 
 def resolved_param_dtype(param_dtype: str, on_gpu: bool) -> str:
