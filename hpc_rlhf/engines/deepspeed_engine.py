@@ -345,21 +345,26 @@ class TrainEngine:
 
     def _can_offload(self) -> bool:
         # DeepSpeed 0.19's ZeRO optimizers (stages 1-3) move their states to host memory and back; stage 0 has
-        # no ZeRO optimizer to do it (its states stay resident: plan counts them). It asserts against parameter
-        # offload and needs an accelerator to free. On CPU there is nothing to free.
-        return (self.on_gpu and self.zero_stage >= 1 and not self._adam_offload
-                and hasattr(self.engine, "offload_states"))
+        # no ZeRO optimizer to do it (its states stay resident: plan counts them). DeepSpeed asserts against
+        # parameter offload and needs an accelerator to free. On CPU there is nothing to free.
+        return self.on_gpu and self.zero_stage >= 1 and hasattr(self.engine, "offload_states")
 
     def offload_states(self, keep_weights: bool = False) -> None:
         """Free accelerator memory between phases (colocated hybrid engine). No-op on CPU and at ZeRO-0.
 
         ``keep_weights``: move gradients, Adam moments and fp32 master weights only, keeping the bf16
-        weights for a following ``gathered_state_dict_items``; a later plain call moves those too."""
+        weights for a following ``gathered_state_dict_items``; a later plain call moves those too. With
+        ``ds.adam_offload`` the optimizer states and master weights live on the host already (and ZeRO-3's
+        offload_states accepts them only from DeepSpeed's FusedAdam): weights and gradients move."""
         if not self._can_offload():
             return
-        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
 
-        wanted = set(OffloadStateTypeEnum) - ({OffloadStateTypeEnum.lp_params} if keep_weights else set())
+        wanted = set(State)
+        if self._adam_offload:
+            wanted -= {State.optim_states, State.hp_params}
+        if keep_weights:
+            wanted -= {State.lp_params}
         if not wanted <= self._offloaded_states:
             self.engine.offload_states(include=wanted)  # DeepSpeed skips what is already on the host
             self._offloaded_states |= wanted

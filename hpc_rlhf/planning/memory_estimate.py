@@ -353,13 +353,14 @@ SYNC_BUCKET_GIB = (256 << 20) / GIB  # one gathered bucket of TrainEngine.gather
 def leaves_device(cfg: RunConfig, placement: Placement, role: str) -> bool:
     """Whether a colocated ``role``'s states leave the GPU for the weight sync and generation (mirrors
     ``TrainEngine.offload_states`` / ``FrozenEngine.offload_states``): DeepSpeed's ZeRO-1/2/3 optimizers move
-    theirs (not with ``ds.adam_offload``); a frozen stage-0 model moves whole; ZeRO-0 training and frozen
-    ZeRO-3 partitions stay (a frozen role's ``offload: true`` keeps its partitions on the host anyway)."""
+    theirs (with ``ds.adam_offload`` only weights and gradients are on the GPU to move); a frozen stage-0
+    model moves whole; ZeRO-0 training and frozen ZeRO-3 partitions stay (a frozen role's ``offload: true``
+    keeps its partitions on the host anyway)."""
     grid = placement.roles[role]
     trainable = role in ("actor", "critic")
     stage = effective_zero_stage(cfg.ds.zero_stage, grid.dp_size * grid.sp_size, trainable, cfg.ds.adam_offload)
     if trainable:
-        return stage >= 1 and not cfg.ds.adam_offload
+        return stage >= 1
     return stage == 0
 
 

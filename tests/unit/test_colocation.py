@@ -82,13 +82,22 @@ def test_train_engine_offloads_in_two_parts_at_zero_1_to_3(stage):
                         ("reload",)]
 
 
-@pytest.mark.parametrize("stage, on_gpu, adam_offload", [(0, True, False), (2, False, False), (3, True, True)])
-def test_train_engine_keeps_states_where_deepspeed_cannot_move_them(stage, on_gpu, adam_offload):
+@pytest.mark.parametrize("stage, on_gpu", [(0, True), (2, False)])
+def test_train_engine_keeps_states_where_deepspeed_cannot_move_them(stage, on_gpu):
     ds = FakeDeepSpeed()
-    engine = TrainEngine(ds, zero_stage=stage, dp_group=None, on_gpu=on_gpu, adam_offload=adam_offload)
+    engine = TrainEngine(ds, zero_stage=stage, dp_group=None, on_gpu=on_gpu, adam_offload=False)
     engine.offload_states()
     engine.reload_states()
     assert ds.calls == []
+
+
+def test_train_engine_with_adam_offload_moves_weights_and_gradients_only():
+    ds = FakeDeepSpeed()
+    engine = TrainEngine(ds, zero_stage=3, dp_group=None, on_gpu=True, adam_offload=True)
+    engine.offload_states(keep_weights=True)
+    engine.offload_states()
+    assert ds.calls == [("offload", ["contiguous_grad_buffer", "lp_grads"]),
+                        ("offload", ["contiguous_grad_buffer", "lp_grads", "lp_params"])]
 
 
 def test_frozen_engine_moves_a_stage0_model_but_not_zero3_partitions():
