@@ -225,6 +225,7 @@ class TrainEngine:
         self.on_gpu = on_gpu
         self._adam_offload = adam_offload
         self._offloaded_states: set = set()  # DeepSpeed OffloadStateTypeEnum members now on the host
+        self._warned_optimizer_stays = False
 
     @classmethod
     def create(cls, model_factory: Callable[[], torch.nn.Module], ds_cfg: DeepSpeedConfig, role_cfg: TrainedRole,
@@ -361,13 +362,26 @@ class TrainEngine:
         from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
 
         wanted = set(State)
-        if self._adam_offload:
+        if self._adam_offload or not self._optimizer_movable():
             wanted -= {State.optim_states, State.hp_params}
         if keep_weights:
             wanted -= {State.lp_params}
         if not wanted <= self._offloaded_states:
             self.engine.offload_states(include=wanted)  # DeepSpeed skips what is already on the host
             self._offloaded_states |= wanted
+
+    def _optimizer_movable(self) -> bool:
+        """DeepSpeed 0.19's ZeRO-3 offload_states moves optimizer states and master weights only from its own
+        FusedAdam (it asserts so); with another optimizer they stay on the GPU (logged once)."""
+        if self.zero_stage < 3:
+            return True
+        inner = getattr(getattr(self.engine, "optimizer", None), "optimizer", None)
+        movable = type(inner).__name__ == "FusedAdam"
+        if not movable and not self._warned_optimizer_stays:
+            self._warned_optimizer_stays = True
+            log.warning("ZeRO-3 with %s: DeepSpeed moves optimizer states only from its FusedAdam, so Adam states "
+                        "and fp32 master weights stay on the GPU between phases", type(inner).__name__)
+        return movable
 
     def reload_states(self) -> None:
         if self._offloaded_states:

@@ -55,9 +55,14 @@ def test_weight_sync_order_frees_training_states_before_vllm_wakes(monkeypatch):
     ]
 
 
+class FusedAdam:  # the class name DeepSpeed's ZeRO-3 offload_states insists on
+    pass
+
+
 class FakeDeepSpeed:
-    def __init__(self):
+    def __init__(self, inner_optimizer=None):
         self.calls = []
+        self.optimizer = SimpleNamespace(optimizer=inner_optimizer or FusedAdam())
         self.module = SimpleNamespace(to=lambda device: self.calls.append(("to", str(device))))
         self.device = "cuda:0"
 
@@ -89,6 +94,14 @@ def test_train_engine_keeps_states_where_deepspeed_cannot_move_them(stage, on_gp
     engine.offload_states()
     engine.reload_states()
     assert ds.calls == []
+
+
+def test_zero3_with_another_optimizer_keeps_its_states_on_the_device(caplog):
+    ds = FakeDeepSpeed(inner_optimizer=object())  # e.g. torch.optim.AdamW
+    engine = TrainEngine(ds, zero_stage=3, dp_group=None, on_gpu=True, adam_offload=False)
+    engine.offload_states()
+    assert ds.calls == [("offload", ["contiguous_grad_buffer", "lp_grads", "lp_params"])]
+    assert "stay on the GPU" in caplog.text
 
 
 def test_train_engine_with_adam_offload_moves_weights_and_gradients_only():
