@@ -129,6 +129,7 @@ class VllmServerEngine(RolloutEngine):
                  **engine_kwargs: Any) -> None:
         import_vllm()  # the actionable install hint when vLLM is missing
         self.tensor_parallel_size = tensor_parallel_size
+        self._channel_open = False  # open_weight_channel done: a sender can reach the workers
         self._request_ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-server-loop", daemon=True)
@@ -196,6 +197,7 @@ class VllmServerEngine(RolloutEngine):
         request = resolve("vllm.distributed.weight_transfer.base:WeightTransferInitRequest")(
             init_info=worker_init_info(master_address, master_port, self.tensor_parallel_size))
         self._run(self.engine.init_weight_transfer_engine(request))
+        self._channel_open = True
 
     async def _receive(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> None:
         update_request = resolve("vllm.distributed.weight_transfer.base:WeightTransferUpdateRequest")
@@ -214,6 +216,10 @@ class VllmServerEngine(RolloutEngine):
         """One weight round: each bucket's ``(name, tensor)`` pairs describe (names, dtypes, shapes; the tensors
         may be on ``meta``) what the sender broadcasts next over the engine's NCCL communicator, in that order.
         Requests in flight are paused, keep their tokens, and continue under the new weights."""
+        if not self._channel_open:
+            raise RuntimeError("VllmServerEngine: no weight channel; the weights of an out-of-process engine come "
+                               "from an actor rank over NCCL (open_sender_channel there, open_weight_channel here), "
+                               "not through this rank")
         self._run(self._receive(buckets))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -148,6 +148,9 @@ def test_weight_round_runs_while_a_generation_is_in_flight(fake_vllm):
 
 def test_failed_round_still_resumes_generation(fake_vllm):
     engine = VllmServerEngine("/models/tiny")
+    with pytest.raises(RuntimeError, match="no weight channel"):  # nobody could send: refuse instead of hanging
+        engine.update_weights([("a", torch.empty(1, device="meta"))])
+    engine.open_weight_channel("10.0.0.1", 31000)
 
     async def broken(request):
         raise RuntimeError("NCCL peer gone")
