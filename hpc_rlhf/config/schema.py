@@ -102,8 +102,9 @@ class VllmConfig(Section):
     gpu_memory_utilization: float = Field(0.5, gt=0, lt=1)
     enable_sleep: bool = True
     sleep_level: Literal[1, 2] = Field(
-        2, description="1 copies the weights to host memory while asleep; 2 discards them (the colocated loop "
-                       "loads a full weight sync after every wake, so nothing is lost and no host copy is made)")
+        1, description="1 copies the weights to host memory while asleep; 2 discards them (no host copy, no "
+                       "copy back): valid when a full weight sync follows every wake, i.e. without eval.data "
+                       "and algo.dynamic_filtering, which generate again before the next sync")
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
 
@@ -369,6 +370,11 @@ class RunConfig(Section):
                 "reward.normalize=true applies the reward model's reward_mean / reward_std and needs reward.pretrain "
                 "as the scorer (no reward.remote_url or reward.reward_func_path; a remote server normalises with "
                 "serve_rm --normalize)"
+            )
+        if self.vllm.sleep_level == 2 and (self.eval.data or self.algo.dynamic_filtering):
+            raise ValueError(
+                "vllm.sleep_level=2 discards vLLM's weights on sleep, so only a weight sync may follow a wake; "
+                "eval.data and algo.dynamic_filtering generate again before the next sync: use vllm.sleep_level=1"
             )
         if self.train.async_train and self.train.colocate_all:
             raise ValueError(

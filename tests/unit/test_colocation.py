@@ -183,3 +183,12 @@ def test_vllm_engine_wakes_each_part_once_and_guards_level2(monkeypatch):
         engine.wake_up(["weight"])
     assert [c for c in engine.llm.calls if c[0] in ("sleep", "wake_up")] == [
         ("sleep", 2), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"])]
+
+
+@pytest.mark.parametrize("extra", [["algo.dynamic_filtering=true"], ["eval.data=[prompts.jsonl]"]])
+def test_sleep_level_2_is_refused_where_generation_follows_a_wake_without_a_sync(extra):
+    from hpc_rlhf.config import ConfigError, load_config
+
+    assert load_config(None, ["vllm.sleep_level=2"]).vllm.sleep_level == 2
+    with pytest.raises(ConfigError, match="vllm.sleep_level=1"):
+        load_config(None, ["vllm.sleep_level=2", *extra])
