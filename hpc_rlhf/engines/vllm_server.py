@@ -131,6 +131,7 @@ class VllmServerEngine(RolloutEngine):
         self.tensor_parallel_size = tensor_parallel_size
         self._channel_open = False  # open_weight_channel done: a sender can reach the workers
         self._request_ids = itertools.count()
+        self._in_flight: set[str] = set()  # request ids of generations not finished yet
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-server-loop", daemon=True)
         self._thread.start()
@@ -173,9 +174,14 @@ class VllmServerEngine(RolloutEngine):
         request_id = f"hpc-rlhf-{next(self._request_ids)}"
         final = None
         prompt = resolve("vllm:TokensPrompt")(prompt_token_ids=list(request.prompt_ids))
-        async for output in self.engine.generate(prompt=prompt, sampling_params=resolve("vllm:SamplingParams")(**kwargs),
-                                                 request_id=request_id):
-            final = output
+        self._in_flight.add(request_id)
+        try:
+            async for output in self.engine.generate(prompt=prompt,
+                                                     sampling_params=resolve("vllm:SamplingParams")(**kwargs),
+                                                     request_id=request_id):
+                final = output
+        finally:
+            self._in_flight.discard(request_id)
         return final
 
     async def _generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -226,9 +232,6 @@ class VllmServerEngine(RolloutEngine):
         """A round of one bucket (the sender broadcasts exactly these tensors)."""
         self.receive_weights([named_tensors])
 
-    def abort(self, request_ids: Sequence[str]) -> None:
-        """Drop requests by id (their outputs end with ``finish_reason="abort"``, which ``generate`` rejects)."""
-        self._run(self.engine.abort(request_id=list(request_ids)))
 
     def sleep(self) -> None:
         """No-op: this engine owns its GPUs (no training states share them)."""
@@ -239,8 +242,19 @@ class VllmServerEngine(RolloutEngine):
     def reset_prefix_cache(self) -> None:
         self._run(self.engine.reset_prefix_cache())
 
+    async def _drained(self, timeout_s: float) -> None:
+        """Wait until every aborted generation has returned its last output."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+
     def close(self) -> None:
-        """Stop vLLM's processes and the loop thread."""
+        """Abort what is in flight (pending ``submit`` futures then fail instead of waiting forever), stop vLLM's
+        processes and the loop thread."""
+        if self._in_flight:
+            self._run(self.engine.abort(request_id=list(self._in_flight)))
+            self._run(self._drained(timeout_s=30.0))
         self.engine.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)

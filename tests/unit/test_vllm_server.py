@@ -78,6 +78,10 @@ class FakeAsyncEngine:
         yield FakeRequestOutput(request_id, prompt["prompt_token_ids"],
                                 [completion(j, [7], [-0.25], "stop") for j in range(n)])
 
+    async def abort(self, request_id):
+        self.calls.append(("abort", sorted(request_id)))
+        self.release.set()
+
     async def pause_generation(self, *, mode, clear_cache):
         self.calls.append(("pause", mode, clear_cache))
 
@@ -162,3 +166,12 @@ def test_failed_round_still_resumes_generation(fake_vllm):
     finally:
         engine.close()
     assert engine.engine.calls[-2:] == [("resume",), ("shutdown",)]
+
+
+def test_close_aborts_generations_in_flight(fake_vllm):
+    engine = VllmServerEngine("/models/tiny")
+    pending = engine.submit([GenerationRequest([1], SamplingParams(max_new_tokens=2))])
+    assert engine.engine.generating.wait(timeout=60)
+    engine.close()
+    pending.result(timeout=60)  # released by the abort, not left waiting
+    assert [c for c in engine.engine.calls if c[0] != "generate"] == [("abort", ["hpc-rlhf-0"]), ("shutdown",)]
