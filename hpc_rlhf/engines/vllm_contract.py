@@ -26,6 +26,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import sys
+import textwrap
 import typing
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
@@ -71,16 +72,10 @@ def _class_fields(cls: Any) -> set[str]:
             source = inspect.getsource(klass)
         except (OSError, TypeError):
             continue
-        names |= _self_assignments(ast.parse(_dedent(source)))
+        names |= _self_assignments(ast.parse(textwrap.dedent(source)))
     if is_dataclass(cls):
         names |= {f.name for f in fields(cls)}
     return names
-
-
-def _dedent(source: str) -> str:
-    import textwrap
-
-    return textwrap.dedent(source)
 
 
 def _self_assignments(tree: ast.AST) -> set[str]:
