@@ -146,12 +146,17 @@ class VllmServerEngine(RolloutEngine):
 
     @classmethod
     def from_config(cls, cfg: RunConfig, local_rank: int, **engine_kwargs: Any) -> VllmServerEngine:
-        """Built by the rank leading a rollout engine; its workers take the node-local GPUs
-        ``local_rank .. local_rank + rollout.tensor_parallel_size - 1`` (the ranks of its tensor-parallel
-        group, which build no engine themselves)."""
+        """Built by every rollout rank, one engine each on its own GPU (``local_rank``). Engines spanning several
+        GPUs (``devices``) need the other ranks of their group to build none: not arranged yet, so refused."""
         if not cfg.actor.pretrain:
             raise ValueError("rollout.backend=vllm needs actor.pretrain (a local HF model folder) to load vLLM from")
         tp = cfg.rollout.tensor_parallel_size
+        if tp > 1:
+            # Every rollout rank builds its engine; with tp > 1 only each group's leading rank may (the others'
+            # GPUs are its workers'), which the rollout placement does not arrange yet.
+            raise ValueError(f"rollout.vllm_mode=server_process runs one engine per rollout rank: "
+                             f"rollout.tensor_parallel_size={tp} is not supported there yet; use 1, or a colocated "
+                             "layout (train.colocate_all=true, vLLM's external launcher)")
         engine_kwargs.setdefault("max_model_len", cfg.data.max_len or cfg.data.prompt_max_len
                                  + cfg.rollout.generate_max_len)
         return cls(cfg.actor.pretrain, tensor_parallel_size=tp, devices=list(range(local_rank, local_rank + tp)),

@@ -175,3 +175,17 @@ def test_close_aborts_generations_in_flight(fake_vllm):
     engine.close()
     pending.result(timeout=60)  # released by the abort, not left waiting
     assert [c for c in engine.engine.calls if c[0] != "generate"] == [("abort", ["hpc-rlhf-0"]), ("shutdown",)]
+
+
+def test_from_config_refuses_tensor_parallel_engines_per_rank(fake_vllm):
+    from hpc_rlhf.config.schema import RunConfig
+
+    cfg = RunConfig.model_validate({"actor": {"pretrain": "/models/tiny"}, "rollout": {"tensor_parallel_size": 2}})
+    with pytest.raises(ValueError, match="rollout.tensor_parallel_size=2"):
+        VllmServerEngine.from_config(cfg, local_rank=0)
+    engine = VllmServerEngine.from_config(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
+        update={"tensor_parallel_size": 1})}), local_rank=3)
+    try:
+        assert engine.engine.args.kwargs["tensor_parallel_size"] == 1
+    finally:
+        engine.close()
