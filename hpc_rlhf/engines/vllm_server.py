@@ -2,10 +2,11 @@
 
 Used where the rollout ranks are a subset of the world (disaggregated, partial, asynchronous layouts),
 which vLLM's external launcher cannot serve: it takes the whole torch.distributed world as its own.
-Here the rollout rank that leads an engine starts vLLM's asynchronous engine (``AsyncLLMEngine``: an
-engine-core process plus ``tensor_parallel_size`` worker processes, vLLM's own internal world on a
-port of its own). Our world stays the control plane: prompts come in and trajectories go out over it
-as in every layout; no other rank of the world joins vLLM's groups.
+Here a rollout rank starts vLLM's asynchronous engine (``AsyncLLMEngine``: an engine-core process plus
+``tensor_parallel_size`` worker processes on ``devices``, vLLM's own internal world on a port of its own;
+built from a config, one worker on the rank's GPU, see :meth:`VllmServerEngine.from_config`). Our world
+stays the control plane: prompts come in and trajectories go out over it as in every layout; no other
+rank of the world joins vLLM's groups.
 
 Weights travel over a dedicated NCCL communicator per engine, with vLLM's RLHF weight-transfer API
 (``weight_transfer_config=WeightTransferConfig(backend="nccl")``): one sending actor rank at rank 0
