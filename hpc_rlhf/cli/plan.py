@@ -211,16 +211,20 @@ def plan(argv: list[str] | None = None) -> int:
     budget = args.gpu_mem_gb * (1 - args.headroom)
     distinct: dict[tuple, list[int]] = {}
     for m in per_rank:
-        distinct.setdefault((m.roles, round(m.training_gib, 2), round(m.rollout_gib, 2)), []).append(m.rank)
+        distinct.setdefault((m.roles, round(m.training_gib, 2), round(m.rollout_gib, 2), round(m.sync_gib, 2)),
+                            []).append(m.rank)
     mem_rows = []
-    for (roles, training, rollout), ranks in distinct.items():
+    for (roles, training, rollout, sync), ranks in distinct.items():
         peak = next(m.peak_gib for m in per_rank if m.rank == ranks[0])
         mem_rows.append([f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0]), "+".join(roles),
-                         f"{training:.1f}", f"{rollout:.1f}", f"{peak:.1f}", "yes" if peak <= budget else "NO"])
+                         f"{training:.1f}", f"{rollout:.1f}", f"{sync:.1f}" if sync else "-", f"{peak:.1f}",
+                         "yes" if peak <= budget else "NO"])
     print()
-    print(_table(mem_rows, ["ranks", "roles", "training GiB", "vLLM GiB", "peak GiB", f"fits {budget:.0f} GiB"]))
+    print(_table(mem_rows, ["ranks", "roles", "training GiB", "vLLM GiB", "sync GiB", "peak GiB",
+                            f"fits {budget:.0f} GiB"]))
     print(FOOTNOTE + "; vLLM share = vllm.gpu_memory_utilization x GPU memory"
-          + ("; rollout and training time-share the GPU via sleep mode)" if cfg.train.colocate_all
+          + ("; rollout and training time-share the GPU via sleep mode; sync = what cannot leave the GPU + actor "
+             "bf16 weights + one bucket + vLLM weights while they load)" if cfg.train.colocate_all
              and cfg.vllm.enable_sleep else ")"))
     worst = max(per_rank, key=lambda m: m.peak_gib)
     return _fits(worst.peak_gib, budget, f"rank {worst.rank} ({'+'.join(worst.roles)})")

@@ -81,10 +81,6 @@ class RolloutConfig(Section):
     backend: Literal["vllm", "transformers"] = "transformers"
     num_engines: int | None = Field(None, ge=1, description="rollout engines; default fills the rollout ranks")
     tensor_parallel_size: int = Field(1, ge=1, description="ranks per rollout engine")
-    vllm_mode: Literal["external_launcher", "server_process"] = Field(
-        "external_launcher", description="backend=vllm: external_launcher runs vLLM inside every rank of the world "
-        "(colocated layouts only); server_process starts each engine's vLLM in processes of its own (layouts where "
-        "rollout ranks are a subset of the world: disaggregated, partial, async)")
     n_samples_per_prompt: int = Field(4, ge=1)
     rollout_batch_size: int = Field(8, ge=1, description="prompts per step")
     micro_rollout_batch_size: int = Field(8, ge=1, description="samples per experience forward")
@@ -100,11 +96,20 @@ class RolloutConfig(Section):
     )
     dynamic_filtering_max_rounds: int = Field(
         4, ge=0, description="algo.dynamic_filtering: extra generation rounds per step to refill the batch")
+    vllm_mode: Literal["auto", "external_launcher", "server_process"] = Field(
+        "auto", description="rollout.backend=vllm: external_launcher runs vLLM inside every rank of the world "
+                            "(colocated layouts only); server_process starts it in processes of its own on each "
+                            "engine's leading rollout rank (layouts where rollout ranks are a subset of the world: "
+                            "disaggregated, partial, async); auto picks external_launcher when train.colocate_all")
 
 
 class VllmConfig(Section):
     gpu_memory_utilization: float = Field(0.5, gt=0, lt=1)
     enable_sleep: bool = True
+    sleep_level: Literal[1, 2] = Field(
+        1, description="1 copies the weights to host memory while asleep; 2 discards them (no host copy, no "
+                       "copy back): valid when a full weight sync follows every wake, i.e. without eval.data "
+                       "and algo.dynamic_filtering, which generate again before the next sync")
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
 
@@ -115,6 +120,14 @@ class LoraConfig(Section):
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[str] = Field(default_factory=lambda: ["all-linear"])
     load_in_4bit: bool = False
+
+
+def resolved_vllm_mode(vllm_mode: str, colocate_all: bool) -> str:
+    """``rollout.vllm_mode`` with ``auto`` resolved: vLLM's external launcher needs every rank of the world
+    to host an engine (``train.colocate_all``); every other layout starts vLLM in its own processes."""
+    if vllm_mode == "auto":
+        return "external_launcher" if colocate_all else "server_process"
+    return vllm_mode
 
 
 def resolved_param_dtype(param_dtype: str, on_gpu: bool) -> str:
@@ -366,6 +379,11 @@ class RunConfig(Section):
                 "reward.normalize=true applies the reward model's reward_mean / reward_std and needs reward.pretrain "
                 "as the scorer (no reward.remote_url or reward.reward_func_path; a remote server normalises with "
                 "serve_rm --normalize)"
+            )
+        if self.vllm.sleep_level == 2 and (self.eval.data or self.algo.dynamic_filtering):
+            raise ValueError(
+                "vllm.sleep_level=2 discards vLLM's weights on sleep, so only a weight sync may follow a wake; "
+                "eval.data and algo.dynamic_filtering generate again before the next sync: use vllm.sleep_level=1"
             )
         if self.train.async_train and self.train.colocate_all:
             raise ValueError(

@@ -226,7 +226,8 @@ class TrainEngine:
         self.tp_group = tp_group
         self.on_gpu = on_gpu
         self._adam_offload = adam_offload
-        self._offloaded = False
+        self._offloaded_states: set = set()  # DeepSpeed OffloadStateTypeEnum members now on the host
+        self._warned_optimizer_stays = False
 
     @classmethod
     def create(cls, model_factory: Callable[[], torch.nn.Module], ds_cfg: DeepSpeedConfig, role_cfg: TrainedRole,
@@ -349,21 +350,48 @@ class TrainEngine:
         self.engine.eval()
 
     def _can_offload(self) -> bool:
-        # DeepSpeed 0.19 offload_states moves ZeRO-3 params, grads and optimizer state to host memory; it
-        # asserts against param offload and needs an accelerator to free. On CPU there is nothing to free.
-        return (self.on_gpu and self.zero_stage == 3 and not self._adam_offload
-                and hasattr(self.engine, "offload_states"))
+        # DeepSpeed 0.19's ZeRO optimizers (stages 1-3) move their states to host memory and back; stage 0 has
+        # no ZeRO optimizer to do it (its states stay resident: plan counts them). DeepSpeed asserts against
+        # parameter offload and needs an accelerator to free. On CPU there is nothing to free.
+        return self.on_gpu and self.zero_stage >= 1 and hasattr(self.engine, "offload_states")
 
-    def offload_states(self) -> None:
-        """Free accelerator memory between phases (colocated hybrid engine). No-op on CPU."""
-        if self._can_offload() and not self._offloaded:
-            self.engine.offload_states()
-            self._offloaded = True
+    def offload_states(self, keep_weights: bool = False) -> None:
+        """Free accelerator memory between phases (colocated hybrid engine). No-op on CPU and at ZeRO-0.
+
+        ``keep_weights``: move gradients, Adam moments and fp32 master weights only, keeping the bf16
+        weights for a following ``gathered_state_dict_items``; a later plain call moves those too. With
+        ``ds.adam_offload`` the optimizer states and master weights live on the host already (and ZeRO-3's
+        offload_states accepts them only from DeepSpeed's FusedAdam): weights and gradients move."""
+        if not self._can_offload():
+            return
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+
+        wanted = set(State)
+        if self._adam_offload or not self._optimizer_movable():
+            wanted -= {State.optim_states, State.hp_params}
+        if keep_weights:
+            wanted -= {State.lp_params}
+        if not wanted <= self._offloaded_states:
+            self.engine.offload_states(include=wanted)  # DeepSpeed skips what is already on the host
+            self._offloaded_states |= wanted
+
+    def _optimizer_movable(self) -> bool:
+        """DeepSpeed 0.19's ZeRO-3 offload_states moves optimizer states and master weights only from its own
+        FusedAdam (it asserts so); with another optimizer they stay on the GPU (logged once)."""
+        if self.zero_stage < 3:
+            return True
+        inner = getattr(getattr(self.engine, "optimizer", None), "optimizer", None)
+        movable = type(inner).__name__ == "FusedAdam"
+        if not movable and not self._warned_optimizer_stays:
+            self._warned_optimizer_stays = True
+            log.warning("ZeRO-3 with %s: DeepSpeed moves optimizer states only from its FusedAdam, so Adam states "
+                        "and fp32 master weights stay on the GPU between phases", type(inner).__name__)
+        return movable
 
     def reload_states(self) -> None:
-        if self._offloaded:
+        if self._offloaded_states:
             self.engine.reload_states()
-            self._offloaded = False
+            self._offloaded_states = set()
 
     def gathered_state_dict_items(self, bucket_bytes: int = 256 << 20,
                                   names: list[list[str]] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -434,11 +462,13 @@ class FrozenEngine:
     optional CPU parameter offload (``role_cfg.offload``, GPU only), eval mode, no optimizer."""
 
     def __init__(self, engine, *, zero_stage: int, dp_group: ProcessGroup | None,
-                 tp_group: ProcessGroup | None = None):
+                 tp_group: ProcessGroup | None = None, on_gpu: bool = False):
         self.engine = engine
         self.zero_stage = zero_stage
         self.dp_group = dp_group
         self.tp_group = tp_group
+        self.on_gpu = on_gpu
+        self._offloaded = False
 
     @classmethod
     def create(cls, model_factory: Callable[[], torch.nn.Module], ds_cfg: DeepSpeedConfig, role_cfg: ModelRole,
@@ -464,7 +494,8 @@ class FrozenEngine:
         model.requires_grad_(False)
         engine, *_ = deepspeed.initialize(model=model, config=config, mpu=mpu, dist_init_required=False)
         engine.eval()
-        return cls(engine, zero_stage=config["zero_optimization"]["stage"], dp_group=dp_group, tp_group=tp_group)
+        return cls(engine, zero_stage=config["zero_optimization"]["stage"], dp_group=dp_group, tp_group=tp_group,
+                   on_gpu=on_gpu)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -484,10 +515,16 @@ class FrozenEngine:
         self.engine.eval()
 
     def offload_states(self) -> None:
-        """No-op: frozen roles keep parameters where ``role_cfg.offload`` put them."""
+        """Move the whole (stage-0) model to host memory on GPU. ZeRO-3 partitions stay where ``role_cfg.offload``
+        put them: DeepSpeed moves ZeRO-3 states only with an optimizer, which a frozen role lacks."""
+        if self.on_gpu and self.zero_stage == 0 and not self._offloaded:
+            self.engine.module.to("cpu")
+            self._offloaded = True
 
     def reload_states(self) -> None:
-        """No-op, for symmetry with ``TrainEngine``."""
+        if self._offloaded:
+            self.engine.module.to(self.engine.device)
+            self._offloaded = False
 
     def gathered_state_dict_items(self, bucket_bytes: int = 256 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
         yield from iter_gathered_state_dict(self.module, self.zero_stage, bucket_bytes)

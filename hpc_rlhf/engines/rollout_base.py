@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from hpc_rlhf.config.schema import RolloutConfig
 
 FinishReason = Literal["stop", "length"]
+# What ``RolloutEngine.wake_up`` can restore separately (vLLM's sleep-mode tags).
+WAKE_TAGS = ("weights", "kv_cache")
 
 
 @dataclass
@@ -123,8 +125,10 @@ class RolloutEngine(ABC):
         """Free accelerator memory (weights and caches) until :meth:`wake_up`; no-op where nothing to free."""
 
     @abstractmethod
-    def wake_up(self) -> None:
-        """Restore what :meth:`sleep` freed."""
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what :meth:`sleep` freed: ``tags=None`` everything, else the named parts of
+        :data:`WAKE_TAGS` (``["weights"]`` first, then ``["kv_cache"]`` after a weight sync, so that the
+        cache is allocated only once the training states have left the device). ``generate`` needs both."""
 
     @abstractmethod
     def reset_prefix_cache(self) -> None:

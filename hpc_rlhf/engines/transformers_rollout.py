@@ -301,8 +301,9 @@ class TransformersRolloutEngine(RolloutEngine):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def wake_up(self) -> None:
-        if not self._asleep:
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """``"weights"`` (or no tags) moves the model back; ``"kv_cache"`` is a no-op: no cache outlives a call."""
+        if not self._asleep or (tags is not None and "weights" not in tags):
             return
         self.model.to(self.device)
         self._asleep = False

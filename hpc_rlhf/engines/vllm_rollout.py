@@ -38,7 +38,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hpc_rlhf.engines.rollout_base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
+from hpc_rlhf.engines.rollout_base import (
+    WAKE_TAGS,
+    GenerationRequest,
+    GenerationResult,
+    RolloutEngine,
+    SamplingParams,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -133,6 +139,16 @@ def results_from_vllm_outputs(outputs: Sequence[Any], requests: Sequence[Generat
     return results
 
 
+def llm_kwargs(model_path: str, *, tensor_parallel_size: int, enable_sleep_mode: bool, gpu_memory_utilization: float,
+               seed: int, enforce_eager: bool, enable_prefix_caching: bool, logprobs_mode: str,
+               **extra: Any) -> dict[str, Any]:
+    """``vllm.LLM`` keywords of the in-process engine (external launcher)."""
+    return {"model": model_path, "tensor_parallel_size": tensor_parallel_size,
+            "distributed_executor_backend": "external_launcher", "enable_sleep_mode": enable_sleep_mode,
+            "gpu_memory_utilization": gpu_memory_utilization, "seed": seed, "enforce_eager": enforce_eager,
+            "enable_prefix_caching": enable_prefix_caching, "logprobs_mode": logprobs_mode, **extra}
+
+
 def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
     """Runs on this rank's vLLM worker (``collective_rpc`` passes the worker first)."""
     worker.model_runner.model.load_weights(weights=weights)
@@ -150,7 +166,7 @@ class VllmRolloutEngine(RolloutEngine):
         seed: engine seed; must be equal on every rank of a TP group.
         sleep_level: 1 offloads weights to host RAM on ``sleep`` (safe default); 2 discards them
             (cheaper, valid only when a full ``update_weights`` follows every ``wake_up``).
-        llm_kwargs: further ``vllm.LLM`` / ``EngineArgs`` keywords (``dtype``, ``max_model_len`` ...).
+        extra_llm_kwargs: further ``vllm.LLM`` / ``EngineArgs`` keywords (``dtype``, ``max_model_len`` ...).
     """
 
     def __init__(
@@ -165,29 +181,22 @@ class VllmRolloutEngine(RolloutEngine):
         enable_sleep_mode: bool = True,
         sleep_level: int = 1,
         logprobs_mode: str = "processed_logprobs",
-        **llm_kwargs: Any,
+        **extra_llm_kwargs: Any,
     ) -> None:
         vllm = import_vllm()
         self._vllm = vllm
         self.enable_sleep_mode = enable_sleep_mode
         self.sleep_level = sleep_level
-        self._asleep = False
+        self._sleeping: set[str] = set()  # WAKE_TAGS parts now asleep
+        self._weights_discarded = False
         self._prefix_cache_stale = False
-        self.llm = vllm.LLM(
-            model=model_path,
-            tensor_parallel_size=tensor_parallel_size,
-            distributed_executor_backend="external_launcher",
-            enable_sleep_mode=enable_sleep_mode,
-            gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed,
-            enforce_eager=enforce_eager,
-            enable_prefix_caching=enable_prefix_caching,
-            logprobs_mode=logprobs_mode,
-            **llm_kwargs,
-        )
+        self.llm = vllm.LLM(**llm_kwargs(
+            model_path, tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=enable_sleep_mode,
+            gpu_memory_utilization=gpu_memory_utilization, seed=seed, enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching, logprobs_mode=logprobs_mode, **extra_llm_kwargs))
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, tokenizer: Any = None, **llm_kwargs: Any) -> VllmRolloutEngine:
+    def from_config(cls, cfg: RunConfig, tokenizer: Any = None, **extra_llm_kwargs: Any) -> VllmRolloutEngine:
         """Build from a resolved run config: the actor's weights, ``rollout`` and ``vllm`` sections.
 
         ``tokenizer`` is accepted so both backends are built alike; vLLM loads the tokenizer of
@@ -197,7 +206,7 @@ class VllmRolloutEngine(RolloutEngine):
         if not cfg.actor.pretrain:
             raise ValueError("rollout.backend=vllm needs actor.pretrain (a local HF model folder) to load vLLM from")
         max_model_len = cfg.data.max_len or cfg.data.prompt_max_len + cfg.rollout.generate_max_len
-        llm_kwargs.setdefault("max_model_len", max_model_len)
+        extra_llm_kwargs.setdefault("max_model_len", max_model_len)
         return cls(
             cfg.actor.pretrain,
             tensor_parallel_size=cfg.rollout.tensor_parallel_size,
@@ -206,7 +215,8 @@ class VllmRolloutEngine(RolloutEngine):
             enforce_eager=cfg.vllm.enforce_eager,
             enable_prefix_caching=cfg.vllm.enable_prefix_caching,
             enable_sleep_mode=cfg.vllm.enable_sleep,
-            **llm_kwargs,
+            sleep_level=cfg.vllm.sleep_level,
+            **extra_llm_kwargs,
         )
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -214,6 +224,9 @@ class VllmRolloutEngine(RolloutEngine):
             return []
         if self._asleep:
             raise RuntimeError("VllmRolloutEngine.generate called while asleep: call wake_up() first")
+        if self._weights_discarded:
+            raise RuntimeError("VllmRolloutEngine.generate after a level-2 sleep without update_weights: "
+                               "the weights were discarded (vllm.sleep_level=2 needs a full weight sync per wake)")
         if self._prefix_cache_stale:
             self.reset_prefix_cache()
         prompts = [self._vllm.TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
@@ -226,23 +239,39 @@ class VllmRolloutEngine(RolloutEngine):
         bucket = list(named_tensors)
         if not bucket:
             return
+        if "weights" in self._sleeping:
+            raise RuntimeError("VllmRolloutEngine.update_weights called while the weights sleep: "
+                               "call wake_up(['weights']) first")
         self.llm.collective_rpc(_load_weights_on_worker, args=(bucket,))
+        self._weights_discarded = False
         self._prefix_cache_stale = True  # cached KV was computed with the old weights
 
     def sleep(self) -> None:
-        if not self.enable_sleep_mode or self._asleep:
+        if not self.enable_sleep_mode or self._sleeping:
             return
         self.llm.sleep(level=self.sleep_level)
-        self._asleep = True
+        self._sleeping = set(WAKE_TAGS)
+        # Level 2 drops the weights instead of copying them to host memory: only a full sync restores them.
+        self._weights_discarded = self.sleep_level == 2
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore memory; ``tags=["weights"]`` then ``["kv_cache"]`` lets a weight sync run before
-        the KV cache is re-allocated (lower peak memory when colocated with training)."""
+        the KV cache is re-allocated (lower peak memory when colocated with training). Parts that are
+        awake are skipped."""
         if not self.enable_sleep_mode:
             return
-        self.llm.wake_up(tags=tags)
-        if tags is None or "kv_cache" in tags:
-            self._asleep = False
+        unknown = set(tags or ()) - set(WAKE_TAGS)
+        if unknown:
+            raise ValueError(f"VllmRolloutEngine.wake_up: unknown tags {sorted(unknown)}; use {list(WAKE_TAGS)}")
+        waking = [tag for tag in WAKE_TAGS if tag in self._sleeping and (tags is None or tag in tags)]
+        if not waking:
+            return
+        self.llm.wake_up(tags=waking)
+        self._sleeping -= set(waking)
+
+    @property
+    def _asleep(self) -> bool:
+        return bool(self._sleeping)
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()

@@ -344,12 +344,50 @@ class RankMemory:
     training_gib: float
     rollout_gib: float
     peak_gib: float
+    sync_gib: float = 0.0  # colocated weight sync (hpc_rlhf.trainers.rl.colocation); 0 when not colocated
+
+
+SYNC_BUCKET_GIB = (256 << 20) / GIB  # one gathered bucket of TrainEngine.gathered_state_dict_items
+
+
+def leaves_device(cfg: RunConfig, placement: Placement, role: str) -> bool:
+    """Whether a colocated ``role``'s states leave the GPU for the weight sync and generation (mirrors
+    ``TrainEngine.offload_states`` / ``FrozenEngine.offload_states``): DeepSpeed's ZeRO-1/2/3 optimizers move
+    theirs (with ``ds.adam_offload`` only weights and gradients are on the GPU to move); a frozen stage-0
+    model moves whole; ZeRO-0 training and frozen ZeRO-3 partitions stay (a frozen role's ``offload: true``
+    keeps its partitions on the host anyway)."""
+    grid = placement.roles[role]
+    trainable = role in ("actor", "critic")
+    stage = effective_zero_stage(cfg.ds.zero_stage, grid.dp_size * grid.sp_size, trainable, cfg.ds.adam_offload)
+    if trainable:
+        return stage >= 1
+    return stage == 0
+
+
+def colocated_phase_gib(cfg: RunConfig, placement: Placement, roles: tuple[str, ...],
+                        per_role: dict[str, RoleMemory], gpu_mem_gb: float) -> tuple[float, float]:
+    """(weight-sync peak, generation peak) of a colocated rank hosting ``roles``, in GiB.
+
+    Sync: the states that cannot leave + the actor's bf16 weights (its gradients and Adam states left) + one
+    gathered bucket + the rollout engine's weights (``wake_up(["weights"])``, actor-sized, split by the
+    rollout tensor parallelism). Generation: the states that cannot leave + vLLM's whole budget
+    (``vllm.gpu_memory_utilization`` x GPU memory, weights and KV cache)."""
+    trained = [r for r in roles if r != "rollout"]
+    resident = sum(per_role[r].states_gib for r in trained if not leaves_device(cfg, placement, r))
+    actor = per_role["actor"]
+    actor_sync = actor.weights_gib if leaves_device(cfg, placement, "actor") else 0.0  # else counted as resident
+    p = _bytes_per_weight(cfg.ds.param_dtype, True)
+    rollout_weights = role_num_params(cfg, "actor") * p / placement.roles["rollout"].tp_size / GIB
+    sync = resident + actor_sync + SYNC_BUCKET_GIB + rollout_weights
+    generation = resident + cfg.vllm.gpu_memory_utilization * gpu_mem_gb
+    return sync, generation
 
 
 def rank_memory(cfg: RunConfig, placement: Placement, gpu_mem_gb: float) -> list[RankMemory]:
     """Peak estimate per rank: resident states of every role it hosts + the largest working set.
 
-    With vLLM sleep mode, rollout and training time-share the GPU.
+    Colocated with vLLM sleep mode, rollout and training time-share the GPU and the peak is the largest of
+    the training phase, the weight sync and generation (:func:`colocated_phase_gib`).
     """
     per_role = {r: role_memory(cfg, placement, r) for r in placement.roles if r != "rollout"}
     out = []
@@ -357,7 +395,10 @@ def rank_memory(cfg: RunConfig, placement: Placement, gpu_mem_gb: float) -> list
         roles = tuple(placement.roles_of(rank))
         training = peak_gib([per_role[r] for r in roles if r != "rollout"])
         rollout = cfg.vllm.gpu_memory_utilization * gpu_mem_gb if "rollout" in roles else 0.0
-        time_shared = cfg.train.colocate_all and cfg.vllm.enable_sleep
-        peak = max(training, rollout) if time_shared else training + rollout
-        out.append(RankMemory(rank, roles, training, rollout, peak))
+        time_shared = cfg.train.colocate_all and cfg.vllm.enable_sleep and "rollout" in roles and "actor" in roles
+        if time_shared:
+            sync, generation = colocated_phase_gib(cfg, placement, roles, per_role, gpu_mem_gb)
+            out.append(RankMemory(rank, roles, training, rollout, max(training, sync, generation), sync))
+        else:
+            out.append(RankMemory(rank, roles, training, rollout, training + rollout))
     return out

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpc_rlhf.config.schema import RunConfig
+from hpc_rlhf.config.schema import RunConfig, resolved_vllm_mode
 
 ROLES = ("actor", "ref", "critic", "reward", "rollout")
 TRAINED_ROLES = ("actor", "critic")
@@ -268,7 +268,7 @@ def _check_vllm_mode(cfg: RunConfig, placement: Placement, rollout_on_subset: bo
     weights load from the gathered actor state without a copy and sleep/wake time-share the GPU with training."""
     if cfg.rollout.backend != "vllm":
         return
-    mode = cfg.rollout.vllm_mode
+    mode = resolved_vllm_mode(cfg.rollout.vllm_mode, cfg.train.colocate_all)
     if rollout_on_subset and mode == "external_launcher":
         rollout = placement.roles["rollout"]
         raise PlacementError(

@@ -205,7 +205,12 @@ def _record_phases(rank, world_size, overrides):
         original = getattr(obj, name)
 
         def wrapper(*args, _name=name, _original=original, **kwargs):
-            calls.append(_name)
+            if _name == "wake_up":  # which parts wake matters: weights before the sync, the KV cache after it
+                calls.append((_name, tuple(args[0]) if args and args[0] is not None else None))
+            elif _name == "offload_states":
+                calls.append((_name, kwargs.get("keep_weights", False)))
+            else:
+                calls.append((_name,))
             return _original(*args, **kwargs)
         setattr(obj, name, wrapper)
     trainer.fit()
@@ -214,10 +219,15 @@ def _record_phases(rank, world_size, overrides):
 
 
 def test_colocated_step_time_shares_the_device(assets, tmp_path):
-    """wake rollout -> generate -> sleep -> reload training states -> train -> sync -> offload."""
+    """wake rollout -> generate -> sleep -> reload training states -> train -> offload grads and Adam states ->
+    wake rollout weights -> sync -> offload actor weights -> wake the KV cache (trainers/rl/colocation.py)."""
     calls = run_on_ranks(_record_phases, 2, grpo_overrides(assets, tmp_path, "train.max_steps=1"))[0]
-    assert calls[:7] == ["wake_up", "generate", "sleep", "reload_states", "backward", "wake_up", "update_weights"]
-    assert calls[-1] == "offload_states"
+    assert calls[:3] == [("wake_up", None), ("generate",), ("sleep",)], calls
+    train = calls.index(("backward",))
+    assert ("reload_states",) in calls[3:train], calls
+    after_train = [c for c in calls[train:] if c != ("backward",)]
+    assert after_train == [("offload_states", True), ("wake_up", ("weights",)), ("update_weights",),
+                           ("offload_states", False), ("wake_up", ("kv_cache",))], calls
 
 
 def _first_step_of_runs(assets, tmp_path, common, runs) -> tuple[dict, dict]:

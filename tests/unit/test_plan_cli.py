@@ -69,7 +69,11 @@ def test_plan_zero3_needs_the_colocated_layout(capsys):
         assert plan([*ppo_70b, *DISAGGREGATED_70B, f"ds.tensor_parallel_size={tp}"]) == 1
         err = capsys.readouterr().err
         assert "train.colocate_all=true" in err and "actor, ref, critic, reward" in err, err
-    code = plan(ppo_70b)
+    # Colocated, vLLM's budget sits next to what cannot leave the GPU (the frozen roles' ZeRO-3 partitions):
+    # the recipe's 0.85 is for rollout-only nodes.
+    colocated = [*ppo_70b, "train.colocate_all=true", "actor.num_ranks=null", "critic.num_ranks=null",
+                 "vllm.enable_sleep=true", "vllm.gpu_memory_utilization=0.8"]
+    code = plan(colocated)
     out, err = capsys.readouterr()
     assert "invalid layout" not in err, err
     assert code == 0 and "colocated" in out, (out, err)

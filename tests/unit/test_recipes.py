@@ -239,6 +239,7 @@ def test_every_rl_recipe_is_a_layout_the_engines_run(config, world):
     placement rule (external launcher only when every rank hosts rollout) pass at the recipe's own world size,
     and the rule does bite: the same recipe moved to a layout it does not fit is refused, naming the key."""
     from hpc_rlhf.config import load_config
+    from hpc_rlhf.config.schema import resolved_vllm_mode
     from hpc_rlhf.world.placement import PlacementError, build_placement
 
     cfg = load_config(ROOT / config)
@@ -246,7 +247,8 @@ def test_every_rl_recipe_is_a_layout_the_engines_run(config, world):
     rollout_on_subset = len(placement.roles["rollout"].ranks) < world
     if cfg.rollout.backend == "vllm":
         expected = "server_process" if rollout_on_subset else "external_launcher"
-        assert cfg.rollout.vllm_mode == expected, f"{config}: rollout.vllm_mode should be {expected}"
+        mode = resolved_vllm_mode(cfg.rollout.vllm_mode, cfg.train.colocate_all)
+        assert mode == expected, f"{config}: rollout.vllm_mode resolves to {mode}, should be {expected}"
         other = "external_launcher" if expected == "server_process" else "server_process"
         with pytest.raises(PlacementError, match=f"rollout.vllm_mode={other}"):
             build_placement(load_config(ROOT / config, [f"rollout.vllm_mode={other}"]), world)

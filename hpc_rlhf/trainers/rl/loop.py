@@ -7,7 +7,8 @@ touches (plus rank 0, the controller), so the same script reads as one story on 
     -> advantages (controller) -> train critic + actor (role ranks) -> weight sync -> metrics
 
 Colocated runs time-share each rank: wake rollout -> generate -> sleep -> reload training states ->
-train -> sync -> offload.
+train -> offload training states -> wake rollout weights -> sync -> offload actor weights -> wake KV cache
+(``hpc_rlhf.trainers.rl.colocation``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from hpc_rlhf.models.micro_forward import SequenceParallel
 from hpc_rlhf.trainers.rl import checkpoint as rl_checkpoint
 from hpc_rlhf.trainers.rl import setup as rl_setup
 from hpc_rlhf.trainers.rl.batching import balanced_order
+from hpc_rlhf.trainers.rl.colocation import colocated_weight_sync
 from hpc_rlhf.trainers.rl.controller_steps import (
     append_groups,
     attach_rewards,
@@ -420,11 +422,8 @@ class PPOTrainer:
         from the actor ranks that hold them, all senders at once, not through rank 0."""
         actor, rollout = self.world.roles["actor"], self.world.roles["rollout"]
         if self.cfg.train.colocate_all:
-            self.roles.rollout.engine.wake_up()
-            for bucket in self.roles.actor.gathered_state_dict_items():
-                self.roles.rollout.engine.update_weights(bucket)
-            self.roles.rollout.engine.reset_prefix_cache()
-            self.roles.actor.offload_states()
+            others = [engine for engine in (self.roles.critic, self.roles.ref) if engine is not None]
+            colocated_weight_sync(self.roles.rollout.engine, self.roles.actor, others)
             self.policy_version += 1
             return
         if self.rank in actor.ranks:
@@ -545,6 +544,8 @@ class PPOTrainer:
         result = None
         if self.rank in groups.ranks:
             engine = getattr(self.roles, role)
+            if role != "reward":  # colocated: its states left the device for the weight sync
+                engine.reload_states()
             result = fn(engine, shard)
         gathered = gather_from_role(result, groups)
         if self.rank != 0:

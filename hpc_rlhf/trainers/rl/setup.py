@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from hpc_rlhf.agents.executor import AgentExecutor, SingleTurnExecutor
 from hpc_rlhf.agents.rewards import RewardFunction
 from hpc_rlhf.algos import AdaptiveKLController, FixedKLController, RunningRewardNormalizer
-from hpc_rlhf.config.schema import RunConfig
+from hpc_rlhf.config.schema import RunConfig, resolved_vllm_mode
 from hpc_rlhf.data.prompts import PromptDataset, PromptStream
 from hpc_rlhf.engines.rollout_base import RolloutEngine, SamplingParams
 from hpc_rlhf.models.loading import (
@@ -210,6 +210,10 @@ class Roles:
 def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool) -> RolloutEngine:
     dtype = resolve_dtype(cfg.ds.param_dtype, on_gpu)
     if cfg.rollout.backend == "vllm":
+        if resolved_vllm_mode(cfg.rollout.vllm_mode, cfg.train.colocate_all) == "server_process":
+            from hpc_rlhf.engines.vllm_server import VllmServerEngine
+
+            return VllmServerEngine.from_config(cfg, torch.cuda.current_device())
         from hpc_rlhf.engines.vllm_rollout import VllmRolloutEngine
 
         return VllmRolloutEngine.from_config(cfg, tokenizer)

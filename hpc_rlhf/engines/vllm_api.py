@@ -1,0 +1,91 @@
+"""Every vLLM name, keyword and attribute path the engines use, in one table.
+
+The engines resolve vLLM objects through :func:`resolve`, which refuses a path missing from
+:data:`VLLM_NAMES`, and call instance methods listed here (``tests/unit/test_vllm_api.py`` scans the
+engine sources for method calls on vLLM objects and fails on one the table lacks). Keyword sets that
+the engines build at run time (``LLM`` / ``AsyncEngineArgs`` keywords, ``SamplingParams`` fields,
+weight-transfer payloads) are not copied here: the contract script computes them by calling the
+engines' own pure helpers. ``python -m hpc_rlhf.engines.vllm_contract`` checks the table against an
+installed vLLM.
+
+Path syntax: ``"module:Attr.attr"``; ``params`` are the keyword / positional names our calls pass,
+``fields`` the attributes we read on objects vLLM returns.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class VllmName:
+    path: str
+    params: tuple[str, ...] = ()
+    fields: tuple[str, ...] = ()
+    why: str = ""
+
+
+_NAMES = (
+    # ---- in-process engine (external launcher, colocated): hpc_rlhf.engines.vllm_rollout
+    VllmName("vllm:LLM", why="in-process engine; keywords: vllm_rollout.llm_kwargs"),
+    VllmName("vllm:LLM.generate", ("prompts", "sampling_params", "use_tqdm")),
+    VllmName("vllm:LLM.collective_rpc", ("method", "args")),
+    VllmName("vllm:LLM.sleep", ("level",)),
+    VllmName("vllm:LLM.wake_up", ("tags",)),
+    VllmName("vllm:LLM.reset_prefix_cache"),
+    VllmName("vllm:SamplingParams", why="fields: vllm_rollout.vllm_sampling_kwargs"),
+    VllmName("vllm:TokensPrompt", fields=("prompt_token_ids",)),
+    VllmName("vllm.outputs:RequestOutput", fields=("outputs", "finished", "request_id")),
+    VllmName("vllm.outputs:CompletionOutput", fields=("index", "token_ids", "logprobs", "finish_reason")),
+    VllmName("vllm.logprobs:Logprob", fields=("logprob",)),
+    # the weight-loading path collective_rpc runs on each worker: worker.model_runner.model.load_weights
+    VllmName("vllm.v1.worker.gpu_worker:Worker", fields=("model_runner",)),
+    VllmName("vllm.v1.worker.gpu_model_runner:GPUModelRunner", fields=("model",)),
+    VllmName("vllm.model_executor.models.llama:LlamaForCausalLM.load_weights", ("weights",)),
+    VllmName("vllm.model_executor.models.qwen2:Qwen2ForCausalLM.load_weights", ("weights",)),
+    # ---- out-of-process engine (server_process: disaggregated, async, partial): hpc_rlhf.engines.vllm_server
+    VllmName("vllm:AsyncEngineArgs", why="keywords: vllm_server.server_engine_kwargs"),
+    VllmName("vllm:AsyncLLMEngine.from_engine_args", ("engine_args",)),
+    VllmName("vllm:AsyncLLMEngine.generate", ("prompt", "sampling_params", "request_id")),
+    VllmName("vllm:AsyncLLMEngine.abort", ("request_id",)),
+    VllmName("vllm:AsyncLLMEngine.pause_generation", ("mode", "clear_cache")),
+    VllmName("vllm:AsyncLLMEngine.resume_generation"),
+    VllmName("vllm:AsyncLLMEngine.init_weight_transfer_engine", ("request",)),
+    VllmName("vllm:AsyncLLMEngine.start_weight_update"),
+    VllmName("vllm:AsyncLLMEngine.update_weights", ("request",)),
+    VllmName("vllm:AsyncLLMEngine.finish_weight_update"),
+    VllmName("vllm:AsyncLLMEngine.reset_prefix_cache"),
+    VllmName("vllm:AsyncLLMEngine.shutdown"),
+    VllmName("vllm.sampling_params:RequestOutputKind.FINAL_ONLY"),
+    VllmName("vllm.config:WeightTransferConfig", ("backend",)),
+    VllmName("vllm.distributed.weight_transfer.base:WeightTransferInitRequest", ("init_info",)),
+    VllmName("vllm.distributed.weight_transfer.base:WeightTransferUpdateRequest", ("update_info",)),
+    VllmName("vllm.distributed.weight_transfer.nccl_engine:NCCLWeightTransferInitInfo",
+             why="fields: vllm_server.worker_init_info"),
+    VllmName("vllm.distributed.weight_transfer.nccl_engine:NCCLWeightTransferUpdateInfo",
+             why="fields: vllm_server.bucket_update_info"),
+    VllmName("vllm.distributed.weight_transfer.nccl_common:trainer_init", ("init_info", "rank")),
+    VllmName("vllm.distributed.weight_transfer.packed_tensor:packed_nccl_broadcast_producer",
+             ("iterator", "group", "src", "post_iter_func", "buffer_size_bytes", "num_buffers")),
+)
+
+VLLM_NAMES: dict[str, VllmName] = {name.path: name for name in _NAMES}
+
+# Sleep-mode tags the engines pass to wake_up (rollout_base.WAKE_TAGS), and the pause mode of in-flight
+# weight updates (vllm_server): both are string literals of vLLM's API, checked by the contract.
+SLEEP_TAGS = ("weights", "kv_cache")
+PAUSE_MODE = "keep"
+
+
+def resolve(path: str) -> Any:
+    """The vLLM object at ``path`` (``"module:Attr.attr"``); the path must be declared in :data:`VLLM_NAMES`."""
+    if path not in VLLM_NAMES:
+        raise KeyError(f"{path!r} is not declared in hpc_rlhf.engines.vllm_api.VLLM_NAMES; declare it there so "
+                       "that python -m hpc_rlhf.engines.vllm_contract checks it against vLLM")
+    module_name, _, attrs = path.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for attr in attrs.split("."):
+        obj = getattr(obj, attr)
+    return obj

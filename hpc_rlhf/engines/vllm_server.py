@@ -1,0 +1,284 @@
+"""Rollout on vLLM in processes of its own (``rollout.vllm_mode=server_process``; GPU only).
+
+Used where the rollout ranks are a subset of the world (disaggregated, partial, asynchronous layouts),
+which vLLM's external launcher cannot serve: it takes the whole torch.distributed world as its own.
+Here a rollout rank starts vLLM's asynchronous engine (``AsyncLLMEngine``: an engine-core process plus
+``tensor_parallel_size`` worker processes on ``devices``, vLLM's own internal world on a port of its own;
+built from a config, one worker on the rank's GPU, see :meth:`VllmServerEngine.from_config`). Our world
+stays the control plane: prompts come in and trajectories go out over it as in every layout; no other
+rank of the world joins vLLM's groups.
+
+Weights travel over a dedicated NCCL communicator per engine, with vLLM's RLHF weight-transfer API
+(``weight_transfer_config=WeightTransferConfig(backend="nccl")``): one sending actor rank at rank 0
+of that communicator, the engine's workers at ranks ``1 .. tp``, rendezvous through a TCP store the
+sender hosts (vLLM's ``StatelessProcessGroup``), so the main world's groups are untouched and each
+engine's sender can be a different actor rank, all sending in parallel. The sender packs tensors
+with vLLM's ``packed_nccl_broadcast_producer``; the workers unpack them into ``load_weights``.
+One round: ``start_weight_update`` -> ``update_weights`` per bucket (names, dtypes, shapes: the
+tensors themselves come over NCCL) -> ``finish_weight_update``.
+
+Weight updates during generation (async and partial rollouts): generation runs on a private asyncio
+loop in a background thread, so :meth:`submit` returns at once and a weight round can run while
+requests are in flight. The round pauses the engine with ``pause_generation(mode="keep",
+clear_cache=True)``: running requests are frozen, not aborted; the KV and prefix caches are dropped, so
+on ``resume_generation`` each request recomputes its prompt and the tokens it already produced under
+the new weights and continues. Tokens sampled before the pause keep the logprobs of the policy that
+sampled them (what importance-sampling corrections need). We chose pause-and-keep over
+abort-and-resubmit because it keeps every finished token and needs no bookkeeping of partial outputs.
+
+Everything that does not need vLLM (environment isolation, payloads, request ids) is a pure helper,
+unit-tested without vLLM; :mod:`hpc_rlhf.engines.vllm_contract` checks every vLLM name used here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from hpc_rlhf.engines.rollout_base import GenerationRequest, GenerationResult, RolloutEngine
+from hpc_rlhf.engines.vllm_api import PAUSE_MODE, resolve
+from hpc_rlhf.engines.vllm_rollout import import_vllm, results_from_vllm_outputs, vllm_sampling_kwargs
+
+if TYPE_CHECKING:
+    import torch
+
+    from hpc_rlhf.config.schema import RunConfig
+
+# Our launch layer's variables (torchrun / srun via hpc_rlhf.world): vLLM's processes must not see
+# them, or they would read our world's rank and size as theirs.
+LAUNCH_ENV_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                   "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+# vLLM's packed transfer: two 1 GiB staging buffers on each side (vLLM's defaults).
+PACKED_BUFFER_BYTES = 1 << 30
+PACKED_NUM_BUFFERS = 2
+
+
+def server_process_env(environ: dict[str, str], devices: Sequence[int] | None) -> dict[str, str]:
+    """The environment vLLM's processes start with: our world's launch variables removed, the engine's
+    GPUs made visible (``devices``: node-local indices, one per tensor-parallel worker), worker processes
+    spawned (the rollout rank may already hold a CUDA context) and vLLM's engine core in its own process."""
+    env = {k: v for k, v in environ.items() if k not in LAUNCH_ENV_VARS}
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    return env
+
+
+@contextmanager
+def isolated_environ(env: dict[str, str]) -> Iterator[None]:
+    """Run the block with ``os.environ == env`` (vLLM's child processes inherit it); restore afterwards."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def server_engine_kwargs(model_path: str, *, tensor_parallel_size: int, gpu_memory_utilization: float, seed: int,
+                         enforce_eager: bool, enable_prefix_caching: bool, logprobs_mode: str,
+                         **extra: Any) -> dict[str, Any]:
+    """``vllm.AsyncEngineArgs`` keywords (without ``weight_transfer_config``, added by the engine)."""
+    return {"model": model_path, "tensor_parallel_size": tensor_parallel_size,
+            "distributed_executor_backend": "mp", "gpu_memory_utilization": gpu_memory_utilization,
+            "seed": seed, "enforce_eager": enforce_eager, "enable_prefix_caching": enable_prefix_caching,
+            "logprobs_mode": logprobs_mode, **extra}
+
+
+def worker_init_info(master_address: str, master_port: int, num_workers: int) -> dict[str, Any]:
+    """``init_info`` of ``init_weight_transfer_engine``: workers take ranks ``1 .. num_workers`` of a
+    communicator whose rank 0 is the sending actor rank (hosting the rendezvous store)."""
+    return {"master_address": master_address, "master_port": master_port, "rank_offset": 1,
+            "world_size": 1 + num_workers, "packed": True, "packed_buffer_size_bytes": PACKED_BUFFER_BYTES,
+            "packed_num_buffers": PACKED_NUM_BUFFERS}
+
+
+def bucket_update_info(bucket: Iterable[tuple[str, torch.Tensor]]) -> dict[str, list]:
+    """``update_info`` announcing one bucket to the workers: names, dtype names, shapes, in send order.
+    The tensors may be ``device="meta"``: only their description crosses the control plane."""
+    names, dtypes, shapes = [], [], []
+    for name, tensor in bucket:
+        names.append(name)
+        dtypes.append(str(tensor.dtype).removeprefix("torch."))
+        shapes.append(list(tensor.shape))
+    return {"names": names, "dtype_names": dtypes, "shapes": shapes}
+
+
+class VllmServerEngine(RolloutEngine):
+    """vLLM's asynchronous engine in its own processes, driven from one rollout rank.
+
+    Args:
+        model_path: local HF model folder loaded by vLLM.
+        tensor_parallel_size: worker processes (GPUs) of this engine.
+        devices: node-local GPU indices for the workers (``None``: vLLM's default, the visible ones).
+        seed: engine seed (per-request seeds make calls reproducible, as in the in-process engine).
+        engine_kwargs: further ``AsyncEngineArgs`` keywords (``dtype``, ``max_model_len`` ...).
+    """
+
+    def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, devices: Sequence[int] | None = None,
+                 gpu_memory_utilization: float = 0.9, seed: int = 0, enforce_eager: bool = False,
+                 enable_prefix_caching: bool = True, logprobs_mode: str = "processed_logprobs",
+                 **engine_kwargs: Any) -> None:
+        import_vllm()  # the actionable install hint when vLLM is missing
+        self.tensor_parallel_size = tensor_parallel_size
+        self._channel_open = False  # open_weight_channel done: a sender can reach the workers
+        self._request_ids = itertools.count()
+        self._in_flight: set[str] = set()  # request ids of generations not finished yet
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-server-loop", daemon=True)
+        self._thread.start()
+        kwargs = server_engine_kwargs(model_path, tensor_parallel_size=tensor_parallel_size,
+                                      gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+                                      enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
+                                      logprobs_mode=logprobs_mode, **engine_kwargs)
+        kwargs["weight_transfer_config"] = resolve("vllm.config:WeightTransferConfig")(backend="nccl")
+        args = resolve("vllm:AsyncEngineArgs")(**kwargs)
+        with isolated_environ(server_process_env(dict(os.environ), devices)):
+            self.engine = self._run(self._start(args))
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, local_rank: int, **engine_kwargs: Any) -> VllmServerEngine:
+        """Built by every rollout rank, one engine each on its own GPU (``local_rank``). Engines spanning several
+        GPUs (``devices``) need the other ranks of their group to build none: not arranged yet, so refused."""
+        if not cfg.actor.pretrain:
+            raise ValueError("rollout.backend=vllm needs actor.pretrain (a local HF model folder) to load vLLM from")
+        tp = cfg.rollout.tensor_parallel_size
+        if tp > 1:
+            # Every rollout rank builds its engine; with tp > 1 only each group's leading rank may (the others'
+            # GPUs are its workers'), which the rollout placement does not arrange yet.
+            raise ValueError(f"rollout.vllm_mode=server_process runs one engine per rollout rank: "
+                             f"rollout.tensor_parallel_size={tp} is not supported there yet; use 1, or a colocated "
+                             "layout (train.colocate_all=true, vLLM's external launcher)")
+        engine_kwargs.setdefault("max_model_len", cfg.data.max_len or cfg.data.prompt_max_len
+                                 + cfg.rollout.generate_max_len)
+        return cls(cfg.actor.pretrain, tensor_parallel_size=tp, devices=list(range(local_rank, local_rank + tp)),
+                   gpu_memory_utilization=cfg.vllm.gpu_memory_utilization, seed=cfg.train.seed,
+                   enforce_eager=cfg.vllm.enforce_eager, enable_prefix_caching=cfg.vllm.enable_prefix_caching,
+                   **engine_kwargs)
+
+    async def _start(self, args: Any) -> Any:
+        # Built on the loop that will drive it: AsyncLLM binds its output handler to the running loop.
+        return resolve("vllm:AsyncLLMEngine.from_engine_args")(args)
+
+    def _run(self, coroutine: Any) -> Any:
+        """Run ``coroutine`` on the engine's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    # ------------------------------------------------------------------ generation
+    async def _generate_one(self, request: GenerationRequest) -> Any:
+        kwargs = vllm_sampling_kwargs(request.params, request.n)
+        kwargs["output_kind"] = resolve("vllm.sampling_params:RequestOutputKind.FINAL_ONLY")
+        request_id = f"hpc-rlhf-{next(self._request_ids)}"
+        final = None
+        prompt = resolve("vllm:TokensPrompt")(prompt_token_ids=list(request.prompt_ids))
+        self._in_flight.add(request_id)
+        try:
+            async for output in self.engine.generate(prompt=prompt,
+                                                     sampling_params=resolve("vllm:SamplingParams")(**kwargs),
+                                                     request_id=request_id):
+                final = output
+        finally:
+            self._in_flight.discard(request_id)
+        return final
+
+    async def _generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        outputs = await asyncio.gather(*(self._generate_one(r) for r in requests))
+        return results_from_vllm_outputs(outputs, requests)
+
+    def submit(self, requests: list[GenerationRequest]) -> Future:
+        """Start generating ``requests``; the future's result is ``generate(requests)``'s. Weight rounds
+        (:meth:`receive_weights`) may run while it is pending."""
+        return asyncio.run_coroutine_threadsafe(self._generate(requests), self._loop)
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        return self.submit(requests).result() if requests else []
+
+    # ------------------------------------------------------------------ weights
+    def open_weight_channel(self, master_address: str, master_port: int) -> None:
+        """Join this engine's workers to the NCCL communicator of their sender (collective with the sender's
+        ``hpc_rlhf.engines.vllm_server.open_sender_channel``; the sender hosts the rendezvous store)."""
+        request = resolve("vllm.distributed.weight_transfer.base:WeightTransferInitRequest")(
+            init_info=worker_init_info(master_address, master_port, self.tensor_parallel_size))
+        self._run(self.engine.init_weight_transfer_engine(request))
+        self._channel_open = True
+
+    async def _receive(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> None:
+        update_request = resolve("vllm.distributed.weight_transfer.base:WeightTransferUpdateRequest")
+        await self.engine.pause_generation(mode=PAUSE_MODE, clear_cache=True)
+        try:
+            await self.engine.start_weight_update()
+            for bucket in buckets:
+                info = bucket_update_info(bucket)
+                if info["names"]:
+                    await self.engine.update_weights(update_request(update_info=info))
+            await self.engine.finish_weight_update()
+        finally:
+            await self.engine.resume_generation()
+
+    def receive_weights(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> None:
+        """One weight round: each bucket's ``(name, tensor)`` pairs describe (names, dtypes, shapes; the tensors
+        may be on ``meta``) what the sender broadcasts next over the engine's NCCL communicator, in that order.
+        Requests in flight are paused, keep their tokens, and continue under the new weights."""
+        if not self._channel_open:
+            raise RuntimeError("VllmServerEngine: no weight channel; the weights of an out-of-process engine come "
+                               "from an actor rank over NCCL (open_sender_channel there, open_weight_channel here), "
+                               "not through this rank")
+        self._run(self._receive(buckets))
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A round of one bucket (the sender broadcasts exactly these tensors)."""
+        self.receive_weights([named_tensors])
+
+
+    def sleep(self) -> None:
+        """No-op: this engine owns its GPUs (no training states share them)."""
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """No-op, see :meth:`sleep`."""
+
+    def reset_prefix_cache(self) -> None:
+        self._run(self.engine.reset_prefix_cache())
+
+    async def _drained(self, timeout_s: float) -> None:
+        """Wait until every aborted generation has returned its last output."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+
+    def close(self) -> None:
+        """Abort what is in flight (pending ``submit`` futures then fail instead of waiting forever), stop vLLM's
+        processes and the loop thread."""
+        if self._in_flight:
+            self._run(self.engine.abort(request_id=list(self._in_flight)))
+            self._run(self._drained(timeout_s=30.0))
+        self.engine.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+
+
+# ---------------------------------------------------------------------------- sender side (an actor rank)
+
+
+def open_sender_channel(master_address: str, master_port: int, num_workers: int) -> Any:
+    """The sending actor rank's end of one engine's communicator (rank 0; hosts the rendezvous store).
+    Collective with that engine's :meth:`VllmServerEngine.open_weight_channel`. Uses the current CUDA device."""
+    trainer_init = resolve("vllm.distributed.weight_transfer.nccl_common:trainer_init")
+    return trainer_init(init_info={"master_address": master_address, "master_port": master_port,
+                                   "world_size": 1 + num_workers}, rank=0)
+
+
+def send_bucket(communicator: Any, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Broadcast one bucket's tensors (CUDA, in the order the engine was told) packed, as the workers unpack."""
+    producer = resolve("vllm.distributed.weight_transfer.packed_tensor:packed_nccl_broadcast_producer")
+    producer(iterator=iter(bucket), group=communicator, src=0, post_iter_func=lambda item: item[1],
+             buffer_size_bytes=PACKED_BUFFER_BYTES, num_buffers=PACKED_NUM_BUFFERS)

@@ -1,0 +1,53 @@
+"""What sits on the accelerator at each point of a colocated step (every rank hosts every role).
+
+vLLM's sleep mode lets the weights and the KV cache come back separately, so the weight sync after
+training can run while the device holds as little as possible:
+
+1. the actor's gradients, Adam moments and fp32 master weights leave (its bf16 weights stay: the sync
+   gathers them), and so do the critic's and the reference's states;
+2. the allocator's cache is returned, so vLLM's own allocator can take the freed memory;
+3. ``wake_up(["weights"])``: only the rollout weights come back (with ``vllm.sleep_level=2`` as empty
+   buffers: the sync below overwrites every one);
+4. the actor's weights are gathered bucket by bucket into the rollout engine;
+5. the actor's bf16 weights leave too and the cache is returned again;
+6. ``wake_up(["kv_cache"])``: the KV cache is allocated into the memory training gave back.
+
+The peak of this sequence is the larger of (actor bf16 weights + one gathered bucket + rollout weights)
+and the rollout engine's whole budget; ``hpc_rlhf.planning.memory_estimate.colocated_sync_gib`` models it.
+Training states come back lazily: each role reloads before its next forward or update.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def free_device_cache() -> None:
+    """Return cached, unused blocks to the device so another allocator (vLLM's) can take them."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def colocated_weight_sync(rollout_engine: Any, actor: Any, others: Iterable[Any] = ()) -> None:
+    """Load the actor's weights into the sleeping rollout engine in the order of the module docstring.
+
+    ``actor``: the training-engine facade (``offload_states(keep_weights=...)``,
+    ``gathered_state_dict_items()``); ``others``: further engines on this rank (critic, reference) whose
+    states must leave before the rollout engine wakes. Collective over the actor's ranks (the gather).
+    """
+    actor.offload_states(keep_weights=True)
+    for engine in others:
+        engine.offload_states()
+    free_device_cache()
+    rollout_engine.wake_up(["weights"])
+    for bucket in actor.gathered_state_dict_items():
+        rollout_engine.update_weights(bucket)
+    actor.offload_states()
+    free_device_cache()
+    rollout_engine.wake_up(["kv_cache"])
+    rollout_engine.reset_prefix_cache()
