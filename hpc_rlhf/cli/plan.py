@@ -120,7 +120,7 @@ def optimizer_lines(ds, zero_ranks: dict[str, int]) -> list[str]:
     chosen: dict[str, list[str]] = {}
     for role, ranks in zero_ranks.items():
         stage = effective_zero_stage(ds.zero_stage, ranks, True, ds.adam_offload)
-        adam = adam_implementation(on_gpu=True, offloaded=optimizer_offloaded(ds.adam_offload, stage))
+        adam = adam_implementation(on_gpu=True, offloaded=optimizer_offloaded(ds.adam_offload, stage), zero_stage=stage)
         chosen.setdefault(adam.describe(), []).append(role)
     return [f"optimizer of {', '.join(roles)}: {description}" for description, roles in chosen.items()]
 

@@ -124,8 +124,10 @@ def build_ds_config(ds_cfg: DeepSpeedConfig, role_cfg: TrainedRole | None, *, tr
             "lr": role_cfg.learning_rate, "betas": list(role_cfg.adam_betas), "eps": ADAM_EPS,
             "weight_decay": role_cfg.weight_decay,
         }
-        # torch's AdamW (fused on GPU) unless ZeRO-Offload needs DeepSpeedCPUAdam: see engines.optimizer_choice.
-        params.update(adam_implementation(on_gpu=on_gpu, offloaded="offload_optimizer" in zero).ds_params)
+        # torch's AdamW (fused on GPU) unless ZeRO-Offload needs DeepSpeedCPUAdam or ZeRO-3's offload_states
+        # needs DeepSpeed's FusedAdam: see engines.optimizer_choice.
+        params.update(adam_implementation(on_gpu=on_gpu, offloaded="offload_optimizer" in zero,
+                                          zero_stage=stage).ds_params)
         config["optimizer"] = {"type": "AdamW", "params": params}
         config["gradient_clipping"] = role_cfg.max_norm
         config["zero_allow_untested_optimizer"] = True
@@ -269,7 +271,8 @@ class TrainEngine:
             mpu=mpu, dist_init_required=False,
         )
         if is_first_rank_of_role(dp_group):
-            adam = adam_implementation(on_gpu=on_gpu, offloaded="offload_optimizer" in config["zero_optimization"])
+            zero = config["zero_optimization"]
+            adam = adam_implementation(on_gpu=on_gpu, offloaded="offload_optimizer" in zero, zero_stage=zero["stage"])
             log.info("optimizer: %s", adam.describe())
         return cls(engine, zero_stage=config["zero_optimization"]["stage"], dp_group=dp_group, on_gpu=on_gpu,
                    adam_offload=ds_cfg.adam_offload, lora=lora, tp_group=tp_group)

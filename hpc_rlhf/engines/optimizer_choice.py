@@ -6,8 +6,13 @@ a CUDA op JIT-compiled on first use by nvcc: a node without the CUDA toolkit fai
 CUDA kernel of its own, so we ask DeepSpeed for ``torch.optim.AdamW`` (its ``torch_adam`` parameter) and pass
 ``fused=True`` through (DeepSpeed hands the remaining optimizer parameters to the torch constructor).
 
-The one case that needs a DeepSpeed op is ZeRO optimizer offload (``ds.adam_offload`` at ZeRO stage >= 1):
-Adam then steps on the host with ``DeepSpeedCPUAdam``. DeepSpeed 0.19.8 builds that op from its C++ sources on
+Two cases need a DeepSpeed op. ZeRO optimizer offload (``ds.adam_offload`` at ZeRO stage >= 1): Adam then
+steps on the host with ``DeepSpeedCPUAdam``. And ZeRO-3 on GPU without it: ZeRO-3 runs only in the colocated
+layout, where training states leave the GPU while the rollout engine generates, and DeepSpeed 0.19's ZeRO-3
+``offload_states`` moves Adam states and fp32 master weights only from its own ``FusedAdam`` (it asserts so);
+with torch's AdamW they would stay on the GPU through generation. ``FusedAdam`` is JIT-built by nvcc on first
+use (the CUDA toolkit at torch's CUDA major version), or ahead of time with ``DS_BUILD_FUSED_ADAM=1`` when
+deepspeed is installed. DeepSpeed 0.19.8 builds that op from its C++ sources on
 first use with ``torch.utils.cpp_extension`` (a ``CppExtension``, also on CUDA machines: host-side optimizers
 share the CPU accelerator's builders): it needs a C++ compiler with OpenMP (``g++``), the Python headers and
 ``ninja`` (a dependency of deepspeed), not nvcc. Installing deepspeed with ``DS_BUILD_CPU_ADAM=1`` builds it
@@ -36,13 +41,20 @@ def optimizer_offloaded(adam_offload: bool, zero_stage: int) -> bool:
     return adam_offload and zero_stage > 0
 
 
-def adam_implementation(*, on_gpu: bool, offloaded: bool) -> AdamImplementation:
-    """The Adam a trained role uses: ``offloaded`` from ``optimizer_offloaded``; ``on_gpu``: parameters on CUDA."""
+def adam_implementation(*, on_gpu: bool, offloaded: bool, zero_stage: int = 0) -> AdamImplementation:
+    """The Adam a trained role uses: ``offloaded`` from ``optimizer_offloaded``; ``on_gpu``: parameters on CUDA;
+    ``zero_stage``: the stage DeepSpeed runs (after ``effective_zero_stage``'s collapse on one rank)."""
     if offloaded:
         return AdamImplementation(
             "DeepSpeedCPUAdam",
             "ds.adam_offload: Adam steps on the host; DeepSpeed JIT-builds its cpu_adam C++ op on first use "
             "with g++ (OpenMP), the Python headers and ninja; no nvcc")
+    if on_gpu and zero_stage == 3:
+        return AdamImplementation(
+            "DeepSpeed FusedAdam",
+            "ZeRO-3 (colocated): offload_states moves Adam states off the GPU for generation only from "
+            "DeepSpeed's FusedAdam; nvcc at torch's CUDA major JIT-builds it on first use (or DS_BUILD_FUSED_ADAM=1 "
+            "at install); ds.adam_offload=true needs no nvcc")
     if on_gpu:
         return AdamImplementation(
             "torch.optim.AdamW(fused=True)",

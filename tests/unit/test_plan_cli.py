@@ -29,10 +29,10 @@ def test_plan_rejects_layout_that_does_not_fit(capsys):
     assert "does not fit" in capsys.readouterr().err
 
 
-def test_plan_names_torch_fused_adamw_without_offload(capsys):
+def test_plan_names_deepspeed_fused_adam_for_zero3_without_offload(capsys):
     plan(["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "8", "--gpus-per-node", "8",
           "ds.adam_offload=false"])
-    assert "optimizer of actor, critic: torch.optim.AdamW(fused=True) -- " in capsys.readouterr().out
+    assert "optimizer of actor, critic: DeepSpeed FusedAdam -- ZeRO-3" in capsys.readouterr().out
 
 
 def test_plan_says_which_adam_each_trained_role_uses(capsys):
