@@ -275,6 +275,10 @@ def gpu_package_checks() -> list[Check]:
             out.append(Check(f"import {module}", "-", True, "not installed"))
             continue
         try:
+            if module == "ring_flash_attn":  # imported as the code imports it: after the transformers 5 shim
+                from hpc_rlhf.models.ring_flash_import import add_missing_transformers_name
+
+                add_missing_transformers_name()
             importlib.import_module(module)
         except Exception as exc:  # noqa: BLE001 - a package that is installed but does not import is the finding
             out.append(Check(f"import {module}", "import", False, f"{dist} {version} installed, import failed: "
