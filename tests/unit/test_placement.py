@@ -104,7 +104,8 @@ def test_vllm_external_launcher_needs_every_rank(layout):
     subset = ["train.colocate_all=false", "rollout.backend=vllm", *layout]
     with pytest.raises(PlacementError, match=r"rollout.vllm_mode=external_launcher .* of 8 ranks; set "
                                              r"rollout.vllm_mode=server_process"):
-        build_placement(cfg(*subset), 8)
+        build_placement(cfg(*subset, "rollout.vllm_mode=external_launcher"), 8)
+    assert build_placement(cfg(*subset), 8).layout != "colocated"  # auto: server_process off colocate_all
     assert build_placement(cfg(*subset, "rollout.vllm_mode=server_process"), 8).layout != "colocated"
     assert build_placement(cfg(*subset, "rollout.backend=transformers"), 8).layout != "colocated"
     assert build_placement(cfg("rollout.backend=vllm"), 8).layout == "colocated"
