@@ -80,8 +80,10 @@ def _sync_twice(rank: int, world_size: int, overrides: list[str]) -> dict:
 
 
 TIMEOUT = datetime.timedelta(seconds=120)
-CHANNEL_LAYOUT = ["train.colocate_all=false", "actor.num_ranks=2", "rollout.num_engines=3", "rollout.backend=vllm",
-             "rollout.vllm_mode=server_process"]
+# 2 actor ranks feed 3 engines; 2 tensor-parallel replicas of 2 ranks, 1 engine (one replica gathers, one rests)
+SERVER_PROCESS = ["train.colocate_all=false", "rollout.backend=vllm", "rollout.vllm_mode=server_process"]
+CHANNEL_LAYOUTS = {"channels": ["actor.num_ranks=2", "rollout.num_engines=3"],
+                   "channels_tp2": ["actor.num_ranks=4", "ds.tensor_parallel_size=2", "rollout.num_engines=1"]}
 
 
 def _serialize(obj) -> bytes:
@@ -154,14 +156,14 @@ def _matches(received: dict[str, list[torch.Tensor]], expected: torch.nn.Module)
         len(copies) == 1 and torch.equal(copies[0], state[name]) for name, copies in received.items())
 
 
-def _sync_over_channels(rank: int, world_size: int) -> dict:
+def _sync_over_channels(rank: int, world_size: int, overrides: list[str]) -> dict:
     from hpc_rlhf.config import load_config
     from hpc_rlhf.engines.state_gather import ModuleWeights
     from hpc_rlhf.trainers.rl.weight_sync import EngineChannelWeightSync, build_weight_sync
     from hpc_rlhf.world.groups import build_world_groups
     from hpc_rlhf.world.placement import build_placement
 
-    cfg = load_config(None, CHANNEL_LAYOUT)
+    cfg = load_config(None, [*SERVER_PROCESS, *overrides])
     world = build_world_groups(build_placement(cfg, world_size))
     sync = build_weight_sync(cfg, world, bucket_bytes=BUCKET_BYTES, open_channel=StoreChannel)
     assert isinstance(sync, EngineChannelWeightSync)
@@ -191,13 +193,14 @@ def _sync_over_channels(rank: int, world_size: int) -> dict:
 def _every_layout(rank: int, world_size: int) -> dict:
     # One world for every layout: each builds its own groups, as a fresh run would.
     results = {name: _sync_twice(rank, world_size, overrides) for name, overrides in LAYOUTS.items()}
-    return {**results, "channels": _sync_over_channels(rank, world_size)}
+    return {**results, **{name: _sync_over_channels(rank, world_size, overrides)
+                          for name, overrides in CHANNEL_LAYOUTS.items()}}
 
 
 @pytest.fixture(scope="module")
 def synced():
     per_rank = run_on_ranks(_every_layout, 5)
-    return {name: [r[name] for r in per_rank] for name in [*LAYOUTS, "channels"]}
+    return {name: [r[name] for r in per_rank] for name in [*LAYOUTS, *CHANNEL_LAYOUTS]}
 
 
 def test_sharded_sync_reaches_every_engine_and_rank0_sends_only_its_share(synced):
@@ -249,3 +252,12 @@ def test_engine_channels_leave_rank0_only_its_share(synced):
         assert r["channels_opened"] == engines  # channels opened at the first sync only
         assert r["bytes_sent"] == 2 * engines * model  # two syncs, the whole model to each of its engines
     assert sum(s == 0 for s in sender_of.values()) == 1  # 3 engines over 2 ranks: the controller feeds one
+
+
+def test_engine_channels_from_a_tensor_parallel_replica(synced):
+    results = synced["channels_tp2"]
+    actors, engine = results[:4], results[4]
+    sender = results[0]["sender_of"][4]
+    assert sender == 2 and engine["sender"] == 2, engine  # the replica without the controller, its first rank
+    assert engine["first"] and engine["second"] and engine["opens"] == 1, engine
+    assert [r["bytes_sent"] for r in actors] == [0, 0, 2 * actors[0]["model_bytes"], 0]

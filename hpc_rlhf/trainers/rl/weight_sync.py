@@ -98,7 +98,6 @@ class ShardedWeightSync:
         return self.transport.bytes_sent
 
 
-
 class EngineChannel(Protocol):
     """The sending actor rank's end of one engine's communicator (``vllm_server.SenderChannel``)."""
 
@@ -186,9 +185,7 @@ class EngineChannelWeightSync:
         if not any(r in self.engines_of for r in replica):
             return  # this replica feeds no engine
         if self.bucket_names is None:
-            sizes = actor.state_dict_sizes()
-            self.bucket_names = [[sizes[i][0] for i in run]
-                                 for run in pack_consecutive([n for _, n in sizes], self.bucket_bytes)]
+            self.bucket_names = self._plan_buckets(actor, replica)
         engines = self.engines_of.get(rank, [])
         if engines and not self.channels:
             self._open_sender(engines)
@@ -201,6 +198,18 @@ class EngineChannelWeightSync:
             for engine in engines:
                 self.channels[engine].send(bucket)
                 self._bytes_sent += sum(t.numel() * t.element_size() for _, t in bucket)
+
+    def _plan_buckets(self, actor, replica: tuple[int, ...]) -> list[list[str]]:
+        """The buckets' names, in send order. Under AutoTP the replica's first rank decides for its tp group: a
+        shard's size may differ between its ranks, and every rank must gather the same buckets."""
+        sizes = actor.state_dict_sizes()
+        names = [[sizes[i][0] for i in run] for run in pack_consecutive([n for _, n in sizes], self.bucket_bytes)]
+        if len(replica) > 1:
+            box = [names]
+            dist.broadcast_object_list(box, src=replica[0], group=self.world.roles["actor"].tp_group,
+                                       device=comm_device())
+            names = box[0]
+        return names
 
     def _open_sender(self, engines: list[int]) -> None:
         address = host_address()
