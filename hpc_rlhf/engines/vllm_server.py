@@ -15,7 +15,9 @@ sender hosts (vLLM's ``StatelessProcessGroup``), so the main world's groups are 
 engine's sender can be a different actor rank, all sending in parallel. The sender packs tensors
 with vLLM's ``packed_nccl_broadcast_producer``; the workers unpack them into ``load_weights``.
 One round: ``start_weight_update`` -> ``update_weights`` per bucket (names, dtypes, shapes: the
-tensors themselves come over NCCL) -> ``finish_weight_update``.
+tensors themselves come over NCCL) -> ``finish_weight_update``. The trainer opens both ends at its
+first weight sync and picks each engine's sender
+(``hpc_rlhf.trainers.rl.weight_sync.EngineChannelWeightSync``).
 
 Weight updates during generation (async and partial rollouts): generation runs on a private asyncio
 loop in a background thread, so :meth:`submit` returns at once and a weight round can run while

@@ -9,6 +9,9 @@ group under AutoTP (its shards are all-gathered inside the group, so every rank 
 bucket and the group's ranks take turns sending). Buckets go out in rounds: in round ``k`` every replica
 sends its ``k``-th bucket, all replicas at once, so the per-rank traffic is about ``total / num_replicas``.
 
+Engines that accept a single sender (vLLM in processes of its own, over its NCCL weight transfer) take
+every bucket from one actor rank instead; ``assign_engine_senders`` spreads the engines over the replicas.
+
 ZeRO-3 is not planned here: its gathering is collective over the whole dp group (every rank receives every
 bucket anyway), and it runs in the colocated layout only, where the weights load in-process.
 """

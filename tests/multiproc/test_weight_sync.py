@@ -231,7 +231,7 @@ def test_tensor_parallel_ranks_take_turns_sending(synced):
 
 def test_every_engine_gets_every_weight_once_from_its_assigned_sender(synced):
     synced = synced["channels"]
-    actors, engines = synced[:2], synced[2:]
+    engines = synced[2:]
     assert [r["role"] for r in synced] == ["actor"] * 2 + ["rollout"] * 3
     sender_of = synced[0]["sender_of"]
     assert all(r["sender_of"] == sender_of for r in synced)  # one assignment on every rank
