@@ -18,12 +18,12 @@ Two paths, one interface (``send(actor)`` on actor ranks, ``receive(engine)`` on
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.config.schema import resolved_vllm_mode
+from hpc_rlhf.config.schema import RunConfig, resolved_vllm_mode
 from hpc_rlhf.engines.weight_sync_plan import (
     WeightSyncPlan,
     assign_engine_senders,
@@ -41,9 +41,6 @@ from hpc_rlhf.engines.weight_transport import (
 from hpc_rlhf.world.channel import broadcast_to_role
 from hpc_rlhf.world.groups import WorldGroups, comm_device, new_group
 from hpc_rlhf.world.launch_env import free_port, host_address
-
-if TYPE_CHECKING:
-    from hpc_rlhf.config.schema import RunConfig
 
 
 class ShardedWeightSync:
