@@ -98,9 +98,10 @@ class RolloutConfig(Section):
         4, ge=0, description="algo.dynamic_filtering: extra generation rounds per step to refill the batch")
     vllm_mode: Literal["auto", "external_launcher", "server_process"] = Field(
         "auto", description="rollout.backend=vllm: external_launcher runs vLLM inside every rank of the world "
-                            "(colocated layouts only); server_process starts it in processes of its own on each "
-                            "engine's leading rollout rank (layouts where rollout ranks are a subset of the world: "
-                            "disaggregated, partial, async); auto picks external_launcher when train.colocate_all")
+                            "(colocated layouts only); server_process starts it in processes of its own, one "
+                            "single-GPU engine per rollout rank (layouts where rollout ranks are a subset of the "
+                            "world: disaggregated, partial, async); auto picks external_launcher when "
+                            "train.colocate_all")
 
 
 class VllmConfig(Section):

@@ -15,7 +15,9 @@ sender hosts (vLLM's ``StatelessProcessGroup``), so the main world's groups are 
 engine's sender can be a different actor rank, all sending in parallel. The sender packs tensors
 with vLLM's ``packed_nccl_broadcast_producer``; the workers unpack them into ``load_weights``.
 One round: ``start_weight_update`` -> ``update_weights`` per bucket (names, dtypes, shapes: the
-tensors themselves come over NCCL) -> ``finish_weight_update``.
+tensors themselves come over NCCL) -> ``finish_weight_update``. The trainer opens both ends at its
+first weight sync and picks each engine's sender
+(``hpc_rlhf.trainers.rl.weight_sync.EngineChannelWeightSync``).
 
 Weight updates during generation (async and partial rollouts): generation runs on a private asyncio
 loop in a background thread, so :meth:`submit` returns at once and a weight round can run while
@@ -211,33 +213,33 @@ class VllmServerEngine(RolloutEngine):
         self._run(self.engine.init_weight_transfer_engine(request))
         self._channel_open = True
 
-    async def _receive(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> None:
-        update_request = resolve("vllm.distributed.weight_transfer.base:WeightTransferUpdateRequest")
-        await self.engine.pause_generation(mode=PAUSE_MODE, clear_cache=True)
-        try:
-            await self.engine.start_weight_update()
-            for bucket in buckets:
-                info = bucket_update_info(bucket)
-                if info["names"]:
-                    await self.engine.update_weights(update_request(update_info=info))
-            await self.engine.finish_weight_update()
-        finally:
-            await self.engine.resume_generation()
-
     def receive_weights(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> None:
         """One weight round: each bucket's ``(name, tensor)`` pairs describe (names, dtypes, shapes; the tensors
         may be on ``meta``) what the sender broadcasts next over the engine's NCCL communicator, in that order.
-        Requests in flight are paused, keep their tokens, and continue under the new weights."""
+        Requests in flight are paused, keep their tokens, and continue under the new weights.
+
+        ``buckets`` is consumed on the calling thread, one bucket per transfer, so it may wait for a bucket's
+        description (``hpc_rlhf.trainers.rl.weight_sync`` receives them over the control plane on the first sync)
+        without holding the engine's event loop."""
         if not self._channel_open:
             raise RuntimeError("VllmServerEngine: no weight channel; the weights of an out-of-process engine come "
                                "from an actor rank over NCCL (open_sender_channel there, open_weight_channel here), "
                                "not through this rank")
-        self._run(self._receive(buckets))
+        update_request = resolve("vllm.distributed.weight_transfer.base:WeightTransferUpdateRequest")
+        self._run(self.engine.pause_generation(mode=PAUSE_MODE, clear_cache=True))
+        try:
+            self._run(self.engine.start_weight_update())
+            for bucket in buckets:
+                info = bucket_update_info(bucket)
+                if info["names"]:
+                    self._run(self.engine.update_weights(update_request(update_info=info)))
+            self._run(self.engine.finish_weight_update())
+        finally:
+            self._run(self.engine.resume_generation())
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """A round of one bucket (the sender broadcasts exactly these tensors)."""
         self.receive_weights([named_tensors])
-
 
     def sleep(self) -> None:
         """No-op: this engine owns its GPUs (no training states share them)."""
@@ -282,3 +284,14 @@ def send_bucket(communicator: Any, bucket: Iterable[tuple[str, torch.Tensor]]) -
     producer = resolve("vllm.distributed.weight_transfer.packed_tensor:packed_nccl_broadcast_producer")
     producer(iterator=iter(bucket), group=communicator, src=0, post_iter_func=lambda item: item[1],
              buffer_size_bytes=PACKED_BUFFER_BYTES, num_buffers=PACKED_NUM_BUFFERS)
+
+
+class SenderChannel:
+    """One engine's communicator seen from its sending actor rank: opened once (collective with the engine's
+    :meth:`VllmServerEngine.open_weight_channel`), then one :meth:`send` per bucket of every weight round."""
+
+    def __init__(self, master_address: str, master_port: int, num_workers: int):
+        self.communicator = open_sender_channel(master_address, master_port, num_workers)
+
+    def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        send_bucket(self.communicator, bucket)

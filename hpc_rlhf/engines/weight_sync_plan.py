@@ -9,6 +9,9 @@ group under AutoTP (its shards are all-gathered inside the group, so every rank 
 bucket and the group's ranks take turns sending). Buckets go out in rounds: in round ``k`` every replica
 sends its ``k``-th bucket, all replicas at once, so the per-rank traffic is about ``total / num_replicas``.
 
+Engines that accept a single sender (vLLM in processes of its own, over its NCCL weight transfer) take
+every bucket from one actor rank instead; ``assign_engine_senders`` spreads the engines over the replicas.
+
 ZeRO-3 is not planned here: its gathering is collective over the whole dp group (every rank receives every
 bucket anyway), and it runs in the colocated layout only, where the weights load in-process.
 """
@@ -116,3 +119,39 @@ def plan_weight_sync(entries: Sequence[tuple[str, int]], replicas: Sequence[Sequ
     depth = max(len(q) for q in per_replica)
     rounds = tuple(tuple(q[k] for q in per_replica if k < len(q)) for k in range(depth))
     return WeightSyncPlan(rounds)
+
+
+def assign_engine_senders(engine_ranks: Sequence[int], replicas: Sequence[Sequence[int]],
+                          controller_rank: int = 0) -> dict[int, int]:
+    """{engine rank: the one actor rank that sends it every bucket}, for engines fed over a communicator of their
+    own whose single sender is its rank 0 (vLLM's NCCL weight transfer, ``rollout.vllm_mode=server_process``).
+
+    Engines go round-robin over the replicas, so with R engines and A replicas every replica feeds R // A or
+    R // A + 1 engines and all of them send at once; inside a replica (a tensor-parallel group, whose ranks all
+    hold each gathered bucket) its ranks take turns. The controller's replica comes last in the rotation and the
+    controller last in its replica, so the controller feeds at most its share of engines, and none while other
+    ranks are idle. Pure and deterministic: every rank computes the same assignment.
+
+    Raises:
+        ValueError: no engine, no replica, an empty or duplicated replica, or an engine rank that is an actor rank.
+    """
+    groups = [tuple(r) for r in replicas]
+    if not engine_ranks or not groups or any(not g for g in groups):
+        raise ValueError(f"assigning senders needs engines and non-empty replicas, got {list(engine_ranks)} "
+                         f"and {groups}")
+    flat = [r for g in groups for r in g]
+    if len(set(flat)) != len(flat):
+        raise ValueError(f"a rank appears in two replicas: {groups}")
+    if set(flat) & set(engine_ranks):
+        raise ValueError(f"engine ranks {sorted(set(flat) & set(engine_ranks))} are also actor ranks")
+
+    def controller_last(ranks: Sequence[int]) -> list[int]:
+        return sorted(ranks, key=lambda r: r == controller_rank)  # stable: the order is kept otherwise
+
+    order = sorted(groups, key=lambda g: controller_rank in g)
+    members = [controller_last(g) for g in order]
+    assignment = {}
+    for i, engine in enumerate(engine_ranks):
+        replica, turn = members[i % len(order)], i // len(order)
+        assignment[engine] = replica[turn % len(replica)]
+    return assignment

@@ -7,8 +7,8 @@ bucket's first transfer only and cached on both sides: shapes and dtypes do not 
 ``WeightTransport`` is the seam between the plan (``weight_sync_plan``) and a wire. ``GroupBroadcastTransport``
 broadcasts over torch.distributed groups of the main world, one group per sender (the sender plus every
 rollout rank), all senders of a round at once (``async_op``), so the transfers of different senders overlap.
-An engine running in processes of its own implements the same two methods over its dedicated communicator
-(its workers join each sender's broadcast) and hands the received buckets to vLLM's ``load_weights``.
+vLLM in processes of its own takes every bucket from one sender over a communicator of its own instead:
+``hpc_rlhf.trainers.rl.weight_sync.EngineChannelWeightSync``.
 """
 
 from __future__ import annotations

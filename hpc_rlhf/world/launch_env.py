@@ -194,6 +194,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def host_address() -> str:
+    """This node's name, for a rendezvous other nodes connect to (cluster node names resolve on its network)."""
+    return socket.gethostname()
+
+
 def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     """Map the current process environment to a :class:`LaunchEnv`.
 

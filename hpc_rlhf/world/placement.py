@@ -253,7 +253,8 @@ def check_engines_can_run(cfg: RunConfig, placement: Placement) -> None:
     (``build_placement``, which both call) apply the same rules before any model is loaded.
 
     Raises:
-        PlacementError: ZeRO-3 on a subset of the ranks, or a vLLM mode that does not fit the layout.
+        PlacementError: ZeRO-3 on a subset of the ranks, a vLLM mode that does not fit the layout, or
+            ``server_process`` engines over several GPUs.
     """
     subset_roles = [r for r, grid in placement.roles.items() if len(grid.ranks) < placement.world_size]
     _refuse_zero3_on_subset(cfg, [r for r in subset_roles if r != "rollout"])
@@ -275,6 +276,14 @@ def _check_vllm_mode(cfg: RunConfig, placement: Placement, rollout_on_subset: bo
             f"rollout.vllm_mode=external_launcher needs every rank of the world to host rollout, but the {placement.layout} "
             f"layout puts rollout on {len(rollout.ranks)} of {placement.world_size} ranks; set "
             "rollout.vllm_mode=server_process (each engine's vLLM in its own processes) or train.colocate_all=true")
+    if mode == "server_process" and cfg.rollout.tensor_parallel_size > 1:
+        # Every rollout rank starts its own engine on its own GPU; an engine over several GPUs would need the
+        # other ranks of its group to start none, and its sender to feed all its workers: not arranged yet.
+        raise PlacementError(
+            f"rollout.vllm_mode=server_process runs one single-GPU engine per rollout rank: "
+            f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} is not supported there yet; set "
+            "rollout.tensor_parallel_size=1 (more engines: rollout.num_engines), or colocate "
+            "(train.colocate_all=true, vLLM's external launcher)")
     if not rollout_on_subset and mode == "server_process":
         raise PlacementError(
             "rollout.vllm_mode=server_process is for layouts where rollout ranks are a subset of the world; the "

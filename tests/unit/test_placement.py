@@ -105,9 +105,19 @@ def test_vllm_external_launcher_needs_every_rank(layout):
     with pytest.raises(PlacementError, match=r"rollout.vllm_mode=external_launcher .* of 8 ranks; set "
                                              r"rollout.vllm_mode=server_process"):
         build_placement(cfg(*subset, "rollout.vllm_mode=external_launcher"), 8)
-    assert build_placement(cfg(*subset), 8).layout != "colocated"  # auto: server_process off colocate_all
     assert build_placement(cfg(*subset, "rollout.vllm_mode=server_process"), 8).layout != "colocated"
+    assert build_placement(cfg(*subset), 8).layout != "colocated"  # auto: server_process off the colocated layout
     assert build_placement(cfg(*subset, "rollout.backend=transformers"), 8).layout != "colocated"
     assert build_placement(cfg("rollout.backend=vllm"), 8).layout == "colocated"
     with pytest.raises(PlacementError, match="set rollout.vllm_mode=external_launcher"):
         build_placement(cfg("rollout.backend=vllm", "rollout.vllm_mode=server_process"), 8)
+
+
+def test_server_process_engines_are_single_gpu_for_now():
+    """Each rollout rank starts its own server_process engine: one over several GPUs is refused up front."""
+    subset = ["train.colocate_all=false", "rollout.backend=vllm", "rollout.vllm_mode=server_process",
+              "actor.num_ranks=4"]
+    with pytest.raises(PlacementError, match="rollout.tensor_parallel_size=2 is not supported there yet"):
+        build_placement(cfg(*subset, "rollout.tensor_parallel_size=2"), 8)
+    assert build_placement(cfg(*subset, "rollout.tensor_parallel_size=1"), 8).layout == "disaggregated"
+    assert build_placement(cfg("rollout.backend=vllm", "rollout.tensor_parallel_size=2"), 8).layout == "colocated"

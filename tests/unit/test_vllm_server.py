@@ -189,3 +189,22 @@ def test_from_config_refuses_tensor_parallel_engines_per_rank(fake_vllm):
         assert engine.engine.args.kwargs["tensor_parallel_size"] == 1
     finally:
         engine.close()
+
+
+def test_bucket_descriptions_are_read_on_the_calling_thread(fake_vllm):
+    """The weight sync's descriptions may wait on the control plane: they must not be read on the engine's loop."""
+    engine = VllmServerEngine("/models/tiny")
+    engine.open_weight_channel("10.0.0.1", 31000)
+    readers = []
+
+    def buckets():
+        for name in ("a", "b"):
+            readers.append(threading.current_thread())
+            yield [(name, torch.empty(2, device="meta"))]
+
+    try:
+        engine.receive_weights(buckets())
+    finally:
+        engine.close()
+    assert readers == [threading.main_thread()] * 2
+    assert [c for c in engine.engine.calls if c[0] == "update"] == [("update", ["a"]), ("update", ["b"])]

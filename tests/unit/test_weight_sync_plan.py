@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from hpc_rlhf.engines.weight_sync_plan import bucket_size_for, pack_consecutive, plan_weight_sync
+from hpc_rlhf.engines.weight_sync_plan import (
+    assign_engine_senders,
+    bucket_size_for,
+    pack_consecutive,
+    plan_weight_sync,
+)
 from hpc_rlhf.engines.weight_transport import pack_bucket, unpack_bucket
 
 MB = 1 << 20
@@ -66,3 +71,33 @@ def test_flat_bucket_round_trips_mixed_dtypes_and_shapes():
     assert [n for n, _ in out] == ["a", "b", "c", "d"]
     for (_, want), (_, got) in zip(tensors, out, strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("num_engines", "replicas"), [
+    (2, [(0,), (1,)]), (3, [(0,), (1,)]), (2, [(0,), (1,), (2,)]), (7, [(0,), (1,), (2,)]),
+    (5, [(0, 1), (2, 3)]), (1, [(0, 1)]), (8, [(0,), (1,), (2,), (3,)]),
+])
+def test_engine_senders_cover_every_engine_balanced_and_spare_the_controller(num_engines, replicas):
+    actor_ranks = [r for g in replicas for r in g]
+    engines = list(range(len(actor_ranks), len(actor_ranks) + num_engines))
+    senders = assign_engine_senders(engines, replicas, controller_rank=0)
+    assert sorted(senders) == engines  # every engine has exactly one sender, an actor rank
+    assert set(senders.values()) <= set(actor_ranks)
+    per_replica = [sum(senders[e] in g for e in engines) for g in replicas]
+    assert max(per_replica) - min(per_replica) <= 1, per_replica  # round-robin: replicas feed engines evenly
+    per_rank = {r: sum(s == r for s in senders.values()) for r in actor_ranks}
+    busiest_share = -(-num_engines // len(actor_ranks))
+    assert max(per_rank.values()) <= -(-num_engines // len(replicas)) and max(per_rank.values()) >= busiest_share
+    # the controller feeds no more than any other rank, and nothing while another rank is idle
+    assert per_rank[0] == min(per_rank.values())
+    if num_engines < len(actor_ranks):
+        assert per_rank[0] == 0
+
+
+def test_engine_senders_refuse_bad_input():
+    with pytest.raises(ValueError, match="also actor ranks"):
+        assign_engine_senders([1, 2], [(0,), (1,)])
+    with pytest.raises(ValueError, match="two replicas"):
+        assign_engine_senders([3], [(0, 1), (1, 2)])
+    with pytest.raises(ValueError, match="engines and non-empty replicas"):
+        assign_engine_senders([], [(0,)])

@@ -61,7 +61,7 @@ from hpc_rlhf.trainers.rl.rollout_dump import (
     write_rollouts,
 )
 from hpc_rlhf.trainers.rl.rollout_health import AgentFailureLimitError, RolloutHealth
-from hpc_rlhf.trainers.rl.weight_sync import ShardedWeightSync
+from hpc_rlhf.trainers.rl.weight_sync import build_weight_sync
 from hpc_rlhf.trainers.rl.workers import (
     Batching,
     forward_logprobs,
@@ -101,8 +101,8 @@ class PPOTrainer:
         box = [self.data.num_steps if self.data else None]
         dist.broadcast_object_list(box, src=0)
         self.num_steps: int = box[0]
-        # Collective (one group per actor rank), so built by every rank before any role's engine.
-        self.weight_sync = None if cfg.train.colocate_all else ShardedWeightSync(world)
+        # Collective (it creates groups), so built by every rank before any role's engine.
+        self.weight_sync = None if cfg.train.colocate_all else build_weight_sync(cfg, world)
         self.roles = rl_setup.build_roles(cfg, world, self.tokenizer, self.num_steps)
         if world.is_controller:
             save_resolved_config(cfg, cfg.train.output_dir)
@@ -418,8 +418,10 @@ class PPOTrainer:
         return stats
 
     def sync_weights(self) -> None:
-        """Actor -> rollout engines: in-process when colocated; otherwise sharded (``weight_sync``): buckets leave
-        from the actor ranks that hold them, all senders at once, not through rank 0."""
+        """Actor -> rollout engines: in-process when colocated; otherwise (``weight_sync``) buckets leave from the
+        actor ranks that hold them, all senders at once, not through rank 0: over the main world to in-process
+        engines, over each engine's own NCCL channel to vLLM in processes of its own. The asynchronous trainer
+        syncs through here too."""
         actor, rollout = self.world.roles["actor"], self.world.roles["rollout"]
         if self.cfg.train.colocate_all:
             others = [engine for engine in (self.roles.critic, self.roles.ref) if engine is not None]

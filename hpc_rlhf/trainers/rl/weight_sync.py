@@ -1,15 +1,36 @@
 """Actor -> rollout weight sync where the rollout ranks are a subset of the world (disaggregated, partial,
 asynchronous layouts). The colocated layout loads weights in-process instead (``PPOTrainer.sync_weights``).
 
-The weights leave from the ranks that hold them: the plan (``weight_sync_plan``) spreads size-bounded buckets
-over the actor's replicas (one rank each under ZeRO 0-2, the tp group under AutoTP), every replica gathers only
-its own buckets, and in each round all senders broadcast one flat bucket at once (``weight_transport``). Rank 0
-is one sender among the others: it carries its share of the bytes, not the whole model.
+Two paths, one interface (``send(actor)`` on actor ranks, ``receive(engine)`` on rollout ranks, once per sync;
+``build_weight_sync`` picks one from the config):
+
+- ``ShardedWeightSync``, for engines living in the rollout rank's process (the transformers engine): the plan
+  (``weight_sync_plan``) spreads size-bounded buckets over the actor's replicas (one rank each under ZeRO 0-2,
+  the tp group under AutoTP), every replica gathers only its own buckets, and in each round all senders
+  broadcast one flat bucket at once over groups of the main world (``weight_transport``). Rank 0 is one sender
+  among the others: it carries its share of the bytes, not the whole model.
+- ``EngineChannelWeightSync``, for vLLM in processes of its own (``rollout.vllm_mode=server_process``): each
+  engine takes every bucket from one actor rank over a communicator of its own (vLLM's NCCL weight transfer
+  allows one sender per engine), the engines spread round-robin over the replicas (``assign_engine_senders``)
+  so they are fed in parallel. The main world carries only the rendezvous and the buckets' descriptions, once.
 """
 
 from __future__ import annotations
 
-from hpc_rlhf.engines.weight_sync_plan import WeightSyncPlan, bucket_size_for, plan_weight_sync
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from hpc_rlhf.config.schema import RunConfig, resolved_vllm_mode
+from hpc_rlhf.engines.weight_sync_plan import (
+    WeightSyncPlan,
+    assign_engine_senders,
+    bucket_size_for,
+    pack_consecutive,
+    plan_weight_sync,
+)
 from hpc_rlhf.engines.weight_transport import (
     BucketSink,
     GroupBroadcastTransport,
@@ -18,7 +39,8 @@ from hpc_rlhf.engines.weight_transport import (
     sender_groups,
 )
 from hpc_rlhf.world.channel import broadcast_to_role
-from hpc_rlhf.world.groups import WorldGroups, comm_device
+from hpc_rlhf.world.groups import WorldGroups, comm_device, new_group
+from hpc_rlhf.world.launch_env import free_port, host_address
 
 
 class ShardedWeightSync:
@@ -72,3 +94,152 @@ class ShardedWeightSync:
         """Payload bytes this rank has sent over all syncs."""
         return self.transport.bytes_sent
 
+
+class EngineChannel(Protocol):
+    """The sending actor rank's end of one engine's communicator (``vllm_server.SenderChannel``)."""
+
+    def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None: ...
+
+
+# (master address, master port, the engine's worker count) -> an open channel; collective with the engine's
+# ``open_weight_channel(master_address, master_port)``. The sender hosts the rendezvous store on that port.
+OpenChannel = Callable[[str, int, int], EngineChannel]
+
+
+def _open_vllm_channel(master_address: str, master_port: int, num_workers: int) -> EngineChannel:
+    from hpc_rlhf.engines.vllm_server import SenderChannel  # vLLM itself is imported only when opening
+
+    return SenderChannel(master_address, master_port, num_workers)
+
+
+def _describe(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    return [(name, tuple(t.shape), t.dtype) for name, t in bucket]
+
+
+class EngineChannelWeightSync:
+    """Weight sync to rollout engines that run in processes of their own and take their weights over a
+    communicator per engine with one sender (``rollout.vllm_mode=server_process``).
+
+    Built collectively by every rank (one control-plane group per sender: the sender and the rollout ranks it
+    feeds). The first sync opens the channels (lazily: the engines exist only after the trainer's roles are
+    built): each sender picks a free port per engine on its own host (it hosts the rendezvous store, as vLLM's
+    ``trainer_init`` does), sends address and ports over its group, and opens the engines' channels one after
+    the other while each engine's rank opens its end (NCCL's init is collective between the two; each rank
+    blocks in its own open only, so no order deadlocks). Every sync, the senders' replicas gather the whole state
+    dict bucket by bucket (every rank of a tp group takes part; replicas feeding no engine skip the gathering)
+    and each sender sends every bucket to each of its engines. The engine needs each bucket's names, shapes and
+    dtypes before its transfer: they go over the group with the first sync's buckets and are cached.
+
+    Args:
+        world: the world's groups (placement: rollout ranks disjoint from actor ranks, one engine per rollout rank).
+        bucket_bytes: the largest bucket (each bucket is one transfer and one ``update_weights`` on the engine).
+        num_workers: worker processes of each engine (its tensor-parallel size).
+        open_channel: opens the sender's end of one engine's communicator (vLLM's by default).
+    """
+
+    def __init__(self, world: WorldGroups, bucket_bytes: int = 256 << 20, num_workers: int = 1,
+                 open_channel: OpenChannel = _open_vllm_channel):
+        placement = world.placement
+        actor, rollout = placement.roles["actor"], placement.roles["rollout"]
+        self.world = world
+        self.bucket_bytes = bucket_bytes
+        self.num_workers = num_workers
+        self.open_channel = open_channel
+        self.replicas = [tuple(g) for g in actor.tp_groups]
+        self.sender_of = assign_engine_senders(rollout.ranks, self.replicas, placement.controller_rank)
+        self.engines_of: dict[int, list[int]] = {}
+        for engine, sender in self.sender_of.items():
+            self.engines_of.setdefault(sender, []).append(engine)
+        self.groups = {}
+        for sender in sorted(self.engines_of):  # collective: every rank creates every group, in this order
+            members = [sender, *self.engines_of[sender]]
+            group = new_group(sorted(members))
+            self.groups[sender] = group if world.rank in members else None
+        self.channels: dict[int, EngineChannel] = {}  # senders: engine rank -> open channel
+        self.bucket_names: list[list[str]] | None = None  # senders' replicas: the buckets, in send order
+        self.descriptions: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = []  # per bucket, cached
+        self.num_buckets: int | None = None  # rollout ranks: learnt at the rendezvous
+        self._bytes_sent = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank has sent over all syncs (each engine's copy counted)."""
+        return self._bytes_sent
+
+    def _broadcast(self, obj: Any, sender: int) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=sender, group=self.groups[sender], device=comm_device())
+        return box[0]
+
+    # ------------------------------------------------------------------ actor ranks
+    def send(self, actor) -> None:
+        """Actor ranks: ``actor`` is a ``TrainEngine`` (``state_dict_sizes``, ``gathered_state_dict_items``)."""
+        rank = self.world.rank
+        if getattr(actor, "zero_stage", 0) == 3:  # check_engines_can_run refuses the layout before this
+            raise ValueError("weight sync to server_process engines plans ZeRO 0-2 replicas; ZeRO-3 runs in the "
+                             "colocated layout only")
+        replica = next(r for r in self.replicas if rank in r)
+        if not any(r in self.engines_of for r in replica):
+            return  # this replica feeds no engine
+        if self.bucket_names is None:
+            self.bucket_names = self._plan_buckets(actor, replica)
+        engines = self.engines_of.get(rank, [])
+        if engines and not self.channels:
+            self._open_sender(engines)
+        # Every rank of the replica gathers (collective over its tp group); only the sender sends.
+        for index, bucket in enumerate(actor.gathered_state_dict_items(names=self.bucket_names)):
+            if not engines:
+                continue
+            if index == len(self.descriptions):  # first sync: the engines learn what this bucket holds
+                self.descriptions.append(self._broadcast(_describe(bucket), rank))
+            for engine in engines:
+                self.channels[engine].send(bucket)
+                self._bytes_sent += sum(t.numel() * t.element_size() for _, t in bucket)
+
+    def _plan_buckets(self, actor, replica: tuple[int, ...]) -> list[list[str]]:
+        """The buckets' names, in send order. Under AutoTP the replica's first rank decides for its tp group: a
+        shard's size may differ between its ranks, and every rank must gather the same buckets."""
+        sizes = actor.state_dict_sizes()
+        names = [[sizes[i][0] for i in run] for run in pack_consecutive([n for _, n in sizes], self.bucket_bytes)]
+        if len(replica) > 1:
+            box = [names]
+            dist.broadcast_object_list(box, src=replica[0], group=self.world.roles["actor"].tp_group,
+                                       device=comm_device())
+            names = box[0]
+        return names
+
+    def _open_sender(self, engines: list[int]) -> None:
+        address = host_address()
+        ports = {engine: free_port() for engine in engines}  # may be taken before the store binds it: rare
+        self._broadcast({"address": address, "ports": ports, "num_buckets": len(self.bucket_names)},
+                        self.world.rank)
+        for engine in engines:  # each returns once that engine's workers have joined
+            self.channels[engine] = self.open_channel(address, ports[engine], self.num_workers)
+
+    # ------------------------------------------------------------------ rollout ranks
+    def receive(self, engine) -> None:
+        """Rollout ranks: one weight round of ``engine`` (``open_weight_channel``, ``receive_weights``)."""
+        sender = self.sender_of[self.world.rank]
+        if self.num_buckets is None:
+            info = self._broadcast(None, sender)
+            engine.open_weight_channel(info["address"], info["ports"][self.world.rank])
+            self.num_buckets = info["num_buckets"]
+        engine.receive_weights(self._bucket_descriptions(sender))
+
+    def _bucket_descriptions(self, sender: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Each bucket as ``(name, meta tensor)`` pairs, in send order (the first sync waits for each one's
+        description from the sender; the data itself comes over the engine's channel)."""
+        for index in range(self.num_buckets):
+            if index == len(self.descriptions):
+                self.descriptions.append(self._broadcast(None, sender))
+            yield [(name, torch.empty(shape, dtype=dtype, device="meta"))
+                   for name, shape, dtype in self.descriptions[index]]
+
+
+def build_weight_sync(cfg: RunConfig, world: WorldGroups, **kwargs: Any):
+    """The weight sync of a layout whose rollout ranks are a subset of the world: over vLLM's per-engine
+    channels for ``rollout.vllm_mode=server_process``, else sharded over the main world. Collective."""
+    if cfg.rollout.backend == "vllm" and resolved_vllm_mode(cfg.rollout.vllm_mode,
+                                                            cfg.train.colocate_all) == "server_process":
+        return EngineChannelWeightSync(world, num_workers=cfg.rollout.tensor_parallel_size, **kwargs)
+    return ShardedWeightSync(world, **kwargs)
