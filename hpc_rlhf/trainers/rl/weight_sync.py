@@ -45,8 +45,8 @@ from hpc_rlhf.world.launch_env import free_port, host_address
 
 class ShardedWeightSync:
     """Built collectively by every rank (it creates one group per actor rank); then ``send`` on actor ranks and
-    ``receive`` on rollout ranks, once per sync. The plan is computed on the actor ranks at the first sync (from
-    the actor's state-dict sizes) and sent once by rank 0 to the rollout ranks; later syncs reuse it."""
+    ``receive`` on rollout ranks, once per sync. The plan is computed by rank 0 (an actor rank) at the first sync
+    from the actor's state-dict sizes and sent once to the actor and rollout ranks; later syncs reuse it."""
 
     def __init__(self, world: WorldGroups, bucket_bytes: int = 256 << 20, transport: WeightTransport | None = None):
         """``bucket_bytes``: the largest bucket (smaller ones where the model is small: ``bucket_size_for``)."""
@@ -70,10 +70,16 @@ class ShardedWeightSync:
         if getattr(actor, "zero_stage", 0) == 3:  # check_engines_can_run refuses the layout before this
             raise ValueError("sharded weight sync plans ZeRO 0-2 replicas; ZeRO-3 runs in the colocated layout only")
         if self.plan is None:
-            sizes = actor.state_dict_sizes()
-            bucket_bytes = bucket_size_for(sum(n for _, n in sizes), len(self.replicas), self.bucket_bytes)
-            self.plan = plan_weight_sync(sizes, self.replicas, bucket_bytes)
-            if rank == self.world.placement.controller_rank:
+            # One plan, made on the controller (an actor rank) and broadcast: under AutoTP each rank sees its own
+            # shard sizes, and uneven shards would give tensor-parallel peers different buckets.
+            controller = rank == self.world.placement.controller_rank
+            plan = None
+            if controller:
+                sizes = actor.state_dict_sizes()
+                bucket_bytes = bucket_size_for(sum(n for _, n in sizes), len(self.replicas), self.bucket_bytes)
+                plan = plan_weight_sync(sizes, self.replicas, bucket_bytes)
+            self.plan = broadcast_to_role(plan, self.world.roles["actor"])
+            if controller:
                 broadcast_to_role(self.plan, self.world.roles["rollout"])
         replica = next(r for r in self.replicas if rank in r)
         mine = self.plan.buckets_of_replica(replica)
