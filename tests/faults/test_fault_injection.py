@@ -1,0 +1,76 @@
+"""Seeded faults at real points of the tiny GRPO run (2 ranks, torchrun): the job ends fast, nothing is lost.
+
+See tests/faults/driver.py for what is injected and asserted. ``pytest tests/faults --fault-injections 20``
+runs more; the table of outcomes is printed at the end (and goes into docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from hpc_rlhf.ckpt.atomic import CheckpointManager
+from hpc_rlhf.utils.metrics import read_metrics
+from hpc_rlhf.utils.watchdog import STALL_EXIT_CODE
+from tests.faults import driver
+from tests.faults.conftest import OUTCOMES
+from tests.multiproc.rl_fixtures import make_assets
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return make_assets(tmp_path_factory.mktemp("assets"))
+
+
+@pytest.fixture(scope="module")
+def reference(assets, tmp_path_factory):
+    """The uninterrupted run's metrics rows."""
+    out = tmp_path_factory.mktemp("reference")
+    assert driver.wait_job(driver.start_job(driver.overrides(assets, out), out / "job.log")) == 0, out / "job.log"
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, driver.NUM_STEPS + 1))
+    return rows
+
+
+def _check_diagnosis(fault: driver.Fault, outcome: driver.Outcome, out) -> None:
+    """The job says what happened: the dead rank's number, the hang's dumps, the stop's checkpoint."""
+    log = outcome.log
+    if fault.kind == "sigkill_one":
+        # torchrun's "Root Cause" block names the killed rank; the survivor names it too (StallGuard).
+        assert re.search(rf"rank\s*:\s*{fault.rank} \(local_rank: {fault.rank}\)\s+exitcode\s*:\s*-9", log), log[-3000:]
+        assert f"rank {fault.rank} is dead" in log, log[-3000:]
+    elif fault.kind == "sigstop_one":
+        peer = 1 - fault.rank
+        hang = out / "hang"
+        assert (hang / f"rank{peer}.txt").is_file(), "the running rank dumped no stacks"
+        assert not (hang / f"rank{fault.rank}.txt").exists()  # a stopped process cannot dump
+        assert f"exitcode  : {STALL_EXIT_CODE}" in log, log[-3000:]
+        summary = (hang / "summary.txt").read_text()
+        assert f"rank {fault.rank} stopped checking in" in summary, summary
+    elif fault.kind in ("sigusr1_all", "sigterm_all"):
+        assert "will checkpoint and stop" in log and "exitcode  : 75" in log, log[-3000:]
+    elif fault.kind == "enospc_save":
+        assert "No space left on device (injected" in log, log[-3000:]
+
+
+def test_fault_is_survived(fault, assets, reference, tmp_path):
+    out = tmp_path / "run"
+    outcome = driver.inject(fault, assets, out)
+    OUTCOMES.append(outcome)
+    print(f"{fault}: exit {outcome.exit_code} after {outcome.exit_s:.1f} s")
+    assert outcome.exit_code != 0, "the faulted job claims success"
+    assert outcome.exit_s < fault.bound_s, f"{fault}: {outcome.exit_s:.1f} s from fault to exit"
+    _check_diagnosis(fault, outcome, out)
+    driver.check_checkpoints(out, outcome.checkpoints_before)
+    latest = CheckpointManager(out / "ckpt", rank=0).latest_verified()
+    expected_start = 0 if latest is None else int(latest.name.split("_")[1])
+
+    outcome.resumed_from = driver.run_to_completion(driver.overrides(assets, out), out / "job.log")
+    assert outcome.resumed_from[0] == expected_start, (outcome.resumed_from, expected_start)
+    driver.check_checkpoints(out, outcome.checkpoints_before)
+    diffs = driver.same_metrics(reference, read_metrics(out))
+    assert not diffs, diffs
+    outcome.survived = True
