@@ -39,9 +39,10 @@ def _check_diagnosis(fault: driver.Fault, outcome: driver.Outcome, out) -> None:
     """The job says what happened: the dead rank's number, the hang's dumps, the stop's checkpoint."""
     log = outcome.log
     if fault.kind == "sigkill_one":
-        # torchrun's "Root Cause" block names the killed rank; the survivor names it too (StallGuard).
-        assert re.search(rf"rank\s*:\s*{fault.rank} \(local_rank: {fault.rank}\)\s+exitcode\s*:\s*-9", log), log[-3000:]
-        assert f"rank {fault.rank} is dead" in log, log[-3000:]
+        # torchrun's "Root Cause" block names the killed rank (its agent notices within 0.1 s and stops the
+        # survivor, usually before the survivor's own "rank N is dead" message from StallGuard).
+        assert re.search(rf"Root Cause[^\[]*\[0\]:\s+time\s*:[^\n]*\s+host\s*:[^\n]*\s+rank\s*:\s*{fault.rank} "
+                         r"\(local_rank: \d\)\s+exitcode\s*:\s*-9", log), log[-3000:]
     elif fault.kind == "sigstop_one":
         peer = 1 - fault.rank
         hang = out / "hang"
@@ -51,7 +52,9 @@ def _check_diagnosis(fault: driver.Fault, outcome: driver.Outcome, out) -> None:
         summary = (hang / "summary.txt").read_text()
         assert f"rank {fault.rank} stopped checking in" in summary, summary
     elif fault.kind in ("sigusr1_all", "sigterm_all"):
-        assert "will checkpoint and stop" in log and "exitcode  : 75" in log, log[-3000:]
+        assert "will checkpoint and stop" in log, log[-3000:]
+        # A signal during the last step's save: the run is complete, so it exports and exits 0 (nothing to resume).
+        assert "exitcode  : 75" in log or (outcome.exit_code == 0 and (out / "model").is_dir()), log[-3000:]
     elif fault.kind == "enospc_save":
         assert "No space left on device (injected" in log, log[-3000:]
 
@@ -61,7 +64,8 @@ def test_fault_is_survived(fault, assets, reference, tmp_path):
     outcome = driver.inject(fault, assets, out)
     OUTCOMES.append(outcome)
     print(f"{fault}: exit {outcome.exit_code} after {outcome.exit_s:.1f} s")
-    assert outcome.exit_code != 0, "the faulted job claims success"
+    last_step_signal = fault.kind in ("sigusr1_all", "sigterm_all") and fault.step == driver.NUM_STEPS
+    assert outcome.exit_code != 0 or last_step_signal, "the faulted job claims success"
     assert outcome.exit_s < fault.bound_s, f"{fault}: {outcome.exit_s:.1f} s from fault to exit"
     _check_diagnosis(fault, outcome, out)
     driver.check_checkpoints(out, outcome.checkpoints_before)
