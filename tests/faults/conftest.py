@@ -46,3 +46,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     path = config.getoption("--fault-table", default=None) or os.environ.get("HPC_RLHF_FAULT_TABLE")
     if path:
         Path(path).write_text(table + "\n")
+
+
+@pytest.fixture(scope="session")
+def slurm_or_skip() -> None:
+    from tests.slurm.conftest import _controller_problem
+
+    problem = _controller_problem()
+    if problem:
+        pytest.skip(problem)

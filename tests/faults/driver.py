@@ -94,10 +94,17 @@ def overrides(assets: dict[str, str], out: Path, *extra: str) -> list[str]:
             *extra]
 
 
-def start_job(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """torchrun, 2 ranks, the tiny GRPO recipe, in its own session (so a leftover can be killed by group)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           "-m", "hpc_rlhf.cli.train_ppo", "--config", str(ROOT / "configs/grpo_tiny_cpu.yaml"), *args]
+def start_job(args: list[str], log: Path, env: dict[str, str] | None = None, launcher: str = "torchrun"
+              ) -> subprocess.Popen:
+    """2 ranks of the tiny GRPO recipe in their own session (so a leftover can be killed by group): under
+    torchrun, or under ``srun`` as slurm/launch.sh starts them (one task per rank, --kill-on-bad-exit)."""
+    if launcher == "srun":
+        start = ["srun", "--partition=debug", "--nodes=1", "--ntasks=2", "--cpus-per-task=1", "--kill-on-bad-exit=1",
+                 "--label", "--time=00:15:00", sys.executable]
+    else:
+        start = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                 "--master_port", str(_free_port())]
+    cmd = [*start, "-m", "hpc_rlhf.cli.train_ppo", "--config", str(ROOT / "configs/grpo_tiny_cpu.yaml"), *args]
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                 **(env or {})}
     return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log.open("a"), stderr=subprocess.STDOUT,
@@ -152,9 +159,10 @@ class Outcome:
     checkpoints_before: dict[int, list] = field(default_factory=dict)
     resumed_from: list[int] = field(default_factory=list)
     survived: bool = False
+    launcher: str = "torchrun"
 
 
-def inject(fault: Fault, assets: dict[str, str], out: Path) -> Outcome:
+def inject(fault: Fault, assets: dict[str, str], out: Path, launcher: str = "torchrun") -> Outcome:
     """Start the run with the fault armed, deliver it at the point, wait for the job to end."""
     fault_dir = out / "fault"
     fault_dir.mkdir(parents=True)
@@ -162,7 +170,7 @@ def inject(fault: Fault, assets: dict[str, str], out: Path) -> Outcome:
     env = {"HPC_RLHF_FAULT_DIR": str(fault_dir), "HPC_RLHF_FAULT_AT": f"{fault.phase}:{fault.step}:{fault.rank}"}
     if fault.kind == "enospc_save":
         env["HPC_RLHF_FAULT_ACTION"] = "enospc"
-    proc = start_job(overrides(assets, out), log, env)
+    proc = start_job(overrides(assets, out), log, env, launcher)
     marker = fault_dir / f"at_{fault.phase}_{fault.step}_{fault.rank}"
     done = fault_dir / f"done_{fault.phase}_{fault.step}_{fault.rank}"
     deadline = time.monotonic() + JOB_TIMEOUT_S
@@ -192,7 +200,7 @@ def inject(fault: Fault, assets: dict[str, str], out: Path) -> Outcome:
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
     assert not leftovers, f"{fault}: orphan rank processes after the job ended: {leftovers}"
-    return Outcome(fault, exit_s, rc, log.read_text(errors="replace"), checkpoints_before=before)
+    return Outcome(fault, exit_s, rc, log.read_text(errors="replace"), checkpoints_before=before, launcher=launcher)
 
 
 def check_checkpoints(out: Path, kept: dict[int, dict]) -> None:
@@ -207,21 +215,20 @@ def check_checkpoints(out: Path, kept: dict[int, dict]) -> None:
 
 
 def dump_table(outcomes: list[Outcome]) -> str:
-    """Markdown table: fault kind, injections, survived, worst time from fault to exit (and its bound)."""
+    """Markdown table: fault kind and launcher, injections, survived, worst time from fault to exit (and its bound)."""
     rows = {}
     for o in outcomes:
-        row = rows.setdefault(o.fault.kind, {"n": 0, "ok": 0, "worst": 0.0, "bound": o.fault.bound_s, "at": set()})
+        key = (KINDS.index(o.fault.kind), o.launcher)
+        row = rows.setdefault(key, {"n": 0, "ok": 0, "worst": 0.0, "bound": o.fault.bound_s, "at": set()})
         row["n"] += 1
         row["ok"] += int(o.survived)
         row["worst"] = max(row["worst"], o.exit_s)
         row["at"].add(o.fault.phase)
-    lines = ["| fault | injections | survived | worst time to exit (s) | bound (s) | phases hit |",
-             "|---|---|---|---|---|---|"]
-    for kind in KINDS:
-        if kind in rows:
-            r = rows[kind]
-            lines.append(f"| {kind} | {r['n']} | {r['ok']} | {r['worst']:.1f} | {r['bound']:.0f} | "
-                         f"{', '.join(sorted(r['at']))} |")
+    lines = ["| fault | launcher | injections | survived | worst time to exit (s) | bound (s) | phases hit |",
+             "|---|---|---|---|---|---|---|"]
+    for (kind, launcher), r in sorted(rows.items()):
+        lines.append(f"| {KINDS[kind]} | {launcher} | {r['n']} | {r['ok']} | {r['worst']:.1f} | {r['bound']:.0f} | "
+                     f"{', '.join(sorted(r['at']))} |")
     return "\n".join(lines)
 
 

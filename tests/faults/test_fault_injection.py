@@ -78,3 +78,25 @@ def test_fault_is_survived(fault, assets, reference, tmp_path):
     diffs = driver.same_metrics(reference, read_metrics(out))
     assert not diffs, diffs
     outcome.survived = True
+
+
+@pytest.mark.slurm
+def test_a_killed_rank_ends_the_srun_step(assets, reference, tmp_path, slurm_or_skip):
+    """Under srun (as slurm/launch.sh runs the ranks): SIGKILL of a seeded rank mid-training ends the step at
+    once, srun names the task, no rank process is left; the run then resumes and matches the reference."""
+    import random
+
+    rng = random.Random(1)
+    fault = driver.Fault("sigkill_one", rng.choice(["generation", "train", "weight_sync"]), rng.randint(2, 5),
+                         rng.randint(0, 1))
+    out = tmp_path / "run"
+    outcome = driver.inject(fault, assets, out, launcher="srun")
+    OUTCOMES.append(outcome)
+    print(f"srun {fault}: exit {outcome.exit_code} after {outcome.exit_s:.1f} s")
+    assert outcome.exit_code != 0
+    assert outcome.exit_s < fault.bound_s, f"{fault}: {outcome.exit_s:.1f} s from fault to exit"
+    assert re.search(rf"task {fault.rank}: Killed", outcome.log), outcome.log[-3000:]
+    driver.check_checkpoints(out, outcome.checkpoints_before)
+    driver.run_to_completion(driver.overrides(assets, out), out / "job.log")
+    assert not driver.same_metrics(reference, read_metrics(out))
+    outcome.survived = True
