@@ -203,8 +203,10 @@ class StallLimits(Section):
         "<output_dir>/hang/ and the job exits with status 124. 0 or null: no watchdog, fixed collective timeout")
     watchdog_step_factor: float = Field(4.0, ge=1, description="a step may take this many times the slowest step so far")
     watchdog_first_step_s: float = Field(
-        1800.0, gt=0, description="limit of the first step after (re)start: compilation, engine warm-up")
-    watchdog_checkpoint_s: float = Field(1800.0, gt=0, description="limit of one checkpoint save or load")
+        1800.0, gt=0, description="limit of the first step after (re)start (compilation, engine warm-up) and of "
+        "each evaluation")
+    watchdog_checkpoint_s: float = Field(
+        1800.0, gt=0, description="limit of one checkpoint save or load, and of the final HF export")
 
 
 class TrainConfig(StallLimits):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PHASES = ("startup", "first_step", "step", "checkpoint")
+PHASES = ("startup", "first_step", "step", "eval", "checkpoint")
 
 
 @dataclass
@@ -31,7 +31,7 @@ class StallLimits:
     Args:
         floor_s: no step limit is shorter than this.
         step_factor: a step may take this many times the slowest step so far.
-        first_step_s: the first step after a (re)start.
+        first_step_s: the first step after a (re)start, and each evaluation.
         checkpoint_s: one checkpoint save or load.
         startup_s: start-up (process group init, model loading); the configured collective timeout.
     """
@@ -65,7 +65,8 @@ class StallLimits:
             return self.startup_s
         if phase == "checkpoint":
             return self.checkpoint_s
-        if phase == "first_step" or (phase == "step" and self.slowest_step_s is None):
+        # An evaluation's length is as unknown as the first step's (another data set, other sampling): same allowance.
+        if phase in ("first_step", "eval") or (phase == "step" and self.slowest_step_s is None):
             return max(self.first_step_s, self.floor_s)
         if phase == "step":
             return max(self.floor_s, self.step_factor * self.slowest_step_s)

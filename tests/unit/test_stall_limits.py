@@ -17,7 +17,7 @@ def test_step_limit_follows_the_slowest_step_after_the_first():
     limits.observe_step(10.0)
     assert limits.for_phase("step") == 160
     assert limits.for_phase("checkpoint") == 1200 and limits.for_phase("startup") == 1800
-    assert limits.for_phase("first_step") == 900
+    assert limits.for_phase("first_step") == limits.for_phase("eval") == 900
 
 
 def test_bad_limits_and_phases_fail_loudly():
@@ -25,8 +25,8 @@ def test_bad_limits_and_phases_fail_loudly():
         StallLimits(floor_s=0)
     with pytest.raises(ValueError, match="step_factor"):
         StallLimits(floor_s=1, step_factor=0.5)
-    with pytest.raises(ValueError, match="unknown phase 'eval'"):
-        StallLimits(floor_s=1).for_phase("eval")
+    with pytest.raises(ValueError, match="unknown phase 'warmup'"):
+        StallLimits(floor_s=1).for_phase("warmup")
 
 
 def test_watchdog_is_on_by_default_and_zero_or_null_turns_it_off(tmp_path):

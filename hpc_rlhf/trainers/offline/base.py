@@ -179,7 +179,8 @@ class SupervisedTrainer:
         preemption = preemption_guard()
         rows: list[dict[str, Any]] = []
         if self.step == 0 and self.eval_set:
-            rows.append(self._log(0, self.evaluate()))
+            with guard.phase("eval"):
+                rows.append(self._log(0, self.evaluate()))
         last_eval: dict[str, float] | None = None
         while self.step < self.num_steps:
             timer = PhaseTimer()
@@ -190,15 +191,16 @@ class SupervisedTrainer:
             last_eval = None
             due = self.step == self.num_steps or (tcfg.eval_steps and self.step % tcfg.eval_steps == 0)
             if self.eval_set and due:
-                with timer("eval"):
+                with timer("eval"), guard.phase("eval"):
                     last_eval = self.evaluate()
                 row.update(last_eval)
             step_s = time.perf_counter() - start
             row.update(timer.metrics())
+            guard_s = step_s - timer.seconds.get("eval", 0.0)  # evaluation has its own limit
             row.update({"timing/step": step_s, "tokens_per_s": num_tokens / max(step_s, 1e-9),
                         "epoch": self.stream.episode})
             rows.append(self._log(self.step, row))
-            guard.step_done(step_s)
+            guard.step_done(guard_s)
             save_due = self.cfg.ckpt.save_steps and self.step % self.cfg.ckpt.save_steps == 0
             if preemption.agreed_stop():
                 with guard.phase("checkpoint"):

@@ -121,15 +121,16 @@ class PPOTrainer:
         guard = StallGuard.from_config(self.cfg.train, self.rank, dist.get_world_size()).start()
         try:
             history = self._fit(guard)
+            close_executor = getattr(self.roles.rollout.executor, "close", None) if self.roles.rollout else None
+            if close_executor is not None:  # e.g. the OpenAI-agent endpoint: stop serving when training ends
+                close_executor()
+            if not self.stopped_by_signal:
+                with guard.phase("checkpoint"):  # the HF export: a write as large as a save
+                    self.export()
         except Exception as exc:
             guard.explain_failure(exc)
             raise
         guard.stop()
-        close_executor = getattr(self.roles.rollout.executor, "close", None) if self.roles.rollout else None
-        if close_executor is not None:  # e.g. the OpenAI-agent endpoint: stop serving when training ends
-            close_executor()
-        if not self.stopped_by_signal:
-            self.export()
         if self.metrics:
             self.metrics.close()
         return history
@@ -143,7 +144,8 @@ class PPOTrainer:
         preemption = preemption_guard()
         history = []
         if start == 0 and self.cfg.eval.data and self.cfg.eval.at_start:
-            eval_row = self.evaluate(0)  # the initial weights: the baseline every later eval compares with
+            with guard.phase("eval"):
+                eval_row = self.evaluate(0)  # the initial weights: the baseline every later eval compares with
             if self.metrics:
                 self.metrics.log(0, eval_row)
         self.before_steps(start)
@@ -155,7 +157,7 @@ class PPOTrainer:
                 row = self.step(step, timer)
             eval_row = None
             if self.cfg.eval.data and is_eval_step(step, self.num_steps, self.cfg.eval.steps):
-                with timer("eval"):
+                with timer("eval"), guard.phase("eval"):
                     eval_row = self.evaluate(step)
             if self.world.is_controller:
                 row = {**row, **timer.metrics(), "kl_coef": self.data.kl_controller.value}
@@ -169,7 +171,7 @@ class PPOTrainer:
                 progress.set_postfix(reward=f"{row['reward']:.3f}", refresh=False)
             progress.update(1)
             self.stop_on_agent_failures()
-            guard.step_done(sum(timer.seconds.get(k, 0.0) for k in ("step", "eval")))
+            guard.step_done(timer.seconds["step"])
             stop = preemption.agreed_stop()
             save_steps = self.cfg.ckpt.save_steps
             if stop or (save_steps and (step % save_steps == 0 or step == self.num_steps)):
