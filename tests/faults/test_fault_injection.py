@@ -82,13 +82,13 @@ def test_fault_is_survived(fault, assets, reference, tmp_path):
 
 @pytest.mark.slurm
 def test_a_killed_rank_ends_the_srun_step(assets, reference, tmp_path, slurm_or_skip):
-    """Under srun (as slurm/launch.sh runs the ranks): SIGKILL of a seeded rank mid-training ends the step at
-    once, srun names the task, no rank process is left; the run then resumes and matches the reference."""
+    """Under srun (as slurm/launch.sh runs the ranks): SIGKILL of rank 0 (the controller, which also holds the
+    rendezvous store) at a seeded point ends the step at once, srun names the task, no rank process is left; the
+    run then resumes and matches the reference."""
     import random
 
     rng = random.Random(1)
-    fault = driver.Fault("sigkill_one", rng.choice(["generation", "train", "weight_sync"]), rng.randint(2, 5),
-                         rng.randint(0, 1))
+    fault = driver.Fault("sigkill_one", rng.choice(["generation", "train", "weight_sync"]), rng.randint(2, 5), 0)
     out = tmp_path / "run"
     outcome = driver.inject(fault, assets, out, launcher="srun")
     OUTCOMES.append(outcome)
