@@ -212,7 +212,7 @@ class Watchdog:
             if time.monotonic() >= next_check_in:
                 self._check_in()
                 next_check_in = time.monotonic() + self.HEARTBEAT_INTERVAL_S
-                fired = self._peer_that_fired()
+                fired = None if self._stalled else self._peer_that_fired()
                 if fired is not None:
                     self._fire(f"rank {fired}'s watchdog fired")
                     continue
