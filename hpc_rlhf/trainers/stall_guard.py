@@ -82,15 +82,18 @@ class StallGuard:
             self.watchdog.stop()
 
     def explain_failure(self, exc: BaseException, wait_s: float = 6.0) -> None:
-        """Log which peers are dead or silent after ``exc`` (usually a collective's connection error).
-
-        A peer on this host whose process is gone is named at once; one on another host once its heartbeat is
-        older than the watchdog's staleness limit, so this waits up to ``wait_s`` for a silent peer to show."""
-        if self.watchdog is None:
+        """After a collective failed (a RuntimeError, DistBackendError among them), log which peers are dead or
+        silent. A peer on this host whose process is gone is named at once; one on another host once its heartbeat
+        is older than the watchdog's staleness limit, so this waits up to ``wait_s`` for one to show. Other errors
+        are this rank's own and need no peer to explain them."""
+        if self.watchdog is None or not isinstance(exc, RuntimeError):
             return
-        # Collective failures are RuntimeErrors (DistBackendError among them); others need no peer to explain them.
-        deadline = time.monotonic() + (wait_s if isinstance(exc, RuntimeError) else 0.0)
-        while not (peers := self.watchdog.silent_ranks()) and time.monotonic() < deadline:
+        deadline = time.monotonic() + wait_s
+        while True:
+            # "behind in beats" is no verdict here: heartbeats are written once a second, so counts lag.
+            peers = [line for line in self.watchdog.silent_ranks() if " is behind" not in line]
+            if peers or time.monotonic() >= deadline:
+                break
             time.sleep(0.5)
         if peers:
             log.error("rank %d stops after %s: %s; the first error is in that rank's output (or it was killed)",
