@@ -333,7 +333,7 @@ def _py_spy_dump() -> str:
         return ""
     try:
         proc = subprocess.run([exe, "dump", "--native", "--pid", str(os.getpid())], capture_output=True, text=True,
-                              timeout=20)
+                              check=False, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"\npy-spy dump failed: {exc}\n"
     return f"\npy-spy dump --native (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}"

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import psutil
 
-from tests.multiproc.spawn import _free_port
 from hpc_rlhf.ckpt.atomic import CheckpointManager, read_manifest, verify_checkpoint
+from tests.multiproc.spawn import _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_STEPS = 6
@@ -36,10 +36,11 @@ SAVE_STEPS = 2
 # on a loaded 2-core box).
 WATCHDOG_FLOOR_S = 15
 PHASE_ALLOWANCE_S = 40  # first step and checkpoint saves
-# Bounds on fault -> job exit. Deaths: 30 s (the issue's bound). A stopped rank: its phase limit, the peers'
-# dump grace and py-spy, plus torchrun's SIGTERM -> SIGKILL grace (30 s) for the stopped process.
+# Bounds on fault -> job exit. Deaths: 30 s. A stopped rank: its phase limit (at most PHASE_ALLOWANCE_S), the
+# peers' dumps (py-spy, up to 5 s of waiting for each other) and torchrun's SIGTERM -> SIGKILL grace (30 s) for the
+# stopped process, with room for a loaded machine (measured: 46-73 s).
 DEATH_BOUND_S = 30.0
-STOP_BOUND_S = PHASE_ALLOWANCE_S + 50.0
+STOP_BOUND_S = PHASE_ALLOWANCE_S + 70.0
 SIGNAL_STOP_BOUND_S = 60.0  # SIGUSR1/SIGTERM: finish the step, checkpoint, exit
 JOB_TIMEOUT_S = 600
 COMPARED = ("reward", "score", "response_length", "policy_loss", "actor_grad_norm", "actor_lr")
@@ -196,7 +197,7 @@ def inject(fault: Fault, assets: dict[str, str], out: Path, launcher: str = "tor
     rc = wait_job(proc)
     exit_s = time.time() - t0
     leftovers = [f"rank {r} (pid {pid})" for r, pid in _pids(fault_dir).items() if _alive(pid)]
-    for _, pid in _pids(fault_dir).items():  # never leave a stopped test process behind, whatever was found
+    for pid in _pids(fault_dir).values():  # never leave a stopped test process behind, whatever was found
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
     assert not leftovers, f"{fault}: orphan rank processes after the job ended: {leftovers}"

@@ -57,7 +57,6 @@ from hpc_rlhf.trainers.rl.rollout_dump import (
     write_rollouts,
 )
 from hpc_rlhf.trainers.rl.rollout_health import AgentFailureLimitError, RolloutHealth
-from hpc_rlhf.trainers.stall_guard import StallGuard
 from hpc_rlhf.trainers.rl.workers import (
     Batching,
     forward_logprobs,
@@ -65,9 +64,10 @@ from hpc_rlhf.trainers.rl.workers import (
     train_actor,
     train_critic,
 )
+from hpc_rlhf.trainers.stall_guard import StallGuard
+from hpc_rlhf.utils.fault_injection import fault_point
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer, is_logging_step
 from hpc_rlhf.utils.seeding import seed_everything
-from hpc_rlhf.utils.fault_injection import fault_point
 from hpc_rlhf.world.channel import broadcast_to_role, gather_from_role, scatter_to_role
 from hpc_rlhf.world.groups import WorldGroups
 from hpc_rlhf.world.preemption import preemption_guard, requeue_if_enabled
