@@ -11,7 +11,8 @@
 #   GPU_JOB              1: NCCL ranks (NCCL settings below); 0: CPU ranks over gloo
 #   PREPARE_ASSETS       1: build a CPU recipe's tiny model and synthetic data before the guard
 # Arguments are dotted overrides, given to the guard and to every rank. User environment: CONFIG, PYTHON,
-# PLAN_ARGS (extra `plan` flags, e.g. "--gpu-mem-gb 141" on H200), OMP_NUM_THREADS, NCCL_DEBUG.
+# PLAN_ARGS (extra `plan` flags, e.g. "--gpu-mem-gb 141" on H200), OMP_NUM_THREADS, NCCL_DEBUG,
+# MAX_STALL_REQUEUES (how many times a hung job is requeued, counted over the job's life; default 2).
 set -euo pipefail
 
 : "${RECIPE:?slurm/launch.sh is sourced by a slurm/*.sbatch recipe, not run on its own}"
@@ -79,6 +80,35 @@ fi
 # and the port is derived from the job id (hpc_rlhf.world.launch_env): no torchrun, no Ray, no waiting for
 # services. --kill-on-bad-exit: one failing rank ends the whole step at once, with its error in this log.
 # --cpus-per-task is repeated because not every SLURM version passes the job's value on to srun.
+#
+# A hang: the trainers' watchdog (train.watchdog_timeout_s, on by default) dumps every rank's stacks to
+# <train.output_dir>/hang/ and exits 124, touching HPC_RLHF_STALL_FILE first (srun's own status is that of
+# the rank it killed last, so it cannot tell a hang from a crash). Then this job requeues itself and resumes
+# from the last checkpoint, at most MAX_STALL_REQUEUES times in the job's life (the count is kept in a file
+# named after the job id, which a requeue keeps), and fails after that: a hang that repeats needs a person.
+JOB_REF="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"
+JOB_REF="${JOB_REF:-$SLURM_JOB_ID}"
+JOB_STATE_DIR="${SLURM_SUBMIT_DIR:-$PWD}/.hpc-rlhf/job-${JOB_REF}"
+export HPC_RLHF_STALL_FILE="$JOB_STATE_DIR/stalled"
+mkdir -p "$JOB_STATE_DIR"
+rm -f "$HPC_RLHF_STALL_FILE"
+status=0
 srun --kill-on-bad-exit=1 --label --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
-    "$PYTHON" -m "hpc_rlhf.cli.$ENTRY" --config "$CONFIG" ${RESUME[@]+"${RESUME[@]}"} "$@"
+    "$PYTHON" -m "hpc_rlhf.cli.$ENTRY" --config "$CONFIG" ${RESUME[@]+"${RESUME[@]}"} "$@" || status=$?
+if [ -f "$HPC_RLHF_STALL_FILE" ]; then
+    stalls=$(( $(cat "$JOB_STATE_DIR/stall_requeues" 2>/dev/null || echo 0) + 1 ))
+    echo "[$(date -Is)] job ${JOB_REF}: hang detected ($(cat "$HPC_RLHF_STALL_FILE")); stacks in" \
+         "<train.output_dir>/hang/" >&2
+    if [ "$stalls" -le "${MAX_STALL_REQUEUES:-2}" ]; then
+        echo "$stalls" > "$JOB_STATE_DIR/stall_requeues"
+        echo "[$(date -Is)] job ${JOB_REF}: requeue ${stalls} of ${MAX_STALL_REQUEUES:-2} after a hang;" \
+             "it resumes from the last checkpoint" >&2
+        scontrol requeue "$JOB_REF" && exit 0
+        echo "$RECIPE: scontrol requeue $JOB_REF failed; resubmit with ckpt.load=true" >&2
+    else
+        echo "$RECIPE: the job hung $stalls times (MAX_STALL_REQUEUES=${MAX_STALL_REQUEUES:-2}); not requeueing" >&2
+    fi
+    exit 124
+fi
+[ "$status" -eq 0 ] || exit "$status"
 echo "[$(date -Is)] job ${SLURM_JOB_ID}: training finished"

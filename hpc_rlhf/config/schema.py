@@ -209,7 +209,29 @@ class AlgoConfig(Section):
         return self.kl.init_coef > 0
 
 
-class TrainConfig(Section):
+class StallLimits(Section):
+    """Bounds on a hang, shared by the RL and offline trainers (``hpc_rlhf.utils.stall_limits``, docs/reliability.md).
+
+    A step may take ``max(watchdog_timeout_s, watchdog_step_factor x`` the slowest step so far``)``; the first step
+    (compilation, engine start-up) and checkpoint saves / loads have their own allowances. The same bound is the
+    collective timeout of every process group while the phase runs; ``collective_timeout_s`` covers start-up.
+    """
+
+    collective_timeout_s: int = Field(
+        1800, ge=1, description="collective timeout during start-up (init, model loading); steps and checkpoints use "
+        "the phase bounds below")
+    watchdog_timeout_s: float | None = Field(
+        60.0, ge=0, description="floor of a step's time limit; a rank silent for longer dumps its stacks to "
+        "<output_dir>/hang/ and the job exits with status 124. 0 or null: no watchdog, fixed collective timeout")
+    watchdog_step_factor: float = Field(4.0, ge=1, description="a step may take this many times the slowest step so far")
+    watchdog_first_step_s: float = Field(
+        1800.0, gt=0, description="limit of the first step after (re)start (compilation, engine warm-up) and of "
+        "each evaluation")
+    watchdog_checkpoint_s: float = Field(
+        1800.0, gt=0, description="limit of one checkpoint save or load, and of the final HF export")
+
+
+class TrainConfig(StallLimits):
     output_dir: str = "runs/default"
     seed: int = 42
     max_epochs: int = Field(1, ge=1, description="PPO epochs over each rollout batch")
@@ -247,8 +269,6 @@ class TrainConfig(Section):
         "wait", description="wait: generate at most max_staleness batches ahead; drop: drop older samples"
     )
     partial_rollout: bool = False
-    collective_timeout_s: int = Field(1800, ge=1)
-    watchdog_timeout_s: int | None = Field(None, ge=1)
 
 
 class ReasoningGymConfig(Section):

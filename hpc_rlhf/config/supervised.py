@@ -23,6 +23,7 @@ from hpc_rlhf.config.schema import (
     RefConfig,
     Section,
     SlurmConfig,
+    StallLimits,
 )
 
 SyntheticTask = Literal["sft_arithmetic", "preference_arithmetic", "kto_arithmetic"]
@@ -65,7 +66,7 @@ class SupervisedDataConfig(Section):
         return self
 
 
-class SupervisedTrainConfig(Section):
+class SupervisedTrainConfig(StallLimits):
     output_dir: str = "runs/supervised"
     seed: int = 42
     max_epochs: int = Field(1, ge=1, description="passes over the train data")
@@ -75,7 +76,6 @@ class SupervisedTrainConfig(Section):
     eval_steps: int | None = Field(None, ge=1, description="evaluate every N steps (always at start and end)")
     packing_samples: bool = Field(False, description="pack the samples of a micro-batch into few rows")
     packing_max_tokens: int | None = Field(None, ge=2, description="tokens per packed row; default data.max_len")
-    collective_timeout_s: int = Field(1800, ge=1)
 
 
 class SFTLossConfig(Section):

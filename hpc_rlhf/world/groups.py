@@ -66,6 +66,26 @@ def new_group(ranks, *, use_local_synchronization: bool = False) -> dist.Process
                           use_local_synchronization=use_local_synchronization)
 
 
+def set_collective_timeouts(timeout_s: float) -> bool:
+    """Give every process group this rank belongs to a new collective timeout (for the collectives issued next).
+
+    torch fixes a group's timeout when it is created; ``distributed_c10d._set_pg_timeout`` (private, present since
+    torch 2.3, gloo and NCCL) changes it afterwards, which is what lets a step's collectives be bounded by the
+    step's limit while start-up and checkpoint loads keep a long one (``hpc_rlhf.trainers.stall_guard``).
+    Returns False, changing nothing, where torch lacks it; the watchdog still bounds every phase then.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    setter, registry = getattr(c10d, "_set_pg_timeout", None), getattr(c10d, "_world", None)
+    if setter is None or registry is None or not dist.is_initialized():
+        return False
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for group in list(registry.pg_map):
+        if group is not dist.GroupMember.NON_GROUP_MEMBER and dist.get_rank(group) >= 0:
+            setter(timeout, group)
+    return True
+
+
 def comm_device() -> torch.device:
     """Where tensors must live for collectives on the default backend."""
     if dist.is_initialized() and dist.get_backend() == "nccl":

@@ -1,4 +1,5 @@
-"""``train.collective_timeout_s`` bounds a hang on every process group, not only the default one.
+"""``train.collective_timeout_s`` bounds a hang on every process group, not only the default one; so does a
+timeout set after the groups exist (``set_collective_timeouts``, what the trainers do per phase).
 
 Rank 1 SIGSTOPs itself (a hung node); rank 0 then runs a collective on each kind of group the trainers make and
 must get gloo's timeout error within seconds, where torch's own default for a new group is 30 minutes.
@@ -42,17 +43,20 @@ def _groups_under_test(world_size: int) -> dict:
     return found
 
 
-def _rank(rank: int, world_size: int, port: int, out: str) -> None:
+def _rank(rank: int, world_size: int, port: int, out: str, set_after_creation: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
 
-    from hpc_rlhf.world.groups import init_world
+    from hpc_rlhf.world.groups import init_world, set_collective_timeouts
 
     torch.set_num_threads(1)
-    init_world(timeout_s=TIMEOUT_S, backend="gloo")
+    # Either the timeout given at init, or a long one at init (start-up) shortened afterwards (a step's phase).
+    init_world(timeout_s=1800 if set_after_creation else TIMEOUT_S, backend="gloo")
     groups = _groups_under_test(world_size)
+    if set_after_creation:
+        assert set_collective_timeouts(TIMEOUT_S)
     dist.barrier()
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # hung: alive, holds its sockets, answers nothing
@@ -71,11 +75,12 @@ def _rank(rank: int, world_size: int, port: int, out: str) -> None:
     os._exit(0)  # the world is broken on purpose; skip destroy_process_group
 
 
-def test_a_stopped_rank_times_out_every_group(tmp_path):
+@pytest.mark.parametrize("set_after_creation", [False, True], ids=["at-init", "set-per-phase"])
+def test_a_stopped_rank_times_out_every_group(tmp_path, set_after_creation):
     out = tmp_path / "waited.json"
     ctx = multiprocessing.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, str(out))) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, str(out), set_after_creation)) for r in range(2)]
     for p in procs:
         p.start()
     try:

@@ -80,16 +80,20 @@ def test_plan_zero3_needs_the_colocated_layout(capsys):
 
 
 def test_plan_vllm_on_a_subset_needs_its_own_processes(capsys):
-    """vLLM's external launcher takes the whole world: on 16 of 64 ranks it is refused, naming the key."""
+    """vLLM's external launcher takes the whole world: on 16 of 64 ranks it is refused, naming the key; engines
+    in processes of their own are single-GPU for now."""
     ppo_70b = ["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "8", "--gpus-per-node", "8",
                *DISAGGREGATED_70B, "ds.zero_stage=2", "ds.tensor_parallel_size=8"]
-    assert plan(ppo_70b) == 1
+    assert plan([*ppo_70b, "rollout.vllm_mode=external_launcher"]) == 1
     err = capsys.readouterr().err
     assert "set rollout.vllm_mode=server_process" in err and "16 of 64 ranks" in err, err
-    code = plan([*ppo_70b, "rollout.vllm_mode=server_process"])
+    own_processes = [*ppo_70b, "rollout.vllm_mode=server_process"]
+    assert plan(own_processes) == 1  # the recipe's rollout TP 8
+    assert "set rollout.tensor_parallel_size=1" in capsys.readouterr().err
+    code = plan([*own_processes, "rollout.tensor_parallel_size=1"])
     out, err = capsys.readouterr()
     assert "invalid layout" not in err, err
-    assert code == 0 and "layout partial" in out and "2 engines" in out
+    assert code == 0 and "layout partial" in out and "16 engines" in out, out
     # 70.6B bf16 parameters leave from the 3 tp-8 actor replicas, a third each, their ranks taking turns
     assert "weight sync: 141.2 GB to every rollout rank per step, sent by 3 actor replicas" in out
     assert "about 47.1 GB per replica, 5.9 GB per rank" in out

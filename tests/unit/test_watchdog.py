@@ -134,3 +134,35 @@ def test_rank_0_names_the_rank_that_stopped_checking_in(tmp_path):
     text = buf.getvalue()
     assert "[rank 0] watchdog: rank 1 stopped checking in" in text, text[:2000]
     assert "rank 0 stopped" not in text
+
+
+def test_a_firing_rank_makes_its_peer_dump_and_names_the_stopped_rank(tmp_path):
+    """Rank 1 fires (its limit is short); rank 0, still beating, sees the fresh dump and dumps too, into hang/."""
+    code = """
+        import sys, time
+        from hpc_rlhf.utils.watchdog import Watchdog
+        rank, limit = int(sys.argv[1]), float(sys.argv[2])
+        wd = Watchdog(limit, rank=rank, exit_code=124, heartbeat_dir=sys.argv[3] + "/hb", world_size=3,
+                      hang_dir=sys.argv[3] + "/hang", phase="train").start()
+        for _ in range(600):
+            time.sleep(0.1)
+            if rank == 0:
+                wd.beat()
+    """
+    def start(rank, limit):
+        return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(rank), str(limit), str(tmp_path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    # rank 2 checked in once, long ago: a stopped process
+    (tmp_path / "hb").mkdir()
+    (tmp_path / "hb" / "rank_2").write_text(f"3 {time.time() - 60:.3f} 1 elsewhere\n")
+    procs = [start(0, 600), start(1, 3)]
+    for proc in procs:
+        proc.wait(timeout=60)
+    assert [p.returncode for p in procs] == [STALL_EXIT_CODE, STALL_EXIT_CODE]
+    dump0 = (tmp_path / "hang" / "rank0.txt").read_text()
+    assert "rank 1's watchdog fired in phase 'train'" in dump0 and "end of stacks" in dump0
+    assert "no progress for" in (tmp_path / "hang" / "rank1.txt").read_text()
+    summary = (tmp_path / "hang" / "summary.txt").read_text()
+    assert "phase: train" in summary and "rank 2 stopped checking in" in summary
+    assert not (tmp_path / "hang" / "rank2.txt").exists()

@@ -42,6 +42,7 @@ from hpc_rlhf.data.prompts import PromptStream
 from hpc_rlhf.engines.deepspeed_engine import FrozenEngine, TrainEngine, gradient_accumulation_steps
 from hpc_rlhf.models.loading import load_causal_lm, load_tokenizer, resolve_attn_implementation
 from hpc_rlhf.models.precision import resolve_dtype
+from hpc_rlhf.trainers.stall_guard import StallGuard
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer, is_logging_step
 from hpc_rlhf.utils.seeding import seed_rank
 from hpc_rlhf.world.groups import comm_device, tensor_data_parallel_groups
@@ -165,11 +166,23 @@ class SupervisedTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, Any]]:
+        """Train the remaining steps, then export; every phase bounded by a ``StallGuard`` (a hang exits 124)."""
+        guard = StallGuard.from_config(self.cfg.train, self.rank, dist.get_world_size()).start()
+        try:
+            rows = self._fit(guard)
+        except Exception as exc:
+            guard.explain_failure(exc)
+            raise
+        guard.stop()
+        return rows
+
+    def _fit(self, guard: StallGuard) -> list[dict[str, Any]]:
         tcfg = self.cfg.train
-        guard = preemption_guard()
+        preemption = preemption_guard()
         rows: list[dict[str, Any]] = []
         if self.step == 0 and self.eval_set:
-            rows.append(self._log(0, self.evaluate()))
+            with guard.phase("eval"):
+                rows.append(self._log(0, self.evaluate()))
         last_eval: dict[str, float] | None = None
         while self.step < self.num_steps:
             timer = PhaseTimer()
@@ -180,23 +193,28 @@ class SupervisedTrainer:
             last_eval = None
             due = self.step == self.num_steps or (tcfg.eval_steps and self.step % tcfg.eval_steps == 0)
             if self.eval_set and due:
-                with timer("eval"):
+                with timer("eval"), guard.phase("eval"):
                     last_eval = self.evaluate()
                 row.update(last_eval)
             step_s = time.perf_counter() - start
             row.update(timer.metrics())
+            guard_s = step_s - timer.seconds.get("eval", 0.0)  # evaluation has its own limit
             row.update({"timing/step": step_s, "tokens_per_s": num_tokens / max(step_s, 1e-9),
                         "epoch": self.stream.episode})
             rows.append(self._log(self.step, row))
+            guard.step_done(guard_s)
             save_due = self.cfg.ckpt.save_steps and self.step % self.cfg.ckpt.save_steps == 0
-            if guard.agreed_stop():
-                self.save()
+            if preemption.agreed_stop():
+                with guard.phase("checkpoint"):
+                    self.save()
                 self.stopped_by_signal = True
                 self.requeued = requeue_if_enabled(self.cfg.slurm.requeue, self.rank)
                 return rows
             if save_due:
-                self.save()
-        self.export()
+                with guard.phase("checkpoint"):
+                    self.save()
+        with guard.phase("checkpoint"):  # the HF export: a write as large as a save
+            self.export()
         return rows
 
     def train_step(self, batch: list, timer: PhaseTimer) -> tuple[dict[str, Any], int]:

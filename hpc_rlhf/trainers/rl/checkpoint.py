@@ -17,6 +17,7 @@ import torch.distributed as dist
 from hpc_rlhf.ckpt import CheckpointManager, load_json, load_rank_rng, save_json_atomic, save_rank_rng
 from hpc_rlhf.ckpt.resume import agreed_checkpoint, warn_if_starting_over
 from hpc_rlhf.config import RunConfig
+from hpc_rlhf.utils.fault_injection import fault_point
 from hpc_rlhf.world.placement import TRAINED_ROLES
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ def save(manager: CheckpointManager, step: int, roles: Any, world: Any, controll
             else:
                 TrainEngine.mirror_save_collectives()
         save_rank_rng(tmp, world.rank)
+        fault_point("checkpoint_write", step, world.rank)  # the engine states are written, nothing is committed
         if controller_state is not None:
             save_json_atomic(tmp / CONTROLLER_FILE, {"step": step, **controller_state})
         if buffers is not None:

@@ -69,9 +69,10 @@ from hpc_rlhf.trainers.rl.workers import (
     train_actor,
     train_critic,
 )
+from hpc_rlhf.trainers.stall_guard import StallGuard
+from hpc_rlhf.utils.fault_injection import fault_point
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer, is_logging_step
 from hpc_rlhf.utils.seeding import seed_rank
-from hpc_rlhf.utils.watchdog import STALL_EXIT_CODE, Watchdog
 from hpc_rlhf.world.channel import gather_from_role, scatter_to_role
 from hpc_rlhf.world.groups import WorldGroups
 from hpc_rlhf.world.preemption import preemption_guard, requeue_if_enabled
@@ -120,15 +121,38 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, Any]]:
-        """Run the remaining steps; returns the metrics rows (rank 0). Stops early on SLURM's signals."""
-        start = self.resume() if self.cfg.ckpt.load else 0
-        guard = preemption_guard()
-        watchdog = Watchdog(self.cfg.train.watchdog_timeout_s, rank=self.rank, exit_code=STALL_EXIT_CODE,
-                            heartbeat_dir=Path(self.cfg.train.output_dir) / ".watchdog",
-                            world_size=dist.get_world_size()).start() if self.cfg.train.watchdog_timeout_s else None
+        """Run the remaining steps; returns the metrics rows (rank 0). Stops early on SLURM's signals.
+
+        Every phase is bounded (``StallGuard``): a hang ends the job with status 124 and stack dumps in
+        ``<output_dir>/hang/``; a collective that fails because a peer died names that peer before raising."""
+        guard = StallGuard.from_config(self.cfg.train, self.rank, dist.get_world_size()).start()
+        try:
+            history = self._fit(guard)
+            close_executor = getattr(self.roles.rollout.executor, "close", None) if self.roles.rollout else None
+            if close_executor is not None:  # e.g. the OpenAI-agent endpoint: stop serving when training ends
+                close_executor()
+            if not self.stopped_by_signal:
+                with guard.phase("checkpoint"):  # the HF export: a write as large as a save
+                    self.export()
+        except Exception as exc:
+            guard.explain_failure(exc)
+            raise
+        guard.stop()
+        if self.metrics:
+            self.metrics.close()
+        return history
+
+    def _fit(self, guard: StallGuard) -> list[dict[str, Any]]:
+        if self.cfg.ckpt.load:
+            with guard.phase("checkpoint"):
+                start = self.resume()
+        else:
+            start = 0
+        preemption = preemption_guard()
         history = []
         if start == 0 and self.cfg.eval.data and self.cfg.eval.at_start:
-            eval_row = self.evaluate(0)  # the initial weights: the baseline every later eval compares with
+            with guard.phase("eval"):
+                eval_row = self.evaluate(0)  # the initial weights: the baseline every later eval compares with
             if self.metrics:
                 self.metrics.log(0, eval_row)
         self.before_steps(start)
@@ -140,7 +164,7 @@ class PPOTrainer:
                 row = self.step(step, timer)
             eval_row = None
             if self.cfg.eval.data and is_eval_step(step, self.num_steps, self.cfg.eval.steps):
-                with timer("eval"):
+                with timer("eval"), guard.phase("eval"):
                     eval_row = self.evaluate(step)
             if self.world.is_controller:
                 row = {**row, **timer.metrics(), "kl_coef": self.data.kl_controller.value}
@@ -154,26 +178,17 @@ class PPOTrainer:
                 progress.set_postfix(reward=f"{row['reward']:.3f}", refresh=False)
             progress.update(1)
             self.stop_on_agent_failures()
-            if watchdog:
-                watchdog.beat()
-            stop = guard.agreed_stop()
+            guard.step_done(timer.seconds["step"])
+            stop = preemption.agreed_stop()
             save_steps = self.cfg.ckpt.save_steps
             if stop or (save_steps and (step % save_steps == 0 or step == self.num_steps)):
-                self.save_checkpoint(step)
+                with guard.phase("checkpoint"):
+                    self.save_checkpoint(step)
             if stop:
                 self.stopped_by_signal = True
                 self.requeued = requeue_if_enabled(self.cfg.slurm.requeue, self.rank)
                 break
         progress.close()
-        if watchdog:
-            watchdog.stop()
-        close_executor = getattr(self.roles.rollout.executor, "close", None) if self.roles.rollout else None
-        if close_executor is not None:  # e.g. the OpenAI-agent endpoint: stop serving when training ends
-            close_executor()
-        if not self.stopped_by_signal:
-            self.export()
-        if self.metrics:
-            self.metrics.close()
         return history
 
     def before_steps(self, start: int) -> None:
@@ -275,6 +290,7 @@ class PPOTrainer:
         start = time.perf_counter()
         rollout, groups = self.roles.rollout, self.world.roles["rollout"]
         rollout.engine.wake_up()
+        fault_point("generation", step, self.rank)
         # One seed per (step, engine) keeps sampling reproducible and different across engines.
         seed = self.cfg.train.seed * 100_003 + step * 1_009 + groups.dp_rank_of[self.rank]
         trajectories = rollout.executor.run(prompts, rollout.engine.generate, sampling or rollout.sampling(seed),
@@ -407,6 +423,7 @@ class PPOTrainer:
             result = None
             if self.rank in groups.ranks:
                 engine = getattr(self.roles, role)
+                fault_point("train", self.policy_version + 1, self.rank)
                 engine.reload_states()
                 result = fn(engine, shard, self.cfg, dp, self._sp(role))
                 if not self.cfg.train.colocate_all:  # colocated: offloaded after the weight sync
@@ -423,6 +440,7 @@ class PPOTrainer:
         engines, over each engine's own NCCL channel to vLLM in processes of its own. The asynchronous trainer
         syncs through here too."""
         actor, rollout = self.world.roles["actor"], self.world.roles["rollout"]
+        fault_point("weight_sync", self.policy_version + 1, self.rank)
         if self.cfg.train.colocate_all:
             others = [engine for engine in (self.roles.critic, self.roles.ref) if engine is not None]
             colocated_weight_sync(self.roles.rollout.engine, self.roles.actor, others)
