@@ -9,7 +9,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 from hpc_rlhf.models.forward import critic_values, pack_actions, policy_logprobs
-from hpc_rlhf.trainers.rl.batching import balanced_order, micro_batch_cost, plan_micro_batches, split_to_count
+from hpc_rlhf.trainers.rl.batching import (
+    balanced_order,
+    first_positions,
+    forward_row_layout,
+    micro_batch_cost,
+    plan_micro_batches,
+    split_to_count,
+)
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -76,6 +83,24 @@ def _llama(cls, **kw):
     cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa", **kw)
     return cls(cfg)
+
+
+@pytest.mark.parametrize(("num_rows", "dp", "dynamic"), [(5, 2, False), (5, 2, True), (7, 3, True), (4, 2, True),
+                                                       (3, 1, True)])
+def test_forward_row_layout_pads_to_equal_shards_and_maps_back(num_rows, dp, dynamic):
+    rng = random.Random(num_rows * 10 + dp)
+    lengths = [rng.randint(1, 50) for _ in range(num_rows)]
+    layout = forward_row_layout(num_rows, dp, lengths if dynamic else None)
+    assert len(layout) % dp == 0 and len(layout) - num_rows < dp
+    assert sorted(set(layout)) == list(range(num_rows))  # every row, the extras copies of the last row
+    assert layout.count(num_rows - 1) == 1 + len(layout) - num_rows
+    outputs = [row * 100 for row in layout]  # what the shards return, in layout order
+    assert [outputs[p] for p in first_positions(layout, num_rows)] == [row * 100 for row in range(num_rows)]
+    if dynamic and dp > 1:  # token balance: no shard above the most loaded shard of the plain order
+        per = len(layout) // dp
+        padded = [lengths[r] for r in range(num_rows)] + [lengths[-1]] * (len(layout) - num_rows)
+        plain = max(sum(padded[i * per:(i + 1) * per]) for i in range(dp))
+        assert max(sum(lengths[r] for r in layout[i * per:(i + 1) * per]) for i in range(dp)) <= plain
 
 
 def test_pack_actions_places_every_response_token():

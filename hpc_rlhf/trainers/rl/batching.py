@@ -7,6 +7,8 @@ Pure functions over row lengths (real tokens per sample); no process groups.
   (``train.use_dynamic_batch``). Mini-batch membership is kept, so the global loss counts stay exact.
 - :func:`plan_micro_batches` cuts one rank's rows into micro-batches, either a fixed number of rows each
   or as many rows as fit a token budget (``train.max_tokens_per_gpu`` / ``rollout.max_tokens_per_gpu``).
+- :func:`forward_row_layout` lays a batch out over the data-parallel ranks for an experience forward (equal
+  rows each); :func:`first_positions` maps the gathered outputs back to the batch's rows.
 - :func:`episode_minibatch_layout` lays out a batch whose agent episodes have several rows (branches):
   each mini-batch holds whole episodes (``train.train_batch_size`` of them), padded to a common row count.
 - :func:`split_to_count` makes every data-parallel rank run the same number of micro-batches: ZeRO
@@ -57,6 +59,29 @@ def balanced_order(lengths: Sequence[int], dp_size: int, rows_per_minibatch: int
         for d in range(dp_size):
             shards[d].extend(sorted(assigned[d]))
     return [row for shard in shards for row in shard]
+
+
+def forward_row_layout(num_rows: int, dp_size: int, lengths: Sequence[int] | None = None) -> list[int]:
+    """The batch rows, in the order an experience forward's ``dp_size`` equal shards take them.
+
+    Agent episodes with several rows make any row count possible, so the last row is repeated up to a multiple
+    of ``dp_size`` (its extra outputs are dropped by :func:`first_positions`). With ``lengths`` (real tokens per
+    row, ``train.use_dynamic_batch``) the rows are dealt by :func:`balanced_order` as one mini-batch.
+    """
+    rows = list(range(num_rows)) + [num_rows - 1] * (-num_rows % dp_size)
+    if lengths is None or dp_size == 1:
+        return rows
+    order = balanced_order([lengths[r] for r in rows], dp_size, len(rows) // dp_size)
+    return [rows[i] for i in order]
+
+
+def first_positions(layout: Sequence[int], num_rows: int) -> list[int]:
+    """For each row ``0 .. num_rows-1``, its first position in ``layout``: taking these from outputs computed in
+    layout order gives them back in row order, each once."""
+    first: dict[int, int] = {}
+    for position, row in enumerate(layout):
+        first.setdefault(row, position)
+    return [first[row] for row in range(num_rows)]
 
 
 def episode_minibatch_layout(episode_index: Sequence[int], episodes_per_minibatch: int,

@@ -27,9 +27,10 @@ import torch
 
 
 def free_device_cache() -> None:
-    """Return cached, unused blocks to the device so another allocator (vLLM's) can take them."""
-    gc.collect()
+    """Return cached, unused blocks to the device so another allocator (vLLM's) can take them. Nothing to do
+    without CUDA (a full ``gc.collect`` twice a step would buy nothing there)."""
     if torch.cuda.is_available():
+        gc.collect()
         torch.cuda.empty_cache()
 
 

@@ -29,7 +29,7 @@ from hpc_rlhf.models.loading import load_tokenizer
 from hpc_rlhf.models.micro_forward import SequenceParallel
 from hpc_rlhf.trainers.rl import checkpoint as rl_checkpoint
 from hpc_rlhf.trainers.rl import setup as rl_setup
-from hpc_rlhf.trainers.rl.batching import balanced_order
+from hpc_rlhf.trainers.rl.batching import balanced_order, first_positions, forward_row_layout
 from hpc_rlhf.trainers.rl.colocation import colocated_weight_sync
 from hpc_rlhf.trainers.rl.controller_steps import (
     append_groups,
@@ -547,19 +547,14 @@ class PPOTrainer:
         if self.rank not in groups.controller_ranks:
             return None
         dp = len(groups.dp_leaders)
-        shards = order = None
-        pad = num_rows = 0
+        shards = layout = None
+        num_rows = 0
         if self.rank == 0:
             view = {k: batch[k] for k in keys}
             num_rows = view["sequences"].shape[0]
-            # Episodes with several rows make any row count possible: repeat the last rows up to a multiple of
-            # dp (their outputs are dropped below).
-            pad = -num_rows % dp
-            if pad:
-                view = take_rows(view, list(range(num_rows)) + [num_rows - 1] * pad)
-            rows = num_rows + pad
-            order = self._balanced_order(view, dp, rows // dp)
-            shards = split_rows(view if order is None else take_rows(view, order), dp)
+            lengths = view["attention_mask"].sum(dim=1).tolist() if self.cfg.train.use_dynamic_batch else None
+            layout = forward_row_layout(num_rows, dp, lengths)
+            shards = split_rows(view if layout == list(range(num_rows)) else take_rows(view, layout), dp)
         shard = scatter_to_role(shards, groups)
         result = None
         if self.rank in groups.ranks:
@@ -571,9 +566,7 @@ class PPOTrainer:
         if self.rank != 0:
             return None
         out = cat_rows(gathered)
-        if order is not None:
-            out = take_rows(out, torch.argsort(torch.tensor(order)).tolist())
-        return out if not pad else take_rows(out, list(range(num_rows)))
+        return out if layout == list(range(num_rows)) else take_rows(out, first_positions(layout, num_rows))
 
     def _sp(self, role: str) -> SequenceParallel | None:
         """This rank's sequence-parallel peers in ``role`` (``ds.ring_attn_size`` > 1), else None."""
@@ -582,19 +575,15 @@ class PPOTrainer:
         group = self.world.roles[role].sp_group
         return SequenceParallel(group, dist.get_rank(group), self.cfg.ds.ring_attn_size, self.cfg.ds.ring_head_stride)
 
-    def _balanced_order(self, view: dict, dp: int, rows_per_minibatch: int,
-                        contiguous_minibatches: bool = False) -> list[int] | None:
-        """With ``train.use_dynamic_batch``, the row order that balances tokens over the dp shards. With
+    def _balanced(self, view: dict, dp: int, rows_per_minibatch: int, contiguous_minibatches: bool = False) -> dict:
+        """With ``train.use_dynamic_batch``, ``view`` reordered to balance tokens over the dp shards. With
         ``contiguous_minibatches`` (``episode_layout`` regrouped the rows) the mini-batches are dealt to the
         shards in any case (equal rows each), so that every shard's ``k``-th chunk belongs to mini-batch ``k``."""
-        if dp == 1 or not (self.cfg.train.use_dynamic_batch or contiguous_minibatches):
-            return None
-        lengths = view["attention_mask"].sum(dim=1).tolist() if self.cfg.train.use_dynamic_batch else None
-        return balanced_order(lengths or [1] * view["attention_mask"].shape[0], dp, rows_per_minibatch)
-
-    def _balanced(self, view: dict, dp: int, rows_per_minibatch: int, contiguous_minibatches: bool = False) -> dict:
-        order = self._balanced_order(view, dp, rows_per_minibatch, contiguous_minibatches)
-        return view if order is None else take_rows(view, order)
+        dynamic = self.cfg.train.use_dynamic_batch
+        if dp == 1 or not (dynamic or contiguous_minibatches):
+            return view
+        lengths = view["attention_mask"].sum(dim=1).tolist() if dynamic else [1] * view["attention_mask"].shape[0]
+        return take_rows(view, balanced_order(lengths, dp, rows_per_minibatch))
 
     def _train_view(self, batch: dict, role: str) -> dict:
         keys = ["sequences", "attention_mask", "action_mask"]
