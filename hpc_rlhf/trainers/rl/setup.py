@@ -280,10 +280,13 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
         executor = _executor(cfg, tokenizer)
         roles.rollout = RolloutSide(_rollout_engine(cfg, tokenizer, on_gpu), executor, cfg.rollout,
                                     [tokenizer.eos_token_id])
-    # Exactly on-policy (one epoch, one optimizer step per rollout, no KL needing them): the
-    # current logprobs are the old ones, so the extra actor forward is skipped.
+    # Exactly on-policy (one epoch, one optimizer step per rollout): the current logprobs are the old ones,
+    # so the extra actor forward is skipped - unless the KL to the reference must be known before training:
+    # folded into the rewards, or measured for an adaptive KL controller. A KL loss with a fixed coefficient
+    # (GRPO) needs no old logprobs: the actor computes it from the current ones (logged as ``kl_loss``).
+    kl_needs_old = "ref" in world.roles and (not cfg.algo.kl.use_loss or cfg.algo.kl.target is not None)
     roles.need_old_logprobs = not (cfg.train.max_epochs == 1 and samples == cfg.train.train_batch_size
-                                   and "ref" not in world.roles)
+                                   and not kl_needs_old)
     for role in ("actor", "critic"):
         if role not in world.roles:
             continue
