@@ -10,7 +10,7 @@ from hpc_rlhf.models.chunked_logprobs import linear_logprobs
 from hpc_rlhf.models.forward import chunked_head_weight, policy_logprobs
 from hpc_rlhf.models.logprobs import logprobs_from_logits
 
-TOL = dict(atol=1e-5, rtol=1e-5)
+TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
 @pytest.fixture
