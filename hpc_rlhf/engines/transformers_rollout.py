@@ -126,9 +126,6 @@ class TransformersRolloutEngine(RolloutEngine):
         pad_token_id: filler id for left padding (never attended to); defaults to eos or 0.
         device: where generation runs; defaults to the model's device. The model is moved there.
         seed: engine seed for calls whose requests carry no seed.
-        shares_trained_model: ``model`` is the trained actor's own module (colocated, see
-            ``hpc_rlhf.trainers.rl.setup.rollout_shares_actor``): its weights are always current, so the
-            trainer skips ``update_weights``, and ``sleep`` / ``wake_up`` leave it where training needs it.
     """
 
     def __init__(
@@ -139,10 +136,8 @@ class TransformersRolloutEngine(RolloutEngine):
         device: torch.device | str | None = None,
         *,
         seed: int = 0,
-        shares_trained_model: bool = False,
     ) -> None:
         self.model = model
-        self.shares_trained_model = shares_trained_model
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id if pad_token_id is not None else (eos_token_id or 0)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -299,7 +294,7 @@ class TransformersRolloutEngine(RolloutEngine):
             target.data.copy_(tensor)
 
     def sleep(self) -> None:
-        if self.device.type == "cpu" or self._asleep or self.shares_trained_model:
+        if self.device.type == "cpu" or self._asleep:
             return
         self.model.to("cpu")
         self._asleep = True

@@ -409,9 +409,8 @@ class PPOTrainer:
         actor, rollout = self.world.roles["actor"], self.world.roles["rollout"]
         if self.cfg.train.colocate_all:
             self.roles.rollout.engine.wake_up()
-            if not getattr(self.roles.rollout.engine, "shares_trained_model", False):  # else already current
-                for bucket in self.roles.actor.gathered_state_dict_items():
-                    self.roles.rollout.engine.update_weights(bucket)
+            for bucket in self.roles.actor.gathered_state_dict_items():
+                self.roles.rollout.engine.update_weights(bucket)
             self.roles.rollout.engine.reset_prefix_cache()
             self.roles.actor.offload_states()
             self.policy_version += 1
