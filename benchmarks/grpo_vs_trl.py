@@ -3,6 +3,7 @@
     python benchmarks/grpo_vs_trl.py                 # everything: prepare, TRL, hpc_rlhf 1 and 2 ranks, table
     python benchmarks/grpo_vs_trl.py --only hpc1     # one row (trl | hpc1 | hpc2), reusing the prepared model
     python benchmarks/grpo_vs_trl.py --profile       # + cProfile of hpc_rlhf on 1 rank (top functions)
+    python benchmarks/grpo_vs_trl.py --shape smollm2-135m --only trl hpc1   # the real-shape workload below
 
 What is compared (one invocation, nothing downloaded):
 
@@ -21,12 +22,21 @@ What is compared (one invocation, nothing downloaded):
   also skips the old-logprob forward), loss = token mean over the whole 128-sample batch (TRL
   ``loss_type="dapo"``, its default; hpc_rlhf ``algo.loss_agg_mode=token_mean``, its default).
 
-Metrics per run: median wall seconds per step over steps 2..N, rollout tokens/s (generated tokens /
+Metrics per run: median wall seconds per step over steps 2..N (and the best one: on a shared machine the
+least disturbed step), rollout tokens/s (generated tokens /
 generation seconds), training tokens/s (non-pad prompt+response tokens of the step's batch / seconds of
 the training forward+backward+optimizer phase), peak RSS summed over the process tree (polled every
 0.1 s), mean reward over the last 5 steps, total CPU seconds of the run (all processes), and the 1-minute
 load average during the run (the machine may be shared: a load above the core count inflates wall
 times).
+
+``--shape smollm2-135m``: a SmolLM2-135M-shaped Llama (30 layers, hidden 576, 9 / 3 heads, intermediate
+1536, vocabulary 49152, tied embeddings; random init) with a byte-level BPE tokenizer trained locally
+(``benchmarks/smollm2_shape.py``), prompts wrapped by its ChatML template on both sides (hpc_rlhf
+``data.apply_chat_template=true``, TRL conversational prompts), 4 prompts x 4 samples, 32 new tokens max,
+a frozen reference model with the k3 KL loss, beta 0.04 (TRL ``beta=0.04``; hpc_rlhf ``algo.kl.use_loss``,
+``estimator=k3``), the shaped arithmetic reward (``arithmetic_shaped.py``: a random model still earns its
+digit-fraction term), one micro-batch of 16 rows per forward on both sides. No warm-up SFT.
 
 GPU section (``--gpu`` forces it, default: when CUDA is present): a Qwen2-0.5B-like ``LlamaConfig``
 model built in memory; rollout tokens/s of hpc_rlhf's transformers engine, weight-sync seconds per GB
@@ -51,10 +61,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-REWARD_FILE = ROOT / "examples/reward_funcs/arithmetic.py"
+REWARD_DIR = ROOT / "examples/reward_funcs"
 MODEL_SIZES = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
                "num_key_value_heads": 4}
 MAX_OPERAND = 19
+# Per-shape workload defaults; a flag given on the command line wins.
+SHAPES = {
+    "tiny": {"prompts": 16, "samples": 8, "max_new_tokens": 16, "micro": 32, "steps": 20, "beta": 0.0,
+             "chat": False, "reward": "arithmetic.py", "trl_grad_ckpt": True},
+    "smollm2-135m": {"prompts": 4, "samples": 4, "max_new_tokens": 32, "micro": 16, "steps": 8, "beta": 0.04,
+                     "chat": True, "reward": "arithmetic_shaped.py", "trl_grad_ckpt": False},
+}
 
 
 def response_text(a: int, b: int) -> str:
@@ -72,7 +89,11 @@ def prepare(args) -> dict:
 
     work = Path(args.work_dir)
     model_dir = work / "model_sft"
-    if not (model_dir / "config.json").is_file():
+    if args.shape == "smollm2-135m":
+        from benchmarks.smollm2_shape import build_smollm2_135m
+
+        model_dir = build_smollm2_135m(work / "model_smollm2_135m", seed=args.seed)
+    elif not (model_dir / "config.json").is_file():
         init = build_tiny_model(work / "model_init", seed=args.seed, **MODEL_SIZES)
         tok = AutoTokenizer.from_pretrained(init)
         model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
@@ -112,7 +133,7 @@ def prepare(args) -> dict:
     rows = []
     for _ in range(n):
         a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
-        rows.append({"input": f"{a}+{b}=", "label": str(a + b)})
+        rows.append({"input": f"What is {a}+{b}?" if args.chat else f"{a}+{b}=", "label": str(a + b)})
     prompts = work / f"prompts_{n}.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     order = np.random.default_rng([args.seed, 0]).permutation(n).tolist()  # PromptStream._episode_order(0)
@@ -174,11 +195,12 @@ class TreeMonitor:
         self._thread.join()
 
 
-def run_monitored(cmd: list[str], log_path: Path, env: dict | None = None, progress: Path | None = None) -> dict:
+def run_monitored(cmd: list[str], log_path: Path, env: dict | None = None, progress: Path | None = None,
+                  cwd: Path = ROOT) -> dict:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env)
         with TreeMonitor(proc.pid, progress=progress) as mon:
             rc = proc.wait()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -197,23 +219,26 @@ def hpc_overrides(args, assets, out_dir: Path) -> list[str]:
         f"actor.pretrain={assets['model']}", "actor.build_tiny=false", f"actor.learning_rate={args.lr}",
         "actor.lr_warmup_ratio=0.0", "actor.min_lr_ratio=1.0", "actor.adam_betas=[0.9,0.999]",
         "actor.weight_decay=0.0", "actor.max_norm=1.0",
-        f"reward.reward_func_path={REWARD_FILE}",
+        f"reward.reward_func_path={REWARD_DIR / args.reward}",
         "rollout.backend=transformers", f"rollout.n_samples_per_prompt={args.samples}",
         f"rollout.rollout_batch_size={args.prompts}", f"rollout.micro_rollout_batch_size={args.micro}",
         f"rollout.generate_max_len={args.max_new_tokens}", "rollout.temperature=1.0",
-        "algo.advantage_estimator=group_norm", "algo.kl.init_coef=0.0", "algo.loss_agg_mode=token_mean",
+        "algo.advantage_estimator=group_norm", f"algo.kl.init_coef={args.beta}",
+        *(["algo.kl.use_loss=true", "algo.kl.estimator=k3"] if args.beta > 0 else []),  # GRPO's KL: TRL's k3 loss
+        "algo.loss_agg_mode=token_mean", f"data.apply_chat_template={str(args.chat).lower()}",
         "algo.eps_clip_low=0.2", "algo.eps_clip_high=0.2",
         f"train.max_steps={args.steps}", "train.num_episodes=1", "train.max_epochs=1",
         f"train.train_batch_size={args.prompts * args.samples}", f"train.micro_train_batch_size={args.micro}",
         f"train.output_dir={out_dir}", f"train.seed={args.seed}",
         f"data.prompt_data=[{assets['prompts']}]", "data.synthetic_task=null", "data.input_key=input",
-        "data.label_key=label", "data.prompt_max_len=16",
+        "data.label_key=label", f"data.prompt_max_len={64 if args.chat else 16}",
         "logger.use_tensorboard=false",
         *args.hpc_extra,
     ]
 
 
-def run_hpc(args, assets, nproc: int, tag: str, profile: bool = False) -> dict:
+def run_hpc(args, assets, nproc: int, tag: str, profile: bool = False, source: Path = ROOT) -> dict:
+    """hpc_rlhf on ``nproc`` ranks; ``source``: the source tree it runs from (another checkout for an A/B)."""
     out_dir = Path(args.work_dir) / tag
     port = str(29500 + random.randint(0, 2000))
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port]
@@ -226,36 +251,56 @@ def run_hpc(args, assets, nproc: int, tag: str, profile: bool = False) -> dict:
     metrics_file = out_dir / "metrics.jsonl"
     if metrics_file.exists():
         metrics_file.unlink()
-    proc = run_monitored(cmd, Path(args.work_dir) / f"{tag}.log", progress=metrics_file)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), os.environ.get("PYTHONPATH", "")])}
+    proc = run_monitored(cmd, Path(args.work_dir) / f"{tag}.log", env=env, progress=metrics_file, cwd=source)
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    prompt_tokens = mean_prompt_tokens(assets)
+    prompt_tokens = mean_prompt_tokens(assets, args.chat)
     steps = []
     for r in rows:
         train_tokens = r["num_trained_samples"] * (prompt_tokens + r["response_length"])
         steps.append({"step_s": r["timing/step"], "gen_s": r["timing/generation"], "train_s": r["timing/train"],
                       "rollout_tok_s": r["rollout_tokens_per_s"], "train_tok_s": train_tokens / r["timing/train"],
                       "reward": r["reward"], "response_length": r["response_length"],
-                      "other_s": r["timing/step"] - r["timing/generation"] - r["timing/train"],
-                      "phases": {k[len("timing/"):]: v for k, v in r.items() if k.startswith("timing/")}})
-    return {"name": f"hpc_rlhf {nproc} rank{'s' if nproc > 1 else ''}", "steps": steps, **proc}
+                      "other_s": r["timing/step"] - r["timing/generation"] - r["timing/train"]
+                      - r.get("timing/make_experience", 0.0),
+                      "phases": {k[len("timing/"):]: v for k, v in r.items() if k.startswith("timing/")},
+                      "ref_old_s": r.get("timing/make_experience", 0.0)})
+    name = f"hpc_rlhf {nproc} rank{'s' if nproc > 1 else ''}" + (f" ({source})" if source != ROOT else "")
+    return {"name": name, "steps": steps, **proc}
 
 
-def mean_prompt_tokens(assets) -> float:
-    """Char tokenizer, no special tokens added: a prompt's token count is its length in characters."""
+def mean_prompt_tokens(assets, chat: bool) -> float:
+    """Mean prompt length in tokens, as the model sees it (chat-templated when ``chat``)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(assets["model"])
     rows = [json.loads(x) for x in Path(assets["prompts"]).read_text().splitlines()]
-    return sum(len(r["input"]) for r in rows) / len(rows)
+    if chat:
+        lengths = [len(tok.apply_chat_template([{"role": "user", "content": r["input"]}], tokenize=True,
+                                               add_generation_prompt=True)["input_ids"]) for r in rows]
+    else:
+        lengths = [len(tok(r["input"], add_special_tokens=False)["input_ids"]) for r in rows]
+    return sum(lengths) / len(rows)
 
 
 # ------------------------------------------------------------------------------------------ TRL
-def trl_reward(prompts, completions, label, **kwargs):
-    """examples/reward_funcs/arithmetic.py behind TRL's reward signature."""
+def trl_reward_for(reward_file: Path):
+    """The hpc_rlhf reward function in ``reward_file`` behind TRL's reward signature (plain or conversational)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("arith_reward", REWARD_FILE)
+    spec = importlib.util.spec_from_file_location("bench_reward", reward_file)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    queries = [p + c for p, c in zip(prompts, completions)]
-    return mod.reward_func(queries, prompts, label, responses=completions)["rewards"].tolist()
+
+    def text(x):  # conversational prompts / completions are lists of messages
+        return x if isinstance(x, str) else "".join(m["content"] for m in x)
+
+    def trl_reward(prompts, completions, label, **kwargs):
+        prompts, completions = [text(p) for p in prompts], [text(c) for c in completions]
+        queries = [p + c for p, c in zip(prompts, completions)]
+        return mod.reward_func(queries, prompts, label, responses=completions)["rewards"].tolist()
+
+    return trl_reward
 
 
 def trl_worker(spec_path: str) -> None:
@@ -270,7 +315,8 @@ def trl_worker(spec_path: str) -> None:
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
     rows = [json.loads(x) for x in Path(spec["assets"]["prompts_ordered"]).read_text().splitlines()]
-    dataset = Dataset.from_list([{"prompt": r["input"], "label": r["label"]} for r in rows])
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["input"]}] if a.chat else r["input"],
+                                  "label": r["label"]} for r in rows])
     tok = AutoTokenizer.from_pretrained(spec["assets"]["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["assets"]["model"], dtype=torch.float32)
     per_device = a.micro
@@ -282,13 +328,26 @@ def trl_worker(spec_path: str) -> None:
         adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, max_grad_norm=1.0,
         per_device_train_batch_size=per_device, gradient_accumulation_steps=gas, steps_per_generation=gas,
         num_iterations=1, num_generations=a.samples, max_completion_length=a.max_new_tokens,
-        temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
+        temperature=1.0, top_p=1.0, top_k=0, beta=a.beta, epsilon=0.2, loss_type="dapo", scale_rewards="group",
         use_vllm=False, dataloader_num_workers=0, log_completions=False,
+        # TRL turns activation checkpointing on by default; the real-shape workload turns it off, as hpc_rlhf's
+        # default (actor.gradient_checkpointing=false): same FLOPs on both sides.
+        gradient_checkpointing=a.trl_grad_ckpt,
     )
 
-    timings: dict[str, float] = {"gen": 0.0, "score": 0.0}
+    timings: dict[str, float] = {"gen": 0.0, "score": 0.0, "ref": 0.0, "old": 0.0}
+    scoring = [False]
 
     class Timed(GRPOTrainer):
+        def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+            # inside _generate_and_score_completions: the reference forward or the old-logprob forward
+            t = time.perf_counter()
+            try:
+                return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+            finally:
+                if scoring[0]:
+                    timings["ref" if model is self.ref_model else "old"] += time.perf_counter() - t
+
         def _generate(self, prompts):  # generation + reward + decoding (TRL scores inside _generate's caller)
             t = time.perf_counter()
             try:
@@ -298,9 +357,11 @@ def trl_worker(spec_path: str) -> None:
 
         def _generate_and_score_completions(self, inputs):
             t = time.perf_counter()
+            scoring[0] = True
             try:
                 return super()._generate_and_score_completions(inputs)
             finally:
+                scoring[0] = False
                 timings["score"] += time.perf_counter() - t
 
     log_rows: list[dict] = []
@@ -325,12 +386,12 @@ def trl_worker(spec_path: str) -> None:
             step_s = now - self.last
             self.last = now
             row = {"step": state.global_step, "step_s": step_s, "gen_s": timings["gen"],
-                   "make_batch_s": timings["score"]}
-            timings["gen"] = timings["score"] = 0.0
+                   "make_batch_s": timings["score"], "ref_s": timings["ref"], "old_s": timings["old"]}
+            timings.update(gen=0.0, score=0.0, ref=0.0, old=0.0)
             log_rows.append(row)
 
     cb = StepTimer()
-    trainer = Timed(model=model, reward_funcs=trl_reward, args=config, train_dataset=dataset,
+    trainer = Timed(model=model, reward_funcs=trl_reward_for(REWARD_DIR / a.reward), args=config, train_dataset=dataset,
                     processing_class=tok, callbacks=[cb])
     trainer.train()
 
@@ -338,8 +399,8 @@ def trl_worker(spec_path: str) -> None:
 def run_trl(args, assets) -> dict:
     out = Path(args.work_dir) / "trl"
     spec = Path(args.work_dir) / "trl_spec.json"
-    spec.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "hpc_extra"},
-                                "assets": assets, "out": str(out)}))
+    plain_args = {k: v for k, v in vars(args).items() if k not in ("hpc_extra", "baseline_source")}
+    spec.write_text(json.dumps({"args": plain_args, "assets": assets, "out": str(out)}))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(spec)]
     print(f"[trl] $ {' '.join(cmd[1:])}", flush=True)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
@@ -358,8 +419,10 @@ def run_trl(args, assets) -> dict:
         steps.append({"step_s": r["step_s"], "gen_s": r["gen_s"], "train_s": train_s,
                       "rollout_tok_s": gen_tokens / max(r["gen_s"], 1e-9), "train_tok_s": tokens / max(train_s, 1e-9),
                       "reward": logs.get("reward", float("nan")), "response_length": length,
-                      "other_s": r["make_batch_s"] - r["gen_s"],
-                      "phases": {"generation": r["gen_s"], "reward+batch": r["make_batch_s"] - r["gen_s"],
+                      "other_s": r["make_batch_s"] - r["gen_s"] - r["ref_s"] - r["old_s"],
+                      "ref_old_s": r["ref_s"] + r["old_s"],
+                      "phases": {"generation": r["gen_s"], "ref_forward": r["ref_s"], "old_logprobs": r["old_s"],
+                                 "reward+batch": r["make_batch_s"] - r["gen_s"] - r["ref_s"] - r["old_s"],
                                  "train": train_s}})
     return {"name": "TRL GRPOTrainer (1 process)", "steps": steps, **proc}
 
@@ -370,7 +433,9 @@ def summarize(run: dict) -> dict:
     med = lambda k: statistics.median(s[k] for s in steps)  # noqa: E731
     last = run["steps"][-5:]
     cpu = run.get("step_cpu_s") or [float("nan")]
-    return {"name": run["name"], "step_s": med("step_s"), "gen_s": med("gen_s"), "train_s": med("train_s"),
+    return {"name": run["name"], "step_s": med("step_s"), "best_step_s": min(s["step_s"] for s in steps),
+            "gen_s": med("gen_s"), "train_s": med("train_s"),
+            "ref_old_s": med("ref_old_s"),
             "other_s": med("other_s"), "rollout_tok_s": med("rollout_tok_s"), "train_tok_s": med("train_tok_s"),
             "peak_rss_mb": run["peak_rss_mb"], "reward_last5": statistics.mean(s["reward"] for s in last),
             "reward_first": run["steps"][0]["reward"], "resp_len": med("response_length"),
@@ -378,12 +443,14 @@ def summarize(run: dict) -> dict:
 
 
 def table(summaries: list[dict]) -> str:
-    head = ("| run | s/step (median, steps 2..N) | CPU s/step (all procs) | generation s | train s | other s | rollout tok/s "
+    head = ("| run | s/step (median, steps 2..N) | best s/step | CPU s/step (all procs) | generation s | ref+old logprob s | train s "
+            "| other s | rollout tok/s "
             "| train tok/s | peak RSS MB (sum) | reward step 1 | reward last 5 | resp len | run wall s "
             "| run CPU s | load avg |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in summaries:
-        lines.append(f"| {s['name']} | {s['step_s']:.2f} | {s['step_cpu_s']:.2f} | {s['gen_s']:.2f} | {s['train_s']:.2f} | "
+        lines.append(f"| {s['name']} | {s['step_s']:.2f} | {s['best_step_s']:.2f} | {s['step_cpu_s']:.2f} | {s['gen_s']:.2f} | "
+                     f"{s['ref_old_s']:.2f} | {s['train_s']:.2f} | "
                      f"{s['other_s']:.2f} | {s['rollout_tok_s']:.0f} | {s['train_tok_s']:.0f} | "
                      f"{s['peak_rss_mb']:.0f} | {s['reward_first']:.3f} | {s['reward_last5']:.3f} | "
                      f"{s['resp_len']:.1f} | {s['wall_s']:.0f} | {s['cpu_s']:.0f} | {s['load']:.1f} |")
@@ -487,17 +554,24 @@ def gpu_section(force: bool) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work-dir", default=str(ROOT / "runs/bench_grpo_vs_trl"))
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--prompts", type=int, default=16, help="prompts per step")
-    p.add_argument("--samples", type=int, default=8, help="samples per prompt (num_generations)")
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--micro", type=int, default=32, help="micro batch (rows per forward/backward)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
+                   help="workload: the tiny char-level model, or a SmolLM2-135M-shaped one (see above)")
+    p.add_argument("--steps", type=int, help="default: 20 (tiny), 8 (smollm2-135m)")
+    p.add_argument("--prompts", type=int, help="prompts per step; default 16 (tiny), 4 (smollm2-135m)")
+    p.add_argument("--samples", type=int, help="samples per prompt (num_generations); default 8 / 4")
+    p.add_argument("--max-new-tokens", type=int, help="default 16 / 32")
+    p.add_argument("--micro", type=int, help="micro batch (rows per forward/backward); default 32 / 16")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--sft-steps", type=int, default=150)
+    p.add_argument("--trl-grad-ckpt", type=lambda v: v == "on", metavar="{on,off}",
+                   help="TRL's gradient_checkpointing; default: on (TRL's own default) for tiny, off for smollm2-135m")
     p.add_argument("--only", nargs="*", choices=["trl", "hpc1", "hpc2"], default=["trl", "hpc1", "hpc2"])
     p.add_argument("--profile", action="store_true", help="also cProfile hpc_rlhf on 1 rank and print the top")
     p.add_argument("--hpc-extra", nargs="*", default=[], help="extra key=value overrides for hpc_rlhf runs")
+    p.add_argument("--baseline-source", type=Path,
+                   help="also run hpc_rlhf on 1 rank from this source tree (e.g. `git archive` of an older commit), "
+                        "in the same invocation: an A/B of a change against TRL")
     p.add_argument("--gpu", action="store_true", help="run the GPU section only")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -507,19 +581,28 @@ def main(argv=None) -> None:
     if args.gpu:
         gpu_section(force=True)
         return
+    for key, value in SHAPES[args.shape].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.shape != "tiny" and args.work_dir == p.get_default("work_dir"):
+        args.work_dir = str(ROOT / f"runs/bench_grpo_vs_trl_{args.shape}")
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     assets = prepare(args)
     runs = []
-    for which in args.only:
+    for which in args.only + (["baseline"] if args.baseline_source else []):
         if which == "trl":
             runs.append(run_trl(args, assets))
+        elif which == "baseline":
+            runs.append(run_hpc(args, assets, 1, "hpc1_baseline", source=args.baseline_source.resolve()))
         else:
             runs.append(run_hpc(args, assets, 1 if which == "hpc1" else 2, which))
         print(table([summarize(runs[-1])]), flush=True)
     summaries = [summarize(r) for r in runs]
-    (Path(args.work_dir) / "results.json").write_text(json.dumps({"summaries": summaries, "runs": runs}, indent=1))
+    (Path(args.work_dir) / "results.json").write_text(json.dumps({"summaries": summaries, "runs": runs}, indent=1,
+                                                                 default=str))
     print(f"\nGRPO {args.prompts} prompts x {args.samples} samples, <= {args.max_new_tokens} new tokens, "
-          f"{args.steps} steps, model {MODEL_SIZES}")
+          f"{args.steps} steps, model {MODEL_SIZES if args.shape == 'tiny' else args.shape}, "
+          f"KL beta {args.beta}, chat template {args.chat}")
     print(f"machine: {versions()}\n")
     print(table(summaries))
     for r in runs:

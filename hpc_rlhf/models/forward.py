@@ -22,6 +22,7 @@ import torch
 
 from hpc_rlhf.algos import entropy_from_logits
 from hpc_rlhf.data.packing import TokenSample, block_causal_mask, collate
+from hpc_rlhf.models.chunked_logprobs import linear_logprobs
 from hpc_rlhf.models.logprobs import logprobs_from_logits
 
 FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
@@ -208,18 +209,73 @@ def _layout_of(model: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.dtyp
     return module, module.config._attn_implementation, param.dtype, param.device
 
 
+# Config fields by which a model transforms its logits after the LM head (softcapping, scaling): the
+# chunked head computes plain ``h @ W^T`` and would silently differ, so such models take the logits path.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
+                     "lm_head_multiplier")
+
+
+def chunked_head_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """The LM-head weight (V, H) when the chunked log-prob path computes exactly what the model's head
+    would, else None: the head must be a plain bias-free ``nn.Linear`` (not LoRA-adapted or quantized),
+    its weight not partitioned by ZeRO-3 (only gathered inside the head's own forward), and the config
+    must apply nothing to the logits afterwards."""
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear or head.bias is not None or hasattr(head.weight, "ds_id"):
+        return None
+    config = getattr(module, "config", None)
+    if any(getattr(config, name, None) not in (None, 1.0) for name in _LOGIT_TRANSFORMS):
+        return None
+    return head.weight
+
+
+def _scatter_actions(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(K,) values of the True positions of ``mask`` (B, R) -> (B, R), zeros elsewhere. Differentiable."""
+    return values.new_zeros(mask.shape).masked_scatter(mask, values)
+
+
+def _chunked_policy_logprobs(model: torch.nn.Module, weight: torch.Tensor, sequences: torch.Tensor,
+                             attention_mask: torch.Tensor, num_actions: int, temperature: float, packed: bool,
+                             with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`policy_logprobs` from the decoder's hidden states: the LM head runs only on the real
+    response tokens, in vocabulary chunks (:func:`linear_logprobs`); no (B, R, V) logits exist."""
+    module, attn, dtype, device = _layout_of(model)
+    decoder = module.get_decoder()
+    if packed:
+        pack = pack_actions(sequences, attention_mask, num_actions)
+        hidden = decoder(**model_inputs(pack.inputs, attn, dtype, device), use_cache=False).last_hidden_state
+        logprobs, entropy = linear_logprobs(hidden[0, pack.positions.to(device)], weight, pack.targets.to(device),
+                                            temperature, with_entropy)
+        return pack.scatter(logprobs), (pack.scatter(entropy) if with_entropy else None)
+    hidden = decoder(input_ids=sequences, attention_mask=attention_mask,
+                     position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+    mask = attention_mask[:, -num_actions:].bool()  # real response tokens; finished rows are right-padded
+    logprobs, entropy = linear_logprobs(hidden[:, -num_actions - 1 : -1][mask], weight,
+                                        sequences[:, -num_actions:][mask], temperature, with_entropy)
+    return _scatter_actions(logprobs, mask), (_scatter_actions(entropy, mask) if with_entropy else None)
+
+
 def policy_logprobs(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
                     num_actions: int, temperature: float = 1.0, *, packed: bool = False,
-                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    with_entropy: bool = False, chunked: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and optionally the entropy) of the response tokens: (B, P+R) -> two (B, R) fp32.
 
     ``packed`` runs the forward over one packed row of real tokens (no padding FLOPs; the LM head only
     on action positions) and returns the same values as the padded forward, up to float round-off.
+    The entropy is that of the sampling distribution ``softmax(logits / temperature)``.
+    ``chunked`` (when the model allows it, :func:`chunked_head_weight`) computes them from the hidden
+    states of the real response tokens in vocabulary chunks, never holding (B, R, V) logits; values are
+    0 on response padding (where the logits path returns the pad token's log-prob, masked downstream).
     """
+    weight = chunked_head_weight(_layout_of(model)[0]) if chunked else None
+    if weight is not None:
+        return _chunked_policy_logprobs(model, weight, sequences, attention_mask, num_actions, temperature, packed,
+                                        with_entropy)
     if not packed:
         logits = action_logits(model, sequences, attention_mask, num_actions)
         logprobs = logprobs_from_logits(logits, sequences[:, -num_actions:], temperature)
-        return logprobs, (entropy_from_logits(logits, attention_mask[:, -num_actions:]) if with_entropy else None)
+        return logprobs, (entropy_from_logits(logits / temperature, attention_mask[:, -num_actions:])
+                          if with_entropy else None)
     pack = pack_actions(sequences, attention_mask, num_actions)
     _, attn, dtype, device = _layout_of(model)
     logits = model(**model_inputs(pack.inputs, attn, dtype, device), use_cache=False,
@@ -227,7 +283,7 @@ def policy_logprobs(model: torch.nn.Module, sequences: torch.Tensor, attention_m
     logprobs = logprobs_from_logits(logits, pack.targets.to(device).unsqueeze(0), temperature)[0]
     entropy = None
     if with_entropy:
-        entropy = pack.scatter(entropy_from_logits(logits, torch.ones_like(logprobs).unsqueeze(0))[0])
+        entropy = pack.scatter(entropy_from_logits(logits / temperature, torch.ones_like(logprobs).unsqueeze(0))[0])
     return pack.scatter(logprobs), entropy
 
 

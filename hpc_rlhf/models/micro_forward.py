@@ -64,8 +64,8 @@ class MicroForward:
         logprobs = self._gather(logprobs_from_logits(logits, self.shard.labels, temperature))
         entropy = None
         if with_entropy:
-            entropy = self._gather(entropy_from_logits(logits, torch.ones(logits.shape[:2], dtype=torch.bool,
-                                                                          device=logits.device)))
+            everywhere = torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device)
+            entropy = self._gather(entropy_from_logits(logits / temperature, everywhere))
         return logprobs, entropy
 
     def critic_values(self) -> torch.Tensor:

@@ -107,13 +107,15 @@ def make_advantages(batch: dict[str, torch.Tensor], cfg: RunConfig, rewards: tor
     ``hpc_rlhf.algos.episodes``). ``rewards`` (B,): the sequence rewards after any running normalisation
     (``algo.normalize_reward``); ``kl_coef``: the KL controller's current coefficient, used when the KL is folded
     into the reward.
-    Returns ``advantages`` / ``returns`` (B, R) and, with a reference model, the per-token ``kl`` (B, R).
+    Returns ``advantages`` / ``returns`` (B, R) and, with a reference model and old log-probs, the per-token
+    ``kl`` (B, R). (On-policy with a fixed-coefficient KL loss there are no old log-probs: the actor measures
+    the KL in its loss.)
     """
     algo = cfg.algo
     mask = batch["action_mask"]
     out: dict[str, torch.Tensor] = {}
     folded_kl = None
-    if "ref_logprobs" in batch:
+    if "ref_logprobs" in batch and "old_logprobs" in batch:
         kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], mask, algo.kl.estimator)
         out["kl"] = kl
         if not algo.kl.use_loss:

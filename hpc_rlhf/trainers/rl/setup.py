@@ -290,10 +290,13 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
         # A rollout engine may seed the global RNGs itself, the same on every rank (vLLM's worker calls
         # set_random_seed(engine seed)): give each rank its own streams back, whatever the engine.
         seed_rank(cfg.train.seed, world.rank)
-    # Exactly on-policy (one epoch, one optimizer step per rollout, no KL needing them): the
-    # current logprobs are the old ones, so the extra actor forward is skipped.
+    # Exactly on-policy (one epoch, one optimizer step per rollout): the current logprobs are the old ones,
+    # so the extra actor forward is skipped - unless the KL to the reference must be known before training:
+    # folded into the rewards, or measured for an adaptive KL controller. A KL loss with a fixed coefficient
+    # (GRPO) needs no old logprobs: the actor computes it from the current ones (and logs it as ``kl``).
+    kl_needs_old = "ref" in world.roles and (not cfg.algo.kl.use_loss or cfg.algo.kl.target is not None)
     roles.need_old_logprobs = not (cfg.train.max_epochs == 1 and samples == cfg.train.train_batch_size
-                                   and "ref" not in world.roles)
+                                   and not kl_needs_old)
     for role in ("actor", "critic"):
         if role not in world.roles:
             continue

@@ -179,6 +179,11 @@ def _actor_micro_step(engine: Any, fwd: Any, rows: dict[str, torch.Tensor], coun
         kl = kl_estimate(logprobs, rows["ref_logprobs"], mask, algo.kl.estimator)
         kl_loss = aggregate_loss(kl, mask, algo.loss_agg_mode, **counts)
         stats["kl_loss_share"].append(float(kl_loss.detach()))
+        if "old_logprobs" not in rows:
+            # On-policy: no old-logprob forward ran, so the controller could not measure the KL to the
+            # reference; these logprobs are the old ones, so its token mean here is that metric exactly.
+            kl_mean = aggregate_loss(kl.detach(), mask, "token_mean", **counts)
+            stats["kl_share"].append(float(kl_mean))
     entropy = None
     if entropy_per_token is not None:
         entropy = aggregate_loss(entropy_per_token, mask, algo.loss_agg_mode, **counts)
