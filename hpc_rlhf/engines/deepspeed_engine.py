@@ -270,6 +270,10 @@ class TrainEngine:
             lr_scheduler=lambda optimizer: _warmup_cosine_scheduler(optimizer, num_training_steps, role_cfg),
             mpu=mpu, dist_init_required=False,
         )
+        if config["zero_optimization"]["stage"] == 0 and dp_size == 1 and tp_group is None:
+            # One replica: DeepSpeed would still flatten every gradient into a bucket, "all-reduce" it over
+            # one rank and copy it back at each boundary (0.44 s of a 7.9 s step at 135M parameters on CPU).
+            engine.enable_backward_allreduce = False
         if is_first_rank_of_role(dp_group):
             zero = config["zero_optimization"]
             adam = adam_implementation(on_gpu=on_gpu, offloaded="offload_optimizer" in zero, zero_stage=zero["stage"])
@@ -331,7 +335,9 @@ class TrainEngine:
         sharded, replicated = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for p in self.module.parameters():
             if p.grad is not None:
-                square = torch.linalg.vector_norm(p.grad.double()) ** 2
+                # fp32 sum of squares (pairwise on CPU: ~1e-7 relative) accumulated in fp64; no fp64 copy of
+                # the gradient. (fp32 vector_norm is off by ~1e-3 on a 28M-element CPU tensor.)
+                square = p.grad.float().pow(2).sum().double()
                 if hasattr(p, "gather_params"):
                     sharded += square.cpu()
                 else:

@@ -19,8 +19,10 @@ How one ``generate`` call works:
    for live rows. The loop ends when no row is left.
 
 Sampling (per row, rows may differ): ``scaled = logits / temperature``; top-k then top-p (on the
-top-k-renormalised distribution, as vLLM) mask ``scaled``; the token is drawn by an exponential race
-``argmax(p / q), q ~ Exp(1)`` (same law as multinomial, no host sync). ``temperature == 0`` rows take
+top-k-renormalised distribution, as vLLM) mask ``scaled``; the token is drawn by inverting the row's
+cumulative distribution at one uniform draw (fp64 ``cumsum`` + ``searchsorted``: the law of multinomial, no host
+sync; an exponential race ``argmax(p / q), q ~ Exp(1)`` draws V random numbers a row and took 11 ms of each
+decode step at a 49k vocabulary on CPU, the inversion 2.6 ms). ``temperature == 0`` rows take
 ``argmax(logits)``. The reported logprob is ``log_softmax(scaled)[token]`` over the *full* vocabulary
 (temperature applied, top-k/top-p NOT applied): the quantity the trainer recomputes with
 ``logits / temperature``, so the rollout/trainer ratio is 1 up to numerics even with truncation.
@@ -94,6 +96,15 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, sorted_index, sorted_logits)
 
 
+def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs`` [A, V] (rows sum to ~1, zeros allowed): the first index whose cumulative
+    probability reaches ``u * total``, ``u ~ U(0, 1]``, so ``P(v) = p_v / total`` exactly up to fp64 rounding
+    and a zero-probability token is never drawn. Returns [A] long."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    u = 1.0 - torch.rand((probs.size(0), 1), dtype=torch.float64, device=probs.device, generator=generator)
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1).clamp_(max=probs.size(-1) - 1)
+
+
 def sample_tokens(
     logits: torch.Tensor, params: _RowParams, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,9 +119,7 @@ def sample_tokens(
         filtered = scaled
         if params.any_truncation:
             filtered = apply_top_k_top_p(scaled, params.top_k, params.top_p)
-        probs = filtered.softmax(dim=-1)
-        race = torch.empty_like(probs).exponential_(generator=generator)
-        tokens = (probs / race).argmax(dim=-1)
+        tokens = inverse_cdf_sample(filtered.softmax(dim=-1), generator)
         if params.any_greedy:
             tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     return tokens, logprobs_full.gather(-1, tokens[:, None]).squeeze(-1)
@@ -126,6 +135,9 @@ class TransformersRolloutEngine(RolloutEngine):
         pad_token_id: filler id for left padding (never attended to); defaults to eos or 0.
         device: where generation runs; defaults to the model's device. The model is moved there.
         seed: engine seed for calls whose requests carry no seed.
+        shares_trained_model: ``model`` is the trained actor's own module (colocated, see
+            ``hpc_rlhf.trainers.rl.setup.rollout_shares_actor``): its weights are always current, so the
+            trainer skips ``update_weights``, and ``sleep`` / ``wake_up`` leave it where training needs it.
     """
 
     def __init__(
@@ -136,8 +148,10 @@ class TransformersRolloutEngine(RolloutEngine):
         device: torch.device | str | None = None,
         *,
         seed: int = 0,
+        shares_trained_model: bool = False,
     ) -> None:
         self.model = model
+        self.shares_trained_model = shares_trained_model
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id if pad_token_id is not None else (eos_token_id or 0)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -294,7 +308,7 @@ class TransformersRolloutEngine(RolloutEngine):
             target.data.copy_(tensor)
 
     def sleep(self) -> None:
-        if self.device.type == "cpu" or self._asleep:
+        if self.device.type == "cpu" or self._asleep or self.shares_trained_model:
             return
         self.model.to("cpu")
         self._asleep = True

@@ -78,13 +78,14 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
             stop = min(start + step, vocab)
             log_p = _chunk_logits(hidden, weight, start, stop, inv_t) - log_z[:, None]
             p = torch.exp(log_p)
-            grad_z = torch.zeros_like(p)
+            # grad_z = -g_lp p + 1[v = y] g_lp - g_H p (log p + H), built in place on p's buffer
+            coef = torch.zeros_like(p[:, :1]) if grad_logprobs is None else -grad_logprobs[:, None]
+            if use_entropy:
+                coef = coef - grad_entropy[:, None] * (log_p + entropy[:, None])
+            grad_z = p.mul_(coef)
             if grad_logprobs is not None:
-                grad_z -= grad_logprobs[:, None] * p
                 inside = ((targets >= start) & (targets < stop)).nonzero(as_tuple=True)[0]
                 grad_z[inside, targets[inside] - start] += grad_logprobs[inside]
-            if use_entropy:
-                grad_z -= grad_entropy[:, None] * p * (log_p + entropy[:, None])
             if inv_t != 1.0:
                 grad_z *= inv_t
             grad_z = grad_z.to(hidden.dtype)

@@ -65,3 +65,25 @@ def test_missing_model_folders_fail_naming_the_key(tmp_path):
     with pytest.raises(FileNotFoundError, match=f"ref.pretrain={missing}: the local path does not exist"):
         check_model_paths(load_config(None, [f"actor.pretrain={model}", f"ref.pretrain={missing}"]))
     check_model_paths(load_config(None, [f"actor.pretrain={model}"]))
+
+
+class _HostsEverything:
+    """A colocated rank's view of the world: it hosts every role."""
+
+    @staticmethod
+    def has_role(role: str) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("overrides, shares", [
+    ([], True),
+    (["ds.zero_stage=3"], False),  # partitioned parameters
+    (["ds.lora.rank=8"], False),  # generation runs on merged weights
+    (["ds.tensor_parallel_size=2"], False),  # AutoTP shards the module
+    (["train.colocate_all=false"], False),
+    (["rollout.backend=vllm"], False),
+])
+def test_colocated_transformers_rollout_shares_the_actor_module_only_when_it_is_whole(overrides, shares):
+    from hpc_rlhf.trainers.rl.setup import rollout_shares_actor
+
+    assert rollout_shares_actor(load_config(None, overrides), _HostsEverything()) is shares

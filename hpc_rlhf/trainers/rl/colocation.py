@@ -45,6 +45,10 @@ def colocated_weight_sync(rollout_engine: Any, actor: Any, others: Iterable[Any]
     for engine in others:
         engine.offload_states()
     free_device_cache()
+    if getattr(rollout_engine, "shares_trained_model", False):
+        # It generates with the actor's own module: the weights are already current, and must stay put.
+        rollout_engine.reset_prefix_cache()
+        return
     rollout_engine.wake_up(["weights"])
     for bucket in actor.gathered_state_dict_items():
         rollout_engine.update_weights(bucket)

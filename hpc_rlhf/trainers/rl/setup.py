@@ -207,7 +207,19 @@ class Roles:
     need_old_logprobs: bool = True
 
 
-def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool) -> RolloutEngine:
+def rollout_shares_actor(cfg: RunConfig, world: WorldGroups) -> bool:
+    """Whether this rank's rollout engine generates with the actor's own module instead of a copy.
+
+    Colocated transformers rollout on a rank that trains the actor: same parameters, so no second model in
+    memory and no per-step weight copy. Not under ZeRO-3 (parameters partitioned), AutoTP (sharded), LoRA
+    (generation uses merged weights) or Liger kernels (patched forwards)."""
+    return (cfg.train.colocate_all and cfg.rollout.backend == "transformers" and world.has_role("rollout")
+            and world.has_role("actor") and cfg.ds.zero_stage != 3 and cfg.ds.tensor_parallel_size == 1
+            and cfg.ds.lora.rank == 0 and not cfg.ds.use_liger_kernel)
+
+
+def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool, actor: Any = None) -> RolloutEngine:
+    """The rollout engine of this rank; with ``actor`` (:func:`rollout_shares_actor`) it runs on its module."""
     dtype = resolve_dtype(cfg.ds.param_dtype, on_gpu)
     if cfg.rollout.backend == "vllm":
         if resolved_vllm_mode(cfg.rollout.vllm_mode, cfg.train.colocate_all) == "server_process":
@@ -220,6 +232,9 @@ def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool) -> RolloutEngi
     from hpc_rlhf.engines.transformers_rollout import TransformersRolloutEngine
 
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    if actor is not None:
+        return TransformersRolloutEngine(actor.module, eos_token_id=tokenizer.eos_token_id,
+                                         pad_token_id=tokenizer.pad_token_id, device=device, shares_trained_model=True)
     model = load_causal_lm(cfg.actor.pretrain, dtype, resolve_attn_implementation(cfg.ds.attn_implementation, on_gpu))
     return TransformersRolloutEngine(model.to(device).eval(), eos_token_id=tokenizer.eos_token_id,
                                      pad_token_id=tokenizer.pad_token_id, device=device)
@@ -283,9 +298,9 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
     q4 = cfg.ds.lora.load_in_4bit
     samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     roles = Roles()
-    if world.has_role("rollout"):
-        executor = _executor(cfg, tokenizer)
-        roles.rollout = RolloutSide(_rollout_engine(cfg, tokenizer, on_gpu), executor, cfg.rollout,
+    share_actor = rollout_shares_actor(cfg, world)
+    if world.has_role("rollout") and not share_actor:
+        roles.rollout = RolloutSide(_rollout_engine(cfg, tokenizer, on_gpu), _executor(cfg, tokenizer), cfg.rollout,
                                     [tokenizer.eos_token_id])
         # A rollout engine may seed the global RNGs itself, the same on every rank (vLLM's worker calls
         # set_random_seed(engine seed)): give each rank its own streams back, whatever the engine.
@@ -319,6 +334,9 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
                 num_training_steps=optimizer_steps(cfg, num_steps), dp_group=world.roles[role].dp_sp_group,
                 tp_group=world.roles[role].tp_group, on_gpu=on_gpu)
             setattr(roles, role, engine)
+    if share_actor:  # (this engine seeds nothing: no seed_rank needed)
+        roles.rollout = RolloutSide(_rollout_engine(cfg, tokenizer, on_gpu, actor=roles.actor),
+                                    _executor(cfg, tokenizer), cfg.rollout, [tokenizer.eos_token_id])
     if world.has_role("ref"):
         path = cfg.ref.pretrain or cfg.actor.pretrain
         roles.ref = FrozenEngine.create(lambda: load_causal_lm(path, dtype, attn, liger, q4), cfg.ds, cfg.ref,
