@@ -113,5 +113,11 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_logprobs: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} "
                          "must be (N, H) and (V, H)")
+    if vocab_chunk_columns(hidden.shape[0], weight.shape[0]) >= weight.shape[0]:
+        # One chunk holds every logit (a small vocabulary or few tokens): plain autograd keeps the (N, V)
+        # log-softmax for its backward instead of recomputing the head, and is then the faster of the two.
+        log_p = _chunk_logits(hidden, weight, 0, weight.shape[0], 1.0 / temperature).log_softmax(dim=-1)
+        entropy = -(log_p.exp() * log_p).sum(-1) if with_entropy else None
+        return log_p.gather(1, targets[:, None]).squeeze(1), entropy
     logprobs, entropy = _ChunkedLinearLogprobs.apply(hidden, weight, targets, float(temperature), with_entropy)
     return logprobs, (entropy if with_entropy else None)

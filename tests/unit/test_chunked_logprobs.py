@@ -21,9 +21,17 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(chunked_logprobs, "MIN_CHUNK_COLUMNS", 64)
 
 
+@pytest.fixture(params=["several_chunks", "one_chunk"])
+def chunking(request, monkeypatch):
+    """Both code paths: several vocabulary chunks with a recomputing backward, or one chunk by plain autograd."""
+    if request.param == "several_chunks":
+        request.getfixturevalue("small_chunks")
+    return request.param
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("with_entropy", [False, True])
-def test_linear_logprobs_match_log_softmax_with_gradients(small_chunks, temperature, with_entropy):
+def test_linear_logprobs_match_log_softmax_with_gradients(chunking, temperature, with_entropy):
     gen = torch.Generator().manual_seed(0)
     n, h, v = 29, 16, 301
     hidden = torch.randn(n, h, generator=gen, requires_grad=True)
