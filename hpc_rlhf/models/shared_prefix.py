@@ -1,0 +1,71 @@
+"""A padded RL micro-batch's decoder forward with every distinct prompt computed once.
+
+GRPO-style batches hold ``n`` samples of each prompt, so a padded forward over ``(B, P+R)`` repeats each
+prompt's ``P`` columns ``n`` times. With causal attention a prompt's hidden states and keys/values do not
+depend on what follows it, so the forward here runs the ``U`` distinct prompts once, copies their KV cache
+to the ``B`` rows (an index, so gradients of the copies add up in the shared prompt), and runs the
+response columns against it. Values and gradients are those of the full forward up to float round-off;
+the decoder's linear layers see ``U*P + B*R`` tokens instead of ``B*(P+R)``.
+
+It needs a decoder that takes ``past_key_values`` in training (transformers' own attention: sdpa or
+eager) and no activation checkpointing (transformers turns the cache off under it):
+:func:`can_share_prompts` says when.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+SHARED_PREFIX_ATTENTION = ("sdpa", "eager")
+
+
+def can_share_prompts(module: torch.nn.Module) -> bool:
+    """Whether :func:`shared_prefix_hidden` reproduces ``module``'s padded forward."""
+    config = getattr(module, "config", None)
+    checkpointing = getattr(module, "is_activation_checkpointing", None)  # transformers >= 5.x; older name below
+    if checkpointing is None:
+        checkpointing = getattr(module, "is_gradient_checkpointing", False)
+    return getattr(config, "_attn_implementation", None) in SHARED_PREFIX_ATTENTION and not checkpointing
+
+
+def distinct_prompts(sequences: torch.Tensor, attention_mask: torch.Tensor,
+                     num_actions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(first_rows (U,), row_prompt (B,))``: one row per distinct left-padded prompt (tokens and padding
+    alike) and, for each row, the index into ``first_rows`` of its prompt; None when no two rows share one.
+    Pure; ``sequences`` / ``attention_mask`` are (B, P+R)."""
+    prompt_len = sequences.shape[1] - num_actions
+    if prompt_len <= 0:
+        return None
+    prompts = torch.where(attention_mask[:, :prompt_len].bool(), sequences[:, :prompt_len], -1)
+    unique, row_prompt = torch.unique(prompts, dim=0, return_inverse=True)
+    if unique.shape[0] == prompts.shape[0]:
+        return None
+    # the first row holding each distinct prompt
+    rows = torch.arange(prompts.shape[0], device=prompts.device)
+    first_rows = torch.full((unique.shape[0],), prompts.shape[0], dtype=torch.long, device=prompts.device)
+    first_rows = first_rows.scatter_reduce(0, row_prompt, rows, reduce="amin")
+    return first_rows, row_prompt
+
+
+def shared_prefix_hidden(decoder: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                         num_actions: int, first_rows: torch.Tensor, row_prompt: torch.Tensor) -> torch.Tensor:
+    """(B, R, H) final hidden states at the R positions that predict the response tokens (the last prompt
+    position, then response positions 0..R-2), each distinct prompt computed once.
+
+    ``decoder``: the base model (``get_decoder()``), returning ``last_hidden_state``; ``first_rows`` /
+    ``row_prompt`` from :func:`distinct_prompts`. Positions count real tokens only, as in the full forward.
+    """
+    prompt_len = sequences.shape[1] - num_actions
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    prompt_mask = attention_mask[first_rows, :prompt_len]
+    cache = DynamicCache(config=decoder.config)
+    prompt_hidden = decoder(input_ids=sequences[first_rows, :prompt_len], attention_mask=prompt_mask,
+                            position_ids=positions[first_rows, :prompt_len], past_key_values=cache,
+                            use_cache=True).last_hidden_state  # (U, P, H)
+    cache.batch_select_indices(row_prompt)  # (U, ...) -> (B, ...) per layer
+    response_hidden = decoder(input_ids=sequences[:, prompt_len:], attention_mask=attention_mask,
+                              position_ids=positions[:, prompt_len:], past_key_values=cache,
+                              use_cache=True).last_hidden_state  # (B, R, H)
+    # left padding: every prompt's last real token sits in column P-1
+    return torch.cat([prompt_hidden[row_prompt, -1:], response_hidden[:, :-1]], dim=1)
