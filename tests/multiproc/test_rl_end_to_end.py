@@ -196,8 +196,13 @@ def test_algorithm_knobs_update_the_actor(assets, tmp_path, name):
         assert "kl_loss" in rows[-1] and "kl" in rows[-1]
 
 
-def _record_phases(rank, world_size, overrides):
+def _record_phases(rank, world_size, overrides, shares_actor):
+    from hpc_rlhf.trainers.rl import setup as rl_setup
+
+    if not shares_actor:  # a rollout engine with weights of its own, as vLLM's
+        rl_setup.rollout_shares_actor = lambda cfg, world: False
     trainer = run_trainer(rank, world_size, overrides)
+    assert getattr(trainer.roles.rollout.engine, "shares_trained_model", False) == shares_actor
     calls = []
     engine, actor = trainer.roles.rollout.engine, trainer.roles.actor
     for obj, name in ((engine, "wake_up"), (engine, "sleep"), (engine, "generate"), (engine, "update_weights"),
@@ -218,16 +223,23 @@ def _record_phases(rank, world_size, overrides):
     return collapsed
 
 
-def test_colocated_step_time_shares_the_device(assets, tmp_path):
+@pytest.mark.parametrize("shares_actor", [False, True])
+def test_colocated_step_time_shares_the_device(assets, tmp_path, shares_actor):
     """wake rollout -> generate -> sleep -> reload training states -> train -> offload grads and Adam states ->
-    wake rollout weights -> sync -> offload actor weights -> wake the KV cache (trainers/rl/colocation.py)."""
-    calls = run_on_ranks(_record_phases, 2, grpo_overrides(assets, tmp_path, "train.max_steps=1"))[0]
+    wake rollout weights -> sync -> offload actor weights -> wake the KV cache (trainers/rl/colocation.py).
+    A transformers rollout generating with the actor's own module (the default colocated on CPU) has nothing
+    to sync: its weights are the actor's and stay where they are."""
+    calls = run_on_ranks(_record_phases, 2, grpo_overrides(assets, tmp_path, "train.max_steps=1"),
+                         shares_actor)[0]
     assert calls[:3] == [("wake_up", None), ("generate",), ("sleep",)], calls
     train = calls.index(("backward",))
     assert ("reload_states",) in calls[3:train], calls
     after_train = [c for c in calls[train:] if c != ("backward",)]
-    assert after_train == [("offload_states", True), ("wake_up", ("weights",)), ("update_weights",),
-                           ("offload_states", False), ("wake_up", ("kv_cache",))], calls
+    if shares_actor:
+        assert after_train == [("offload_states", True)], calls
+    else:
+        assert after_train == [("offload_states", True), ("wake_up", ("weights",)), ("update_weights",),
+                               ("offload_states", False), ("wake_up", ("kv_cache",))], calls
 
 
 def _first_step_of_runs(assets, tmp_path, common, runs) -> tuple[dict, dict]:

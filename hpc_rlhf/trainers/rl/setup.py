@@ -285,6 +285,15 @@ def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
     return executor
 
 
+def _rollout_side(cfg: RunConfig, world: WorldGroups, tokenizer: Any, on_gpu: bool, actor: Any = None) -> RolloutSide:
+    side = RolloutSide(_rollout_engine(cfg, tokenizer, on_gpu, actor), _executor(cfg, tokenizer), cfg.rollout,
+                       [tokenizer.eos_token_id])
+    # A rollout engine may seed the global RNGs itself, the same on every rank (vLLM's worker calls
+    # set_random_seed(engine seed)): give each rank its own streams back, whatever the engine.
+    seed_rank(cfg.train.seed, world.rank)
+    return side
+
+
 def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: int) -> Roles:
     """Create the engines of every role this rank hosts. Collective within each role group."""
     from hpc_rlhf.engines.deepspeed_engine import FrozenEngine, TrainEngine
@@ -300,11 +309,7 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
     roles = Roles()
     share_actor = rollout_shares_actor(cfg, world)
     if world.has_role("rollout") and not share_actor:
-        roles.rollout = RolloutSide(_rollout_engine(cfg, tokenizer, on_gpu), _executor(cfg, tokenizer), cfg.rollout,
-                                    [tokenizer.eos_token_id])
-        # A rollout engine may seed the global RNGs itself, the same on every rank (vLLM's worker calls
-        # set_random_seed(engine seed)): give each rank its own streams back, whatever the engine.
-        seed_rank(cfg.train.seed, world.rank)
+        roles.rollout = _rollout_side(cfg, world, tokenizer, on_gpu)
     # Exactly on-policy (one epoch, one optimizer step per rollout): the current logprobs are the old ones,
     # so the extra actor forward is skipped - unless the KL to the reference must be known before training:
     # folded into the rewards, or measured for an adaptive KL controller. A KL loss with a fixed coefficient
@@ -334,9 +339,8 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
                 num_training_steps=optimizer_steps(cfg, num_steps), dp_group=world.roles[role].dp_sp_group,
                 tp_group=world.roles[role].tp_group, on_gpu=on_gpu)
             setattr(roles, role, engine)
-    if share_actor:  # (this engine seeds nothing: no seed_rank needed)
-        roles.rollout = RolloutSide(_rollout_engine(cfg, tokenizer, on_gpu, actor=roles.actor),
-                                    _executor(cfg, tokenizer), cfg.rollout, [tokenizer.eos_token_id])
+    if share_actor:
+        roles.rollout = _rollout_side(cfg, world, tokenizer, on_gpu, actor=roles.actor)
     if world.has_role("ref"):
         path = cfg.ref.pretrain or cfg.actor.pretrain
         roles.ref = FrozenEngine.create(lambda: load_causal_lm(path, dtype, attn, liger, q4), cfg.ds, cfg.ref,
