@@ -72,7 +72,8 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
         use_entropy = ctx.with_entropy and grad_entropy is not None
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
+        # every row of grad_weight is written by exactly one chunk below: no zero-fill (113 MB at 49k x 576)
+        grad_weight = torch.empty_like(weight) if need_weight else None
         vocab = weight.shape[0]
         for start in range(0, vocab, step):
             stop = min(start + step, vocab)
@@ -92,7 +93,7 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
             if need_hidden:
                 grad_hidden += grad_z @ weight[start:stop]
             if need_weight:
-                grad_weight[start:stop] = grad_z.T @ hidden
+                torch.mm(grad_z.T, hidden, out=grad_weight[start:stop])  # rows start:stop are contiguous
         return grad_hidden, grad_weight, None, None, None
 
 

@@ -58,13 +58,17 @@ def shared_prefix_hidden(decoder: torch.nn.Module, sequences: torch.Tensor, atte
     """
     prompt_len = sequences.shape[1] - num_actions
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    prompt_mask = attention_mask[first_rows, :prompt_len]
+    prompt_ids, response_ids = sequences[first_rows, :prompt_len], sequences[:, prompt_len:]
+    # One embedding lookup for both forwards: its backward then builds one dense (V, H) gradient, not two.
+    embeds = decoder.get_input_embeddings()(torch.cat([prompt_ids.flatten(), response_ids.flatten()]))
+    prompt_embeds = embeds[: prompt_ids.numel()].view(*prompt_ids.shape, -1)
+    response_embeds = embeds[prompt_ids.numel():].view(*response_ids.shape, -1)
     cache = DynamicCache(config=decoder.config)
-    prompt_hidden = decoder(input_ids=sequences[first_rows, :prompt_len], attention_mask=prompt_mask,
+    prompt_hidden = decoder(inputs_embeds=prompt_embeds, attention_mask=attention_mask[first_rows, :prompt_len],
                             position_ids=positions[first_rows, :prompt_len], past_key_values=cache,
                             use_cache=True).last_hidden_state  # (U, P, H)
     cache.batch_select_indices(row_prompt)  # (U, ...) -> (B, ...) per layer
-    response_hidden = decoder(input_ids=sequences[:, prompt_len:], attention_mask=attention_mask,
+    response_hidden = decoder(inputs_embeds=response_embeds, attention_mask=attention_mask,
                               position_ids=positions[:, prompt_len:], past_key_values=cache,
                               use_cache=True).last_hidden_state  # (B, R, H)
     # left padding: every prompt's last real token sits in column P-1
