@@ -4,7 +4,8 @@
 
 in this order: the preemption guard (a SLURM signal during start-up is remembered, not fatal), the
 config (a bad key exits with status 2 naming it), torch.distributed from the launcher's variables with
-the configured collective timeout, per-rank logging, then the local assets a CPU recipe asks for (tiny
+the configured collective timeout, per-rank logging, on CPU glibc's malloc thresholds
+(``hpc_rlhf.utils.host_malloc``), then the local assets a CPU recipe asks for (tiny
 model, synthetic data), written once by rank 0 on the shared filesystem while the others wait.
 """
 
@@ -62,6 +63,13 @@ def start_run(prog: str, argv: list[str] | None, load: Callable[[str | None, lis
     env = init_world(timeout_s=cfg.train.collective_timeout_s)
     logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING,
                         format=f"[rank{env.rank}] %(asctime)s %(name)s: %(message)s")
+    import torch
+
+    from hpc_rlhf.utils.host_malloc import retain_freed_host_memory
+
+    if retain_freed_host_memory(on_gpu=torch.cuda.is_available()) and env.rank == 0:
+        logging.getLogger(__name__).info("CPU run: glibc keeps freed host memory for reuse (mmap/trim thresholds "
+                                         "1 GiB; HPC_RLHF_HOST_MALLOC=default turns this off)")
     if env.rank == 0:
         prepare_local_assets(cfg)
     dist.barrier()
