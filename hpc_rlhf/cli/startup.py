@@ -67,9 +67,7 @@ def start_run(prog: str, argv: list[str] | None, load: Callable[[str | None, lis
 
     from hpc_rlhf.utils.host_malloc import retain_freed_host_memory
 
-    if retain_freed_host_memory(on_gpu=torch.cuda.is_available()) and env.rank == 0:
-        logging.getLogger(__name__).info("CPU run: glibc keeps freed host memory for reuse (mmap/trim thresholds "
-                                         "1 GiB; HPC_RLHF_HOST_MALLOC=default turns this off)")
+    retain_freed_host_memory(on_gpu=torch.cuda.is_available())
     if env.rank == 0:
         prepare_local_assets(cfg)
     dist.barrier()

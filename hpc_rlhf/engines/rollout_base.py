@@ -107,6 +107,10 @@ class GenerationResult:
 class RolloutEngine(ABC):
     """A generation backend. All methods are collective over the engine's ranks (tensor parallel)."""
 
+    # True when the engine generates with the trained actor's own module (its weights are always current):
+    # the colocated weight sync then loads nothing and leaves the actor's weights where they are.
+    shares_trained_model: bool = False
+
     @abstractmethod
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Generate every request in one batched call; results in request order, ``n`` per request."""

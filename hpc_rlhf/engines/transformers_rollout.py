@@ -116,10 +116,11 @@ def sample_tokens(
     if params.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:
-        filtered = scaled
         if params.any_truncation:
-            filtered = apply_top_k_top_p(scaled, params.top_k, params.top_p)
-        tokens = inverse_cdf_sample(filtered.softmax(dim=-1), generator)
+            probs = apply_top_k_top_p(scaled, params.top_k, params.top_p).softmax(dim=-1)
+        else:
+            probs = logprobs_full.exp()  # the untruncated distribution: already computed as its log
+        tokens = inverse_cdf_sample(probs, generator)
         if params.any_greedy:
             tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     return tokens, logprobs_full.gather(-1, tokens[:, None]).squeeze(-1)

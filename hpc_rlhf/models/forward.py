@@ -248,12 +248,13 @@ def _chunked_policy_logprobs(model: torch.nn.Module, weight: torch.Tensor, seque
         logprobs, entropy = linear_logprobs(hidden[0, pack.positions.to(device)], weight, pack.targets.to(device),
                                             temperature, with_entropy)
         return pack.scatter(logprobs), (pack.scatter(entropy) if with_entropy else None)
+    position_ids = position_ids_from_mask(attention_mask)
     shared = distinct_prompts(sequences, attention_mask, num_actions) if can_share_prompts(module) else None
     if shared is not None:  # n samples per prompt: each prompt's columns run once
-        predicting = shared_prefix_hidden(decoder, sequences, attention_mask, num_actions, *shared)
+        predicting = shared_prefix_hidden(decoder, sequences, attention_mask, position_ids, num_actions, *shared)
     else:
-        hidden = decoder(input_ids=sequences, attention_mask=attention_mask,
-                         position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+        hidden = decoder(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False).last_hidden_state
         predicting = hidden[:, -num_actions - 1 : -1]  # (B, R, H): the states that predict each response token
     mask = attention_mask[:, -num_actions:].bool()  # real response tokens; finished rows are right-padded
     logprobs, entropy = linear_logprobs(predicting[mask], weight, sequences[:, -num_actions:][mask], temperature,

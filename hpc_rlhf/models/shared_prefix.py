@@ -49,15 +49,15 @@ def distinct_prompts(sequences: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def shared_prefix_hidden(decoder: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                         num_actions: int, first_rows: torch.Tensor, row_prompt: torch.Tensor) -> torch.Tensor:
+                         position_ids: torch.Tensor, num_actions: int, first_rows: torch.Tensor,
+                         row_prompt: torch.Tensor) -> torch.Tensor:
     """(B, R, H) final hidden states at the R positions that predict the response tokens (the last prompt
     position, then response positions 0..R-2), each distinct prompt computed once.
 
     ``decoder``: the base model (``get_decoder()``), returning ``last_hidden_state``; ``first_rows`` /
-    ``row_prompt`` from :func:`distinct_prompts`. Positions count real tokens only, as in the full forward.
+    ``row_prompt`` from :func:`distinct_prompts`; ``position_ids`` (B, P+R) those of the full forward.
     """
     prompt_len = sequences.shape[1] - num_actions
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     prompt_ids, response_ids = sequences[first_rows, :prompt_len], sequences[:, prompt_len:]
     # One embedding lookup for both forwards: its backward then builds one dense (V, H) gradient, not two.
     embeds = decoder.get_input_embeddings()(torch.cat([prompt_ids.flatten(), response_ids.flatten()]))
@@ -65,11 +65,11 @@ def shared_prefix_hidden(decoder: torch.nn.Module, sequences: torch.Tensor, atte
     response_embeds = embeds[prompt_ids.numel():].view(*response_ids.shape, -1)
     cache = DynamicCache(config=decoder.config)
     prompt_hidden = decoder(inputs_embeds=prompt_embeds, attention_mask=attention_mask[first_rows, :prompt_len],
-                            position_ids=positions[first_rows, :prompt_len], past_key_values=cache,
+                            position_ids=position_ids[first_rows, :prompt_len], past_key_values=cache,
                             use_cache=True).last_hidden_state  # (U, P, H)
     cache.batch_select_indices(row_prompt)  # (U, ...) -> (B, ...) per layer
     response_hidden = decoder(inputs_embeds=response_embeds, attention_mask=attention_mask,
-                              position_ids=positions[:, prompt_len:], past_key_values=cache,
+                              position_ids=position_ids[:, prompt_len:], past_key_values=cache,
                               use_cache=True).last_hidden_state  # (B, R, H)
     # left padding: every prompt's last real token sits in column P-1
     return torch.cat([prompt_hidden[row_prompt, -1:], response_hidden[:, :-1]], dim=1)

@@ -41,6 +41,9 @@ def retain_freed_host_memory(on_gpu: bool) -> bool:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     accepted = all(libc.mallopt(param, ctypes.c_int(RETAIN_BYTES)) == 1
                    for param in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD))
-    if not accepted:
+    if accepted:
+        log.info("CPU run: glibc keeps freed host memory for reuse (mmap/trim thresholds %d MiB; %s=default turns "
+                 "this off)", RETAIN_BYTES >> 20, OPT_OUT_VARIABLE)
+    else:
         log.warning("glibc refused mallopt thresholds of %d bytes: host malloc left at its defaults", RETAIN_BYTES)
     return accepted

@@ -202,7 +202,7 @@ def _record_phases(rank, world_size, overrides, shares_actor):
     if not shares_actor:  # a rollout engine with weights of its own, as vLLM's
         rl_setup.rollout_shares_actor = lambda cfg, world: False
     trainer = run_trainer(rank, world_size, overrides)
-    assert getattr(trainer.roles.rollout.engine, "shares_trained_model", False) == shares_actor
+    assert trainer.roles.rollout.engine.shares_trained_model == shares_actor
     calls = []
     engine, actor = trainer.roles.rollout.engine, trainer.roles.actor
     for obj, name in ((engine, "wake_up"), (engine, "sleep"), (engine, "generate"), (engine, "update_weights"),

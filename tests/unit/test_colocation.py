@@ -19,6 +19,8 @@ from hpc_rlhf.world.placement import build_placement
 
 
 class Recorder:
+    shares_trained_model = False
+
     def __init__(self, name, calls, buckets=()):
         self.name, self.calls, self.buckets = name, calls, buckets
 
@@ -53,6 +55,16 @@ def test_weight_sync_order_frees_training_states_before_vllm_wakes(monkeypatch):
         ("actor", "offload", False), ("device", "free_cache"),
         ("rollout", "wake_up", ["kv_cache"]), ("rollout", "reset_prefix_cache"),
     ]
+
+
+def test_weight_sync_into_an_engine_sharing_the_actor_module_loads_nothing_and_keeps_its_weights(monkeypatch):
+    calls = []
+    monkeypatch.setattr(colocation, "free_device_cache", lambda: calls.append(("device", "free_cache")))
+    rollout = Recorder("rollout", calls)
+    rollout.shares_trained_model = True
+    colocation.colocated_weight_sync(rollout, Recorder("actor", calls, buckets=[[("a", 0)]]), [Recorder("ref", calls)])
+    assert calls == [("actor", "offload", True), ("ref", "offload", False), ("device", "free_cache"),
+                     ("rollout", "reset_prefix_cache")]
 
 
 class FusedAdam:  # the class name DeepSpeed's ZeRO-3 offload_states insists on

@@ -38,14 +38,15 @@ def colocated_weight_sync(rollout_engine: Any, actor: Any, others: Iterable[Any]
     """Load the actor's weights into the sleeping rollout engine in the order of the module docstring.
 
     ``actor``: the training-engine facade (``offload_states(keep_weights=...)``,
-    ``gathered_state_dict_items()``); ``others``: further engines on this rank (critic, reference) whose
+    ``gathered_state_dict_items()``); ``rollout_engine``: a ``RolloutEngine`` (``shares_trained_model``: nothing
+    to load, the actor's weights stay); ``others``: further engines on this rank (critic, reference) whose
     states must leave before the rollout engine wakes. Collective over the actor's ranks (the gather).
     """
     actor.offload_states(keep_weights=True)
     for engine in others:
         engine.offload_states()
     free_device_cache()
-    if getattr(rollout_engine, "shares_trained_model", False):
+    if rollout_engine.shares_trained_model:
         # It generates with the actor's own module: the weights are already current, and must stay put.
         rollout_engine.reset_prefix_cache()
         return
