@@ -23,7 +23,7 @@ from hpc_rlhf.algos.controllers import (
     FixedKLController,
     RunningRewardNormalizer,
 )
-from hpc_rlhf.algos.corrections import CORRECTION_MODES, rollout_importance_weights
+from hpc_rlhf.algos.corrections import CORRECTION_MODES, rollout_importance_weights, rollout_mismatch_kl
 from hpc_rlhf.algos.episodes import (
     check_episode_index,
     episode_index_from_branches,
@@ -78,6 +78,7 @@ __all__ = [
     "reinforce_baseline_rewards",
     "rloo_rewards",
     "rollout_importance_weights",
+    "rollout_mismatch_kl",
     "token_level_rewards",
     "total_loss",
     "value_loss",

@@ -87,12 +87,41 @@ def rollout_importance_weights(
             weights = torch.where(seq_in_band, raw, 0.0)
             zeroed = ~seq_in_band.expand_as(mask)
         weights = fill_masked(weights, mask)
-        # Tokens come from pi_rollout, so with ratio pi_old / pi_rollout both estimate
-        # KL(pi_rollout || pi_old); k1 is the one OpenRLHF logs as vllm_kl.
         stats = {
             "masked_fraction": masked_mean(zeroed.float(), mask),
             "truncated_fraction": masked_mean(truncated.float(), mask),
-            "rollout_kl_k1": masked_mean(-raw_log_weight, mask),
-            "rollout_kl_k3": masked_mean(torch.expm1(log_weight) - log_weight, mask),
+            **_mismatch_kl(raw_log_weight, mask),
         }
     return weights, stats
+
+
+def rollout_mismatch_kl(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, action_mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """How far the engine that sampled is from the trainer's policy: two estimates of KL(pi_rollout || pi_old).
+
+    Args:
+        old_logprobs: (B, T) trainer log-probs of the sampled tokens (before the update).
+        rollout_logprobs: (B, T) log-probs the engine reported when sampling.
+        action_mask: (B, T) bool.
+    Returns:
+        ``rollout_kl_k1`` (masked mean of ``rollout_logprobs - old_logprobs``, OpenRLHF's ``vllm_kl``) and
+        ``rollout_kl_k3`` (masked mean of ``r - 1 - log r`` with ``r = pi_old / pi_rollout``; >= 0 per token).
+        Both are ~0 when the engine samples with the trainer's weights in the trainer's precision: the check that
+        a weight sync arrived whole.
+    """
+    mask = as_bool_mask(action_mask)
+    with torch.no_grad():
+        log_ratio = fill_masked(old_logprobs.detach().float(), mask) - fill_masked(
+            rollout_logprobs.detach().float(), mask
+        )
+        return _mismatch_kl(log_ratio, mask)
+
+
+def _mismatch_kl(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    # Tokens come from pi_rollout, so with ratio pi_old / pi_rollout both estimate KL(pi_rollout || pi_old).
+    clamped = log_ratio.clamp(-_MAX_ABS_LOG_WEIGHT, _MAX_ABS_LOG_WEIGHT)
+    return {
+        "rollout_kl_k1": masked_mean(-log_ratio, mask),
+        "rollout_kl_k3": masked_mean(torch.expm1(clamped) - clamped, mask),
+    }

@@ -87,16 +87,16 @@ def check_parallelism(ds, trainer: str) -> None:
 
 
 @contextlib.contextmanager
-def _sized_tiny_model(section) -> Iterator[None]:
+def _sized_tiny_model(section, rollout_backend: str = "transformers") -> Iterator[None]:
     """A CPU recipe's ``build_tiny`` model may not exist yet: size the one it would build (temporary copy)."""
     if not (section.build_tiny and section.pretrain) or (Path(section.pretrain) / "config.json").is_file():
         yield
         return
-    from hpc_rlhf.models.tiny import build_tiny_model
+    from hpc_rlhf.models.tiny import build_tiny_model, tiny_sizes
 
     original = section.pretrain
     with tempfile.TemporaryDirectory(prefix="hpc-rlhf-plan-") as tmp:
-        section.pretrain = str(build_tiny_model(Path(tmp) / "tiny"))
+        section.pretrain = str(build_tiny_model(Path(tmp) / "tiny", **tiny_sizes(rollout_backend)))
         try:
             yield
         finally:
@@ -170,7 +170,7 @@ def plan(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         check_parallelism(cfg.ds, kind)
         placement = build_placement(cfg, world_size)
-        with _sized_tiny_model(cfg.actor):
+        with _sized_tiny_model(cfg.actor, cfg.rollout.backend):
             roles_mem = {r: role_memory(cfg, placement, r) for r in placement.roles if r != "rollout"}
             sizes = {r: role_num_params(cfg, r) for r in roles_mem}
             shapes = {r: role_shape(cfg, r) for r in roles_mem}

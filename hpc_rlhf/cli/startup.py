@@ -41,9 +41,9 @@ def prepare_local_assets(cfg: Any) -> None:
         prepare_supervised_assets(cfg)
         return
     if cfg.actor.build_tiny and cfg.actor.pretrain:
-        from hpc_rlhf.models.tiny import build_tiny_model
+        from hpc_rlhf.models.tiny import build_tiny_model, tiny_sizes
 
-        build_tiny_model(cfg.actor.pretrain, seed=cfg.train.seed)
+        build_tiny_model(cfg.actor.pretrain, seed=cfg.train.seed, **tiny_sizes(cfg.rollout.backend))
     if cfg.data.synthetic_task and cfg.data.prompt_data:
         from hpc_rlhf.data.synthetic import write_task_if_missing
 

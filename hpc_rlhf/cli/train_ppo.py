@@ -24,7 +24,9 @@ def main(argv: list[str] | None = None) -> None:
 
     trainer = trainer_class(cfg)(cfg, world)
     trainer.fit()
-    dist.destroy_process_group()
+    trainer.close()
+    if dist.is_initialized():  # vLLM's external launcher takes the world down with its engine
+        dist.destroy_process_group()
     exit_if_stopped(trainer)  # status 75: stopped on a signal, resume with ckpt.load=true
 
 

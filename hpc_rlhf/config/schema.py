@@ -113,6 +113,9 @@ class VllmConfig(Section):
                        "and algo.dynamic_filtering, which generate again before the next sync")
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
+    kv_cache_memory_gib: float | None = Field(
+        None, gt=0, description="KV cache size per engine in GiB (vLLM's kv_cache_memory_bytes); null: sized by "
+                                "vllm.gpu_memory_utilization (on CPU, a fraction of host memory)")
 
 
 class LoraConfig(Section):

@@ -117,11 +117,13 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load weights by HF parameter name (``*ForCausalLM.state_dict()`` names).
+        """Load weights by HF parameter name (``*ForCausalLM.state_dict()`` names); ``named_tensors`` may be a lazy
+        iterator (consumed once, in order).
 
-        May be called several times with buckets of a full state dict; an unknown name or a shape
-        mismatch raises, naming the parameter. Cached prefixes computed with the old weights are
-        invalidated before the next ``generate``.
+        Colocated syncs pass the whole model in one call, and vLLM engines need that: they process a layer again
+        only once all its tensors arrived in the same call. The transformers engine also takes buckets of a state
+        dict in separate calls (sharded sync). An unknown name or a shape mismatch raises, naming the parameter.
+        Cached prefixes computed with the old weights are invalidated before the next ``generate``.
         """
 
     @abstractmethod
@@ -137,6 +139,9 @@ class RolloutEngine(ABC):
     @abstractmethod
     def reset_prefix_cache(self) -> None:
         """Forget cached prompt prefixes (needed after a weight update); no-op without a prefix cache."""
+
+    def close(self) -> None:
+        """Release what the engine started (processes, executors); the engine is not used afterwards."""
 
 
 def num_results(requests: list[GenerationRequest]) -> int:

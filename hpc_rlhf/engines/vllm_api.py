@@ -40,11 +40,20 @@ _NAMES = (
     VllmName("vllm.outputs:RequestOutput", fields=("outputs", "finished", "request_id")),
     VllmName("vllm.outputs:CompletionOutput", fields=("index", "token_ids", "logprobs", "finish_reason")),
     VllmName("vllm.logprobs:Logprob", fields=("logprob",)),
-    # the weight-loading path collective_rpc runs on each worker: worker.model_runner.model.load_weights
+    VllmName("vllm.v1.engine.llm_engine:LLMEngine", fields=("engine_core",), why="LLM.llm_engine: close()"),
+    VllmName("vllm.v1.engine.core_client:InprocClient.shutdown"),
+    # the weight round collective_rpc runs on each worker: worker.reload_weights (layerwise reload), then the tied
+    # LM head processed again (vllm_rollout.refresh_tied_layers)
     VllmName("vllm.v1.worker.gpu_worker:Worker", fields=("model_runner",)),
+    VllmName("vllm.v1.worker.gpu_worker:Worker.reload_weights", why="passes weights_iterator= to the runner's"),
     VllmName("vllm.v1.worker.gpu_model_runner:GPUModelRunner", fields=("model",)),
-    VllmName("vllm.model_executor.models.llama:LlamaForCausalLM.load_weights", ("weights",)),
-    VllmName("vllm.model_executor.models.qwen2:Qwen2ForCausalLM.load_weights", ("weights",)),
+    VllmName("vllm.v1.worker.gpu_model_runner:GPUModelRunner.reload_weights", ("weights_iterator",)),
+    VllmName("vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod",
+             why="isinstance: the tied LM head's method"),
+    VllmName("vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod.process_weights_after_loading",
+             ("layer",)),
+    VllmName("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend.get_supported_head_sizes",
+             why="CPU runs: the head sizes vLLM's CPU attention runs, checked before the engine starts"),
     # ---- out-of-process engine (server_process: disaggregated, async, partial): hpc_rlhf.engines.vllm_server
     VllmName("vllm:AsyncEngineArgs", why="keywords: vllm_server.server_engine_kwargs"),
     VllmName("vllm:AsyncLLMEngine.from_engine_args", ("engine_args",)),

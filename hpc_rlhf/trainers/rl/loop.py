@@ -459,6 +459,12 @@ class PPOTrainer:
             self.roles.actor.save_hf(str(Path(self.cfg.train.output_dir) / "model"), tokenizer=self.tokenizer)
         dist.barrier()
 
+    def close(self) -> None:
+        """Stop the rollout engine (vLLM's processes, or its in-process executor, which in the external launcher's
+        mode tears the torch.distributed world down with it): the last call of a run on this rank."""
+        if self.roles.rollout is not None:
+            self.roles.rollout.engine.close()
+
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, step: int) -> None:
         state = None

@@ -225,7 +225,7 @@ def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool, actor: Any = N
         if resolved_vllm_mode(cfg.rollout.vllm_mode, cfg.train.colocate_all) == "server_process":
             from hpc_rlhf.engines.vllm_server import VllmServerEngine
 
-            return VllmServerEngine.from_config(cfg, torch.cuda.current_device())
+            return VllmServerEngine.from_config(cfg, torch.cuda.current_device() if on_gpu else None)
         from hpc_rlhf.engines.vllm_rollout import VllmRolloutEngine
 
         return VllmRolloutEngine.from_config(cfg, tokenizer)

@@ -22,6 +22,7 @@ from hpc_rlhf.algos import (
     kl_estimate,
     policy_loss,
     rollout_importance_weights,
+    rollout_mismatch_kl,
     total_loss,
     value_loss,
 )
@@ -167,8 +168,10 @@ def _actor_micro_step(engine: Any, fwd: Any, rows: dict[str, torch.Tensor], coun
         low, high = algo.is_truncation
         is_weights, is_stats = rollout_importance_weights(
             old, rows["rollout_logprobs"], mask, algo.is_correction, low, high)
-        for k, v in is_stats.items():
-            stats[f"is/{k}"].append(float(v))
+    else:  # the engine-vs-trainer mismatch is logged every step: it is what shows that weight sync is right
+        is_stats = rollout_mismatch_kl(old, rows["rollout_logprobs"], mask)
+    for k, v in is_stats.items():
+        stats[f"is/{k}"].append(float(v))
     pg, pg_stats = policy_loss(
         logprobs, old, rows["advantages"], mask, loss_type=algo.policy_loss_type,
         clip_eps_low=algo.eps_clip_low, clip_eps_high=algo.eps_clip_high,
