@@ -32,8 +32,9 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple, res
     results[rank] = fn(rank, world_size, *args)
     import torch.distributed as dist
 
-    dist.barrier()
-    dist.destroy_process_group()
+    if dist.is_initialized():  # a vLLM engine closed by ``fn`` took the world down with it
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def run_on_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
