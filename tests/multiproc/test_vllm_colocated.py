@@ -125,6 +125,15 @@ def test_colocated_grpo_with_vllm_learns_and_every_sync_reaches_the_engine(tmp_p
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
 
 
+def test_ppo_with_zero3_gathers_inside_the_engine_reload(tmp_path, vllm_model):
+    """PPO with a critic, a reference and ZeRO-3: each rank's engine consumes the gathered state dict inside its
+    reload, so the ZeRO-3 all-gathers run there, in the same order on both ranks."""
+    rows = _torchrun("configs/ppo_tiny_cpu.yaml", tmp_path / "ppo", f"actor.pretrain={vllm_model}",
+                     f"critic.pretrain={vllm_model}", "train.max_steps=3")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    _assert_engine_matches_trainer(rows)
+
+
 def test_lora_rollouts_on_vllm_get_the_merged_weights(tmp_path, vllm_model):
     rows = _torchrun("configs/grpo_vllm_tiny_cpu.yaml", tmp_path / "lora", f"actor.pretrain={vllm_model}",
                      "train.max_steps=4", "ds.lora.rank=8", "ds.lora.alpha=16", "actor.learning_rate=5e-2")
