@@ -78,6 +78,20 @@ _NAMES = (
     VllmName("vllm.distributed.weight_transfer.nccl_common:trainer_init", ("init_info", "rank")),
     VllmName("vllm.distributed.weight_transfer.packed_tensor:packed_nccl_broadcast_producer",
              ("iterator", "group", "src", "post_iter_func", "buffer_size_bytes", "num_buffers")),
+    # ---- the gloo weight-transfer backend (CPU server_process engines): hpc_rlhf.engines.vllm_gloo_transfer, built
+    # in vLLM's workers through hpc_rlhf.engines.vllm_plugin
+    VllmName("vllm.distributed.weight_transfer.base:WeightTransferEngine",
+             fields=("model", "model_config", "parallel_config", "device", "parse_update_info"),
+             why="base class of GlooWeightTransferEngine; vLLM sets these fields before calling it"),
+    VllmName("vllm.config:ParallelConfig", fields=("data_parallel_index", "world_size", "rank"),
+             why="gloo worker: its rank in the transfer group (vllm_gloo_transfer.worker_group_rank)"),
+    VllmName("vllm.model_executor.model_loader.reload:initialize_layerwise_reload", ("model",)),
+    VllmName("vllm.model_executor.model_loader.reload:finalize_layerwise_reload",
+             why="called as (model, model_config); it forwards them to finalize_layerwise_processing"),
+    VllmName("vllm.model_executor.model_loader.mtp_validation:disable_mtp_completeness_check",
+             why="gloo worker: a bucket is a partial checkpoint"),
+    VllmName("vllm.model_executor.models.llama:LlamaForCausalLM.load_weights", ("weights",),
+             why="gloo worker: model.load_weights(weights=...) per bucket (any model's; Llama checked)"),
 )
 
 VLLM_NAMES: dict[str, VllmName] = {name.path: name for name in _NAMES}

@@ -1,23 +1,32 @@
-"""Rollout on vLLM in processes of its own (``rollout.vllm_mode=server_process``; GPU only).
+"""Rollout on vLLM in processes of its own (``rollout.vllm_mode=server_process``): GPU nodes, and CPU machines.
 
 Used where the rollout ranks are a subset of the world (disaggregated, partial, asynchronous layouts),
 which vLLM's external launcher cannot serve: it takes the whole torch.distributed world as its own.
 Here a rollout rank starts vLLM's asynchronous engine (``AsyncLLMEngine``: an engine-core process plus
 ``tensor_parallel_size`` worker processes on ``devices``, vLLM's own internal world on a port of its own;
-built from a config, one worker on the rank's GPU, see :meth:`VllmServerEngine.from_config`). Our world
-stays the control plane: prompts come in and trajectories go out over it as in every layout; no other
-rank of the world joins vLLM's groups.
+built from a config, one worker on the rank's GPU, or on the host's cores on a CPU machine, see
+:meth:`VllmServerEngine.from_config`). Our world stays the control plane: prompts come in and trajectories go
+out over it as in every layout; no other rank of the world joins vLLM's groups. vLLM's processes start with our
+launch variables removed (:func:`server_process_env`) and are spawned, so a script that builds this engine at its
+top level needs the ``if __name__ == "__main__":`` guard (the CLIs have it; spawned children import the main
+module again).
 
-Weights travel over a dedicated NCCL communicator per engine, with vLLM's RLHF weight-transfer API
-(``weight_transfer_config=WeightTransferConfig(backend="nccl")``): one sending actor rank at rank 0
-of that communicator, the engine's workers at ranks ``1 .. tp``, rendezvous through a TCP store the
-sender hosts (vLLM's ``StatelessProcessGroup``), so the main world's groups are untouched and each
-engine's sender can be a different actor rank, all sending in parallel. The sender packs tensors
-with vLLM's ``packed_nccl_broadcast_producer``; the workers unpack them into ``load_weights``.
-One round: ``start_weight_update`` -> ``update_weights`` per bucket (names, dtypes, shapes: the
-tensors themselves come over NCCL) -> ``finish_weight_update``. The trainer opens both ends at its
-first weight sync and picks each engine's sender
-(``hpc_rlhf.trainers.rl.weight_sync.EngineChannelWeightSync``).
+Weights travel over a dedicated communicator per engine, with vLLM's RLHF weight-transfer API: one sending actor
+rank at rank 0 of that communicator, the engine's workers at ranks ``1 .. tp``, rendezvous through a TCP store
+the sender hosts, so the main world's groups are untouched and each engine's sender can be a different actor
+rank, all sending in parallel. One round: ``start_weight_update`` -> ``update_weights`` per bucket (names,
+dtypes, shapes: the tensors themselves come over the communicator) -> ``finish_weight_update``. The trainer opens
+both ends at its first weight sync and picks each engine's sender
+(``hpc_rlhf.trainers.rl.weight_sync.EngineChannelWeightSync``). The backend follows the hardware
+(:func:`transfer_backend`, the same rule on both ends):
+
+- ``gloo`` without CUDA: our backend (:mod:`hpc_rlhf.engines.vllm_gloo_transfer`, registered in vLLM's processes
+  by :mod:`hpc_rlhf.engines.vllm_plugin`); buckets packed one flat buffer per dtype. Runs on CPU and is tested
+  there against a real vLLM (``tests/multiproc/test_vllm_server_cpu.py``).
+- ``nccl`` on CUDA: vLLM's own (``WeightTransferConfig(backend="nccl")``; vLLM's ``StatelessProcessGroup``),
+  the sender packing with vLLM's ``packed_nccl_broadcast_producer``. This path has never run on a GPU: only
+  against fakes (``tests/unit/test_vllm_server.py``) and vLLM's API contract
+  (:mod:`hpc_rlhf.engines.vllm_contract`); run it on a GPU node before relying on it.
 
 Weight updates during generation (async and partial rollouts): generation runs on a private asyncio
 loop in a background thread, so :meth:`submit` returns at once and a weight round can run while
@@ -28,8 +37,8 @@ the new weights and continues. Tokens sampled before the pause keep the logprobs
 sampled them (what importance-sampling corrections need). We chose pause-and-keep over
 abort-and-resubmit because it keeps every finished token and needs no bookkeeping of partial outputs.
 
-Everything that does not need vLLM (environment isolation, payloads, request ids) is a pure helper,
-unit-tested without vLLM; :mod:`hpc_rlhf.engines.vllm_contract` checks every vLLM name used here.
+Everything that does not need vLLM (environment isolation, payloads, request ids, the backend choice) is a pure
+helper, unit-tested without vLLM; :mod:`hpc_rlhf.engines.vllm_contract` checks every vLLM name used here.
 """
 
 from __future__ import annotations
@@ -45,7 +54,12 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_rlhf.engines.rollout_base import GenerationRequest, GenerationResult, RolloutEngine
 from hpc_rlhf.engines.vllm_api import PAUSE_MODE, resolve
-from hpc_rlhf.engines.vllm_rollout import import_vllm, results_from_vllm_outputs, vllm_sampling_kwargs
+from hpc_rlhf.engines.vllm_rollout import (
+    engine_kwargs_from_config,
+    import_vllm,
+    results_from_vllm_outputs,
+    vllm_sampling_kwargs,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -59,6 +73,14 @@ LAUNCH_ENV_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROU
 # vLLM's packed transfer: two 1 GiB staging buffers on each side (vLLM's defaults).
 PACKED_BUFFER_BYTES = 1 << 30
 PACKED_NUM_BUFFERS = 2
+# Weight-transfer backends: vLLM's NCCL one on CUDA, ours over gloo elsewhere (vllm_gloo_transfer).
+TRANSFER_BACKENDS = ("nccl", "gloo")
+
+
+def transfer_backend(on_gpu: bool) -> str:
+    """The weight-transfer backend of engines in processes of their own: ``nccl`` where CUDA is, ``gloo`` where it
+    is not (NCCL does not exist on CPU). Both ends of a channel call this with ``torch.cuda.is_available()``."""
+    return "nccl" if on_gpu else "gloo"
 
 
 def server_process_env(environ: dict[str, str], devices: Sequence[int] | None) -> dict[str, str]:
@@ -96,9 +118,15 @@ def server_engine_kwargs(model_path: str, *, tensor_parallel_size: int, gpu_memo
             "logprobs_mode": logprobs_mode, **extra}
 
 
-def worker_init_info(master_address: str, master_port: int, num_workers: int) -> dict[str, Any]:
+def worker_init_info(master_address: str, master_port: int, num_workers: int, backend: str = "nccl") -> dict[str, Any]:
     """``init_info`` of ``init_weight_transfer_engine``: workers take ranks ``1 .. num_workers`` of a
     communicator whose rank 0 is the sending actor rank (hosting the rendezvous store)."""
+    if backend == "gloo":
+        from hpc_rlhf.engines.vllm_gloo_transfer import gloo_worker_init_info
+
+        return gloo_worker_init_info(master_address, master_port, num_workers)
+    if backend != "nccl":
+        raise ValueError(f"unknown weight-transfer backend {backend!r}; choose one of {TRANSFER_BACKENDS}")
     return {"master_address": master_address, "master_port": master_port, "rank_offset": 1,
             "world_size": 1 + num_workers, "packed": True, "packed_buffer_size_bytes": PACKED_BUFFER_BYTES,
             "packed_num_buffers": PACKED_NUM_BUFFERS}
@@ -121,17 +149,28 @@ class VllmServerEngine(RolloutEngine):
     Args:
         model_path: local HF model folder loaded by vLLM.
         tensor_parallel_size: worker processes (GPUs) of this engine.
-        devices: node-local GPU indices for the workers (``None``: vLLM's default, the visible ones).
+        devices: node-local GPU indices for the workers (``None``: vLLM's default, the visible ones; on CPU
+            machines always ``None``).
         seed: engine seed (per-request seeds make calls reproducible, as in the in-process engine).
-        engine_kwargs: further ``AsyncEngineArgs`` keywords (``dtype``, ``max_model_len`` ...).
+        weight_transfer_backend: ``nccl`` or ``gloo`` (default: :func:`transfer_backend` of this machine); the
+            sender must use the same one.
+        engine_kwargs: further ``AsyncEngineArgs`` keywords (``dtype``, ``max_model_len``, ``kv_cache_memory_bytes``
+            ...).
     """
 
     def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, devices: Sequence[int] | None = None,
                  gpu_memory_utilization: float = 0.9, seed: int = 0, enforce_eager: bool = False,
                  enable_prefix_caching: bool = True, logprobs_mode: str = "processed_logprobs",
-                 **engine_kwargs: Any) -> None:
+                 weight_transfer_backend: str | None = None, **engine_kwargs: Any) -> None:
+        import torch
+
         import_vllm()  # the actionable install hint when vLLM is missing
+        backend = weight_transfer_backend or transfer_backend(torch.cuda.is_available())
+        if backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"VllmServerEngine: weight_transfer_backend={backend!r}; choose one of "
+                             f"{TRANSFER_BACKENDS}")
         self.tensor_parallel_size = tensor_parallel_size
+        self.weight_transfer_backend = backend
         self._channel_open = False  # open_weight_channel done: a sender can reach the workers
         self._request_ids = itertools.count()
         self._in_flight: set[str] = set()  # request ids of generations not finished yet
@@ -142,17 +181,18 @@ class VllmServerEngine(RolloutEngine):
                                       gpu_memory_utilization=gpu_memory_utilization, seed=seed,
                                       enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
                                       logprobs_mode=logprobs_mode, **engine_kwargs)
-        kwargs["weight_transfer_config"] = resolve("vllm.config:WeightTransferConfig")(backend="nccl")
+        kwargs["weight_transfer_config"] = resolve("vllm.config:WeightTransferConfig")(backend=backend)
         args = resolve("vllm:AsyncEngineArgs")(**kwargs)
         with isolated_environ(server_process_env(dict(os.environ), devices)):
             self.engine = self._run(self._start(args))
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, local_rank: int, **engine_kwargs: Any) -> VllmServerEngine:
-        """Built by every rollout rank, one engine each on its own GPU (``local_rank``). Engines spanning several
+    def from_config(cls, cfg: RunConfig, local_rank: int | None, **engine_kwargs: Any) -> VllmServerEngine:
+        """Built by every rollout rank, one engine each: on its own GPU (``local_rank``), or on the host's cores
+        where there is no GPU (``local_rank=None``: weights then come over gloo). Engine keywords (dtype, context
+        length, KV cache size, the CPU head-size check) are the in-process engine's
+        (``vllm_rollout.engine_kwargs_from_config``); ``engine_kwargs`` override them. Engines spanning several
         GPUs (``devices``) need the other ranks of their group to build none: not arranged yet, so refused."""
-        if not cfg.actor.pretrain:
-            raise ValueError("rollout.backend=vllm needs actor.pretrain (a local HF model folder) to load vLLM from")
         tp = cfg.rollout.tensor_parallel_size
         if tp > 1:
             # Every rollout rank builds its engine; with tp > 1 only each group's leading rank may (the others'
@@ -160,12 +200,13 @@ class VllmServerEngine(RolloutEngine):
             raise ValueError(f"rollout.vllm_mode=server_process runs one engine per rollout rank: "
                              f"rollout.tensor_parallel_size={tp} is not supported there yet; use 1, or a colocated "
                              "layout (train.colocate_all=true, vLLM's external launcher)")
-        engine_kwargs.setdefault("max_model_len", cfg.data.max_len or cfg.data.prompt_max_len
-                                 + cfg.rollout.generate_max_len)
-        return cls(cfg.actor.pretrain, tensor_parallel_size=tp, devices=list(range(local_rank, local_rank + tp)),
+        on_gpu = local_rank is not None
+        kwargs = {**engine_kwargs_from_config(cfg, on_gpu), **engine_kwargs}
+        return cls(cfg.actor.pretrain, tensor_parallel_size=tp,
+                   devices=list(range(local_rank, local_rank + tp)) if on_gpu else None,
                    gpu_memory_utilization=cfg.vllm.gpu_memory_utilization, seed=cfg.train.seed,
                    enforce_eager=cfg.vllm.enforce_eager, enable_prefix_caching=cfg.vllm.enable_prefix_caching,
-                   **engine_kwargs)
+                   weight_transfer_backend=transfer_backend(on_gpu), **kwargs)
 
     async def _start(self, args: Any) -> Any:
         # Built on the loop that will drive it: AsyncLLM binds its output handler to the running loop.
@@ -206,16 +247,19 @@ class VllmServerEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
     def open_weight_channel(self, master_address: str, master_port: int) -> None:
-        """Join this engine's workers to the NCCL communicator of their sender (collective with the sender's
-        ``hpc_rlhf.engines.vllm_server.open_sender_channel``; the sender hosts the rendezvous store)."""
+        """Join this engine's workers to the communicator of their sender (collective with the sender's
+        :class:`SenderChannel` or ``vllm_gloo_transfer.GlooSenderChannel``; the sender hosts the rendezvous
+        store). Returns once the sender and every worker have joined."""
         request = resolve("vllm.distributed.weight_transfer.base:WeightTransferInitRequest")(
-            init_info=worker_init_info(master_address, master_port, self.tensor_parallel_size))
+            init_info=worker_init_info(master_address, master_port, self.tensor_parallel_size,
+                                       self.weight_transfer_backend))
         self._run(self.engine.init_weight_transfer_engine(request))
         self._channel_open = True
 
     def receive_weights(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> None:
         """One weight round: each bucket's ``(name, tensor)`` pairs describe (names, dtypes, shapes; the tensors
-        may be on ``meta``) what the sender broadcasts next over the engine's NCCL communicator, in that order.
+        may be on ``meta``) what the sender broadcasts next over the engine's communicator, in that order. The round
+        must cover every tensor of the model (vLLM's layerwise reload processes a layer once all its parts came).
         Requests in flight are paused, keep their tokens, and continue under the new weights.
 
         ``buckets`` is consumed on the calling thread, one bucket per transfer, so it may wait for a bucket's
@@ -223,8 +267,8 @@ class VllmServerEngine(RolloutEngine):
         without holding the engine's event loop."""
         if not self._channel_open:
             raise RuntimeError("VllmServerEngine: no weight channel; the weights of an out-of-process engine come "
-                               "from an actor rank over NCCL (open_sender_channel there, open_weight_channel here), "
-                               "not through this rank")
+                               f"from an actor rank over {self.weight_transfer_backend} (a sender channel there, "
+                               "open_weight_channel here), not through this rank")
         update_request = resolve("vllm.distributed.weight_transfer.base:WeightTransferUpdateRequest")
         self._run(self.engine.pause_generation(mode=PAUSE_MODE, clear_cache=True))
         try:
@@ -259,20 +303,34 @@ class VllmServerEngine(RolloutEngine):
 
     def close(self) -> None:
         """Abort what is in flight (pending ``submit`` futures then fail instead of waiting forever), stop vLLM's
-        processes and the loop thread."""
+        processes and the loop thread. Idempotent; the engine is not usable afterwards."""
+        if getattr(self, "engine", None) is None:
+            return
         if self._in_flight:
             self._run(self.engine.abort(request_id=list(self._in_flight)))
             self._run(self._drained(timeout_s=30.0))
-        self.engine.shutdown()
+        self._run(self._shutdown())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self._loop.close()
+        # Released now, while the interpreter is whole: vLLM's finaliser would otherwise run at exit, when the
+        # modules it calls are gone, and print a TypeError.
+        self.engine = None
+
+    async def _shutdown(self) -> None:
+        # On the engine's loop: vLLM stops its engine core before cancelling its output handler, which, if it ran in
+        # between, would report the stopped core as an engine failure.
+        self.engine.shutdown()
 
 
 # ---------------------------------------------------------------------------- sender side (an actor rank)
+# The NCCL sender below has never run on a GPU (see the module docstring); the gloo one is
+# hpc_rlhf.engines.vllm_gloo_transfer.GlooSenderChannel.
 
 
 def open_sender_channel(master_address: str, master_port: int, num_workers: int) -> Any:
-    """The sending actor rank's end of one engine's communicator (rank 0; hosts the rendezvous store).
+    """The sending actor rank's end of one engine's NCCL communicator (rank 0; hosts the rendezvous store).
     Collective with that engine's :meth:`VllmServerEngine.open_weight_channel`. Uses the current CUDA device."""
     trainer_init = resolve("vllm.distributed.weight_transfer.nccl_common:trainer_init")
     return trainer_init(init_info={"master_address": master_address, "master_port": master_port,
@@ -287,8 +345,9 @@ def send_bucket(communicator: Any, bucket: Iterable[tuple[str, torch.Tensor]]) -
 
 
 class SenderChannel:
-    """One engine's communicator seen from its sending actor rank: opened once (collective with the engine's
-    :meth:`VllmServerEngine.open_weight_channel`), then one :meth:`send` per bucket of every weight round."""
+    """One engine's NCCL communicator seen from its sending actor rank: opened once (collective with the engine's
+    :meth:`VllmServerEngine.open_weight_channel`), then one :meth:`send` per bucket of every weight round.
+    Never run on a GPU yet (module docstring)."""
 
     def __init__(self, master_address: str, master_port: int, num_workers: int):
         self.communicator = open_sender_channel(master_address, master_port, num_workers)

@@ -1,5 +1,6 @@
-"""The out-of-process vLLM engine without vLLM: environment isolation, payloads, mode choice, and a weight
-round that runs while a generation is in flight (fake ``AsyncLLMEngine`` with vLLM's method names)."""
+"""The out-of-process vLLM engine without vLLM: environment isolation, payloads, mode and backend choice, a weight
+round that runs while a generation is in flight (fake ``AsyncLLMEngine`` with vLLM's method names), and the gloo
+backend's wire format between two threads. The real engine on CPU: ``tests/multiproc/test_vllm_server_cpu.py``."""
 
 from __future__ import annotations
 
@@ -14,14 +15,28 @@ import torch
 
 from hpc_rlhf.config.schema import resolved_vllm_mode
 from hpc_rlhf.engines.rollout_base import GenerationRequest, SamplingParams
+from hpc_rlhf.engines import vllm_gloo_transfer
+from hpc_rlhf.engines.vllm_gloo_transfer import (
+    GlooGroup,
+    GlooSenderChannel,
+    GlooWeightTransferInitInfo,
+    GlooWeightTransferUpdateInfo,
+    bucket_layout,
+    empty_buffers,
+    pack_by_dtype,
+    unpack_by_dtype,
+    worker_group_rank,
+)
 from hpc_rlhf.engines.vllm_server import (
     LAUNCH_ENV_VARS,
     VllmServerEngine,
     bucket_update_info,
     isolated_environ,
     server_process_env,
+    transfer_backend,
     worker_init_info,
 )
+from hpc_rlhf.world.launch_env import free_port
 from tests.unit.test_vllm_rollout_contract import FakeRequestOutput, completion
 
 
@@ -31,6 +46,11 @@ def test_server_processes_do_not_see_our_world():
     assert not set(LAUNCH_ENV_VARS) & set(env)
     assert env["PATH"] == "/bin" and env["CUDA_VISIBLE_DEVICES"] == "4,5"
     assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+
+
+def test_cpu_server_processes_keep_the_visible_devices_as_they_are():
+    assert "CUDA_VISIBLE_DEVICES" not in server_process_env({"RANK": "1", "PATH": "/bin"}, devices=None)
+    assert server_process_env({"CUDA_VISIBLE_DEVICES": "3"}, devices=None)["CUDA_VISIBLE_DEVICES"] == "3"
 
 
 def test_isolated_environ_restores_ours():
@@ -48,6 +68,16 @@ def test_weight_payloads_describe_the_bucket_and_the_ranks():
                                           "dtype_names": ["bfloat16", "float32"], "shapes": [[10, 4], [4]]}
     info = worker_init_info("10.0.0.1", 31000, num_workers=4)
     assert info["rank_offset"] == 1 and info["world_size"] == 5 and info["packed"] is True
+    # The gloo backend's payload builds its init info (what vLLM's worker does with it) and has no NCCL packing.
+    gloo = worker_init_info("10.0.0.1", 31000, num_workers=4, backend="gloo")
+    assert GlooWeightTransferInitInfo(**gloo).world_size == 5 and "packed" not in gloo
+    with pytest.raises(ValueError, match="unknown weight-transfer backend 'rdma'"):
+        worker_init_info("10.0.0.1", 31000, num_workers=1, backend="rdma")
+
+
+def test_transfer_backend_follows_the_hardware():
+    assert transfer_backend(on_gpu=True) == "nccl"
+    assert transfer_backend(on_gpu=False) == "gloo"
 
 
 @pytest.mark.parametrize("mode, colocate_all, expected", [
@@ -130,7 +160,9 @@ def fake_vllm(monkeypatch):
 
 
 def test_weight_round_runs_while_a_generation_is_in_flight(fake_vllm):
-    engine = VllmServerEngine("/models/tiny", tensor_parallel_size=2, devices=[2, 3], seed=3)
+    engine = VllmServerEngine("/models/tiny", tensor_parallel_size=2, devices=[2, 3], seed=3,
+                              weight_transfer_backend="nccl")
+    fake = engine.engine
     try:
         args = engine.engine.args.kwargs
         assert args["distributed_executor_backend"] == "mp" and args["tensor_parallel_size"] == 2
@@ -145,13 +177,14 @@ def test_weight_round_runs_while_a_generation_is_in_flight(fake_vllm):
     finally:
         engine.close()
     assert [(r.request_index, r.output_ids, r.output_logprobs) for r in results] == [(0, [7], [-0.25])] * 2
-    rounds = [c for c in engine.engine.calls if c[0] != "generate"]
+    rounds = [c for c in fake.calls if c[0] != "generate"]
     assert rounds == [("init", 3), ("pause", "keep", True), ("start",), ("update", ["a", "b"]), ("update", ["c"]),
                       ("finish",), ("resume",), ("shutdown",)]
 
 
 def test_failed_round_still_resumes_generation(fake_vllm):
     engine = VllmServerEngine("/models/tiny")
+    fake = engine.engine
     with pytest.raises(RuntimeError, match="no weight channel"):  # nobody could send: refuse instead of hanging
         engine.update_weights([("a", torch.empty(1, device="meta"))])
     engine.open_weight_channel("10.0.0.1", 31000)
@@ -165,16 +198,18 @@ def test_failed_round_still_resumes_generation(fake_vllm):
             engine.update_weights([("a", torch.empty(1, device="meta"))])
     finally:
         engine.close()
-    assert engine.engine.calls[-2:] == [("resume",), ("shutdown",)]
+    assert fake.calls[-2:] == [("resume",), ("shutdown",)]
 
 
 def test_close_aborts_generations_in_flight(fake_vllm):
     engine = VllmServerEngine("/models/tiny")
+    fake = engine.engine
     pending = engine.submit([GenerationRequest([1], SamplingParams(max_new_tokens=2))])
-    assert engine.engine.generating.wait(timeout=60)
+    assert fake.generating.wait(timeout=60)
     engine.close()
     pending.result(timeout=60)  # released by the abort, not left waiting
-    assert [c for c in engine.engine.calls if c[0] != "generate"] == [("abort", ["hpc-rlhf-0"]), ("shutdown",)]
+    engine.close()  # idempotent: nothing is shut down twice
+    assert [c for c in fake.calls if c[0] != "generate"] == [("abort", ["hpc-rlhf-0"]), ("shutdown",)]
 
 
 def test_from_config_refuses_tensor_parallel_engines_per_rank(fake_vllm):
@@ -186,14 +221,57 @@ def test_from_config_refuses_tensor_parallel_engines_per_rank(fake_vllm):
     engine = VllmServerEngine.from_config(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
         update={"tensor_parallel_size": 1})}), local_rank=3)
     try:
-        assert engine.engine.args.kwargs["tensor_parallel_size"] == 1
+        args = engine.engine.args.kwargs
+        assert args["tensor_parallel_size"] == 1 and args["weight_transfer_config"].kwargs == {"backend": "nccl"}
+        assert args["dtype"] == "bfloat16"  # the trainer's ds.param_dtype=auto on GPU
     finally:
         engine.close()
+
+
+def _model_dir(tmp_path, hidden_size: int, heads: int):
+    (tmp_path / "config.json").write_text(
+        f'{{"hidden_size": {hidden_size}, "num_attention_heads": {heads}, "model_type": "llama"}}')
+    return str(tmp_path)
+
+
+def test_from_config_on_cpu_uses_gloo_and_the_trainers_keywords(fake_vllm, tmp_path, monkeypatch):
+    from hpc_rlhf.config.schema import RunConfig
+    from hpc_rlhf.engines import vllm_rollout
+
+    monkeypatch.setattr(vllm_rollout, "resolve_cpu_attention_head_sizes", lambda: [32, 64, 128])
+    cfg = RunConfig.model_validate({"actor": {"pretrain": _model_dir(tmp_path, 128, 2)},
+                                    "vllm": {"kv_cache_memory_gib": 0.25, "enforce_eager": True},
+                                    "data": {"prompt_max_len": 16}, "rollout": {"generate_max_len": 4}})
+    engine = VllmServerEngine.from_config(cfg, local_rank=None, max_model_len=64)
+    try:
+        args = engine.engine.args.kwargs
+    finally:
+        engine.close()
+    assert engine.weight_transfer_backend == "gloo"
+    assert args["weight_transfer_config"].kwargs == {"backend": "gloo"}
+    assert args["dtype"] == "float32" and args["kv_cache_memory_bytes"] == 1 << 28
+    assert args["max_model_len"] == 64 and args["enforce_eager"] is True  # keywords given override the config's
+
+
+def test_from_config_on_cpu_refuses_a_head_size_vllm_cannot_run(fake_vllm, tmp_path, monkeypatch):
+    from hpc_rlhf.config.schema import RunConfig
+    from hpc_rlhf.engines import vllm_rollout
+
+    monkeypatch.setattr(vllm_rollout, "resolve_cpu_attention_head_sizes", lambda: [32, 64, 128])
+    cfg = RunConfig.model_validate({"actor": {"pretrain": _model_dir(tmp_path, 64, 4)}})
+    with pytest.raises(ValueError, match="actor.pretrain=.*head size 16"):
+        VllmServerEngine.from_config(cfg, local_rank=None)
+
+
+def test_unknown_transfer_backend_is_refused(fake_vllm):
+    with pytest.raises(ValueError, match="weight_transfer_backend='tcp'"):
+        VllmServerEngine("/models/tiny", weight_transfer_backend="tcp")
 
 
 def test_bucket_descriptions_are_read_on_the_calling_thread(fake_vllm):
     """The weight sync's descriptions may wait on the control plane: they must not be read on the engine's loop."""
     engine = VllmServerEngine("/models/tiny")
+    fake = engine.engine
     engine.open_weight_channel("10.0.0.1", 31000)
     readers = []
 
@@ -207,4 +285,118 @@ def test_bucket_descriptions_are_read_on_the_calling_thread(fake_vllm):
     finally:
         engine.close()
     assert readers == [threading.main_thread()] * 2
-    assert [c for c in engine.engine.calls if c[0] == "update"] == [("update", ["a"]), ("update", ["b"])]
+    assert [c for c in fake.calls if c[0] == "update"] == [("update", ["a"]), ("update", ["b"])]
+
+
+# ---------------------------------------------------------------------------- the gloo backend without vLLM
+
+
+def _mixed_bucket():
+    """Three dtypes, interleaved, with a 0-d tensor: what a mixed-precision state dict may hold."""
+    generator = torch.Generator().manual_seed(0)
+    return [("a", torch.randn(3, 4, generator=generator)),
+            ("b", torch.randn(5, generator=generator).to(torch.bfloat16)),
+            ("c", torch.arange(6, dtype=torch.int64).view(2, 3)),
+            ("d", torch.randn(2, 2, generator=generator)),
+            ("e", torch.tensor(1.5, dtype=torch.bfloat16))]
+
+
+def test_a_bucket_travels_as_one_buffer_per_dtype():
+    bucket = _mixed_bucket()
+    tensors = [t for _, t in bucket]
+    layout = bucket_layout([t.dtype for t in tensors])
+    assert layout == [(torch.float32, [0, 3]), (torch.bfloat16, [1, 4]), (torch.int64, [2])]
+    buffers = pack_by_dtype(tensors)
+    assert [(b.dtype, b.numel()) for b in buffers] == [(torch.float32, 16), (torch.bfloat16, 6), (torch.int64, 6)]
+    shapes, dtypes = [list(t.shape) for t in tensors], [t.dtype for t in tensors]
+    assert [(b.dtype, b.numel()) for b in empty_buffers(shapes, dtypes)] == [(b.dtype, b.numel()) for b in buffers]
+    for got, sent in zip(unpack_by_dtype(buffers, shapes, dtypes), tensors, strict=True):
+        assert got.dtype == sent.dtype and torch.equal(got, sent)
+
+
+def test_unpacking_refuses_buffers_that_do_not_match_the_description():
+    tensors = [t for _, t in _mixed_bucket()]
+    shapes, dtypes = [list(t.shape) for t in tensors], [t.dtype for t in tensors]
+    buffers = pack_by_dtype(tensors)
+    with pytest.raises(ValueError, match="2 buffers for 3 dtypes"):
+        unpack_by_dtype(buffers[:2], shapes, dtypes)
+    with pytest.raises(ValueError, match="torch.float32 buffer of 16 elements"):
+        unpack_by_dtype([buffers[0][:-1], *buffers[1:]], shapes, dtypes)
+
+
+def test_gloo_payloads_fail_naming_what_is_wrong():
+    info = GlooWeightTransferUpdateInfo(**bucket_update_info(_mixed_bucket()))
+    assert info.dtypes == [torch.float32, torch.bfloat16, torch.int64, torch.float32, torch.bfloat16]
+    with pytest.raises(ValueError, match="'w' has dtype name 'float99'"):
+        GlooWeightTransferUpdateInfo(names=["w"], dtype_names=["float99"], shapes=[[1]])
+    with pytest.raises(ValueError, match="differ in length"):
+        GlooWeightTransferUpdateInfo(names=["w", "v"], dtype_names=["float32"], shapes=[[1]])
+    with pytest.raises(ValueError, match="rank_offset=0"):
+        GlooWeightTransferInitInfo("h", 31000, rank_offset=0, world_size=2)
+    with pytest.raises(ValueError, match="world_size=1 leaves no rank"):
+        GlooWeightTransferInitInfo("h", 31000, rank_offset=1, world_size=1)
+    with pytest.raises(ValueError, match="master_port=0"):
+        GlooWeightTransferInitInfo("h", 0, rank_offset=1, world_size=2)
+
+
+def test_worker_ranks_are_unique_over_vllms_data_parallel_replicas():
+    def config(dp, rank):
+        return SimpleNamespace(data_parallel_index=dp, world_size=2, rank=rank)
+
+    ranks = [worker_group_rank(config(dp, r), rank_offset=1) for dp in range(2) for r in range(2)]
+    assert ranks == [1, 2, 3, 4]
+
+
+def test_the_gloo_module_imports_no_vllm_until_vllm_asks_for_its_engine():
+    """Actor ranks import it to send; vLLM's factory gets GlooWeightTransferEngine by attribute, built then."""
+    import subprocess
+
+    code = ("import sys, hpc_rlhf.engines.vllm_gloo_transfer as m, hpc_rlhf.trainers.rl.weight_sync\n"
+            "assert 'vllm' not in sys.modules, 'vllm imported'\n"
+            "assert 'GlooWeightTransferEngine' not in vars(m)\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    with pytest.raises(AttributeError, match="no attribute 'Missing'"):
+        vllm_gloo_transfer.Missing  # noqa: B018 - the access is the test
+
+
+def test_a_bucket_crosses_a_gloo_group_between_sender_and_worker():
+    """Both ends of the wire in one process (two threads); no default process group exists or is needed."""
+    port = free_port()
+    bucket = _mixed_bucket()
+    info = GlooWeightTransferUpdateInfo(**bucket_update_info(bucket))
+    received = {}
+
+    def worker():
+        group = GlooGroup("127.0.0.1", port, rank=1, world_size=2, timeout_s=60)
+        for round_index in range(2):
+            buffers = empty_buffers(info.shapes, info.dtypes)
+            for buffer in buffers:
+                group.broadcast(buffer, src=0)
+            received[round_index] = unpack_by_dtype(buffers, info.shapes, info.dtypes)
+        group.close()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    channel = GlooSenderChannel("127.0.0.1", port, num_workers=1, timeout_s=60)
+    channel.send(bucket)
+    channel.send([(name, tensor * 2) for name, tensor in bucket])
+    thread.join(timeout=60)
+    channel.close()
+    assert not thread.is_alive()
+    for round_index, scale in ((0, 1), (1, 2)):
+        for got, (_, sent) in zip(received[round_index], bucket, strict=True):
+            assert got.dtype == sent.dtype and torch.equal(got, sent * scale)
+
+
+def test_channels_follow_the_hardware(monkeypatch):
+    from hpc_rlhf.engines import vllm_server
+    from hpc_rlhf.trainers.rl import weight_sync
+
+    opened = []
+    monkeypatch.setattr(vllm_gloo_transfer, "GlooSenderChannel", lambda *a: opened.append(("gloo", a)))
+    monkeypatch.setattr(vllm_server, "SenderChannel", lambda *a: opened.append(("nccl", a)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    weight_sync._open_vllm_channel("h", 31000, 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    weight_sync._open_vllm_channel("h", 31001, 2)
+    assert opened == [("gloo", ("h", 31000, 1)), ("nccl", ("h", 31001, 2))]

@@ -47,8 +47,12 @@ class AsyncPPOTrainer(PPOTrainer):
         self.depth = train.async_queue_size
         if train.staleness_policy == "wait" and train.max_staleness < self.depth + extra:
             if train.max_staleness - extra < 1:
-                raise ValueError("train.partial_rollout=true needs train.max_staleness >= 2 (the first tokens of a "
-                                 "sample are one version older than the rest)")
+                if train.partial_rollout:
+                    raise ValueError("train.partial_rollout=true needs train.max_staleness >= 2 (the first tokens of "
+                                     "a sample are one version older than the rest)")
+                raise ValueError("train.async_train=true needs train.max_staleness >= 1 (a batch is generated while "
+                                 "the previous one trains, one policy version behind); for on-policy rollouts use "
+                                 "train.async_train=false")
             log.warning("train.async_queue_size=%d exceeds train.max_staleness=%d: generating %d batches ahead",
                         self.depth, train.max_staleness, train.max_staleness - extra)
             self.depth = train.max_staleness - extra

@@ -10,9 +10,10 @@ Two paths, one interface (``send(actor)`` on actor ranks, ``receive(engine)`` on
   broadcast one flat bucket at once over groups of the main world (``weight_transport``). Rank 0 is one sender
   among the others: it carries its share of the bytes, not the whole model.
 - ``EngineChannelWeightSync``, for vLLM in processes of its own (``rollout.vllm_mode=server_process``): each
-  engine takes every bucket from one actor rank over a communicator of its own (vLLM's NCCL weight transfer
-  allows one sender per engine), the engines spread round-robin over the replicas (``assign_engine_senders``)
-  so they are fed in parallel. The main world carries only the rendezvous and the buckets' descriptions, once.
+  engine takes every bucket from one actor rank over a communicator of its own (vLLM's weight transfer allows one
+  sender per engine: NCCL on CUDA, our gloo backend on CPU, ``vllm_server.transfer_backend``), the engines spread
+  round-robin over the replicas (``assign_engine_senders``) so they are fed in parallel. The main world carries
+  only the rendezvous and the buckets' descriptions, once.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ class ShardedWeightSync:
 
 
 class EngineChannel(Protocol):
-    """The sending actor rank's end of one engine's communicator (``vllm_server.SenderChannel``)."""
+    """The sending actor rank's end of one engine's communicator (``vllm_server.SenderChannel``,
+    ``vllm_gloo_transfer.GlooSenderChannel``)."""
 
     def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -113,9 +115,17 @@ OpenChannel = Callable[[str, int, int], EngineChannel]
 
 
 def _open_vllm_channel(master_address: str, master_port: int, num_workers: int) -> EngineChannel:
-    from hpc_rlhf.engines.vllm_server import SenderChannel  # vLLM itself is imported only when opening
+    """The sender's end for this machine's backend (``vllm_server.transfer_backend``, the rule the engine follows):
+    vLLM's NCCL on CUDA (never run on a GPU yet), our gloo group without it."""
+    from hpc_rlhf.engines.vllm_server import transfer_backend  # imports no vLLM
 
-    return SenderChannel(master_address, master_port, num_workers)
+    if transfer_backend(torch.cuda.is_available()) == "nccl":
+        from hpc_rlhf.engines.vllm_server import SenderChannel  # vLLM itself is imported only when opening
+
+        return SenderChannel(master_address, master_port, num_workers)
+    from hpc_rlhf.engines.vllm_gloo_transfer import GlooSenderChannel
+
+    return GlooSenderChannel(master_address, master_port, num_workers)
 
 
 def _describe(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -130,7 +140,7 @@ class EngineChannelWeightSync:
     feeds). The first sync opens the channels (lazily: the engines exist only after the trainer's roles are
     built): each sender picks a free port per engine on its own host (it hosts the rendezvous store, as vLLM's
     ``trainer_init`` does), sends address and ports over its group, and opens the engines' channels one after
-    the other while each engine's rank opens its end (NCCL's init is collective between the two; each rank
+    the other while each engine's rank opens its end (the communicator's init is collective between the two; each rank
     blocks in its own open only, so no order deadlocks). Every sync, the senders' replicas gather the whole state
     dict bucket by bucket (every rank of a tp group takes part; replicas feeding no engine skip the gathering)
     and each sender sends every bucket to each of its engines. The engine needs each bucket's names, shapes and

@@ -1,0 +1,294 @@
+"""The ``gloo`` weight-transfer backend: actor rank -> vLLM engine in processes of its own, without NCCL (CPU).
+
+vLLM's ``nccl`` backend cannot run where there is no NCCL, so on CPU machines ``VllmServerEngine`` asks vLLM for
+``WeightTransferConfig(backend="gloo")``, a backend of ours: :mod:`hpc_rlhf.engines.vllm_plugin` registers
+``GlooWeightTransferEngine`` with vLLM's ``WeightTransferEngineFactory`` in every vLLM process (a
+``vllm.general_plugins`` entry point), and vLLM builds it inside each of its workers. The rounds are vLLM's
+(``start_weight_update`` -> ``update_weights`` per bucket -> ``finish_weight_update``, driven by the engine's
+owner); only the transport differs from the ``nccl`` backend.
+
+The group: the sending actor rank is rank 0 and hosts the rendezvous ``TCPStore`` on ``master_port``; the engine's
+workers are ranks ``rank_offset .. rank_offset + tp - 1``. Both ends build a ``ProcessGroupGloo`` straight on that
+store (under a ``PrefixStore``), so neither side's default process group, nor vLLM's own groups, are touched.
+
+One bucket on the wire: the engine's owner sends ``update_info`` (names, dtype names, shapes; the same fields as
+vLLM's NCCL update info, so ``vllm_server.bucket_update_info`` serves both backends) through vLLM's control plane;
+the sender broadcasts the tensors as one flat buffer per dtype (:func:`bucket_layout`: dtypes in order of first
+appearance, each dtype's tensors in bucket order), so a bucket costs one broadcast per dtype, not one per tensor.
+
+Loading (every worker): ``start_weight_update`` starts vLLM's layerwise reload, each bucket goes to
+``model.load_weights`` (vLLM's loader maps HF names, fuses qkv / gate_up, and the layerwise reload processes a
+layer once all its tensors arrived, even when a fused layer's parts come in different buckets of the round),
+``finish_weight_update`` finalises the reload, then processes a tied LM head again
+(``vllm_rollout.refresh_tied_layers``: on CPU it would otherwise keep a packed copy of the old embedding). A plain
+second ``load_weights`` outside a reload fails on CPU: vLLM repacks linear weights after loading.
+
+Imports: this module imports no vLLM when it is imported. The sender side (:class:`GlooSenderChannel`) runs on actor
+ranks and the wire format is unit-tested without vLLM, so both live here beside the receiver, one protocol in one
+file. The worker-side class must subclass vLLM's ``WeightTransferEngine``; it is therefore built on first access
+(PEP 562 module ``__getattr__``) from :class:`GlooWeightTransferReceiver`, which holds all its logic, and vLLM's
+base class. vLLM's factory reaches it with ``getattr(module, "GlooWeightTransferEngine")``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpc_rlhf.engines.vllm_api import resolve
+
+GLOO_BACKEND = "gloo"
+# A broadcast waits this long for its peer. The sender's peer is a worker that may still be pausing the engine or
+# processing the previous bucket; a worker's peer is an actor rank that may still be gathering a bucket (ZeRO).
+DEFAULT_TIMEOUT_S = 1800.0
+_STORE_PREFIX = "hpc_rlhf_weight_transfer"
+
+
+# ---------------------------------------------------------------------------- payloads (vLLM's dict <-> ours)
+
+
+@dataclass
+class GlooWeightTransferInitInfo:
+    """``init_info`` of ``init_weight_transfer_engine`` (vLLM builds it from the dict our engine sends).
+
+    Attributes:
+        master_address, master_port: the rendezvous store, hosted by the sender (rank 0).
+        rank_offset: group rank of the engine's first worker (1: the sender is the only rank before them).
+        world_size: 1 sender + the engine's workers.
+        timeout_s: how long a worker's broadcast waits for the sender.
+    """
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"gloo weight transfer: master_port={self.master_port} is not a TCP port")
+        if self.rank_offset < 1:
+            raise ValueError(f"gloo weight transfer: rank_offset={self.rank_offset}; rank 0 is the sender's, "
+                             "workers start at 1")
+        if self.world_size <= self.rank_offset:
+            raise ValueError(f"gloo weight transfer: world_size={self.world_size} leaves no rank for the workers "
+                             f"(rank_offset={self.rank_offset})")
+        if self.timeout_s <= 0:
+            raise ValueError(f"gloo weight transfer: timeout_s={self.timeout_s} must be > 0")
+
+
+@dataclass
+class GlooWeightTransferUpdateInfo:
+    """``update_info`` of one bucket: what the sender broadcasts next, in bucket order (``dtypes``: the parsed
+    ``dtype_names``)."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    def __post_init__(self) -> None:
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(f"gloo weight transfer: update_info lists differ in length (names {len(self.names)}, "
+                             f"dtype_names {len(self.dtype_names)}, shapes {len(self.shapes)})")
+        self.dtypes = [dtype_from_name(dtype_name, name)
+                       for name, dtype_name in zip(self.names, self.dtype_names, strict=True)]
+
+
+def dtype_from_name(dtype_name: str, tensor_name: str) -> torch.dtype:
+    """``torch.<dtype_name>`` (``"float32"``, ``"bfloat16"`` ...), refusing names that are not dtypes."""
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"gloo weight transfer: tensor {tensor_name!r} has dtype name {dtype_name!r}, which is not "
+                         "a torch dtype")
+    return dtype
+
+
+def gloo_worker_init_info(master_address: str, master_port: int, num_workers: int,
+                          timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """The ``init_info`` dict of ``init_weight_transfer_engine`` for an engine of ``num_workers`` workers."""
+    info = GlooWeightTransferInitInfo(master_address, master_port, rank_offset=1, world_size=1 + num_workers,
+                                      timeout_s=timeout_s)
+    return dict(vars(info))
+
+
+# ---------------------------------------------------------------------------- wire format (pure)
+
+
+def bucket_layout(dtypes: Sequence[torch.dtype]) -> list[tuple[torch.dtype, list[int]]]:
+    """How a bucket travels: one flat buffer per dtype, dtypes in order of first appearance, each listing the
+    bucket positions of its tensors in bucket order. Sender and workers derive it from the same dtype list."""
+    positions: dict[torch.dtype, list[int]] = {}
+    for index, dtype in enumerate(dtypes):
+        positions.setdefault(dtype, []).append(index)
+    return list(positions.items())
+
+
+def pack_by_dtype(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The bucket's flat buffers, in :func:`bucket_layout` order: 1-D CPU tensors of ``sum(numel)`` elements each
+    (copies: the sender's tensors are left as they are)."""
+    layout = bucket_layout([t.dtype for t in tensors])
+    return [torch.cat([tensors[i].detach().reshape(-1).cpu() for i in indices]) for _, indices in layout]
+
+
+def empty_buffers(shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
+    """Receive buffers for a bucket of these shapes and dtypes, in :func:`bucket_layout` order."""
+    return [torch.empty(sum(_numel(shapes[i]) for i in indices), dtype=dtype)
+            for dtype, indices in bucket_layout(dtypes)]
+
+
+def unpack_by_dtype(buffers: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]],
+                    dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
+    """The bucket's tensors, in bucket order: views of ``buffers`` shaped as ``shapes``."""
+    layout = bucket_layout(dtypes)
+    if len(buffers) != len(layout):
+        raise ValueError(f"gloo weight transfer: {len(buffers)} buffers for {len(layout)} dtypes")
+    out: list[torch.Tensor | None] = [None] * len(shapes)
+    for buffer, (dtype, indices) in zip(buffers, layout, strict=True):
+        sizes = [_numel(shapes[i]) for i in indices]
+        if buffer.dtype != dtype or buffer.numel() != sum(sizes):
+            raise ValueError(f"gloo weight transfer: a {dtype} buffer of {sum(sizes)} elements was expected, got "
+                             f"{buffer.dtype} with {buffer.numel()}")
+        for i, flat in zip(indices, buffer.split(sizes), strict=True):
+            out[i] = flat.view(list(shapes[i]))
+    return out
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(int(size) for size in shape)  # 1 for a 0-d tensor's []
+
+
+# ---------------------------------------------------------------------------- the group
+
+
+class GlooGroup:
+    """A gloo group of its own: ``world_size`` ranks meeting at a ``TCPStore`` that rank 0 hosts.
+
+    Built without ``torch.distributed.init_process_group``, so it lives beside any default process group (the
+    trainer's world on the sender, vLLM's on the workers). The constructor returns once every rank has joined."""
+
+    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"gloo weight transfer: rank {rank} outside a group of {world_size}")
+        timeout = timedelta(seconds=timeout_s)
+        # Rank 0 hosts the store and does not wait for the others here: the group's own connection does.
+        self.store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                                   wait_for_workers=False)
+        self.rank, self.world_size = rank, world_size
+        self.backend = dist.ProcessGroupGloo(dist.PrefixStore(_STORE_PREFIX, self.store), rank, world_size, timeout)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """In place on every rank but ``src``; returns once this rank's part is done."""
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        self.backend.broadcast([tensor], options).wait()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # a peer already gone is not this rank's error
+            self.backend.shutdown()
+
+
+# ---------------------------------------------------------------------------- sender (an actor rank)
+
+
+class GlooSenderChannel:
+    """One engine's group seen from its sending actor rank (rank 0): opened once, collective with the engine's
+    ``init_weight_transfer_engine`` (``VllmServerEngine.open_weight_channel``), then one :meth:`send` per bucket of
+    every round, in the order the engine is told about them."""
+
+    def __init__(self, master_address: str, master_port: int, num_workers: int,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        if num_workers < 1:
+            raise ValueError(f"GlooSenderChannel: num_workers={num_workers}; an engine has at least one worker")
+        self.group = GlooGroup(master_address, master_port, rank=0, world_size=1 + num_workers, timeout_s=timeout_s)
+
+    def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Broadcast one bucket's tensors (any device; copied to CPU), packed by dtype."""
+        for buffer in pack_by_dtype([tensor for _, tensor in bucket]):
+            self.group.broadcast(buffer, src=0)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+# ---------------------------------------------------------------------------- receiver (each vLLM worker)
+
+
+def worker_group_rank(parallel_config: Any, rank_offset: int) -> int:
+    """This worker's rank in the transfer group: unique over vLLM's data-parallel replicas (as vLLM's NCCL backend
+    numbers them), after the ``rank_offset`` sender ranks."""
+    per_replica = parallel_config.world_size  # tp * pp workers of one data-parallel replica
+    return parallel_config.data_parallel_index * per_replica + parallel_config.rank + rank_offset
+
+
+class GlooWeightTransferReceiver:
+    """All of ``GlooWeightTransferEngine``'s logic (see the module docstring); vLLM's ``WeightTransferEngine``
+    base class sets ``model``, ``model_config``, ``parallel_config`` and ``device`` before any call here."""
+
+    init_info_cls = GlooWeightTransferInitInfo
+    update_info_cls = GlooWeightTransferUpdateInfo
+    group: GlooGroup | None = None
+
+    def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
+        """Join the sender's group (returns once the sender and every worker of the engine have joined)."""
+        rank = worker_group_rank(self.parallel_config, init_info.rank_offset)
+        self.group = GlooGroup(init_info.master_address, init_info.master_port, rank, init_info.world_size,
+                               init_info.timeout_s)
+
+    def start_weight_update(self) -> None:
+        """Layerwise reload: each layer is restored to checkpoint format, then loaded and processed again once all
+        its tensors of this round have arrived."""
+        resolve("vllm.model_executor.model_loader.reload:initialize_layerwise_reload")(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """One bucket. Unlike vLLM's base class no accelerator is synchronised: gloo returns once the data is in
+        host memory, and there may be no accelerator at all."""
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer: update_weights before init_weight_transfer_engine; the sender's "
+                               "group must be joined first")
+        buffers = empty_buffers(update_info.shapes, update_info.dtypes)
+        for buffer in buffers:
+            self.group.broadcast(buffer, src=0)
+        # Fresh buffers per bucket: the layerwise reload keeps the tensors of a layer until all its parts arrived.
+        tensors = unpack_by_dtype(buffers, update_info.shapes, update_info.dtypes)
+        # A bucket is a part of the model: vLLM's check that a checkpoint holds every MTP layer must not run on it.
+        with resolve("vllm.model_executor.model_loader.mtp_validation:disable_mtp_completeness_check")():
+            self.model.load_weights(weights=_on_device(zip(update_info.names, tensors, strict=True), self.device))
+
+    def finish_weight_update(self) -> None:
+        """Process every layer of the round; then a tied LM head, which got no tensor of its own."""
+        from hpc_rlhf.engines.vllm_rollout import refresh_tied_layers
+
+        resolve("vllm.model_executor.model_loader.reload:finalize_layerwise_reload")(self.model, self.model_config)
+        refresh_tied_layers(self.model)
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+def _on_device(named: Iterable[tuple[str, torch.Tensor]], device: Any) -> list[tuple[str, torch.Tensor]]:
+    return [(name, tensor if tensor.device == torch.device(device) else tensor.to(device)) for name, tensor in named]
+
+
+def __getattr__(name: str) -> Any:
+    """``GlooWeightTransferEngine``, built on first access (it needs vLLM's base class; see the module docstring)."""
+    if name != "GlooWeightTransferEngine":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    base = resolve("vllm.distributed.weight_transfer.base:WeightTransferEngine")
+    engine_cls = type(name, (GlooWeightTransferReceiver, base), {
+        "__module__": __name__,
+        "__doc__": "vLLM's WeightTransferEngine over a gloo group (GlooWeightTransferReceiver holds the logic).",
+    })
+    globals()[name] = engine_cls
+    return engine_cls
