@@ -497,8 +497,8 @@ def gpu_section(force: bool) -> None:
         return
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hpc_rlhf.engines.rollout_base import GenerationRequest, SamplingParams
-    from hpc_rlhf.engines.transformers_rollout import TransformersRolloutEngine
+    from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
+    from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine
 
     dev = torch.device("cuda")
     # Qwen2-0.5B-like shape (24 layers, hidden 896, 14 heads / 2 kv heads, intermediate 4864, vocab 151936).

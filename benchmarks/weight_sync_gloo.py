@@ -64,8 +64,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from hpc_rlhf.config import load_config
-    from hpc_rlhf.engines.state_gather import ModuleWeights
-    from hpc_rlhf.trainers.rl.weight_sync import ShardedWeightSync
+    from hpc_rlhf.weight_sync.state_gather import ModuleWeights
+    from hpc_rlhf.weight_sync.sharded import ShardedWeightSync
     from hpc_rlhf.world.groups import build_world_groups, init_world
     from hpc_rlhf.world.placement import build_placement
 

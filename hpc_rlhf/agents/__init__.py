@@ -1,11 +1,5 @@
-"""Agent execution and rewards.
+"""Agent execution, token in / token out: the executor interface every rollout goes through (single-turn,
+multi-turn ``AgentInstance`` files, OpenAI-client agents) and the OpenAI-compatible endpoint over a rollout engine.
 
-* ``executor``: ``Trajectory``, ``AgentExecutor`` (the interface every rollout goes through),
-  ``SingleTurnExecutor``.
-* ``rewards``: user reward files in OpenRLHF's format (``RewardFunction``, ``RewardOutput``,
-  ``RewardFunctionError``).
-* ``scoring``: ``score_trajectories`` (decode, call the reward function, attach rewards).
-
-Import the submodules directly; this package imports nothing so that loading one part never pulls
-in the others.
+Import the submodules directly; this package imports nothing so that loading one part never pulls in the others.
 """

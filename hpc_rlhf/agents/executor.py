@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpc_rlhf.data.prompts import Prompt, tokenize_prompts
-from hpc_rlhf.engines.rollout_base import GenerationRequest, GenerationResult, SamplingParams
+from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams
 
 GenerateFn = Callable[[list[GenerationRequest]], list[GenerationResult]]
 

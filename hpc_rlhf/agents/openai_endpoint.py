@@ -14,7 +14,7 @@ Request fields honoured: ``messages`` / ``prompt`` (text or token ids), ``n``, `
 ``max_tokens`` / ``max_completion_tokens`` (default ``rollout.generate_max_len``; capped so prompt + output fit
 ``data.max_len``), ``stop`` (strings; see ``openai_chat``), ``seed``, ``logprobs`` (chat: ``true``; completions:
 an int, only the sampled token's logprob is reported), ``tools`` (passed to the chat template; ``tool_choice:
-"none"`` leaves them out). Reported logprobs are the engine's (temperature-scaled, see ``rollout_base``).
+"none"`` leaves them out). Reported logprobs are the engine's (temperature-scaled, see ``rollout.base``).
 Not supported (400): ``stream``, ``top_logprobs`` > 0, ``echo``, ``best_of`` > ``n``.
 """
 
@@ -40,7 +40,7 @@ from hpc_rlhf.agents.openai_chat import (
     parse_tool_calls,
 )
 from hpc_rlhf.agents.openai_recording import CompletionRecord, EpisodeRecorder
-from hpc_rlhf.engines.rollout_base import GenerationRequest, GenerationResult, SamplingParams
+from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, Trajectory, chec
 from hpc_rlhf.agents.openai_endpoint import OpenAIEndpoint, run_batch
 from hpc_rlhf.agents.openai_recording import CompletionRecord, TokenSequence, episode_sequences
 from hpc_rlhf.data.prompts import Prompt
-from hpc_rlhf.engines.rollout_base import SamplingParams
+from hpc_rlhf.rollout.base import SamplingParams
 from hpc_rlhf.utils.user_calls import UserCallRunner
 from hpc_rlhf.utils.user_code import accepted_kwargs
 

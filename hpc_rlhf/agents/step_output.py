@@ -7,7 +7,7 @@ import dataclasses
 import math
 from typing import Any
 
-from hpc_rlhf.engines.rollout_base import SamplingParams
+from hpc_rlhf.rollout.base import SamplingParams
 
 _SAMPLING_ALIASES = {"max_tokens": "max_new_tokens"}  # vLLM's names
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}

@@ -20,7 +20,7 @@ import yaml
 from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.config.supervised import CONFIG_CLASSES, load_supervised_config
 from hpc_rlhf.config.schema import resolved_param_dtype
-from hpc_rlhf.engines.optimizer_choice import adam_implementation, optimizer_offloaded
+from hpc_rlhf.training.optimizer_choice import adam_implementation, optimizer_offloaded
 from hpc_rlhf.planning.memory_estimate import (
     RoleMemory,
     effective_zero_stage,

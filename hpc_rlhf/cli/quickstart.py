@@ -64,8 +64,8 @@ def heldout_accuracy(model_dir: str | Path, pairs: list[tuple[int, int]]) -> flo
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hpc_rlhf.engines.rollout_base import GenerationRequest, SamplingParams
-    from hpc_rlhf.engines.transformers_rollout import TransformersRolloutEngine
+    from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
+    from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

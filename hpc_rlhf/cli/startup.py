@@ -56,7 +56,7 @@ def start_run(prog: str, argv: list[str] | None, load: Callable[[str | None, lis
     import torch.distributed as dist
 
     from hpc_rlhf.world.groups import init_world
-    from hpc_rlhf.world.preemption import preemption_guard
+    from hpc_rlhf.resilience.preemption import preemption_guard
 
     preemption_guard()
     cfg = parse_config_args(prog, argv, load)
@@ -85,7 +85,7 @@ def run_offline_trainer(kind: str, module: str, class_name: str, argv: list[str]
 
     cfg, _ = start_run(f"train_{kind}", argv, functools.partial(load_supervised_config, kind))
     trainer_cls = getattr(importlib.import_module(module), class_name)
-    from hpc_rlhf.world.preemption import exit_if_stopped
+    from hpc_rlhf.resilience.preemption import exit_if_stopped
 
     trainer = trainer_cls(cfg)
     trainer.fit()

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpc_rlhf.config import ConfigError, RunConfig, load_config
-from hpc_rlhf.world.preemption import requeue_slurm_job
+from hpc_rlhf.resilience.preemption import requeue_slurm_job
 
 log = logging.getLogger(__name__)
 ENTRIES = ("train_ppo", "train_sft", "train_rm", "train_dpo", "train_kto")

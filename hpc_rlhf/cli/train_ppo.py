@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
 
     world = build_world_groups(build_placement(cfg, env.world_size))
 
-    from hpc_rlhf.world.preemption import exit_if_stopped
+    from hpc_rlhf.resilience.preemption import exit_if_stopped
 
     trainer = trainer_class(cfg)(cfg, world)
     trainer.fit()

@@ -213,7 +213,7 @@ class AlgoConfig(Section):
 
 
 class StallLimits(Section):
-    """Bounds on a hang, shared by the RL and offline trainers (``hpc_rlhf.utils.stall_limits``, docs/reliability.md).
+    """Bounds on a hang, shared by the RL and offline trainers (``hpc_rlhf.resilience.stall_limits``, docs/reliability.md).
 
     A step may take ``max(watchdog_timeout_s, watchdog_step_factor x`` the slowest step so far``)``; the first step
     (compilation, engine start-up) and checkpoint saves / loads have their own allowances. The same bound is the

@@ -2,7 +2,7 @@
 
 What one rank of a role holds, in bytes per parameter ``N`` (after tensor parallelism) and per token:
 
-Model states (DeepSpeed 0.19 as ``hpc_rlhf.engines.deepspeed_engine.build_ds_config`` configures it;
+Model states (DeepSpeed 0.19 as ``hpc_rlhf.training.deepspeed_engine.build_ds_config`` configures it;
 ZeRO paper accounting, Rajbhandari et al., 2020, with what DeepSpeed really allocates):
 
 - weights: ``p`` bytes (2 in bf16, 4 in fp32), divided over the ZeRO ranks (dp x sp) at stage 3;
@@ -344,7 +344,7 @@ class RankMemory:
     training_gib: float
     rollout_gib: float
     peak_gib: float
-    sync_gib: float = 0.0  # colocated weight sync (hpc_rlhf.trainers.rl.colocation); 0 when not colocated
+    sync_gib: float = 0.0  # colocated weight sync (hpc_rlhf.weight_sync.colocated); 0 when not colocated
 
 
 SYNC_BUCKET_GIB = (256 << 20) / GIB  # one gathered bucket of TrainEngine.gathered_state_dict_items

@@ -1,1 +1,1 @@
-"""Logging, timers and small helpers shared by the trainers."""
+"""Small helpers shared across subsystems: metrics sinks, per-rank seeding, calls into user code, host malloc."""

@@ -1,8 +1,7 @@
-"""The one torch.distributed world: launch environment, role placement, process groups, controller channel,
-preemption signals.
+"""The one torch.distributed world: launch environment, role placement, process groups, controller channel.
 
 ``launch_env`` and ``placement`` are torch-free (``plan`` runs them on a login node); import ``groups`` /
-``channel`` / ``preemption`` explicitly when a process group is needed.
+``channel`` explicitly when a process group is needed.
 """
 
 from hpc_rlhf.world.launch_env import LaunchEnv, LaunchEnvError, detect_launch_env, expand_nodelist

@@ -71,7 +71,7 @@ def set_collective_timeouts(timeout_s: float) -> bool:
 
     torch fixes a group's timeout when it is created; ``distributed_c10d._set_pg_timeout`` (private, present since
     torch 2.3, gloo and NCCL) changes it afterwards, which is what lets a step's collectives be bounded by the
-    step's limit while start-up and checkpoint loads keep a long one (``hpc_rlhf.trainers.stall_guard``).
+    step's limit while start-up and checkpoint loads keep a long one (``hpc_rlhf.resilience.stall_guard``).
     Returns False, changing nothing, where torch lacks it; the watchdog still bounds every phase then.
     """
     from torch.distributed import distributed_c10d as c10d

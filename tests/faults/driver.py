@@ -1,7 +1,7 @@
 """Fault-injection driver: run the tiny GRPO recipe on 2 ranks, inject one fault at a chosen point, resume to the end.
 
 A fault is injected where a rank *is*, not after a guessed sleep: the run is started with
-``HPC_RLHF_FAULT_AT=<phase>:<step>:<rank>`` (``hpc_rlhf.utils.fault_injection``); that rank writes a marker
+``HPC_RLHF_FAULT_AT=<phase>:<step>:<rank>`` (``hpc_rlhf.resilience.fault_injection``); that rank writes a marker
 and waits when it reaches the point; the driver then signals the rank(s), records the time, and releases the
 marker. Then it checks what the fault left behind and resumes (``ckpt.load=true``) until the run completes.
 

@@ -25,7 +25,7 @@ def _fused_adamw_step(rank: int, world_size: int, port: int, stage: int, results
     from deepspeed.ops.op_builder.builder import OpBuilder
 
     from hpc_rlhf.config.schema import ActorConfig, DeepSpeedConfig
-    from hpc_rlhf.engines.deepspeed_engine import TrainEngine
+    from hpc_rlhf.training.deepspeed_engine import TrainEngine
     from tests.multiproc.test_deepspeed_engine import VOCAB, tiny_llama
 
     torch.cuda.set_device(rank)

@@ -26,7 +26,7 @@ def _fit_async(rank, world_size, overrides, stop_after=None):
     from hpc_rlhf.config import load_config
     from hpc_rlhf.world.placement import build_placement
     from hpc_rlhf.world.groups import build_world_groups
-    from hpc_rlhf.world import preemption
+    from hpc_rlhf.resilience import preemption
     from hpc_rlhf.trainers.rl.async_loop import AsyncPPOTrainer
 
     seen = {"n": 0}

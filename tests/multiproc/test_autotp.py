@@ -64,7 +64,7 @@ def _engine(path: str, stage: int, tp_size: int, tp_group, dp_group, lora_rank: 
     """Two micro-batches of 2 rows per optimizer step on every rank, whatever the dp size."""
     import torch.distributed as dist
 
-    from hpc_rlhf.engines.deepspeed_engine import TrainEngine
+    from hpc_rlhf.training.deepspeed_engine import TrainEngine
 
     ds = DeepSpeedConfig(zero_stage=stage, tensor_parallel_size=tp_size, lora=LoraConfig(rank=lora_rank))
     return TrainEngine.create(partial(_load, path), ds, ActorConfig(learning_rate=1e-2, lr_warmup_ratio=0.0,
@@ -285,7 +285,7 @@ def _frozen_and_critic_worker(rank: int, world_size: int, base: str, stage: int)
     like the trainers seed their ranks: the value head missing from the checkpoint starts random."""
     import torch.distributed as dist
 
-    from hpc_rlhf.engines.deepspeed_engine import FrozenEngine, TrainEngine
+    from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine
     from hpc_rlhf.models.forward import sequence_scores, token_values
     from hpc_rlhf.models.loading import load_value_model
 

@@ -26,7 +26,7 @@ def _groups_under_test(world_size: int) -> dict:
     import torch.distributed as dist
 
     from hpc_rlhf.config import load_config
-    from hpc_rlhf.engines.deepspeed_topology import dp_setup, init_deepspeed_dist
+    from hpc_rlhf.training.topology import dp_setup, init_deepspeed_dist
     from hpc_rlhf.world.groups import build_world_groups, tensor_data_parallel_groups
     from hpc_rlhf.world.placement import build_placement
 

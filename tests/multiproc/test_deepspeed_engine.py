@@ -59,7 +59,7 @@ def _numpy(state: dict[str, torch.Tensor]) -> dict:
 def _train_engine(stage: int, *, train_batch_size: int, micro: int = 1, steps: int = 8, lr: float = 1e-2,
                   min_lr_ratio: float = 1.0, warmup_ratio: float = 0.0, dp_group=None,
                   gradient_checkpointing: bool = False, extra: dict | None = None):
-    from hpc_rlhf.engines.deepspeed_engine import TrainEngine
+    from hpc_rlhf.training.deepspeed_engine import TrainEngine
 
     return TrainEngine.create(
         tiny_llama, DeepSpeedConfig(zero_stage=stage, gradient_checkpointing=gradient_checkpointing),
@@ -74,7 +74,7 @@ def _train_engine(stage: int, *, train_batch_size: int, micro: int = 1, steps: i
 
 
 def test_build_ds_config_cpu_fp32_and_gpu_bf16():
-    from hpc_rlhf.engines.deepspeed_engine import build_ds_config
+    from hpc_rlhf.training.deepspeed_engine import build_ds_config
 
     actor = ActorConfig(learning_rate=1e-5, max_norm=0.5)
     cpu = build_ds_config(DeepSpeedConfig(zero_stage=3), actor, train_batch_size=8, micro_train_batch_size=2,
@@ -269,7 +269,7 @@ def test_lr_schedule_warmup_then_cosine_to_floor(zero3_suite):
 
 
 def _frozen_worker(rank: int, world_size: int) -> dict:
-    from hpc_rlhf.engines.deepspeed_engine import FrozenEngine
+    from hpc_rlhf.training.deepspeed_engine import FrozenEngine
 
     frozen = FrozenEngine.create(tiny_llama, DeepSpeedConfig(zero_stage=3), RefConfig(offload=True),
                                  micro_batch_size=2, on_gpu=False, extra_ds_config=SHARD_ALL)
@@ -326,7 +326,7 @@ def test_train_engine_on_a_dp_subgroup(tmp_path):
 def _one_replica_worker(rank: int, world_size: int) -> dict:
     """ZeRO-2 asked for on one rank: collapsed to stage 0 with no gradient all-reduce at all; two micro-batches
     accumulate, and two optimizer steps must equal plain torch autograd + AdamW on the same data."""
-    from hpc_rlhf.engines.deepspeed_engine import TrainEngine
+    from hpc_rlhf.training.deepspeed_engine import TrainEngine
 
     actor = ActorConfig(learning_rate=1e-2, lr_warmup_ratio=0.0, min_lr_ratio=1.0, max_norm=1e6)
     engine = TrainEngine.create(tiny_llama, DeepSpeedConfig(zero_stage=2), actor, train_batch_size=2,

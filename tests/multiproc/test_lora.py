@@ -30,7 +30,7 @@ def _load(path: str, load_in_4bit: bool = False):
 
 
 def _lora_engine(path: str, zero_stage: int = 2, load_in_4bit: bool = False):
-    from hpc_rlhf.engines.deepspeed_engine import TrainEngine
+    from hpc_rlhf.training.deepspeed_engine import TrainEngine
 
     ds = DeepSpeedConfig(zero_stage=zero_stage,
                          lora=LoraConfig(rank=8, alpha=16, dropout=0.0, load_in_4bit=load_in_4bit))
@@ -48,8 +48,8 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 
 def _greedy_rollout(model, tok, prompt_ids: list[int], max_new: int) -> list[int]:
-    from hpc_rlhf.engines.rollout_base import GenerationRequest, SamplingParams
-    from hpc_rlhf.engines.transformers_rollout import TransformersRolloutEngine
+    from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
+    from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine
 
     engine = TransformersRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, "cpu")
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0)
@@ -61,8 +61,8 @@ def _train_and_check(rank: int, world_size: int, model_path: str, out_dir: str, 
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from hpc_rlhf.engines.rollout_base import GenerationRequest, SamplingParams
-    from hpc_rlhf.engines.transformers_rollout import TransformersRolloutEngine
+    from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
+    from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine
     from hpc_rlhf.models.lora import merged_named_tensors
 
     tok = AutoTokenizer.from_pretrained(model_path)

@@ -87,7 +87,7 @@ def _load_4bit(folder: str):
 def _engine(shape: dict, stage: int, micro: int, checkpointing: bool, dp: int, lora_rank: int, folder: str | None):
     """``folder``: load a 4-bit (QLoRA) base from this saved model instead of building ``shape`` in memory."""
     from hpc_rlhf.config.schema import ActorConfig, DeepSpeedConfig, LoraConfig
-    from hpc_rlhf.engines.deepspeed_engine import TrainEngine
+    from hpc_rlhf.training.deepspeed_engine import TrainEngine
 
     ds = DeepSpeedConfig(zero_stage=stage, param_dtype="fp32", gradient_checkpointing=checkpointing,
                          lora=LoraConfig(rank=lora_rank, load_in_4bit=folder is not None))

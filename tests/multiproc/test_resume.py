@@ -25,7 +25,7 @@ def _fit(rank, world_size, overrides, stop_after=None, fail_save_at=None, log_fi
     """Train; optionally behave as if SLURM signalled after ``stop_after`` steps, or fail a save."""
     import logging
 
-    from hpc_rlhf.world import preemption
+    from hpc_rlhf.resilience import preemption
 
     if log_file is not None and rank == 0:
         handler = logging.FileHandler(log_file)

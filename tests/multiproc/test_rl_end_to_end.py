@@ -71,7 +71,7 @@ def test_ppo_gae_updates_every_actor_parameter_and_the_critic(assets, tmp_path, 
 
 
 def _disaggregated(rank, world_size, overrides):
-    from hpc_rlhf.engines.rollout_base import GenerationRequest, SamplingParams
+    from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
 
     trainer = run_trainer(rank, world_size, overrides)
     assert trainer.world.placement.layout == "disaggregated"
@@ -226,7 +226,7 @@ def _record_phases(rank, world_size, overrides, shares_actor):
 @pytest.mark.parametrize("shares_actor", [False, True])
 def test_colocated_step_time_shares_the_device(assets, tmp_path, shares_actor):
     """wake rollout -> generate -> sleep -> reload training states -> train -> offload grads and Adam states ->
-    wake rollout weights -> sync -> offload actor weights -> wake the KV cache (trainers/rl/colocation.py).
+    wake rollout weights -> sync -> offload actor weights -> wake the KV cache (weight_sync/colocated.py).
     A transformers rollout generating with the actor's own module (the default colocated on CPU) has nothing
     to sync: its weights are the actor's and stay where they are."""
     calls = run_on_ranks(_record_phases, 2, grpo_overrides(assets, tmp_path, "train.max_steps=1"),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_rlhf.world.preemption import STOPPED_EXIT_CODE
+from hpc_rlhf.resilience.preemption import STOPPED_EXIT_CODE
 from tests.multiproc.spawn import _free_port
 
 pytestmark = pytest.mark.slow
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The signal arrives during start-up: the guard remembers it and the first step boundary stops the run.
 DRIVER = textwrap.dedent("""
     import os, signal, sys
-    from hpc_rlhf.world.preemption import preemption_guard
+    from hpc_rlhf.resilience.preemption import preemption_guard
     preemption_guard()
     os.kill(os.getpid(), signal.SIGUSR1)
     from hpc_rlhf.cli.train_sft import main

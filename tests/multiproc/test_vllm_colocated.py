@@ -71,8 +71,8 @@ def _reload_parity(rank: int, world_size: int, model_path: str) -> list[float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hpc_rlhf.engines.rollout_base import GenerationRequest, SamplingParams
-    from hpc_rlhf.engines.vllm_rollout import VllmRolloutEngine
+    from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
+    from hpc_rlhf.rollout.vllm_external_launcher import VllmRolloutEngine
 
     engine = VllmRolloutEngine(model_path, enable_sleep_mode=False, enforce_eager=True, dtype="float32",
                                max_model_len=64, kv_cache_memory_bytes=1 << 28)

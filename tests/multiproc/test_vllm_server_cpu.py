@@ -1,5 +1,5 @@
 """A real vLLM engine in processes of its own on CPU (``rollout.vllm_mode=server_process``), fed over our gloo
-weight-transfer backend (``hpc_rlhf.engines.vllm_gloo_transfer``, registered in vLLM's processes by the
+weight-transfer backend (``hpc_rlhf.weight_sync.vllm_gloo_transfer``, registered in vLLM's processes by the
 ``vllm.general_plugins`` entry point).
 
 - the engine samples with exactly the weights it was sent, round after round, when a round's buckets split fused
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc_rlhf.engines.rollout_base import GenerationRequest, SamplingParams
+from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
 from hpc_rlhf.models.tiny import VLLM_CPU_SIZES, build_tiny_model
 from hpc_rlhf.utils.metrics import read_metrics
 from hpc_rlhf.world.launch_env import free_port
@@ -55,8 +55,8 @@ def tiny_model(tmp_path_factory) -> str:
 def linked_engine(tiny_model):
     """``(engine, sender)``: one ``VllmServerEngine`` on this machine's cores and the open gloo channel to its
     worker, sending from this process as an actor rank would."""
-    from hpc_rlhf.engines.vllm_gloo_transfer import GlooSenderChannel
-    from hpc_rlhf.engines.vllm_server import VllmServerEngine
+    from hpc_rlhf.weight_sync.vllm_gloo_transfer import GlooSenderChannel
+    from hpc_rlhf.rollout.vllm_server import VllmServerEngine
 
     engine = VllmServerEngine(tiny_model, dtype="float32", enforce_eager=True, max_model_len=LONG + 64,
                               kv_cache_memory_bytes=64 << 20, seed=0)
@@ -133,7 +133,7 @@ def sampled_requests(max_new_tokens: int, temperature: float = 1.0, n: int = 2) 
 def test_engine_samples_with_the_weights_it_was_sent(linked_engine, tiny_model):
     """Two successive rounds, each split inside fused layers: after each, vLLM's logprobs are the new model's.
     (Without the tied LM head processed again after a round they are off by 1.5 here.)"""
-    from hpc_rlhf.engines.vllm_gloo_transfer import GlooWeightTransferEngine
+    from hpc_rlhf.weight_sync.vllm_gloo_transfer import GlooWeightTransferEngine
 
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 

@@ -43,9 +43,9 @@ LAYOUTS = {"dp3": ["actor.num_ranks=3", "rollout.num_engines=2"],
 
 def _sync_twice(rank: int, world_size: int, overrides: list[str]) -> dict:
     from hpc_rlhf.config import load_config
-    from hpc_rlhf.engines.state_gather import ModuleWeights
-    from hpc_rlhf.engines.transformers_rollout import TransformersRolloutEngine
-    from hpc_rlhf.trainers.rl.weight_sync import ShardedWeightSync
+    from hpc_rlhf.weight_sync.state_gather import ModuleWeights
+    from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine
+    from hpc_rlhf.weight_sync.sharded import ShardedWeightSync
     from hpc_rlhf.world.groups import build_world_groups
     from hpc_rlhf.world.placement import build_placement
 
@@ -148,7 +148,7 @@ class StoreEngine:
 
 
 def _matches(received: dict[str, list[torch.Tensor]], expected: torch.nn.Module) -> bool:
-    from hpc_rlhf.engines.state_gather import state_dict_sizes
+    from hpc_rlhf.weight_sync.state_gather import state_dict_sizes
 
     state = expected.state_dict()
     names = [name for name, _ in state_dict_sizes(expected)]  # tied weights once, under their first name
@@ -158,8 +158,8 @@ def _matches(received: dict[str, list[torch.Tensor]], expected: torch.nn.Module)
 
 def _sync_over_channels(rank: int, world_size: int, overrides: list[str]) -> dict:
     from hpc_rlhf.config import load_config
-    from hpc_rlhf.engines.state_gather import ModuleWeights
-    from hpc_rlhf.trainers.rl.weight_sync import EngineChannelWeightSync, build_weight_sync
+    from hpc_rlhf.weight_sync.state_gather import ModuleWeights
+    from hpc_rlhf.weight_sync.sharded import EngineChannelWeightSync, build_weight_sync
     from hpc_rlhf.world.groups import build_world_groups
     from hpc_rlhf.world.placement import build_placement
 

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from hpc_rlhf.config.schema import RunConfig
-from hpc_rlhf.engines.deepspeed_engine import FrozenEngine, TrainEngine
+from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine
 from hpc_rlhf.planning.memory_estimate import SYNC_BUCKET_GIB, rank_memory, role_memory
-from hpc_rlhf.trainers.rl import colocation
+from hpc_rlhf.weight_sync import colocated as colocation
 from hpc_rlhf.world.placement import build_placement
 
 
@@ -173,9 +173,9 @@ def test_plan_counts_zero0_training_states_as_resident_during_generation():
 
 
 def test_vllm_engine_wakes_each_part_once_and_guards_level2(monkeypatch):
-    from hpc_rlhf.engines.rollout_base import GenerationRequest, SamplingParams
-    from hpc_rlhf.engines.vllm_rollout import VllmRolloutEngine
-    from tests.unit.test_vllm_rollout_contract import FakeLLM, RecordingSamplingParams
+    from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
+    from hpc_rlhf.rollout.vllm_external_launcher import VllmRolloutEngine
+    from tests.unit.test_vllm_external_launcher_contract import FakeLLM, RecordingSamplingParams
 
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=FakeLLM, SamplingParams=RecordingSamplingParams,
                                                               TokensPrompt=dict))

@@ -13,7 +13,7 @@ import torch
 from hpc_rlhf.agents.agent_loader import AgentLoadError, load_agent_executor
 from hpc_rlhf.agents.multi_turn import AgentInstanceBase, MultiTurnAgentExecutor
 from hpc_rlhf.data.prompts import Prompt
-from hpc_rlhf.engines.rollout_base import GenerationResult, SamplingParams
+from hpc_rlhf.rollout.base import GenerationResult, SamplingParams
 from hpc_rlhf.models.tiny import build_char_tokenizer, build_tiny_model
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "agents")
@@ -445,7 +445,7 @@ def test_random_reward_example(tok):
 def test_real_transformers_engine_token_in_token_out(tmp_path, tok):
     from transformers import LlamaForCausalLM
 
-    from hpc_rlhf.engines.transformers_rollout import TransformersRolloutEngine
+    from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine
 
     path = build_tiny_model(tmp_path / "tiny")
     model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

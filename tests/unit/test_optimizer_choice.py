@@ -1,4 +1,4 @@
-"""Which Adam each trained role steps with (``hpc_rlhf.engines.optimizer_choice``) and how the DeepSpeed
+"""Which Adam each trained role steps with (``hpc_rlhf.training.optimizer_choice``) and how the DeepSpeed
 config carries it. Pure: no process group, no deepspeed engine."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from hpc_rlhf.config.schema import ActorConfig, DeepSpeedConfig
-from hpc_rlhf.engines.deepspeed_engine import build_ds_config
-from hpc_rlhf.engines.optimizer_choice import adam_implementation, optimizer_offloaded
+from hpc_rlhf.training.deepspeed_engine import build_ds_config
+from hpc_rlhf.training.optimizer_choice import adam_implementation, optimizer_offloaded
 
 
 @pytest.mark.parametrize(("on_gpu", "offloaded", "stage", "name", "params"), [

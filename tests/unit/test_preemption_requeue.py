@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpc_rlhf.world import preemption
+from hpc_rlhf.resilience import preemption
 
 
 @pytest.fixture
@@ -41,6 +41,6 @@ def test_importing_preemption_costs_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, hpc_rlhf.world.preemption; print('torch' in sys.modules)"
+    code = "import sys, hpc_rlhf.resilience.preemption; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -138,7 +138,7 @@ def test_lora_merge_cli_reproduces_a_qlora_policy_with_load_in_4bit(tiny_path, t
 
 @needs_bnb
 def test_gather_buckets_size_4bit_weights_as_dequantised(tiny_path):
-    from hpc_rlhf.engines import state_gather
+    from hpc_rlhf.weight_sync import state_gather
 
     model = load_causal_lm(tiny_path, torch.float32, load_in_4bit=True)
     weight = model.model.layers[0].mlp.up_proj.weight  # (128, 64) packed into 4096 bytes

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from hpc_rlhf.agents.remote_rm import RemoteRewardError, RemoteRewardModel, chunk_bounds, normalize_url
+from hpc_rlhf.rewards.remote_rm import RemoteRewardError, RemoteRewardModel, chunk_bounds, normalize_url
 
 
 class FakeRewardServer:
@@ -208,7 +208,7 @@ def test_chunk_bounds_and_argument_checks():
 def test_retry_wait_honours_retry_after_within_the_cap():
     from types import SimpleNamespace
 
-    from hpc_rlhf.agents.remote_rm import _TransientError
+    from hpc_rlhf.rewards.remote_rm import _TransientError
 
     def state(err, attempt=1):
         return SimpleNamespace(attempt_number=attempt, outcome=SimpleNamespace(exception=lambda: err))

@@ -6,7 +6,7 @@ import textwrap
 import pytest
 import torch
 
-from hpc_rlhf.agents.rewards import RewardFunction, RewardFunctionError, RewardOutput, validate_reward_output
+from hpc_rlhf.rewards.functions import RewardFunction, RewardFunctionError, RewardOutput, validate_reward_output
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "reward_funcs")
 

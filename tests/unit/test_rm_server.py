@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from hpc_rlhf.agents.remote_rm import RemoteRewardError, RemoteRewardModel
+from hpc_rlhf.rewards.remote_rm import RemoteRewardError, RemoteRewardModel
 from hpc_rlhf.cli import serve_rm
 from hpc_rlhf.models.forward import sequence_scores
 from hpc_rlhf.models.loading import load_value_model

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hpc_rlhf.utils.stall_limits import StallLimits
+from hpc_rlhf.resilience.stall_limits import StallLimits
 
 
 def test_step_limit_follows_the_slowest_step_after_the_first():
@@ -32,7 +32,7 @@ def test_bad_limits_and_phases_fail_loudly():
 def test_watchdog_is_on_by_default_and_zero_or_null_turns_it_off(tmp_path):
     from hpc_rlhf.config import load_config
     from hpc_rlhf.config.supervised import load_supervised_config
-    from hpc_rlhf.trainers.stall_guard import StallGuard
+    from hpc_rlhf.resilience.stall_guard import StallGuard
 
     for cfg in (load_config(None, [f"train.output_dir={tmp_path}"]),
                 load_supervised_config("sft", None, [f"train.output_dir={tmp_path}", "model.pretrain=m", "data.train_data=[d.jsonl]"])):

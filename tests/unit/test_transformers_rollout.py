@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hpc_rlhf.engines.rollout_base import GenerationRequest, SamplingParams, num_results
-from hpc_rlhf.engines.transformers_rollout import TransformersRolloutEngine, apply_top_k_top_p, inverse_cdf_sample
+from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams, num_results
+from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine, apply_top_k_top_p, inverse_cdf_sample
 
 EOS, PAD = 63, 0
 PROMPTS = [[5, 6, 7], [1], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], [40, 41]]

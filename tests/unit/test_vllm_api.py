@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from hpc_rlhf.engines import vllm_api, vllm_contract
-from hpc_rlhf.engines.vllm_api import VLLM_NAMES, VllmName, resolve
+from hpc_rlhf.rollout import vllm_api
+from hpc_rlhf.rollout import vllm_contract
+from hpc_rlhf.rollout.vllm_api import VLLM_NAMES, VllmName, resolve
 
 ENGINES = Path(vllm_api.__file__).parent
 # Which vLLM object each engine holds under which attribute.
-HELD = {"vllm_rollout.py": ("self.llm", "vllm:LLM"), "vllm_server.py": ("self.engine", "vllm:AsyncLLMEngine")}
+HELD = {"vllm_external_launcher.py": ("self.llm", "vllm:LLM"), "vllm_server.py": ("self.engine", "vllm:AsyncLLMEngine")}
 
 
 def _resolve_literals(source: str) -> set[str]:

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.vllm,
 
 
 def test_every_vllm_name_the_engines_use_exists_in_the_installed_vllm():
-    from hpc_rlhf.engines.vllm_contract import run_checks
+    from hpc_rlhf.rollout.vllm_contract import run_checks
 
     checks = run_checks()
     failed = [f"{c.what}: {c.detail}" for c in checks if not c.ok]

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from hpc_rlhf.config.schema import resolved_vllm_mode
-from hpc_rlhf.engines.rollout_base import GenerationRequest, SamplingParams
-from hpc_rlhf.engines import vllm_gloo_transfer
-from hpc_rlhf.engines.vllm_gloo_transfer import (
+from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
+from hpc_rlhf.weight_sync import vllm_gloo_transfer
+from hpc_rlhf.weight_sync.vllm_gloo_transfer import (
     GlooGroup,
     GlooSenderChannel,
     GlooWeightTransferInitInfo,
@@ -27,7 +27,7 @@ from hpc_rlhf.engines.vllm_gloo_transfer import (
     unpack_by_dtype,
     worker_group_rank,
 )
-from hpc_rlhf.engines.vllm_server import (
+from hpc_rlhf.rollout.vllm_server import (
     LAUNCH_ENV_VARS,
     VllmServerEngine,
     bucket_update_info,
@@ -37,7 +37,7 @@ from hpc_rlhf.engines.vllm_server import (
     worker_init_info,
 )
 from hpc_rlhf.world.launch_env import free_port
-from tests.unit.test_vllm_rollout_contract import FakeRequestOutput, completion
+from tests.unit.test_vllm_external_launcher_contract import FakeRequestOutput, completion
 
 
 def test_server_processes_do_not_see_our_world():
@@ -236,7 +236,7 @@ def _model_dir(tmp_path, hidden_size: int, heads: int):
 
 def test_from_config_on_cpu_uses_gloo_and_the_trainers_keywords(fake_vllm, tmp_path, monkeypatch):
     from hpc_rlhf.config.schema import RunConfig
-    from hpc_rlhf.engines import vllm_rollout
+    from hpc_rlhf.rollout import vllm_external_launcher as vllm_rollout
 
     monkeypatch.setattr(vllm_rollout, "resolve_cpu_attention_head_sizes", lambda: [32, 64, 128])
     cfg = RunConfig.model_validate({"actor": {"pretrain": _model_dir(tmp_path, 128, 2)},
@@ -255,7 +255,7 @@ def test_from_config_on_cpu_uses_gloo_and_the_trainers_keywords(fake_vllm, tmp_p
 
 def test_from_config_on_cpu_refuses_a_head_size_vllm_cannot_run(fake_vllm, tmp_path, monkeypatch):
     from hpc_rlhf.config.schema import RunConfig
-    from hpc_rlhf.engines import vllm_rollout
+    from hpc_rlhf.rollout import vllm_external_launcher as vllm_rollout
 
     monkeypatch.setattr(vllm_rollout, "resolve_cpu_attention_head_sizes", lambda: [32, 64, 128])
     cfg = RunConfig.model_validate({"actor": {"pretrain": _model_dir(tmp_path, 64, 4)}})
@@ -351,7 +351,7 @@ def test_the_gloo_module_imports_no_vllm_until_vllm_asks_for_its_engine():
     """Actor ranks import it to send; vLLM's factory gets GlooWeightTransferEngine by attribute, built then."""
     import subprocess
 
-    code = ("import sys, hpc_rlhf.engines.vllm_gloo_transfer as m, hpc_rlhf.trainers.rl.weight_sync\n"
+    code = ("import sys, hpc_rlhf.weight_sync.vllm_gloo_transfer as m, hpc_rlhf.weight_sync.sharded\n"
             "assert 'vllm' not in sys.modules, 'vllm imported'\n"
             "assert 'GlooWeightTransferEngine' not in vars(m)\n")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -389,8 +389,8 @@ def test_a_bucket_crosses_a_gloo_group_between_sender_and_worker():
 
 
 def test_channels_follow_the_hardware(monkeypatch):
-    from hpc_rlhf.engines import vllm_server
-    from hpc_rlhf.trainers.rl import weight_sync
+    from hpc_rlhf.rollout import vllm_server
+    from hpc_rlhf.weight_sync import sharded as weight_sync
 
     opened = []
     monkeypatch.setattr(vllm_gloo_transfer, "GlooSenderChannel", lambda *a: opened.append(("gloo", a)))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_rlhf.utils.watchdog import STALL_EXIT_CODE, Watchdog
+from hpc_rlhf.resilience.watchdog import STALL_EXIT_CODE, Watchdog
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ def test_stall_dumps_all_threads_with_rank_and_exits():
     start = time.monotonic()
     proc = _run("""
         import threading, time
-        from hpc_rlhf.utils.watchdog import Watchdog
+        from hpc_rlhf.resilience.watchdog import Watchdog
         def helper_waits_here():
             time.sleep(60)
         threading.Thread(target=helper_waits_here, name="helper", daemon=True).start()
@@ -51,7 +51,7 @@ def test_stall_dumps_all_threads_with_rank_and_exits():
 def test_beats_keep_it_quiet_and_stop_is_clean():
     proc = _run("""
         import time
-        from hpc_rlhf.utils.watchdog import Watchdog
+        from hpc_rlhf.resilience.watchdog import Watchdog
         with Watchdog(0.4, rank=1, exit_code=9) as wd:
             for _ in range(12):
                 time.sleep(0.1)
@@ -86,7 +86,7 @@ def test_backstop_fires_when_the_gil_is_held():
     start = time.monotonic()
     proc = _run("""
         import re
-        from hpc_rlhf.utils.watchdog import Watchdog
+        from hpc_rlhf.resilience.watchdog import Watchdog
         Watchdog(0.3, exit_code=5, backstop_factor=2.0).start()
         re.match(r"(a+)+$", "a" * 40 + "b")
     """)
@@ -104,7 +104,7 @@ def test_rejects_non_positive_timeout():
 
 RANK_1 = """
 import sys, time
-from hpc_rlhf.utils.watchdog import Watchdog
+from hpc_rlhf.resilience.watchdog import Watchdog
 wd = Watchdog(60, rank=1, backstop=False, heartbeat_dir=sys.argv[1], world_size=2).start()
 while True:
     wd.beat()
@@ -140,7 +140,7 @@ def test_a_firing_rank_makes_its_peer_dump_and_names_the_stopped_rank(tmp_path):
     """Rank 1 fires (its limit is short); rank 0, still beating, sees the fresh dump and dumps too, into hang/."""
     code = """
         import sys, time
-        from hpc_rlhf.utils.watchdog import Watchdog
+        from hpc_rlhf.resilience.watchdog import Watchdog
         rank, limit = int(sys.argv[1]), float(sys.argv[2])
         wd = Watchdog(limit, rank=rank, exit_code=124, heartbeat_dir=sys.argv[3] + "/hb", world_size=3,
                       hang_dir=sys.argv[3] + "/hang", phase="train").start()

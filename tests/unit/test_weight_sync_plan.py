@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from hpc_rlhf.engines.weight_sync_plan import (
+from hpc_rlhf.weight_sync.plan import (
     assign_engine_senders,
     bucket_size_for,
     pack_consecutive,
     plan_weight_sync,
 )
-from hpc_rlhf.engines.weight_transport import pack_bucket, unpack_bucket
+from hpc_rlhf.weight_sync.transport import pack_bucket, unpack_bucket
 
 MB = 1 << 20
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hpc_rlhf.agents.scoring import score_trajectories
+from hpc_rlhf.rewards.scoring import score_trajectories
 from hpc_rlhf.algos import (
     compute_advantages,
     count_tokens_and_seqs,

@@ -14,7 +14,7 @@ from typing import Any
 from hpc_rlhf.algos.pass_at_k import pass_at_k, powers_of_two_up_to
 from hpc_rlhf.config.schema import RunConfig
 from hpc_rlhf.data.prompts import Prompt, PromptDataset
-from hpc_rlhf.engines.rollout_base import SamplingParams
+from hpc_rlhf.rollout.base import SamplingParams
 
 ALL_SOURCES = "all"
 

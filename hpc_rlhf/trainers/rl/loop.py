@@ -8,7 +8,7 @@ touches (plus rank 0, the controller), so the same script reads as one story on 
 
 Colocated runs time-share each rank: wake rollout -> generate -> sleep -> reload training states ->
 train -> offload training states -> wake rollout weights -> sync -> offload actor weights -> wake KV cache
-(``hpc_rlhf.trainers.rl.colocation``).
+(``hpc_rlhf.weight_sync.colocated``).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import torch.distributed as dist
 
 from hpc_rlhf.ckpt.hf_exports import HFExports
 from hpc_rlhf.config import RunConfig, save_resolved_config
-from hpc_rlhf.engines.rollout_base import SamplingParams
+from hpc_rlhf.rollout.base import SamplingParams
 from hpc_rlhf.models.loading import load_tokenizer
 from hpc_rlhf.models.micro_forward import SequenceParallel
 from hpc_rlhf.trainers.rl import checkpoint as rl_checkpoint
 from hpc_rlhf.trainers.rl import setup as rl_setup
 from hpc_rlhf.trainers.rl.batching import balanced_order, first_positions, forward_row_layout
-from hpc_rlhf.trainers.rl.colocation import colocated_weight_sync
+from hpc_rlhf.weight_sync.colocated import colocated_weight_sync
 from hpc_rlhf.trainers.rl.controller_steps import (
     append_groups,
     attach_rewards,
@@ -61,7 +61,7 @@ from hpc_rlhf.trainers.rl.rollout_dump import (
     write_rollouts,
 )
 from hpc_rlhf.trainers.rl.rollout_health import AgentFailureLimitError, RolloutHealth
-from hpc_rlhf.trainers.rl.weight_sync import build_weight_sync
+from hpc_rlhf.weight_sync.sharded import build_weight_sync
 from hpc_rlhf.trainers.rl.workers import (
     Batching,
     forward_logprobs,
@@ -69,13 +69,13 @@ from hpc_rlhf.trainers.rl.workers import (
     train_actor,
     train_critic,
 )
-from hpc_rlhf.trainers.stall_guard import StallGuard
-from hpc_rlhf.utils.fault_injection import fault_point
+from hpc_rlhf.resilience.stall_guard import StallGuard
+from hpc_rlhf.resilience.fault_injection import fault_point
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer, is_logging_step
 from hpc_rlhf.utils.seeding import seed_rank
 from hpc_rlhf.world.channel import gather_from_role, scatter_to_role
 from hpc_rlhf.world.groups import WorldGroups
-from hpc_rlhf.world.preemption import preemption_guard, requeue_if_enabled
+from hpc_rlhf.resilience.preemption import preemption_guard, requeue_if_enabled
 
 log = logging.getLogger(__name__)
 

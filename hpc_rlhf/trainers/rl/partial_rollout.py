@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hpc_rlhf.agents.executor import Trajectory
-from hpc_rlhf.engines.rollout_base import GenerationRequest, SamplingParams
+from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
 
 
 def stamp_versions(trajectories: list[Trajectory], version: int) -> None:

@@ -15,11 +15,11 @@ import torch
 from tqdm.auto import tqdm
 
 from hpc_rlhf.agents.executor import AgentExecutor, SingleTurnExecutor
-from hpc_rlhf.agents.rewards import RewardFunction
+from hpc_rlhf.rewards.functions import RewardFunction
 from hpc_rlhf.algos import AdaptiveKLController, FixedKLController, RunningRewardNormalizer
 from hpc_rlhf.config.schema import RunConfig, resolved_vllm_mode
 from hpc_rlhf.data.prompts import PromptDataset, PromptStream
-from hpc_rlhf.engines.rollout_base import RolloutEngine, SamplingParams
+from hpc_rlhf.rollout.base import RolloutEngine, SamplingParams
 from hpc_rlhf.models.loading import (
     load_causal_lm,
     load_value_model,
@@ -146,7 +146,7 @@ def reward_function(cfg: RunConfig) -> Any:
     if path:
         return RewardFunction(path, timeout_s=r.reward_func_timeout_s)
     if r.remote_url:
-        from hpc_rlhf.agents.remote_rm import RemoteRewardModel
+        from hpc_rlhf.rewards.remote_rm import RemoteRewardModel
 
         return RemoteRewardModel(r.remote_url, timeout_s=r.remote_timeout_s, max_retries=r.remote_max_retries,
                                  api_key=os.environ.get(r.remote_api_key_env) or None)
@@ -223,13 +223,13 @@ def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool, actor: Any = N
     dtype = resolve_dtype(cfg.ds.param_dtype, on_gpu)
     if cfg.rollout.backend == "vllm":
         if resolved_vllm_mode(cfg.rollout.vllm_mode, cfg.train.colocate_all) == "server_process":
-            from hpc_rlhf.engines.vllm_server import VllmServerEngine
+            from hpc_rlhf.rollout.vllm_server import VllmServerEngine
 
             return VllmServerEngine.from_config(cfg, torch.cuda.current_device() if on_gpu else None)
-        from hpc_rlhf.engines.vllm_rollout import VllmRolloutEngine
+        from hpc_rlhf.rollout.vllm_external_launcher import VllmRolloutEngine
 
         return VllmRolloutEngine.from_config(cfg, tokenizer)
-    from hpc_rlhf.engines.transformers_rollout import TransformersRolloutEngine
+    from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine
 
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     if actor is not None:
@@ -296,7 +296,7 @@ def _rollout_side(cfg: RunConfig, world: WorldGroups, tokenizer: Any, on_gpu: bo
 
 def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: int) -> Roles:
     """Create the engines of every role this rank hosts. Collective within each role group."""
-    from hpc_rlhf.engines.deepspeed_engine import FrozenEngine, TrainEngine
+    from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine
 
     on_gpu = torch.cuda.is_available()
     dtype = resolve_dtype(cfg.ds.param_dtype, on_gpu)

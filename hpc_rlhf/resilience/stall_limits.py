@@ -13,7 +13,7 @@ times a factor follows the run; the floor keeps a run of very fast steps from tr
 (a slow filesystem, a garbage collection). The first step after a (re)start is excluded from the slowest
 step when a later one exists: it pays for compilation and engine warm-up once.
 
-Pure and torch-free: the trainers' guard (``hpc_rlhf.trainers.stall_guard``) applies the limits to the
+Pure and torch-free: the trainers' guard (``hpc_rlhf.resilience.stall_guard``) applies the limits to the
 watchdog and to the collective timeout of every process group.
 """
 

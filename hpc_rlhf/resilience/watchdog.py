@@ -34,7 +34,7 @@ and the ranks that had not checked in. With ``HPC_RLHF_STALL_FILE`` set (``slurm
 rank also touches that file, since srun's exit status is that of the rank it killed last, not 124.
 
 Limits per phase: :meth:`Watchdog.set_limit` changes the timeout and names the phase (see
-``hpc_rlhf.utils.stall_limits``); it counts as a beat.
+``hpc_rlhf.resilience.stall_limits``); it counts as a beat.
 
 Imports no torch: the rank comes from the launcher's variables unless given.
 """

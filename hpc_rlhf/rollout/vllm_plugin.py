@@ -1,7 +1,7 @@
 """vLLM plugin entry point (``vllm.general_plugins`` in pyproject.toml): vLLM calls :func:`register` in each of
 its processes (front end, engine core, workers), so backends registered here exist where vLLM builds them.
 
-It registers the ``gloo`` weight-transfer backend (:mod:`hpc_rlhf.engines.vllm_gloo_transfer`): the same
+It registers the ``gloo`` weight-transfer backend (:mod:`hpc_rlhf.weight_sync.vllm_gloo_transfer`): the same
 start / update / finish rounds as vLLM's ``nccl`` backend, over a gloo group, for engines in processes of their
 own on machines without NCCL (CPU). Registration is by module path, so nothing is imported until vLLM builds the
 engine. This module imports no vLLM at import time.
@@ -18,4 +18,4 @@ def register() -> None:
 
     if GLOO_BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            GLOO_BACKEND, "hpc_rlhf.engines.vllm_gloo_transfer", "GlooWeightTransferEngine")
+            GLOO_BACKEND, "hpc_rlhf.weight_sync.vllm_gloo_transfer", "GlooWeightTransferEngine")

@@ -5,9 +5,9 @@ Two paths, one interface (``send(actor)`` on actor ranks, ``receive(engine)`` on
 ``build_weight_sync`` picks one from the config):
 
 - ``ShardedWeightSync``, for engines living in the rollout rank's process (the transformers engine): the plan
-  (``weight_sync_plan``) spreads size-bounded buckets over the actor's replicas (one rank each under ZeRO 0-2,
+  (``weight_sync.plan``) spreads size-bounded buckets over the actor's replicas (one rank each under ZeRO 0-2,
   the tp group under AutoTP), every replica gathers only its own buckets, and in each round all senders
-  broadcast one flat bucket at once over groups of the main world (``weight_transport``). Rank 0 is one sender
+  broadcast one flat bucket at once over groups of the main world (``weight_sync.transport``). Rank 0 is one sender
   among the others: it carries its share of the bytes, not the whole model.
 - ``EngineChannelWeightSync``, for vLLM in processes of its own (``rollout.vllm_mode=server_process``): each
   engine takes every bucket from one actor rank over a communicator of its own (vLLM's weight transfer allows one
@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.config.schema import RunConfig, resolved_vllm_mode
-from hpc_rlhf.engines.weight_sync_plan import (
+from hpc_rlhf.weight_sync.plan import (
     WeightSyncPlan,
     assign_engine_senders,
     bucket_size_for,
     pack_consecutive,
     plan_weight_sync,
 )
-from hpc_rlhf.engines.weight_transport import (
+from hpc_rlhf.weight_sync.transport import (
     BucketSink,
     GroupBroadcastTransport,
     WeightTransport,
@@ -117,13 +117,13 @@ OpenChannel = Callable[[str, int, int], EngineChannel]
 def _open_vllm_channel(master_address: str, master_port: int, num_workers: int) -> EngineChannel:
     """The sender's end for this machine's backend (``vllm_server.transfer_backend``, the rule the engine follows):
     vLLM's NCCL on CUDA (never run on a GPU yet), our gloo group without it."""
-    from hpc_rlhf.engines.vllm_server import transfer_backend  # imports no vLLM
+    from hpc_rlhf.rollout.vllm_server import transfer_backend  # imports no vLLM
 
     if transfer_backend(torch.cuda.is_available()) == "nccl":
-        from hpc_rlhf.engines.vllm_server import SenderChannel  # vLLM itself is imported only when opening
+        from hpc_rlhf.rollout.vllm_server import SenderChannel  # vLLM itself is imported only when opening
 
         return SenderChannel(master_address, master_port, num_workers)
-    from hpc_rlhf.engines.vllm_gloo_transfer import GlooSenderChannel
+    from hpc_rlhf.weight_sync.vllm_gloo_transfer import GlooSenderChannel
 
     return GlooSenderChannel(master_address, master_port, num_workers)
 

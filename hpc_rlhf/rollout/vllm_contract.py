@@ -1,12 +1,12 @@
 """Check the vLLM API the engines use against an installed vLLM, without a GPU.
 
-    python -m hpc_rlhf.engines.vllm_contract          # exit status 1 when a check fails
+    python -m hpc_rlhf.rollout.vllm_contract          # exit status 1 when a check fails
 
 Run it in an environment with vLLM installed (vLLM's wheel pulls its own CUDA torch; keep it out of the
 project's environment, e.g. ``python -m venv /tmp/vllm && /tmp/vllm/bin/pip install vllm``, then
-``PYTHONPATH=. /tmp/vllm/bin/python -m hpc_rlhf.engines.vllm_contract``). What it checks:
+``PYTHONPATH=. /tmp/vllm/bin/python -m hpc_rlhf.rollout.vllm_contract``). What it checks:
 
-* every entry of :data:`hpc_rlhf.engines.vllm_api.VLLM_NAMES`: the path resolves; each parameter our
+* every entry of :data:`hpc_rlhf.rollout.vllm_api.VLLM_NAMES`: the path resolves; each parameter our
   calls pass is in the callable's signature; each field we read exists on the class;
 * the keyword sets the engines build (``LLM`` / ``AsyncEngineArgs`` keywords, ``SamplingParams`` fields,
   weight-transfer payloads), computed by calling the engines' own helpers, so the list cannot drift;
@@ -32,10 +32,10 @@ from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_rlhf.engines.rollout_base import WAKE_TAGS, SamplingParams
-from hpc_rlhf.engines.vllm_api import PAUSE_MODE, SLEEP_TAGS, VLLM_NAMES, VllmName, resolve
-from hpc_rlhf.engines.vllm_rollout import llm_kwargs, vllm_sampling_kwargs
-from hpc_rlhf.engines.vllm_server import bucket_update_info, server_engine_kwargs, worker_init_info
+from hpc_rlhf.rollout.base import WAKE_TAGS, SamplingParams
+from hpc_rlhf.rollout.vllm_api import PAUSE_MODE, SLEEP_TAGS, VLLM_NAMES, VllmName, resolve
+from hpc_rlhf.rollout.vllm_external_launcher import llm_kwargs, vllm_sampling_kwargs
+from hpc_rlhf.rollout.vllm_server import bucket_update_info, server_engine_kwargs, worker_init_info
 
 # Imported lazily somewhere in hpc_rlhf on GPU paths (module name, distribution name).
 GPU_PACKAGES = (("vllm", "vllm"), ("flash_attn", "flash-attn"), ("ring_flash_attn", "ring-flash-attn"),
@@ -203,7 +203,7 @@ def derived_checks() -> list[Check]:
     llm_params, _ = _signature_names(resolve("vllm:LLM").__init__)
     engine_args = _class_fields(importlib.import_module("vllm.engine.arg_utils").EngineArgs)
     missing = sorted(set(ours) - llm_params - engine_args)
-    checks.append(Check("LLM keywords (vllm_rollout.llm_kwargs)", "import", not missing,
+    checks.append(Check("LLM keywords (vllm_external_launcher.llm_kwargs)", "import", not missing,
                         f"not LLM/EngineArgs fields: {missing}" if missing else ", ".join(sorted(ours))))
     server = server_engine_kwargs("/m", tensor_parallel_size=1, gpu_memory_utilization=0.9, seed=0,
                                   enforce_eager=False, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
@@ -213,7 +213,7 @@ def derived_checks() -> list[Check]:
                            "vllm:AsyncEngineArgs"))
     sampling = vllm_sampling_kwargs(SamplingParams(max_new_tokens=4, top_k=5, stop_token_ids=[2], seed=1), n=2)
     sampling["output_kind"] = resolve("vllm.sampling_params:RequestOutputKind.FINAL_ONLY")
-    checks.append(_accepts("SamplingParams fields (vllm_rollout.vllm_sampling_kwargs + output_kind)", set(sampling),
+    checks.append(_accepts("SamplingParams fields (vllm_external_launcher.vllm_sampling_kwargs + output_kind)", set(sampling),
                            "vllm:SamplingParams", construct=sampling))
     checks.append(_accepts("TokensPrompt", {"prompt_token_ids"}, "vllm:TokensPrompt",
                            construct={"prompt_token_ids": [1, 2]}))

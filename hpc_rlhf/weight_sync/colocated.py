@@ -53,7 +53,7 @@ def colocated_weight_sync(rollout_engine: Any, actor: Any, others: Iterable[Any]
         return
     rollout_engine.wake_up(["weights"])
     # One round, gathered bucket by bucket as the engine consumes it: vLLM processes a layer again only once all of
-    # its tensors arrived in the same update (engines.vllm_rollout).
+    # its tensors arrived in the same update (rollout.vllm_external_launcher).
     rollout_engine.update_weights(itertools.chain.from_iterable(actor.gathered_state_dict_items()))
     actor.offload_states()
     free_device_cache()

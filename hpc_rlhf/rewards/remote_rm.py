@@ -60,7 +60,7 @@ from tenacity import (
     wait_random,
 )
 
-from hpc_rlhf.agents.rewards import RewardFunctionError, RewardOutput, validate_reward_output
+from hpc_rlhf.rewards.functions import RewardFunctionError, RewardOutput, validate_reward_output
 
 log = logging.getLogger(__name__)
 

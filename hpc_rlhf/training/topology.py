@@ -1,6 +1,6 @@
 """How a role's process groups reach DeepSpeed: its data-parallel group and, with AutoTP, its tensor-parallel group.
 
-Called by the engines of ``hpc_rlhf.engines.deepspeed_engine`` while they build a DeepSpeed engine; deepspeed is
+Called by the engines of ``hpc_rlhf.training.deepspeed_engine`` while they build a DeepSpeed engine; deepspeed is
 imported lazily inside the functions that need it, so importing this module stays cheap.
 
 Process groups: ``dp_group=None`` means the role spans the whole world. A smaller ``dp_group`` is handed

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hpc_rlhf.engines.rollout_base import GenerationRequest, SamplingParams
-from hpc_rlhf.engines.vllm_rollout import (
+from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
+from hpc_rlhf.rollout.vllm_external_launcher import (
     VLLM_INSTALL_HINT,
     VllmRolloutEngine,
     import_vllm,
@@ -129,7 +129,7 @@ def test_missing_vllm_gives_install_hint(monkeypatch):
 
 
 def test_module_import_is_light():
-    code = ("import sys, hpc_rlhf.engines.vllm_rollout, hpc_rlhf.engines.rollout_base; "
+    code = ("import sys, hpc_rlhf.rollout.vllm_external_launcher, hpc_rlhf.rollout.base; "
             "print(sorted(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -202,7 +202,7 @@ def _model_folder(path, hidden_size: int, heads: int):
 
 def test_from_config_maps_sections(monkeypatch, tmp_path):
     from hpc_rlhf.config.schema import RunConfig
-    from hpc_rlhf.engines import vllm_rollout
+    from hpc_rlhf.rollout import vllm_external_launcher as vllm_rollout
 
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=FakeLLM))
     monkeypatch.setattr(vllm_rollout, "resolve_cpu_attention_head_sizes", lambda: [32, 64])
@@ -230,7 +230,7 @@ def test_from_config_maps_sections(monkeypatch, tmp_path):
 
 def test_cpu_head_size_is_checked_before_the_engine_starts(monkeypatch, tmp_path):
     from hpc_rlhf.config.schema import RunConfig
-    from hpc_rlhf.engines import vllm_rollout
+    from hpc_rlhf.rollout import vllm_external_launcher as vllm_rollout
 
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=FakeLLM))
     monkeypatch.setattr(vllm_rollout, "resolve_cpu_attention_head_sizes", lambda: [32, 64])
@@ -242,7 +242,7 @@ def test_cpu_head_size_is_checked_before_the_engine_starts(monkeypatch, tmp_path
 
 
 def test_engine_dtype_follows_the_trainer():
-    from hpc_rlhf.engines.vllm_rollout import engine_dtype
+    from hpc_rlhf.rollout.vllm_external_launcher import engine_dtype
 
     assert engine_dtype("auto", on_gpu=False) == "float32" and engine_dtype("auto", on_gpu=True) == "bfloat16"
     assert engine_dtype("fp32", on_gpu=True) == "float32"

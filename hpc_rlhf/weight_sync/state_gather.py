@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from hpc_rlhf.engines.weight_sync_plan import pack_consecutive
+from hpc_rlhf.weight_sync.plan import pack_consecutive
 from hpc_rlhf.models.quantization import is_quantized, plain_config, plain_copy
 
 

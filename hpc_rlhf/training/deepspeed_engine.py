@@ -1,12 +1,12 @@
 """DeepSpeed behind one facade: ``TrainEngine`` and ``FrozenEngine``, built from our config.
 
 ``TrainEngine`` wraps a trainable role (actor, critic): ZeRO 0-3, AdamW (torch's, fused on GPU; DeepSpeed's
-CPU Adam under ZeRO-Offload: ``hpc_rlhf.engines.optimizer_choice``), cosine LR with warmup,
+CPU Adam under ZeRO-Offload: ``hpc_rlhf.training.optimizer_choice``), cosine LR with warmup,
 gradient clipping and accumulation. ``FrozenEngine`` wraps an inference-only role (reference model,
 reward model): ZeRO-3 partitioning when asked, no optimizer. Trainers call ``backward`` / ``step`` /
 ``gathered_state_dict_items`` / ``save_checkpoint``; they never see deepspeed. deepspeed is imported only
-here and by the two helpers of this package the engines build on: ``hpc_rlhf.engines.deepspeed_topology`` (how
-the role's dp/tp groups reach DeepSpeed, AutoTP setup) and ``hpc_rlhf.engines.state_gather`` (full state
+here and by the two helpers of this package the engines build on: ``hpc_rlhf.training.topology`` (how
+the role's dp/tp groups reach DeepSpeed, AutoTP setup) and ``hpc_rlhf.weight_sync.state_gather`` (full state
 dicts out of ZeRO-3 / AutoTP / LoRA, HF export).
 
 The deepspeed JSON config is built by the pure function ``build_ds_config`` (unit-testable without a
@@ -14,12 +14,12 @@ process group). deepspeed itself is imported lazily inside ``create`` so that im
 cheap and the light-import rule of the package holds for everything that does not build an engine.
 
 Process groups: ``dp_group=None`` means the role spans the whole world; a smaller one is handed to
-DeepSpeed as described in ``hpc_rlhf.engines.deepspeed_topology`` (where its limits are listed). A limitation of
+DeepSpeed as described in ``hpc_rlhf.training.topology`` (where its limits are listed). A limitation of
 DeepSpeed 0.19.8 that then applies to the engines: ``save_checkpoint`` / ``load_checkpoint`` call
 ``dist.barrier()`` on the WORLD group, so every rank of the world must take part in them.
 
 Tensor parallelism (``ds.tensor_parallel_size > 1``) is DeepSpeed AutoTP, set up by
-``hpc_rlhf.engines.deepspeed_topology``. The LM head always returns full-vocabulary logits (our losses compute
+``hpc_rlhf.training.topology``. The LM head always returns full-vocabulary logits (our losses compute
 log-probs from them), and ``gathered_state_dict_items`` all-gathers the shards back into full tensors. LoRA
 with TP is refused.
 """
@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 from torch.distributed import ProcessGroup
 
 from hpc_rlhf.config.schema import DeepSpeedConfig, ModelRole, TrainedRole
-from hpc_rlhf.engines.deepspeed_topology import (
+from hpc_rlhf.training.topology import (
     copy_from_tp_leader,
     dp_setup,
     init_deepspeed_dist,
@@ -45,8 +45,8 @@ from hpc_rlhf.engines.deepspeed_topology import (
     tp_group_for,
     zero_init_group,
 )
-from hpc_rlhf.engines.optimizer_choice import adam_implementation, optimizer_offloaded
-from hpc_rlhf.engines.state_gather import (
+from hpc_rlhf.training.optimizer_choice import adam_implementation, optimizer_offloaded
+from hpc_rlhf.weight_sync.state_gather import (
     is_first_rank_of_role,
     iter_gathered_state_dict,
     iter_merged_lora_state_dict,

@@ -7,7 +7,7 @@
     guard.step_done(seconds)                           # the next step: max(floor, k x slowest step)
     guard.stop()
 
-Each phase's limit (``hpc_rlhf.utils.stall_limits``) is both the watchdog's timeout (a rank silent for that long
+Each phase's limit (``hpc_rlhf.resilience.stall_limits``) is both the watchdog's timeout (a rank silent for that long
 dumps its stacks to ``<output_dir>/hang/`` and the job exits with 124) and, plus a margin, the collective
 timeout of every process group (``hpc_rlhf.world.groups.set_collective_timeouts``): the watchdog fires first
 with a diagnosis, and a collective can never outwait its phase by much even where the watchdog thread cannot
@@ -26,8 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hpc_rlhf.utils.stall_limits import StallLimits
-from hpc_rlhf.utils.watchdog import STALL_EXIT_CODE, Watchdog
+from hpc_rlhf.resilience.stall_limits import StallLimits
+from hpc_rlhf.resilience.watchdog import STALL_EXIT_CODE, Watchdog
 from hpc_rlhf.world.groups import set_collective_timeouts
 
 log = logging.getLogger(__name__)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from hpc_rlhf.engines.rollout_base import GenerationRequest, GenerationResult, RolloutEngine
+from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
 
 
 @dataclass

@@ -14,7 +14,7 @@ world. Consequences the caller must honour:
 
 Logprobs: the engine asks vLLM for ``logprobs=0`` (only the sampled token) with
 ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2), i.e. the logprob after temperature - our
-convention (see :mod:`hpc_rlhf.engines.rollout_base`). Caveat: vLLM's processed logprobs are taken
+convention (see :mod:`hpc_rlhf.rollout.base`). Caveat: vLLM's processed logprobs are taken
 *after* top-k/top-p masking (renormalised over the kept tokens), whereas the transformers engine and
 the trainer use the full temperature-scaled distribution; they agree exactly when ``top_p == 1`` and
 ``top_k == -1`` (the RLHF default). Greedy requests report the unscaled logprob in both engines.
@@ -48,8 +48,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_rlhf.engines.vllm_api import resolve
-from hpc_rlhf.engines.rollout_base import (
+from hpc_rlhf.rollout.vllm_api import resolve
+from hpc_rlhf.rollout.base import (
     WAKE_TAGS,
     GenerationRequest,
     GenerationResult,
@@ -196,7 +196,7 @@ def refresh_tied_layers(model: torch.nn.Module) -> int:
     tensor of its own and keeps what its processing derived from the old weights (on CPU: a packed GEMM copy).
     Only unquantised embedding layers are processed again: their processing only builds such a derived copy (on
     GPU it does nothing), whereas a quantised layer's processing is not meant to run twice."""
-    from hpc_rlhf.engines.vllm_api import resolve
+    from hpc_rlhf.rollout.vllm_api import resolve
 
     embedding_method = resolve("vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod")
     seen: set[int] = set()

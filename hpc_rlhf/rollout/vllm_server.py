@@ -17,16 +17,16 @@ the sender hosts, so the main world's groups are untouched and each engine's sen
 rank, all sending in parallel. One round: ``start_weight_update`` -> ``update_weights`` per bucket (names,
 dtypes, shapes: the tensors themselves come over the communicator) -> ``finish_weight_update``. The trainer opens
 both ends at its first weight sync and picks each engine's sender
-(``hpc_rlhf.trainers.rl.weight_sync.EngineChannelWeightSync``). The backend follows the hardware
+(``hpc_rlhf.weight_sync.sharded.EngineChannelWeightSync``). The backend follows the hardware
 (:func:`transfer_backend`, the same rule on both ends):
 
-- ``gloo`` without CUDA: our backend (:mod:`hpc_rlhf.engines.vllm_gloo_transfer`, registered in vLLM's processes
-  by :mod:`hpc_rlhf.engines.vllm_plugin`); buckets packed one flat buffer per dtype. Runs on CPU and is tested
+- ``gloo`` without CUDA: our backend (:mod:`hpc_rlhf.weight_sync.vllm_gloo_transfer`, registered in vLLM's processes
+  by :mod:`hpc_rlhf.rollout.vllm_plugin`); buckets packed one flat buffer per dtype. Runs on CPU and is tested
   there against a real vLLM (``tests/multiproc/test_vllm_server_cpu.py``).
 - ``nccl`` on CUDA: vLLM's own (``WeightTransferConfig(backend="nccl")``; vLLM's ``StatelessProcessGroup``),
   the sender packing with vLLM's ``packed_nccl_broadcast_producer``. This path has never run on a GPU: only
   against fakes (``tests/unit/test_vllm_server.py``) and vLLM's API contract
-  (:mod:`hpc_rlhf.engines.vllm_contract`); run it on a GPU node before relying on it.
+  (:mod:`hpc_rlhf.rollout.vllm_contract`); run it on a GPU node before relying on it.
 
 Weight updates during generation (async and partial rollouts): generation runs on a private asyncio
 loop in a background thread, so :meth:`submit` returns at once and a weight round can run while
@@ -38,7 +38,7 @@ sampled them (what importance-sampling corrections need). We chose pause-and-kee
 abort-and-resubmit because it keeps every finished token and needs no bookkeeping of partial outputs.
 
 Everything that does not need vLLM (environment isolation, payloads, request ids, the backend choice) is a pure
-helper, unit-tested without vLLM; :mod:`hpc_rlhf.engines.vllm_contract` checks every vLLM name used here.
+helper, unit-tested without vLLM; :mod:`hpc_rlhf.rollout.vllm_contract` checks every vLLM name used here.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from hpc_rlhf.engines.rollout_base import GenerationRequest, GenerationResult, RolloutEngine
-from hpc_rlhf.engines.vllm_api import PAUSE_MODE, resolve
-from hpc_rlhf.engines.vllm_rollout import (
+from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
+from hpc_rlhf.rollout.vllm_api import PAUSE_MODE, resolve
+from hpc_rlhf.rollout.vllm_external_launcher import (
     engine_kwargs_from_config,
     import_vllm,
     results_from_vllm_outputs,
@@ -122,7 +122,7 @@ def worker_init_info(master_address: str, master_port: int, num_workers: int, ba
     """``init_info`` of ``init_weight_transfer_engine``: workers take ranks ``1 .. num_workers`` of a
     communicator whose rank 0 is the sending actor rank (hosting the rendezvous store)."""
     if backend == "gloo":
-        from hpc_rlhf.engines.vllm_gloo_transfer import gloo_worker_init_info
+        from hpc_rlhf.weight_sync.vllm_gloo_transfer import gloo_worker_init_info
 
         return gloo_worker_init_info(master_address, master_port, num_workers)
     if backend != "nccl":
@@ -191,7 +191,7 @@ class VllmServerEngine(RolloutEngine):
         """Built by every rollout rank, one engine each: on its own GPU (``local_rank``), or on the host's cores
         where there is no GPU (``local_rank=None``: weights then come over gloo). Engine keywords (dtype, context
         length, KV cache size, the CPU head-size check) are the in-process engine's
-        (``vllm_rollout.engine_kwargs_from_config``); ``engine_kwargs`` override them. Engines spanning several
+        (``vllm_external_launcher.engine_kwargs_from_config``); ``engine_kwargs`` override them. Engines spanning several
         GPUs (``devices``) need the other ranks of their group to build none: not arranged yet, so refused."""
         tp = cfg.rollout.tensor_parallel_size
         if tp > 1:
@@ -263,7 +263,7 @@ class VllmServerEngine(RolloutEngine):
         Requests in flight are paused, keep their tokens, and continue under the new weights.
 
         ``buckets`` is consumed on the calling thread, one bucket per transfer, so it may wait for a bucket's
-        description (``hpc_rlhf.trainers.rl.weight_sync`` receives them over the control plane on the first sync)
+        description (``hpc_rlhf.weight_sync.sharded`` receives them over the control plane on the first sync)
         without holding the engine's event loop."""
         if not self._channel_open:
             raise RuntimeError("VllmServerEngine: no weight channel; the weights of an out-of-process engine come "
@@ -326,7 +326,7 @@ class VllmServerEngine(RolloutEngine):
 
 # ---------------------------------------------------------------------------- sender side (an actor rank)
 # The NCCL sender below has never run on a GPU (see the module docstring); the gloo one is
-# hpc_rlhf.engines.vllm_gloo_transfer.GlooSenderChannel.
+# hpc_rlhf.weight_sync.vllm_gloo_transfer.GlooSenderChannel.
 
 
 def open_sender_channel(master_address: str, master_port: int, num_workers: int) -> Any:

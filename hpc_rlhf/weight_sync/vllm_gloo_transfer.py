@@ -1,7 +1,7 @@
 """The ``gloo`` weight-transfer backend: actor rank -> vLLM engine in processes of its own, without NCCL (CPU).
 
 vLLM's ``nccl`` backend cannot run where there is no NCCL, so on CPU machines ``VllmServerEngine`` asks vLLM for
-``WeightTransferConfig(backend="gloo")``, a backend of ours: :mod:`hpc_rlhf.engines.vllm_plugin` registers
+``WeightTransferConfig(backend="gloo")``, a backend of ours: :mod:`hpc_rlhf.rollout.vllm_plugin` registers
 ``GlooWeightTransferEngine`` with vLLM's ``WeightTransferEngineFactory`` in every vLLM process (a
 ``vllm.general_plugins`` entry point), and vLLM builds it inside each of its workers. The rounds are vLLM's
 (``start_weight_update`` -> ``update_weights`` per bucket -> ``finish_weight_update``, driven by the engine's
@@ -20,7 +20,7 @@ Loading (every worker): ``start_weight_update`` starts vLLM's layerwise reload, 
 ``model.load_weights`` (vLLM's loader maps HF names, fuses qkv / gate_up, and the layerwise reload processes a
 layer once all its tensors arrived, even when a fused layer's parts come in different buckets of the round),
 ``finish_weight_update`` finalises the reload, then processes a tied LM head again
-(``vllm_rollout.refresh_tied_layers``: on CPU it would otherwise keep a packed copy of the old embedding). A plain
+(``vllm_external_launcher.refresh_tied_layers``: on CPU it would otherwise keep a packed copy of the old embedding). A plain
 second ``load_weights`` outside a reload fails on CPU: vLLM repacks linear weights after loading.
 
 Imports: this module imports no vLLM when it is imported. The sender side (:class:`GlooSenderChannel`) runs on actor
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.engines.vllm_api import resolve
+from hpc_rlhf.rollout.vllm_api import resolve
 
 GLOO_BACKEND = "gloo"
 # A broadcast waits this long for its peer. The sender's peer is a worker that may still be pausing the engine or
@@ -266,7 +266,7 @@ class GlooWeightTransferReceiver:
 
     def finish_weight_update(self) -> None:
         """Process every layer of the round; then a tied LM head, which got no tensor of its own."""
-        from hpc_rlhf.engines.vllm_rollout import refresh_tied_layers
+        from hpc_rlhf.rollout.vllm_external_launcher import refresh_tied_layers
 
         resolve("vllm.model_executor.model_loader.reload:finalize_layerwise_reload")(self.model, self.model_config)
         refresh_tied_layers(self.model)

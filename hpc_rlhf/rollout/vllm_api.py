@@ -5,7 +5,7 @@ The engines resolve vLLM objects through :func:`resolve`, which refuses a path m
 engine sources for method calls on vLLM objects and fails on one the table lacks). Keyword sets that
 the engines build at run time (``LLM`` / ``AsyncEngineArgs`` keywords, ``SamplingParams`` fields,
 weight-transfer payloads) are not copied here: the contract script computes them by calling the
-engines' own pure helpers. ``python -m hpc_rlhf.engines.vllm_contract`` checks the table against an
+engines' own pure helpers. ``python -m hpc_rlhf.rollout.vllm_contract`` checks the table against an
 installed vLLM.
 
 Path syntax: ``"module:Attr.attr"``; ``params`` are the keyword / positional names our calls pass,
@@ -28,14 +28,14 @@ class VllmName:
 
 
 _NAMES = (
-    # ---- in-process engine (external launcher, colocated): hpc_rlhf.engines.vllm_rollout
-    VllmName("vllm:LLM", why="in-process engine; keywords: vllm_rollout.llm_kwargs"),
+    # ---- in-process engine (external launcher, colocated): hpc_rlhf.rollout.vllm_external_launcher
+    VllmName("vllm:LLM", why="in-process engine; keywords: vllm_external_launcher.llm_kwargs"),
     VllmName("vllm:LLM.generate", ("prompts", "sampling_params", "use_tqdm")),
     VllmName("vllm:LLM.collective_rpc", ("method", "args")),
     VllmName("vllm:LLM.sleep", ("level",)),
     VllmName("vllm:LLM.wake_up", ("tags",)),
     VllmName("vllm:LLM.reset_prefix_cache"),
-    VllmName("vllm:SamplingParams", why="fields: vllm_rollout.vllm_sampling_kwargs"),
+    VllmName("vllm:SamplingParams", why="fields: vllm_external_launcher.vllm_sampling_kwargs"),
     VllmName("vllm:TokensPrompt", fields=("prompt_token_ids",)),
     VllmName("vllm.outputs:RequestOutput", fields=("outputs", "finished", "request_id")),
     VllmName("vllm.outputs:CompletionOutput", fields=("index", "token_ids", "logprobs", "finish_reason")),
@@ -43,7 +43,7 @@ _NAMES = (
     VllmName("vllm.v1.engine.llm_engine:LLMEngine", fields=("engine_core",), why="LLM.llm_engine: close()"),
     VllmName("vllm.v1.engine.core_client:InprocClient.shutdown"),
     # the weight round collective_rpc runs on each worker: worker.reload_weights (layerwise reload), then the tied
-    # LM head processed again (vllm_rollout.refresh_tied_layers)
+    # LM head processed again (vllm_external_launcher.refresh_tied_layers)
     VllmName("vllm.v1.worker.gpu_worker:Worker", fields=("model_runner",)),
     VllmName("vllm.v1.worker.gpu_worker:Worker.reload_weights", why="passes weights_iterator= to the runner's"),
     VllmName("vllm.v1.worker.gpu_model_runner:GPUModelRunner", fields=("model",)),
@@ -54,7 +54,7 @@ _NAMES = (
              ("layer",)),
     VllmName("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend.get_supported_head_sizes",
              why="CPU runs: the head sizes vLLM's CPU attention runs, checked before the engine starts"),
-    # ---- out-of-process engine (server_process: disaggregated, async, partial): hpc_rlhf.engines.vllm_server
+    # ---- out-of-process engine (server_process: disaggregated, async, partial): hpc_rlhf.rollout.vllm_server
     VllmName("vllm:AsyncEngineArgs", why="keywords: vllm_server.server_engine_kwargs"),
     VllmName("vllm:AsyncLLMEngine.from_engine_args", ("engine_args",)),
     VllmName("vllm:AsyncLLMEngine.generate", ("prompt", "sampling_params", "request_id")),
@@ -78,8 +78,8 @@ _NAMES = (
     VllmName("vllm.distributed.weight_transfer.nccl_common:trainer_init", ("init_info", "rank")),
     VllmName("vllm.distributed.weight_transfer.packed_tensor:packed_nccl_broadcast_producer",
              ("iterator", "group", "src", "post_iter_func", "buffer_size_bytes", "num_buffers")),
-    # ---- the gloo weight-transfer backend (CPU server_process engines): hpc_rlhf.engines.vllm_gloo_transfer, built
-    # in vLLM's workers through hpc_rlhf.engines.vllm_plugin
+    # ---- the gloo weight-transfer backend (CPU server_process engines): hpc_rlhf.weight_sync.vllm_gloo_transfer, built
+    # in vLLM's workers through hpc_rlhf.rollout.vllm_plugin
     VllmName("vllm.distributed.weight_transfer.base:WeightTransferEngine",
              fields=("model", "model_config", "parallel_config", "device", "parse_update_info"),
              why="base class of GlooWeightTransferEngine; vLLM sets these fields before calling it"),
@@ -96,7 +96,7 @@ _NAMES = (
 
 VLLM_NAMES: dict[str, VllmName] = {name.path: name for name in _NAMES}
 
-# Sleep-mode tags the engines pass to wake_up (rollout_base.WAKE_TAGS), and the pause mode of in-flight
+# Sleep-mode tags the engines pass to wake_up (rollout.base.WAKE_TAGS), and the pause mode of in-flight
 # weight updates (vllm_server): both are string literals of vLLM's API, checked by the contract.
 SLEEP_TAGS = ("weights", "kv_cache")
 PAUSE_MODE = "keep"
@@ -105,8 +105,8 @@ PAUSE_MODE = "keep"
 def resolve(path: str) -> Any:
     """The vLLM object at ``path`` (``"module:Attr.attr"``); the path must be declared in :data:`VLLM_NAMES`."""
     if path not in VLLM_NAMES:
-        raise KeyError(f"{path!r} is not declared in hpc_rlhf.engines.vllm_api.VLLM_NAMES; declare it there so "
-                       "that python -m hpc_rlhf.engines.vllm_contract checks it against vLLM")
+        raise KeyError(f"{path!r} is not declared in hpc_rlhf.rollout.vllm_api.VLLM_NAMES; declare it there so "
+                       "that python -m hpc_rlhf.rollout.vllm_contract checks it against vLLM")
     module_name, _, attrs = path.partition(":")
     obj: Any = importlib.import_module(module_name)
     for attr in attrs.split("."):

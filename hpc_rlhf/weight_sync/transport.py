@@ -4,11 +4,11 @@ A bucket travels as one flat byte tensor (``pack_bucket``) plus a small header (
 offsets), so each bucket costs one collective whatever its tensors' dtypes. The header is sent with a
 bucket's first transfer only and cached on both sides: shapes and dtypes do not change between syncs.
 
-``WeightTransport`` is the seam between the plan (``weight_sync_plan``) and a wire. ``GroupBroadcastTransport``
+``WeightTransport`` is the seam between the plan (``weight_sync.plan``) and a wire. ``GroupBroadcastTransport``
 broadcasts over torch.distributed groups of the main world, one group per sender (the sender plus every
 rollout rank), all senders of a round at once (``async_op``), so the transfers of different senders overlap.
 vLLM in processes of its own takes every bucket from one sender over a communicator of its own instead:
-``hpc_rlhf.trainers.rl.weight_sync.EngineChannelWeightSync``.
+``hpc_rlhf.weight_sync.sharded.EngineChannelWeightSync``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.engines.weight_sync_plan import SyncBucket
+from hpc_rlhf.weight_sync.plan import SyncBucket
 
 _ALIGN = 16  # byte offset of every tensor in a flat bucket: a slice viewed as any dtype stays aligned
 
