@@ -49,7 +49,8 @@ class RunPlan:
     eval_every: int | None = None  # evaluate every N steps; the last step always evaluates
     eval_at_start: bool = False  # with `evaluates`: evaluate the initial weights when the run starts at step 0
     resume: bool = False  # restore the latest checkpoint first (RL's ckpt.load), under the checkpoint phase limit
-    start_step: int = 0  # steps done before the run without `resume` (an offline trainer restores while built)
+    start_step: int = 0  # steps done before the run without `resume` (an offline trainer restores while it is
+    # built: its metrics file is opened for the restored step, and callers read that step before fit)
     requeue: bool = False  # slurm.requeue: after a signalled stop, rank 0 requeues the SLURM job
     progress_bar: bool = False  # a tqdm bar of the steps on this rank
 

@@ -9,7 +9,8 @@ share as it is (the facade passes ``scale_wrt_gas=False``: DeepSpeed does not di
 steps), so the gradients summed over the micro-batches are those of the global mean.
 
 A subclass supplies the datasets, the model factory, one micro-batch's loss and statistics, and the
-eval statistics. The step reads::
+eval statistics. The steps, evals, checkpoints and export are scheduled by the run skeleton shared with RL
+(``hpc_rlhf.trainers.run_skeleton``; this class implements its hooks). The step reads::
 
     batch -> shard -> micro-batches: forward, loss, backward, step -> reduce stats
           -> [eval] -> metrics.jsonl -> [checkpoint] ... -> final eval -> HF export (<output_dir>/model)
