@@ -6,12 +6,11 @@
 
 from __future__ import annotations
 
+import functools
+
 from hpc_rlhf.cli.startup import run_offline_trainer
 
-
-def main(argv: list[str] | None = None) -> None:
-    run_offline_trainer("dpo", "hpc_rlhf.trainers.offline.dpo", "DPOTrainer", argv)
-
+main = functools.partial(run_offline_trainer, "dpo", "hpc_rlhf.trainers.offline.dpo", "DPOTrainer")
 
 if __name__ == "__main__":
     main()

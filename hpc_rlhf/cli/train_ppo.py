@@ -10,18 +10,18 @@ import torch.distributed as dist
 
 from hpc_rlhf.cli.startup import start_run
 from hpc_rlhf.config import load_config
+from hpc_rlhf.resilience.preemption import exit_if_stopped
+from hpc_rlhf.world.groups import build_world_groups
+from hpc_rlhf.world.placement import build_placement
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg, env = start_run("train_ppo", argv, load_config)
+    # Imported once start_run has installed the preemption guard: loading the trainer (transformers, the
+    # rollout and training facades) takes seconds, and a SLURM signal in that window must be remembered, not fatal.
     from hpc_rlhf.trainers.rl.async_loop import trainer_class
-    from hpc_rlhf.world.groups import build_world_groups
-    from hpc_rlhf.world.placement import build_placement
 
     world = build_world_groups(build_placement(cfg, env.world_size))
-
-    from hpc_rlhf.resilience.preemption import exit_if_stopped
-
     trainer = trainer_class(cfg)(cfg, world)
     trainer.fit()
     trainer.close()

@@ -6,12 +6,11 @@
 
 from __future__ import annotations
 
+import functools
+
 from hpc_rlhf.cli.startup import run_offline_trainer
 
-
-def main(argv: list[str] | None = None) -> None:
-    run_offline_trainer("sft", "hpc_rlhf.trainers.offline.sft", "SFTTrainer", argv)
-
+main = functools.partial(run_offline_trainer, "sft", "hpc_rlhf.trainers.offline.sft", "SFTTrainer")
 
 if __name__ == "__main__":
     main()

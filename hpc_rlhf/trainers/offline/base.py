@@ -9,7 +9,8 @@ share as it is (the facade passes ``scale_wrt_gas=False``: DeepSpeed does not di
 steps), so the gradients summed over the micro-batches are those of the global mean.
 
 A subclass supplies the datasets, the model factory, one micro-batch's loss and statistics, and the
-eval statistics. The step reads::
+eval statistics. The steps, evals, checkpoints and export are scheduled by the run skeleton shared with RL
+(``hpc_rlhf.trainers.run_skeleton``; this class implements its hooks). The step reads::
 
     batch -> shard -> micro-batches: forward, loss, backward, step -> reduce stats
           -> [eval] -> metrics.jsonl -> [checkpoint] ... -> final eval -> HF export (<output_dir>/model)
@@ -24,7 +25,6 @@ sharded copy of the model and trains on the same shard; there are ``world / tp``
 from __future__ import annotations
 
 import logging
-import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,10 +43,11 @@ from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine, gradie
 from hpc_rlhf.models.loading import load_causal_lm, load_tokenizer, resolve_attn_implementation
 from hpc_rlhf.models.precision import resolve_dtype
 from hpc_rlhf.resilience.stall_guard import StallGuard
-from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer, is_logging_step
+from hpc_rlhf.trainers import run_skeleton
+from hpc_rlhf.trainers.run_skeleton import RunHooks, RunPlan
+from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
 from hpc_rlhf.utils.seeding import seed_rank
 from hpc_rlhf.world.groups import comm_device, tensor_data_parallel_groups
-from hpc_rlhf.resilience.preemption import preemption_guard, requeue_if_enabled
 
 log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
@@ -68,10 +69,12 @@ def ratio(sums: dict[str, float], num: str, den: str) -> float:
     return sums[num] / sums[den] if sums.get(den) else float("nan")
 
 
-class SupervisedTrainer:
-    """Base of the offline trainers. Subclasses implement the methods that raise NotImplementedError."""
+class SupervisedTrainer(RunHooks):
+    """Base of the offline trainers. Subclasses implement the methods that raise NotImplementedError; the
+    run hooks (``run_step``, ``run_eval``, ``metrics_row``, ...) plug the loop into the shared run skeleton."""
 
     kind = "supervised"
+    uses_reference = False  # DPO / KTO: a frozen reference model (``self.ref``), built after the trained engine
 
     def __init__(self, cfg: SupervisedRunConfig) -> None:
         self.cfg = cfg
@@ -101,7 +104,8 @@ class SupervisedTrainer:
                                          train_batch_size=tcfg.train_batch_size, micro_train_batch_size=self.micro,
                                          num_training_steps=self.num_steps, dp_group=self.dp_group,
                                          tp_group=self.tp_group)
-        self.setup_reference()
+        if self.uses_reference:
+            self.ref = self.frozen_reference()
         self.ckpt = CheckpointManager(cfg.ckpt.path or self.output_dir / "ckpt", max_num=cfg.ckpt.max_num)
         if not cfg.ckpt.load:
             warn_if_starting_over(self.ckpt)
@@ -128,9 +132,6 @@ class SupervisedTrainer:
         ds = self.cfg.ds
         return load_causal_lm(self.cfg.model.pretrain, self.dtype, self.attn, ds.use_liger_kernel,
                               ds.lora.load_in_4bit)
-
-    def setup_reference(self) -> None:
-        """Build frozen models (DPO / KTO reference); default none."""
 
     def global_counts(self, batch: list) -> dict[str, int]:
         """Loss normalisers of the whole step batch (every rank sees the same batch)."""
@@ -164,58 +165,49 @@ class SupervisedTrainer:
                                    cfg.ds, cfg.ref, micro_batch_size=self.micro, dp_group=self.dp_group,
                                    tp_group=self.tp_group)
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ the run (hpc_rlhf.trainers.run_skeleton)
     def fit(self) -> list[dict[str, Any]]:
-        """Train the remaining steps, then export; every phase bounded by a ``StallGuard`` (a hang exits 124)."""
-        guard = StallGuard.from_config(self.cfg.train, self.rank, dist.get_world_size()).start()
-        try:
-            rows = self._fit(guard)
-        except Exception as exc:
-            guard.explain_failure(exc)
-            raise
-        guard.stop()
-        return rows
+        """Train the remaining steps, then export; every phase bounded by a ``StallGuard`` (a hang exits 124).
 
-    def _fit(self, guard: StallGuard) -> list[dict[str, Any]]:
+        Returns one row per step and one for the eval at start, each with its ``step``, on every rank."""
         tcfg = self.cfg.train
-        preemption = preemption_guard()
-        rows: list[dict[str, Any]] = []
-        if self.step == 0 and self.eval_set:
-            with guard.phase("eval"):
-                rows.append(self._log(0, self.evaluate()))
-        last_eval: dict[str, float] | None = None
-        while self.step < self.num_steps:
-            timer = PhaseTimer()
-            start = time.perf_counter()
-            batch = self.stream.next_batch()
-            row, num_tokens = self.train_step(batch, timer)
-            self.step += 1
-            last_eval = None
-            due = self.step == self.num_steps or (tcfg.eval_steps and self.step % tcfg.eval_steps == 0)
-            if self.eval_set and due:
-                with timer("eval"), guard.phase("eval"):
-                    last_eval = self.evaluate()
-                row.update(last_eval)
-            step_s = time.perf_counter() - start
-            row.update(timer.metrics())
-            guard_s = step_s - timer.seconds.get("eval", 0.0)  # evaluation has its own limit
-            row.update({"timing/step": step_s, "tokens_per_s": num_tokens / max(step_s, 1e-9),
-                        "epoch": self.stream.episode})
-            rows.append(self._log(self.step, row))
-            guard.step_done(guard_s)
-            save_due = self.cfg.ckpt.save_steps and self.step % self.cfg.ckpt.save_steps == 0
-            if preemption.agreed_stop():
-                with guard.phase("checkpoint"):
-                    self.save()
-                self.stopped_by_signal = True
-                self.requeued = requeue_if_enabled(self.cfg.slurm.requeue, self.rank)
-                return rows
-            if save_due:
-                with guard.phase("checkpoint"):
-                    self.save()
-        with guard.phase("checkpoint"):  # the HF export: a write as large as a save
-            self.export()
-        return rows
+        plan = RunPlan(num_steps=self.num_steps, rank=self.rank, logging_steps=self.cfg.logger.logging_steps,
+                       save_steps=self.cfg.ckpt.save_steps, evaluates=bool(self.eval_set), eval_every=tcfg.eval_steps,
+                       eval_at_start=bool(self.eval_set), start_step=self.step, requeue=self.cfg.slurm.requeue)
+        guard = StallGuard.from_config(tcfg, self.rank, dist.get_world_size())
+        outcome = run_skeleton.run(self, plan, guard)
+        self.stopped_by_signal, self.requeued = outcome.stopped_by_signal, outcome.requeued
+        return outcome.history
+
+    def run_step(self, step: int, timer: PhaseTimer) -> tuple[dict[str, Any], int]:
+        row, num_tokens = self.train_step(self.stream.next_batch(), timer)
+        self.step = step
+        return row, num_tokens
+
+    def run_eval(self, step: int) -> dict[str, float]:
+        return self.evaluate()
+
+    def metrics_row(self, step: int, result: tuple[dict[str, Any], int], eval_row: dict[str, float] | None,
+                    timer: PhaseTimer) -> dict[str, Any]:
+        row, num_tokens = result
+        if eval_row is not None:
+            row.update(eval_row)
+        seconds = dict(timer.seconds)
+        step_s = seconds.pop("step") + seconds.get("eval", 0.0)  # an offline step's time includes its eval
+        row.update({f"timing/{phase}": value for phase, value in seconds.items()})
+        row.update({"timing/step": step_s, "tokens_per_s": num_tokens / max(step_s, 1e-9),
+                    "epoch": self.stream.episode})
+        return {k: v for k, v in row.items() if v is not None}  # an engine step that reports no lr / grad_norm
+
+    def history_row(self, step: int, row: dict[str, Any]) -> dict[str, Any]:
+        if self.rank == 0:
+            shown = {k: round(v, 4) for k, v in row.items()
+                     if isinstance(v, float) and not k.startswith("timing/") and k != "lr"}
+            log.info("step %d/%d %s", step, self.num_steps, shown)
+        return {"step": step, **row}
+
+    def save_checkpoint(self, step: int) -> None:
+        self.save()
 
     def train_step(self, batch: list, timer: PhaseTimer) -> tuple[dict[str, Any], int]:
         per_rank = len(batch) // self.dp_size
@@ -249,17 +241,6 @@ class SupervisedTrainer:
                 sums[key] += value
         self.engine.train()
         return self.summarize(all_reduce_sums(sums, self.dp_group), prefix="eval_")
-
-    def _log(self, step: int, row: dict[str, Any]) -> dict[str, Any]:
-        row = {k: v for k, v in row.items() if v is not None}
-        if self.metrics is not None and (is_logging_step(step, self.num_steps, self.cfg.logger.logging_steps)
-                                         or any(k.startswith("eval_") for k in row)):
-            self.metrics.log(step, row)
-        if self.rank == 0:
-            shown = {k: round(v, 4) for k, v in row.items()
-                     if isinstance(v, float) and not k.startswith("timing/") and k != "lr"}
-            log.info("step %d/%d %s", step, self.num_steps, shown)
-        return {"step": step, **row}
 
     # ------------------------------------------------------------------ checkpoint / export
     def save(self) -> None:

@@ -16,12 +16,10 @@ from hpc_rlhf.trainers.offline.base import SupervisedTrainer, ratio
 
 class DPOTrainer(SupervisedTrainer):
     kind = "dpo"
+    uses_reference = True
 
     def build_datasets(self):
         return build_preference_datasets(self.cfg.data, self.tokenizer, self.cfg.train.seed)
-
-    def setup_reference(self) -> None:
-        self.ref = self.frozen_reference()
 
     def global_counts(self, batch: list[PreferencePair]):
         return {"num_pairs": len(batch), "chosen_tokens": sum(p.chosen.num_targets for p in batch)}

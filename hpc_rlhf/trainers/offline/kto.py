@@ -19,12 +19,10 @@ from hpc_rlhf.world.groups import comm_device
 
 class KTOTrainer(SupervisedTrainer):
     kind = "kto"
+    uses_reference = True
 
     def build_datasets(self):
         return build_kto_datasets(self.cfg.data, self.tokenizer, self.cfg.train.seed)
-
-    def setup_reference(self) -> None:
-        self.ref = self.frozen_reference()
 
     def global_counts(self, batch: list[KTOSample]):
         return {"num_samples": len(batch)}

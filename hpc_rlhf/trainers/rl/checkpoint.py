@@ -18,6 +18,7 @@ from hpc_rlhf.ckpt import CheckpointManager, load_json, load_rank_rng, save_json
 from hpc_rlhf.ckpt.resume import agreed_checkpoint, warn_if_starting_over
 from hpc_rlhf.config import RunConfig
 from hpc_rlhf.resilience.fault_injection import fault_point
+from hpc_rlhf.training.deepspeed_engine import TrainEngine
 from hpc_rlhf.world.placement import TRAINED_ROLES
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,6 @@ def save(manager: CheckpointManager, step: int, roles: Any, world: Any, controll
     trajectories of an asynchronous run; pickled with ``torch.save``. ``rank_buffers`` (any rank):
     the same for state that lives on that rank (a rollout rank's in-flight partial rollouts).
     """
-    from hpc_rlhf.training.deepspeed_engine import TrainEngine
-
     with manager.saving(step) as tmp:
         for role in TRAINED_ROLES:
             if role not in world.roles:

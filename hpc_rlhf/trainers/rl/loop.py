@@ -28,6 +28,7 @@ from hpc_rlhf.rollout.base import SamplingParams
 from hpc_rlhf.models.loading import load_tokenizer
 from hpc_rlhf.models.micro_forward import SequenceParallel
 from hpc_rlhf.trainers.rl import checkpoint as rl_checkpoint
+from hpc_rlhf.trainers import run_skeleton
 from hpc_rlhf.trainers.rl import setup as rl_setup
 from hpc_rlhf.trainers.rl.batching import balanced_order, first_positions, forward_row_layout
 from hpc_rlhf.weight_sync.colocated import colocated_weight_sync
@@ -45,7 +46,6 @@ from hpc_rlhf.trainers.rl.controller_steps import (
 from hpc_rlhf.trainers.rl.evaluation import (
     eval_metrics,
     eval_sampling,
-    is_eval_step,
     load_eval_prompts,
     source_name,
 )
@@ -61,6 +61,7 @@ from hpc_rlhf.trainers.rl.rollout_dump import (
     write_rollouts,
 )
 from hpc_rlhf.trainers.rl.rollout_health import AgentFailureLimitError, RolloutHealth
+from hpc_rlhf.trainers.rl.run_hooks import RLRunHooks, rl_run_plan
 from hpc_rlhf.weight_sync.sharded import build_weight_sync
 from hpc_rlhf.trainers.rl.workers import (
     Batching,
@@ -71,11 +72,10 @@ from hpc_rlhf.trainers.rl.workers import (
 )
 from hpc_rlhf.resilience.stall_guard import StallGuard
 from hpc_rlhf.resilience.fault_injection import fault_point
-from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer, is_logging_step
+from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
 from hpc_rlhf.utils.seeding import seed_rank
 from hpc_rlhf.world.channel import gather_from_role, scatter_to_role
 from hpc_rlhf.world.groups import WorldGroups
-from hpc_rlhf.resilience.preemption import preemption_guard, requeue_if_enabled
 
 log = logging.getLogger(__name__)
 
@@ -123,73 +123,13 @@ class PPOTrainer:
     def fit(self) -> list[dict[str, Any]]:
         """Run the remaining steps; returns the metrics rows (rank 0). Stops early on SLURM's signals.
 
-        Every phase is bounded (``StallGuard``): a hang ends the job with status 124 and stack dumps in
+        The shared run skeleton (``hpc_rlhf.trainers.run_skeleton``) schedules the steps, evals, checkpoints and
+        the export, every phase bounded (``StallGuard``): a hang ends the job with status 124 and stack dumps in
         ``<output_dir>/hang/``; a collective that fails because a peer died names that peer before raising."""
-        guard = StallGuard.from_config(self.cfg.train, self.rank, dist.get_world_size()).start()
-        try:
-            history = self._fit(guard)
-            close_executor = getattr(self.roles.rollout.executor, "close", None) if self.roles.rollout else None
-            if close_executor is not None:  # e.g. the OpenAI-agent endpoint: stop serving when training ends
-                close_executor()
-            if not self.stopped_by_signal:
-                with guard.phase("checkpoint"):  # the HF export: a write as large as a save
-                    self.export()
-        except Exception as exc:
-            guard.explain_failure(exc)
-            raise
-        guard.stop()
-        if self.metrics:
-            self.metrics.close()
-        return history
-
-    def _fit(self, guard: StallGuard) -> list[dict[str, Any]]:
-        if self.cfg.ckpt.load:
-            with guard.phase("checkpoint"):
-                start = self.resume()
-        else:
-            start = 0
-        preemption = preemption_guard()
-        history = []
-        if start == 0 and self.cfg.eval.data and self.cfg.eval.at_start:
-            with guard.phase("eval"):
-                eval_row = self.evaluate(0)  # the initial weights: the baseline every later eval compares with
-            if self.metrics:
-                self.metrics.log(0, eval_row)
-        self.before_steps(start)
-        progress = rl_setup.progress_bar(self.num_steps, self.world.is_controller)
-        progress.update(start)
-        for step in range(start + 1, self.num_steps + 1):
-            timer = PhaseTimer()
-            with timer("step"):
-                row = self.step(step, timer)
-            eval_row = None
-            if self.cfg.eval.data and is_eval_step(step, self.num_steps, self.cfg.eval.steps):
-                with timer("eval"), guard.phase("eval"):
-                    eval_row = self.evaluate(step)
-            if self.world.is_controller:
-                row = {**row, **timer.metrics(), "kl_coef": self.data.kl_controller.value}
-                self.data.after_step(row)
-                if eval_row is not None:
-                    row.update(eval_row)
-                self.last_row = row
-                if eval_row is not None or is_logging_step(step, self.num_steps, self.cfg.logger.logging_steps):
-                    self.metrics.log(step, row)
-                history.append(row)
-                progress.set_postfix(reward=f"{row['reward']:.3f}", refresh=False)
-            progress.update(1)
-            self.stop_on_agent_failures()
-            guard.step_done(timer.seconds["step"])
-            stop = preemption.agreed_stop()
-            save_steps = self.cfg.ckpt.save_steps
-            if stop or (save_steps and (step % save_steps == 0 or step == self.num_steps)):
-                with guard.phase("checkpoint"):
-                    self.save_checkpoint(step)
-            if stop:
-                self.stopped_by_signal = True
-                self.requeued = requeue_if_enabled(self.cfg.slurm.requeue, self.rank)
-                break
-        progress.close()
-        return history
+        guard = StallGuard.from_config(self.cfg.train, self.rank, dist.get_world_size())
+        outcome = run_skeleton.run(RLRunHooks(self), rl_run_plan(self), guard)
+        self.stopped_by_signal, self.requeued = outcome.stopped_by_signal, outcome.requeued
+        return outcome.history
 
     def before_steps(self, start: int) -> None:
         """Hook before the first step (the asynchronous trainer fills its rollout queue here)."""
