@@ -60,6 +60,8 @@ def write_supervised_task_if_missing(task: str, path: str | Path, num_samples: i
 def prepare_supervised_assets(cfg) -> None:
     """Build the tiny model and write the synthetic train / eval files a CPU recipe asks for (once)."""
     if cfg.model.build_tiny:
+        # torch: here, not at the top, so that cli/startup (torch-free until the preemption guard is up) can
+        # import this module.
         from hpc_rlhf.models.tiny import build_tiny_model
 
         build_tiny_model(cfg.model.pretrain, seed=cfg.train.seed)
