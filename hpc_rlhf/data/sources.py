@@ -1,4 +1,5 @@
-"""Reading local data files into rows, and mixing several sources by probability.
+"""Reading local data files into rows, turning rows into examples (bad rows raised, or skipped and counted),
+and concatenating or mixing several sources by probability.
 
 Supported inputs (local only: this toolkit never reaches the Hugging Face hub):
 
