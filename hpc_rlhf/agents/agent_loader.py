@@ -38,6 +38,7 @@ from typing import Any
 from hpc_rlhf.agents.executor import AgentExecutor
 from hpc_rlhf.agents.function_agent import function_agent_class, is_function_style
 from hpc_rlhf.agents.multi_turn import MultiTurnAgentExecutor
+from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor, import_openai, is_workflow
 from hpc_rlhf.utils.user_code import UserCodeImportError, accepted_kwargs, import_user_file
 
 _IMPORT_HINT = ("write `from hpc_rlhf.agents.multi_turn import AgentInstanceBase, MultiTurnAgentExecutor` "
@@ -117,8 +118,6 @@ def _check_execute_override(cls: type, path: str) -> None:
 
 def _workflow_classes(module: Any) -> list[type]:
     """Classes defined in the agent file (not imported into it) with an ``async def arun_episode``."""
-    from hpc_rlhf.agents.openai_executor import is_workflow
-
     return [obj for obj in vars(module).values()
             if inspect.isclass(obj) and obj.__module__ == module.__name__ and is_workflow(obj)]
 
@@ -153,8 +152,6 @@ def _openai_agent(module: Any, path: str, agent_kwargs: dict[str, Any]) -> Any:
 def _openai_executor(agent: Any, path: str, tokenizer: Any, prompt_max_len: int, max_len: int | None,
                      num_concurrent: int, episode_timeout_s: float | None,
                      agent_kwargs: dict[str, Any]) -> AgentExecutor:
-    from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor, import_openai
-
     try:
         import_openai()
     except ImportError as err:

@@ -77,6 +77,7 @@ abandoned (never joined), and a hung call cannot keep the process alive when tra
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import dataclasses
 import hashlib
@@ -308,8 +309,6 @@ class MultiTurnAgentExecutor(AgentExecutor):
 
     async def _enter_execute(self, episode: _Episode, overrides: dict[int, asyncio.Future], stats: _RunStats) -> None:
         """Start the user's ``execute`` override for ``episode`` and wait until it calls ``super().execute``."""
-        import concurrent.futures
-
         episode.entered = asyncio.get_running_loop().create_future()
         episode.done_signal = concurrent.futures.Future()
 

@@ -191,7 +191,7 @@ class OpenAIEndpoint:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self, startup_timeout_s: float = 30.0) -> "OpenAIEndpoint":
-        import uvicorn
+        import uvicorn  # fastapi / uvicorn: the optional agents extra, imported only when an endpoint is served
 
         # Bound before the thread starts: the port is ours at once and no other process can take it.
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -323,10 +323,7 @@ class OpenAIEndpoint:
                      "bytes": list(self.tokenizer.decode([t]).encode()), "top_logprobs": []}
                     for t, lp in zip(ids, logprobs)]}
             choices.append(choice)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": body.get("model") or self.model_name, "choices": choices,
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                          "total_tokens": len(prompt_ids) * len(choices) + completion_tokens}}
+        return self._response(body, "chatcmpl", "chat.completion", len(prompt_ids), choices, completion_tokens)
 
     def _stopped(self, results: list, stop: list[str]) -> list[tuple[list[int], list[float], str, str]]:
         """Each result cut at its first stop string: (output ids, their logprobs, text, finish reason)."""
@@ -369,14 +366,19 @@ class OpenAIEndpoint:
                 choice["logprobs"] = {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None,
                                       "text_offset": offsets}
             choices.append(choice)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+        return self._response(body, "cmpl", "text_completion", len(prompt_ids), choices, completion_tokens)
+
+    def _response(self, body: dict, id_prefix: str, object_name: str, num_prompt_tokens: int, choices: list[dict],
+                  num_completion_tokens: int) -> dict:
+        """The response object around ``choices``; ``total_tokens`` counts the prompt once per choice."""
+        return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": object_name, "created": int(time.time()),
                 "model": body.get("model") or self.model_name, "choices": choices,
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                          "total_tokens": len(prompt_ids) * len(choices) + completion_tokens}}
+                "usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+                          "total_tokens": num_prompt_tokens * len(choices) + num_completion_tokens}}
 
 
 def _error(status: int, message: str, param: str | None = None) -> Any:
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse  # the optional agents extra (see start)
 
     kind = {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error")
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
@@ -385,7 +387,7 @@ def _error(status: int, message: str, param: str | None = None) -> Any:
 
 def create_app(endpoint: OpenAIEndpoint) -> Any:
     """The FastAPI app of ``endpoint``; errors use OpenAI's ``{"error": {...}}`` shape."""
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI, Request  # the optional agents extra (see start)
 
     app = FastAPI(title="hpc-rlhf rollout (OpenAI-compatible)")
 

@@ -32,7 +32,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _RNG_NAMES:
-        from hpc_rlhf.ckpt import rng
+        from hpc_rlhf.ckpt import rng  # torch: loaded on first use (see the module docstring)
 
         return getattr(rng, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch.distributed as dist
+
 from hpc_rlhf.ckpt.atomic import CheckpointManager
 
 log = logging.getLogger(__name__)
@@ -17,8 +19,6 @@ log = logging.getLogger(__name__)
 def agreed_checkpoint(manager: CheckpointManager) -> Path | None:
     """The newest checkpoint under ``manager.root`` that verifies (None: nothing to load); collective over the
     world. Rank 0's error (no checkpoint verifies) is raised on every rank, so no rank waits for the others."""
-    import torch.distributed as dist
-
     box: list[str | None] = [None, None]  # (path, error)
     if dist.get_rank() == 0:
         try:

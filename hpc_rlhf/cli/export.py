@@ -18,8 +18,20 @@ import logging
 import shutil
 from pathlib import Path
 
+import torch
+from transformers import AutoTokenizer
+
+from hpc_rlhf.ckpt import CheckpointManager, is_complete
+from hpc_rlhf.ckpt.atomic import parse_step_name
+from hpc_rlhf.config import load_config
+from hpc_rlhf.config.loader import RESOLVED_CONFIG_NAME
+from hpc_rlhf.models.loading import load_causal_lm, load_value_model
+from hpc_rlhf.models.lora import apply_lora, load_trainable_state, merged_named_tensors, save_adapter
+
 log = logging.getLogger(__name__)
-DS_TAG = "ds"  # hpc_rlhf.trainers.rl.checkpoint.DS_TAG, not imported to keep this module's imports light
+# The tag the RL trainer's checkpoints are saved under (hpc_rlhf.trainers.rl.checkpoint.DS_TAG); a copy, so that
+# exporting a checkpoint does not depend on the trainer package.
+DS_TAG = "ds"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,9 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_step_dir(ckpt: Path) -> Path:
     """``ckpt`` itself when it is a ``step_<N>`` directory, else the newest verified checkpoint under it."""
-    from hpc_rlhf.ckpt import CheckpointManager, is_complete
-    from hpc_rlhf.ckpt.atomic import parse_step_name
-
     if parse_step_name(ckpt.name) is not None:
         if not is_complete(ckpt):
             raise SystemExit(f"export: --ckpt {ckpt} is not a complete checkpoint (no COMPLETE manifest)")
@@ -49,8 +58,6 @@ def resolve_step_dir(ckpt: Path) -> Path:
 
 
 def find_config(step_dir: Path, given: str | None) -> Path:
-    from hpc_rlhf.config.loader import RESOLVED_CONFIG_NAME
-
     if given:
         return Path(given)
     # Default layout: <output_dir>/ckpt/step_<N>, with <output_dir>/config.resolved.yaml.
@@ -63,9 +70,7 @@ def find_config(step_dir: Path, given: str | None) -> Path:
 def trained_state(role_dir: Path, zero_stage: int, lora: bool) -> dict:
     """The role's trained tensors in a checkpoint: the module state (ZeRO 0-2 hold whole tensors), or for ZeRO-3
     the shards consolidated by DeepSpeed. LoRA checkpoints hold only the adapters."""
-    import torch
-
-    if zero_stage == 3:
+    if zero_stage == 3:  # deepspeed only here: a ZeRO 0-2 checkpoint exports without it
         from deepspeed.utils.zero_to_fp32 import (
             get_fp32_state_dict_from_zero_checkpoint,
         )
@@ -80,18 +85,6 @@ def trained_state(role_dir: Path, zero_stage: int, lora: bool) -> dict:
 
 
 def export(ckpt: str, output: str, config: str | None = None, role: str = "actor") -> Path:
-    import torch
-    from transformers import AutoTokenizer
-
-    from hpc_rlhf.config import load_config
-    from hpc_rlhf.models.loading import load_causal_lm, load_value_model
-    from hpc_rlhf.models.lora import (
-        apply_lora,
-        load_trainable_state,
-        merged_named_tensors,
-        save_adapter,
-    )
-
     step_dir = resolve_step_dir(Path(ckpt))
     cfg = load_config(find_config(step_dir, config))
     if cfg.ds.lora.load_in_4bit:

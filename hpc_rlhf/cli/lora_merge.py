@@ -21,6 +21,13 @@ import logging
 import os
 import sys
 
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from hpc_rlhf.models.loading import load_causal_lm, load_value_model
+from hpc_rlhf.models.lora import merged_named_tensors
+
 log = logging.getLogger(__name__)
 
 
@@ -47,8 +54,6 @@ def _adapter_config(adapter_dir: str) -> dict:
 
 
 def _save_tokenizer(candidates: list[str | None], output: str) -> None:
-    from transformers import AutoTokenizer
-
     for path in candidates:
         if path and os.path.isfile(os.path.join(path, "tokenizer_config.json")):
             AutoTokenizer.from_pretrained(path).save_pretrained(output)
@@ -58,11 +63,6 @@ def _save_tokenizer(candidates: list[str | None], output: str) -> None:
 
 def _merge_into_dequantised_base(base: str, adapter: str, dtype, value_model: bool):
     """The plain model holding ``dequantise(NF4(W)) + scale * B @ A``: what the QLoRA run trained and served."""
-    from peft import PeftModel
-
-    from hpc_rlhf.models.loading import load_causal_lm, load_value_model
-    from hpc_rlhf.models.lora import merged_named_tensors
-
     load = load_value_model if value_model else load_causal_lm
     trained = PeftModel.from_pretrained(load(base, dtype, load_in_4bit=True), adapter)
     model = load(base, dtype)
@@ -72,10 +72,6 @@ def _merge_into_dequantised_base(base: str, adapter: str, dtype, value_model: bo
 
 def merge(base: str | None, adapter: str, output: str, param_dtype: str = "fp32", tokenizer: str | None = None,
           load_in_4bit: bool = False) -> str:
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
     cfg = _adapter_config(adapter)
     base = base or cfg.get("base_model_name_or_path")
     if not base:

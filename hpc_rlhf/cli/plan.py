@@ -92,7 +92,7 @@ def _sized_tiny_model(section, rollout_backend: str = "transformers") -> Iterato
     if not (section.build_tiny and section.pretrain) or (Path(section.pretrain) / "config.json").is_file():
         yield
         return
-    from hpc_rlhf.models.tiny import build_tiny_model, tiny_sizes
+    from hpc_rlhf.models.tiny import build_tiny_model, tiny_sizes  # torch: plan runs on a login node without it
 
     original = section.pretrain
     with tempfile.TemporaryDirectory(prefix="hpc-rlhf-plan-") as tmp:

@@ -20,6 +20,14 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hpc_rlhf.models.tiny import build_tiny_model
+from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
+from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine
+from hpc_rlhf.utils.metrics import read_metrics
+
 ROOT = Path(__file__).resolve().parents[2]
 EXACT_REWARD = ROOT / "examples/reward_funcs/arithmetic.py"
 MAX_OPERAND = 19
@@ -61,12 +69,6 @@ def write_task(data_dir: Path, seed: int, num_sft: int, num_rl: int) -> dict[str
 
 def heldout_accuracy(model_dir: str | Path, pairs: list[tuple[int, int]]) -> float:
     """Greedy exact-match accuracy on ``a+b=`` prompts, with the same rollout engine RL uses."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
-    from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine
-
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     engine = TransformersRolloutEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -86,7 +88,7 @@ def torchrun(nproc: int, module: str, args: list[str]) -> None:
 
 
 def plot(metrics_path: Path, accuracies: dict[str, float], out: Path) -> None:
-    import matplotlib
+    import matplotlib  # slow to import; only the final plot needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -124,8 +126,6 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     started = time.time()
     run = (ROOT / args.output_dir).resolve()
-    from hpc_rlhf.models.tiny import build_tiny_model
-
     base = build_tiny_model(run / "base_model", seed=args.seed, **MODEL_SIZES)
     data = write_task(run / "data", args.seed, args.sft_samples, num_rl=4096)
     acc = {"base": heldout_accuracy(base, data["heldout"])}
@@ -144,8 +144,6 @@ def main(argv: list[str] | None = None) -> None:
         "rollout.rollout_batch_size=32", "train.train_batch_size=256", "train.micro_train_batch_size=128",
         "rollout.micro_rollout_batch_size=128", f"eval.data=[{data['heldout_prompts']}]", "eval.steps=100",
         "eval.at_start=true", "eval.temperature=0", "eval.n_samples_per_prompt=1"])
-    from hpc_rlhf.utils.metrics import read_metrics
-
     evals = [r for r in read_metrics(run / "grpo") if HELDOUT_METRIC in r]
     acc["after SFT"], acc["after GRPO"] = evals[0][HELDOUT_METRIC], evals[-1][HELDOUT_METRIC]
     write_jsonl(run / "accuracy.jsonl", [{"stage": k, "heldout_accuracy": v} for k, v in acc.items()])

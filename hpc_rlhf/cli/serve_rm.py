@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(translate_openrlhf_flags(sys.argv[1:] if argv is None else list(argv)))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
+    try:  # the serve extra (fastapi, uvicorn) is optional: --help and the flag checks work without it
         import uvicorn
 
         from hpc_rlhf.serving.rm_server import RewardScorer, RewardServerError, create_app

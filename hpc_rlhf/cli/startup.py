@@ -12,12 +12,22 @@ model, synthetic data), written once by rank 0 on the shared filesystem while th
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import logging
 import sys
 from collections.abc import Callable
 from typing import Any
 
+# Only torch-free imports at the top: `hpc-rlhf submit` imports this module on a login node, and an entry point
+# installs the preemption guard before the seconds of importing torch (a SLURM signal then is remembered, not
+# fatal). torch, the process groups and the tiny model load inside the functions that need them.
 from hpc_rlhf.config import ConfigError, RunConfig
+from hpc_rlhf.config.supervised import load_supervised_config
+from hpc_rlhf.data.synthetic import write_task_if_missing
+from hpc_rlhf.data.synthetic_preference import prepare_supervised_assets
+from hpc_rlhf.resilience.preemption import exit_if_stopped, preemption_guard
+from hpc_rlhf.utils.host_malloc import retain_freed_host_memory
 
 
 def parse_config_args(prog: str, argv: list[str] | None, load: Callable[[str | None, list[str]], Any]) -> Any:
@@ -36,37 +46,30 @@ def parse_config_args(prog: str, argv: list[str] | None, load: Callable[[str | N
 def prepare_local_assets(cfg: Any) -> None:
     """Build the tiny model / synthetic data a CPU recipe asks for (no-op for real recipes; idempotent)."""
     if not isinstance(cfg, RunConfig):
-        from hpc_rlhf.data.synthetic_preference import prepare_supervised_assets
-
         prepare_supervised_assets(cfg)
         return
     if cfg.actor.build_tiny and cfg.actor.pretrain:
-        from hpc_rlhf.models.tiny import build_tiny_model, tiny_sizes
+        from hpc_rlhf.models.tiny import build_tiny_model, tiny_sizes  # torch: see the note on the imports
 
         build_tiny_model(cfg.actor.pretrain, seed=cfg.train.seed, **tiny_sizes(cfg.rollout.backend))
     if cfg.data.synthetic_task and cfg.data.prompt_data:
-        from hpc_rlhf.data.synthetic import write_task_if_missing
-
         write_task_if_missing(cfg.data.synthetic_task, cfg.data.prompt_data[0], cfg.data.synthetic_num_samples,
                               cfg.train.seed)
 
 
 def start_run(prog: str, argv: list[str] | None, load: Callable[[str | None, list[str]], Any]):
     """Guard, config, world, logging, local assets (see the module docstring). Returns ``(cfg, LaunchEnv)``."""
+    preemption_guard()
+    # torch and the process groups load after the guard is installed (see the note on the imports).
+    import torch
     import torch.distributed as dist
 
     from hpc_rlhf.world.groups import init_world
-    from hpc_rlhf.resilience.preemption import preemption_guard
 
-    preemption_guard()
     cfg = parse_config_args(prog, argv, load)
     env = init_world(timeout_s=cfg.train.collective_timeout_s)
     logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING,
                         format=f"[rank{env.rank}] %(asctime)s %(name)s: %(message)s")
-    import torch
-
-    from hpc_rlhf.utils.host_malloc import retain_freed_host_memory
-
     retain_freed_host_memory(on_gpu=torch.cuda.is_available())
     if env.rank == 0:
         prepare_local_assets(cfg)
@@ -76,17 +79,10 @@ def start_run(prog: str, argv: list[str] | None, load: Callable[[str | None, lis
 
 def run_offline_trainer(kind: str, module: str, class_name: str, argv: list[str] | None = None) -> None:
     """Entry point body of ``train_sft`` / ``train_rm`` / ``train_dpo`` / ``train_kto``: start, fit, tear down."""
-    import functools
-    import importlib
-
-    import torch.distributed as dist
-
-    from hpc_rlhf.config.supervised import load_supervised_config
+    import torch.distributed as dist  # torch: see the note on the imports
 
     cfg, _ = start_run(f"train_{kind}", argv, functools.partial(load_supervised_config, kind))
     trainer_cls = getattr(importlib.import_module(module), class_name)
-    from hpc_rlhf.resilience.preemption import exit_if_stopped
-
     trainer = trainer_cls(cfg)
     trainer.fit()
     dist.destroy_process_group()

@@ -38,7 +38,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpc_rlhf.cli.plan import plan
+from hpc_rlhf.cli.startup import prepare_local_assets
 from hpc_rlhf.config import ConfigError, RunConfig, load_config
+from hpc_rlhf.config.supervised import load_supervised_config
 from hpc_rlhf.resilience.preemption import requeue_slurm_job
 
 log = logging.getLogger(__name__)
@@ -50,8 +53,6 @@ def load_entry_config(entry: str, path: str, overrides: list[str]):
     """The RL tree for ``train_ppo``, the offline trainers' tree for the others (both have ``slurm``)."""
     if entry == "train_ppo":
         return load_config(path, overrides)
-    from hpc_rlhf.config.supervised import load_supervised_config
-
     return load_supervised_config(entry.removeprefix("train_"), path, overrides)
 
 
@@ -207,15 +208,11 @@ def check_plan(sub: Submission, cfg, gpu_mem_gb: float) -> int:
 
     ``plan`` sizes RL recipes; for the offline trainers the config was validated when it was loaded.
     """
-    from hpc_rlhf.cli.plan import plan
-
     if not isinstance(cfg, RunConfig):
         print(f"plan: {sub.entry} config {sub.config} is valid (placement/memory planning covers RL recipes)")
         return 0
     with _working_dir(sub.chdir):
         if cfg.actor.build_tiny:  # a CPU recipe's tiny model must exist before plan can size it
-            from hpc_rlhf.cli.startup import prepare_local_assets
-
             prepare_local_assets(cfg)
         return plan(["--config", sub.config, "--nodes", str(sub.nodes), "--gpus-per-node", str(sub.tasks_per_node),
                      "--gpu-mem-gb", str(gpu_mem_gb), *sub.overrides])
@@ -283,7 +280,7 @@ def dry_run_text(sub: Submission, task: TrainingTask) -> str:
 
 
 def submit(sub: Submission):
-    import submitit
+    import submitit  # only a real submission needs it (not --dry-run, not the job side)
 
     executor = submitit.SlurmExecutor(folder=sub.folder)
     executor.update_parameters(**sub.executor_parameters())

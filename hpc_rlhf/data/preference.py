@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpc_rlhf.data.packing import TokenSample
-from hpc_rlhf.data.sft import Piece, TextFormatter, _text, load_examples
+from hpc_rlhf.data.sft import Piece, TextFormatter, _text, load_train_and_eval
 from hpc_rlhf.data.sources import row_error
 
 
@@ -103,28 +103,15 @@ def make_kto_sample(formatter: TextFormatter, data: Any):
     return make
 
 
-def _formatter(data: Any, tokenizer: Any) -> TextFormatter:
-    return TextFormatter(tokenizer, input_template=data.input_template, apply_chat_template=data.apply_chat_template,
-                         max_len=data.max_len)
-
-
 def build_preference_datasets(data: Any, tokenizer: Any,
                               seed: int) -> tuple[list[PreferencePair], list[PreferencePair]]:
-    make = make_pair(_formatter(data, tokenizer), data)
-    train = load_examples(data.train_data, make, probs=data.train_data_probs, max_samples=data.max_samples,
-                          seed=seed, skip_bad_rows=data.skip_bad_rows, what="preference train pairs")
-    evals = load_examples(data.eval_data, make, max_samples=data.max_eval_samples, seed=seed,
-                          skip_bad_rows=data.skip_bad_rows, what="preference eval pairs") if data.eval_data else []
-    return train, evals
+    return load_train_and_eval(data, make_pair(TextFormatter.from_config(data, tokenizer), data), seed,
+                               "preference {} pairs")
 
 
 def build_kto_datasets(data: Any, tokenizer: Any, seed: int) -> tuple[list[KTOSample], list[KTOSample]]:
-    make = make_kto_sample(_formatter(data, tokenizer), data)
-    train = load_examples(data.train_data, make, probs=data.train_data_probs, max_samples=data.max_samples,
-                          seed=seed, skip_bad_rows=data.skip_bad_rows, what="KTO train samples")
-    evals = load_examples(data.eval_data, make, max_samples=data.max_eval_samples, seed=seed,
-                          skip_bad_rows=data.skip_bad_rows, what="KTO eval samples") if data.eval_data else []
-    return train, evals
+    return load_train_and_eval(data, make_kto_sample(TextFormatter.from_config(data, tokenizer), data), seed,
+                               "KTO {} samples")
 
 
 def mismatched_samples(samples: list[KTOSample], max_len: int) -> list[TokenSample]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from hpc_rlhf.data.sources import DataError, make_row, mixture_plan, read_rows, row_error
+from hpc_rlhf.data.sources import DataError, SkippedRows, concatenate_or_mix, load_source, row_error
 
 logger = logging.getLogger(__name__)
 
@@ -132,16 +132,9 @@ class PromptDataset(Sequence[Prompt]):
         self.apply_chat_template = apply_chat_template
         self.tokenizer = tokenizer
         self.skip_bad_rows = skip_bad_rows
-        self.skipped_by_source: dict[str, int] = {path: 0 for path in self.paths}
-        self.skip_reasons: list[str] = []  # the first few, for the log
-
-        if probs is None:
-            self._prompts = self._concatenate(max_samples)
-        else:
-            per_source = [self._load_source(path) for path in self.paths]
-            total = max_samples if max_samples is not None else sum(len(p) for p in per_source)
-            plan = mixture_plan([len(p) for p in per_source], list(probs), total, seed)
-            self._prompts = [per_source[source][row] for source, row in plan]
+        self.skipped = SkippedRows(max_reasons=_MAX_REASONS_KEPT, by_source={path: 0 for path in self.paths})
+        self._prompts: list[Prompt] = concatenate_or_mix(self.paths, self._load_source, probs=probs,
+                                                         max_samples=max_samples, seed=seed)
 
         if self.num_skipped:
             logger.warning(
@@ -178,7 +171,16 @@ class PromptDataset(Sequence[Prompt]):
 
     @property
     def num_skipped(self) -> int:
-        return sum(self.skipped_by_source.values())
+        return self.skipped.total
+
+    @property
+    def skipped_by_source(self) -> dict[str, int]:
+        return self.skipped.by_source
+
+    @property
+    def skip_reasons(self) -> list[str]:
+        """The first few, for the log."""
+        return self.skipped.reasons
 
     def source_counts(self) -> dict[str, int]:
         """Prompts per source in this dataset (after mixing and ``max_samples``)."""
@@ -188,29 +190,9 @@ class PromptDataset(Sequence[Prompt]):
         return counts
 
     # -- loading --------------------------------------------------------------------------------
-    def _concatenate(self, max_samples: int | None) -> list[Prompt]:
-        prompts: list[Prompt] = []
-        for path in self.paths:
-            remaining = None if max_samples is None else max_samples - len(prompts)
-            if remaining == 0:
-                break
-            prompts.extend(self._load_source(path, limit=remaining))
-        return prompts
-
-    def _load_source(self, path: str, limit: int | None = None) -> list[Prompt]:
-        prompts: list[Prompt] = []
-        rows = read_rows(path)
-        for row_index in range(len(rows)):
-            if limit is not None and len(prompts) >= limit:
-                break
-            try:
-                prompts.append(make_row(self._make_prompt, rows, path, row_index))
-            except DataError as err:
-                if not self.skip_bad_rows:
-                    raise
-                self.skipped_by_source[path] += 1
-                if len(self.skip_reasons) < _MAX_REASONS_KEPT:
-                    self.skip_reasons.append(str(err))
+    def _load_source(self, path: str, limit: int | None) -> list[Prompt]:
+        prompts, _ = load_source(path, self._make_prompt, limit=limit, skip_bad_rows=self.skip_bad_rows,
+                                 skipped=self.skipped)  # _make_prompt never returns None: nothing is dropped
         return prompts
 
     def _make_prompt(self, row: Any, path: str, row_index: int) -> Prompt:

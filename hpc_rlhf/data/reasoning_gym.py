@@ -14,6 +14,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import torch
+
 INSTALL_HINT = "pip install 'hpc-rlhf[tasks]' (or pip install reasoning-gym)"
 
 
@@ -55,8 +57,6 @@ def reasoning_gym_reward(queries: list[str], prompts: list[str], labels: list[An
 
     ``labels``: the ``{"task", "size", "seed", "index"}`` dicts written by :func:`write_prompt_file`.
     """
-    import torch
-
     if responses is None:
         responses = [q.removeprefix(p) for q, p in zip(queries, prompts, strict=True)]
     scores = []

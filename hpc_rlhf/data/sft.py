@@ -23,7 +23,7 @@ from typing import Any
 
 from hpc_rlhf.data.packing import TokenSample
 from hpc_rlhf.data.prompts import _check_messages, _check_template, _special_prefix
-from hpc_rlhf.data.sources import DataError, make_row, mixture_plan, read_rows, row_error
+from hpc_rlhf.data.sources import DataError, SkippedRows, concatenate_or_mix, load_source, row_error
 
 log = logging.getLogger(__name__)
 
@@ -38,57 +38,29 @@ def load_examples(paths: Sequence[str], make: Callable[[Any, str, int], Any], *,
     ``make`` raises ``DataError`` for a bad row (skipped and counted with ``skip_bad_rows``) and may
     return None to drop a row silently (e.g. nothing left to train on after truncation).
     Without ``probs`` the sources are concatenated (the first ``max_samples``); with ``probs`` they are
-    mixed exactly in proportion (``sources.mixture_plan``), ``max_samples`` being the mixture's size.
+    mixed exactly in proportion, ``max_samples`` being the mixture's size (``sources.concatenate_or_mix``).
     """
     if isinstance(paths, str):
         paths = [paths]
     if not paths:
         raise DataError(f"no data files given for the {what}")
-    skipped: dict[str, int] = {}
-    reasons: list[str] = []
+    skipped = SkippedRows(max_reasons=3)
     dropped = 0
 
-    def load(path: str, limit: int | None = None) -> list[Any]:
+    def load(path: str, limit: int | None) -> list[Any]:
         nonlocal dropped
-        out: list[Any] = []
-        rows = read_rows(path)
-        for index in range(len(rows)):
-            if limit is not None and len(out) >= limit:
-                break
-            try:
-                example = make_row(make, rows, path, index)
-            except DataError as err:
-                if not skip_bad_rows:
-                    raise
-                skipped[path] = skipped.get(path, 0) + 1
-                if len(reasons) < 3:
-                    reasons.append(str(err))
-                continue
-            if example is None:
-                dropped += 1
-            else:
-                out.append(example)
-        return out
+        examples, num_dropped = load_source(path, make, limit=limit, skip_bad_rows=skip_bad_rows, skipped=skipped)
+        dropped += num_dropped
+        return examples
 
-    if probs is None:
-        examples: list[Any] = []
-        for path in paths:
-            remaining = None if max_samples is None else max_samples - len(examples)
-            if remaining == 0:
-                break
-            examples.extend(load(path, remaining))
-    else:
-        per_source = [load(path) for path in paths]
-        total = max_samples if max_samples is not None else sum(map(len, per_source))
-        plan = mixture_plan([len(p) for p in per_source], list(probs), total, seed)
-        examples = [per_source[source][row] for source, row in plan]
-    if skipped:
-        log.warning("skipped %d bad rows of the %s (%s); first reasons: %s", sum(skipped.values()), what,
-                    ", ".join(f"{p}: {n}" for p, n in skipped.items()), " | ".join(reasons))
+    examples = concatenate_or_mix(paths, load, probs=probs, max_samples=max_samples, seed=seed)
+    if skipped.total:
+        log.warning("skipped %d bad rows of the %s (%s); first reasons: %s", skipped.total, what,
+                    ", ".join(f"{p}: {n}" for p, n in skipped.by_source.items()), " | ".join(skipped.reasons))
     if dropped:
         log.warning("dropped %d %s with no trainable token left after truncation to data.max_len", dropped, what)
     if not examples:
-        raise DataError(f"no usable {what} in {list(paths)} (skipped {sum(skipped.values())} bad rows, "
+        raise DataError(f"no usable {what} in {list(paths)} (skipped {skipped.total} bad rows, "
                         f"dropped {dropped} too long)")
     return examples
 
@@ -108,6 +80,12 @@ class TextFormatter:
         self.apply_chat_template = apply_chat_template
         self.max_len = max_len
         self.prefix = _special_prefix(tokenizer)
+
+    @classmethod
+    def from_config(cls, data: Any, tokenizer: Any) -> TextFormatter:
+        """From the offline trainers' ``data`` section."""
+        return cls(tokenizer, input_template=data.input_template, apply_chat_template=data.apply_chat_template,
+                   max_len=data.max_len)
 
     # -- text -----------------------------------------------------------------------------------
     def render(self, messages: list[dict], add_generation_prompt: bool, path: str, row: int, key: str) -> str:
@@ -225,13 +203,18 @@ def make_sft_example(formatter: TextFormatter, data: Any) -> Callable[[Any, str,
     return make
 
 
+def load_train_and_eval(data: Any, make: Callable[[Any, str, int], Any], seed: int,
+                        what: str) -> tuple[list[Any], list[Any]]:
+    """(train, eval) examples of the ``data`` section's files; eval is [] without ``data.eval_data``.
+    ``what`` names the examples in errors and logs: ``"SFT {} samples"`` -> "SFT train samples"."""
+    train = load_examples(data.train_data, make, probs=data.train_data_probs, max_samples=data.max_samples,
+                          seed=seed, skip_bad_rows=data.skip_bad_rows, what=what.format("train"))
+    evals = load_examples(data.eval_data, make, max_samples=data.max_eval_samples, seed=seed,
+                          skip_bad_rows=data.skip_bad_rows, what=what.format("eval")) if data.eval_data else []
+    return train, evals
+
+
 def build_sft_datasets(data: Any, tokenizer: Any, seed: int) -> tuple[list[TokenSample], list[TokenSample]]:
     """(train, eval) token samples from the ``data`` section; eval is [] without ``data.eval_data``."""
-    formatter = TextFormatter(tokenizer, input_template=data.input_template,
-                              apply_chat_template=data.apply_chat_template, max_len=data.max_len)
-    make = make_sft_example(formatter, data)
-    train = load_examples(data.train_data, make, probs=data.train_data_probs, max_samples=data.max_samples,
-                          seed=seed, skip_bad_rows=data.skip_bad_rows, what="SFT train samples")
-    evals = load_examples(data.eval_data, make, max_samples=data.max_eval_samples, seed=seed,
-                          skip_bad_rows=data.skip_bad_rows, what="SFT eval samples") if data.eval_data else []
-    return train, evals
+    return load_train_and_eval(data, make_sft_example(TextFormatter.from_config(data, tokenizer), data), seed,
+                               "SFT {} samples")

@@ -1,4 +1,5 @@
-"""Reading local data files into rows, and mixing several sources by probability.
+"""Reading local data files into rows, turning rows into examples (bad rows raised, or skipped and counted),
+and concatenating or mixing several sources by probability.
 
 Supported inputs (local only: this toolkit never reaches the Hugging Face hub):
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -153,6 +156,70 @@ def read_rows(path: str) -> list[Any]:
     if lower.endswith(".parquet"):
         return _read_parquet(path)
     raise DataError(f"{path}: unsupported format; use {SUPPORTED_FORMATS}", path=path)
+
+
+@dataclass
+class SkippedRows:
+    """The bad rows a loader skipped with ``skip_bad_rows``: how many per source, and the first few reasons."""
+
+    max_reasons: int
+    by_source: dict[str, int] = field(default_factory=dict)
+    reasons: list[str] = field(default_factory=list)
+
+    def add(self, path: str, err: DataError) -> None:
+        self.by_source[path] = self.by_source.get(path, 0) + 1
+        if len(self.reasons) < self.max_reasons:
+            self.reasons.append(str(err))
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_source.values())
+
+
+def load_source(path: str, make: Callable[[Any, str, int], Any], *, limit: int | None = None,
+                skip_bad_rows: bool = False, skipped: SkippedRows) -> tuple[list[Any], int]:
+    """``make(row, path, row_index)`` over one source's rows in file order, until ``limit`` examples.
+
+    A row ``make`` raises ``DataError`` for fails the load, or with ``skip_bad_rows`` is left out and recorded
+    in ``skipped``; a row it returns None for is dropped. Returns ``(examples, num_dropped)``.
+    """
+    examples: list[Any] = []
+    num_dropped = 0
+    rows = read_rows(path)
+    for row_index in range(len(rows)):
+        if limit is not None and len(examples) >= limit:
+            break
+        try:
+            example = make_row(make, rows, path, row_index)
+        except DataError as err:
+            if not skip_bad_rows:
+                raise
+            skipped.add(path, err)
+            continue
+        if example is None:
+            num_dropped += 1
+        else:
+            examples.append(example)
+    return examples, num_dropped
+
+
+def concatenate_or_mix(paths: Sequence[str], load: Callable[[str, int | None], list[Any]], *,
+                       probs: Sequence[float] | None, max_samples: int | None, seed: int) -> list[Any]:
+    """Examples of several sources, ``load(path, limit)`` reading one. Without ``probs`` the sources are
+    concatenated, the first ``max_samples`` kept (a source past it is not read); with ``probs`` every source is
+    read whole and mixed exactly in proportion (``mixture_plan``), ``max_samples`` being the mixture's size."""
+    if probs is None:
+        examples: list[Any] = []
+        for path in paths:
+            remaining = None if max_samples is None else max_samples - len(examples)
+            if remaining == 0:
+                break
+            examples.extend(load(path, remaining))
+        return examples
+    per_source = [load(path, None) for path in paths]
+    total = max_samples if max_samples is not None else sum(len(p) for p in per_source)
+    plan = mixture_plan([len(p) for p in per_source], list(probs), total, seed)
+    return [per_source[source][row] for source, row in plan]
 
 
 def proportional_counts(total: int, probs: list[float]) -> list[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 from filelock import FileLock
@@ -19,16 +20,27 @@ def arithmetic_rows(num_samples: int, seed: int, max_operand: int = 9) -> list[d
     return rows
 
 
-def write_task_if_missing(task: str, path: str | Path, num_samples: int, seed: int) -> Path:
-    """Create the jsonl once (atomic rename; safe when several ranks call at the same time)."""
+def write_jsonl_if_missing(path: str | Path, make_rows: Callable[[], list[dict]]) -> Path:
+    """Write ``make_rows()`` to ``path`` as JSON lines unless the file exists (atomic rename under a file lock:
+    safe when several ranks call at the same time; one of them writes)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
         if path.exists():
             return path
-        if task != "arithmetic":
-            raise ValueError(f"unknown data.synthetic_task {task!r}; known: arithmetic")
+        rows = make_rows()
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_rows(num_samples, seed)))
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.replace(path)
     return path
+
+
+def write_task_if_missing(task: str, path: str | Path, num_samples: int, seed: int) -> Path:
+    """Create the jsonl once (see :func:`write_jsonl_if_missing`)."""
+
+    def make_rows() -> list[dict[str, str]]:
+        if task != "arithmetic":
+            raise ValueError(f"unknown data.synthetic_task {task!r}; known: arithmetic")
+        return arithmetic_rows(num_samples, seed)
+
+    return write_jsonl_if_missing(path, make_rows)

@@ -7,11 +7,10 @@ Written once per path with an atomic rename under a file lock (safe when every r
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
-from filelock import FileLock
+from hpc_rlhf.data.synthetic import write_jsonl_if_missing
 
 TASKS = ("sft_arithmetic", "preference_arithmetic", "kto_arithmetic")
 
@@ -45,21 +44,14 @@ def task_rows(task: str, num_samples: int, seed: int, max_operand: int = 9) -> l
 
 def write_supervised_task_if_missing(task: str, path: str | Path, num_samples: int, seed: int,
                                      max_operand: int = 9) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
-        if path.exists():
-            return path
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        rows = task_rows(task, num_samples, seed, max_operand)
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(path)
-    return path
+    return write_jsonl_if_missing(path, lambda: task_rows(task, num_samples, seed, max_operand))
 
 
 def prepare_supervised_assets(cfg) -> None:
     """Build the tiny model and write the synthetic train / eval files a CPU recipe asks for (once)."""
     if cfg.model.build_tiny:
+        # torch: here, not at the top, so that cli/startup (torch-free until the preemption guard is up) can
+        # import this module.
         from hpc_rlhf.models.tiny import build_tiny_model
 
         build_tiny_model(cfg.model.pretrain, seed=cfg.train.seed)

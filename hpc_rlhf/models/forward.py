@@ -1,4 +1,5 @@
-"""Every model forward of the trainers, in one place: log-probs, values and scores, padded or packed.
+"""The padded and packed forwards of one model: log-probs, values and scores (the map of all forwards is in
+``hpc_rlhf.models``).
 
 Two batch layouts reach a model:
 
@@ -10,7 +11,9 @@ Two batch layouts reach a model:
   :func:`policy_logprobs` and :func:`critic_values` (optionally repacked into one row of real tokens,
   :func:`pack_actions`) and :func:`sequence_scores` for reward models.
 
-Sequence-parallel forwards (ring attention) are in ``hpc_rlhf.models.sequence_parallel``; one RL
+The policy log-probs run the LM head in vocabulary chunks (``hpc_rlhf.models.chunked_logprobs``) and, for
+a padded batch with repeated prompts, each prompt once (``hpc_rlhf.models.shared_prefix``) where the model
+allows. Sequence-parallel forwards (ring attention) are in ``hpc_rlhf.models.sequence_parallel``; one RL
 micro-batch's forwards under any of these layouts are in ``hpc_rlhf.models.micro_forward``.
 """
 

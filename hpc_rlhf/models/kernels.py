@@ -124,7 +124,7 @@ def apply_liger_kernel(model: torch.nn.Module) -> bool:
     """
     reason = liger_unavailable_reason()
     if reason is None:
-        from liger_kernel.transformers import monkey_patch
+        from liger_kernel.transformers import monkey_patch  # optional GPU extra, present when reason is None
 
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type not in getattr(monkey_patch, "MODEL_TYPE_TO_APPLY_LIGER_FN", {}):

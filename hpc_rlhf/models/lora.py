@@ -25,9 +25,13 @@ import re
 from collections.abc import Iterable, Iterator
 
 import torch
+from safetensors.torch import save_file
 
 from hpc_rlhf.config.schema import LoraConfig as LoraSettings
 from hpc_rlhf.models.quantization import dequantized, plain_copy
+
+# peft is imported inside the functions: importing it takes seconds (and pulls in bitsandbytes where installed),
+# and only runs with ds.lora.rank > 0 need it.
 
 VALUE_HEAD = "score"
 PEFT_PREFIX = "base_model.model."
@@ -181,7 +185,6 @@ def _is_peft_model(model: torch.nn.Module) -> bool:
 def save_adapter(model: torch.nn.Module, output_dir: str, adapter_name: str = "default") -> None:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` in peft's own layout."""
     from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import save_file
 
     if _is_peft_model(model):
         model.save_pretrained(output_dir, selected_adapters=[adapter_name], save_embedding_layers=False)

@@ -15,10 +15,12 @@ bitsandbytes runs 4-bit layers on CPU too (its torch backend; verified with 0.50
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from typing import Any
 
 import torch
+from transformers import BitsAndBytesConfig
 
 QUANTIZED_WEIGHT_TYPES = ("Params4bit",)
 
@@ -38,8 +40,6 @@ def bnb_4bit_load_kwargs(compute_dtype: torch.dtype, on_gpu: bool) -> dict[str, 
     model by DeepSpeed then finds it already there.
     """
     check_4bit_available()
-    from transformers import BitsAndBytesConfig
-
     kwargs: dict[str, Any] = {"quantization_config": BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=compute_dtype)}
@@ -72,7 +72,7 @@ def dequantized(tensor: torch.Tensor) -> torch.Tensor:
     tensor, anything else as it is (no copy)."""
     if not is_quantized(tensor):
         return tensor.detach()
-    from peft.utils.integrations import dequantize_bnb_weight
+    from peft.utils.integrations import dequantize_bnb_weight  # peft: only QLoRA runs reach here (see models/lora)
 
     if getattr(tensor.quant_state, "packing_format_for_cpu", False):
         raise RuntimeError("a 4-bit weight was repacked for bitsandbytes' CPU inference kernel and cannot be "
@@ -88,8 +88,6 @@ def plain_copy(tensor: torch.Tensor) -> torch.Tensor:
 def plain_config(config: Any) -> Any:
     """A copy of a HF ``PretrainedConfig`` without ``quantization_config``: what a folder of dequantised
     (plain) weights must say, or ``from_pretrained`` would try to load it as a bitsandbytes checkpoint."""
-    import copy
-
     config = copy.deepcopy(config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config

@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from types import ModuleType
 
+from packaging.version import Version
+
 MISSING_NAME = "is_flash_attn_greater_or_equal_2_10"
 UTILS_MODULE = "transformers.modeling_flash_attention_utils"
 INSTALL_HINT = ("ring-flash-attn (pip install ring-flash-attn) and flash-attn (docs/gpu.md, section Install) "
@@ -43,8 +45,6 @@ class RingFlashAttnStatus:
 
 def _flash_attn_at_least_2_1() -> bool:
     """transformers 4's ``is_flash_attn_greater_or_equal_2_10()``: flash-attn >= 2.1.0 (bottom-right causal mask)."""
-    from packaging.version import Version
-
     try:
         return Version(importlib.metadata.version("flash-attn")) >= Version("2.1.0")
     except importlib.metadata.PackageNotFoundError:

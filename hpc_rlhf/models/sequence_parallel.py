@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from transformers import AttentionInterface
 
 from hpc_rlhf.models.logprobs import logprobs_from_logits
 from hpc_rlhf.models.ring_attention import ring_attention
@@ -265,8 +266,6 @@ def register_attention_functions() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
-    from transformers import AttentionInterface
-
     AttentionInterface.register(RING, ring_attention_forward)
     AttentionInterface.register(RING_FLASH, ring_flash_attention_forward)
     _REGISTERED = True

@@ -14,7 +14,13 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 CHARS = string.digits + string.ascii_letters + " +-*/=?.,:;!()'\"\n"
@@ -82,8 +88,6 @@ def build_tiny_model(path: str | Path, seed: int = 0, max_position_embeddings: i
 def build_tiny_reward_model(path: str | Path, seed: int = 1) -> Path:
     """Create (once) a tiny reward model at ``path``: the tiny Llama with a one-label ``score`` head, drawn with
     std 1 so different texts get clearly different scores (the server tests and the load test compare them)."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
     path = Path(path)
     with FileLock(str(path) + ".lock"):
         if (path / "config.json").is_file():

@@ -12,6 +12,8 @@ import logging
 import math
 from pathlib import Path
 
+from safetensors import safe_open
+
 log = logging.getLogger(__name__)
 
 NORMALIZE_KEYS = ("reward_mean", "reward_std")
@@ -26,8 +28,6 @@ def checkpoint_tensor_names(model_path: str | Path) -> set[str] | None:
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
         return None
-    from safetensors import safe_open
-
     names: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt") as handle:

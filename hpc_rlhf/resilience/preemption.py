@@ -42,6 +42,7 @@ class PreemptionGuard:
 
     def agreed_stop(self) -> bool:
         """Collective over the world: True on every rank if any rank was signalled."""
+        # Here, not at the top: this module stays torch-free (see the module docstring).
         import torch
         import torch.distributed as dist
 

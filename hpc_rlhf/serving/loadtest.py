@@ -37,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from hpc_rlhf.models.tiny import build_tiny_reward_model
 from hpc_rlhf.serving.guards import API_KEY_ENV
 from hpc_rlhf.world.launch_env import free_port
 
@@ -200,8 +201,6 @@ def main(argv: list[str] | None = None) -> None:
     proc = None
     with tempfile.TemporaryDirectory(prefix="rm_loadtest_") as tmp:
         if args.tiny:
-            from hpc_rlhf.models.tiny import build_tiny_reward_model
-
             port = free_port()
             proc = start_server(build_tiny_reward_model(Path(tmp) / "rm"), port, args.server_args.split(),
                                 api_key=api_key)

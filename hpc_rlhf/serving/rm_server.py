@@ -46,7 +46,11 @@ from typing import Any
 import torch
 from fastapi import FastAPI, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, ValidationError
+from transformers import AutoTokenizer
 
+from hpc_rlhf.models.forward import sequence_scores
+from hpc_rlhf.models.loading import load_value_model, resolve_attn_implementation
+from hpc_rlhf.models.precision import resolve_dtype
 from hpc_rlhf.models.value_head import ValueHeadError, read_reward_normalization
 from hpc_rlhf.serving.guards import (
     DEFAULT_MAX_PENDING,
@@ -76,11 +80,6 @@ class RewardScorer:
     def __init__(self, model_path: str | Path, max_len: int = 2048, device: str | torch.device | None = None,
                  normalize: bool = False, batch_size: int = 16, value_head_prefix: str = "score",
                  param_dtype: str = "auto", attn_implementation: str = "auto"):
-        from transformers import AutoTokenizer
-
-        from hpc_rlhf.models.loading import load_value_model, resolve_attn_implementation
-        from hpc_rlhf.models.precision import resolve_dtype
-
         self.model_path = Path(model_path).expanduser().resolve()
         if not (self.model_path / "config.json").is_file():
             raise RewardServerError(f"--reward_pretrain {self.model_path} is not a model folder (no config.json)")
@@ -137,8 +136,6 @@ class RewardScorer:
     @torch.inference_mode()
     def score_ids(self, ids: Sequence[Sequence[int]]) -> list[float]:
         """(Normalised) score per token-id list, in order; forwards of <= ``batch_size`` rows."""
-        from hpc_rlhf.models.forward import sequence_scores
-
         scores = [0.0] * len(ids)
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths share a forward
         with self._lock:
@@ -436,7 +433,7 @@ class BackgroundServer:
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
                  startup_timeout_s: float = 30.0, graceful_timeout_s: float = 10.0):
-        import uvicorn
+        import uvicorn  # the serve extra, like fastapi; imported where the server starts
 
         self.host = host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

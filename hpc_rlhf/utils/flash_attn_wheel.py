@@ -12,6 +12,8 @@ import argparse
 import platform
 import sys
 
+import torch
+
 RELEASES = "https://github.com/Dao-AILab/flash-attention/releases/download"
 
 
@@ -28,8 +30,6 @@ def wheel_name(flash_attn_version: str, torch_version: str, torch_cuda: str, cxx
 
 def wheel_url(flash_attn_version: str) -> str:
     """The release asset address for the installed torch (which must be a CUDA build)."""
-    import torch
-
     if torch.version.cuda is None:
         raise SystemExit(f"torch {torch.__version__} is not a CUDA build: no flash-attn wheel applies")
     name = wheel_name(flash_attn_version, torch.__version__, torch.version.cuda,

@@ -67,13 +67,13 @@ class MetricsLogger:
         self._file = self.path.open("a")
         self._tb = None
         if cfg.use_tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # slow to import; only with use_tensorboard
 
             self._tb = SummaryWriter(str(self.dir / "tensorboard"))
         self._wandb = None
         if cfg.use_wandb:
             try:
-                import wandb
+                import wandb  # optional, and slow to import
             except ImportError as err:
                 raise ImportError("logger.use_wandb=true needs `pip install wandb`") from err
             self._wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=run_config,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from hpc_rlhf.world.launch_env import LaunchEnv, detect_launch_env
 from hpc_rlhf.world.placement import Placement, RoleGrid
@@ -74,8 +75,6 @@ def set_collective_timeouts(timeout_s: float) -> bool:
     step's limit while start-up and checkpoint loads keep a long one (``hpc_rlhf.resilience.stall_guard``).
     Returns False, changing nothing, where torch lacks it; the watchdog still bounds every phase then.
     """
-    from torch.distributed import distributed_c10d as c10d
-
     setter, registry = getattr(c10d, "_set_pg_timeout", None), getattr(c10d, "_world", None)
     if setter is None or registry is None or not dist.is_initialized():
         return False

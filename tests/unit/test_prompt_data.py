@@ -7,7 +7,7 @@ import pytest
 
 from hpc_rlhf.config.schema import DataConfig
 from hpc_rlhf.data.prompts import Prompt, PromptDataset, PromptStream, tokenize_prompts
-from hpc_rlhf.data.sources import DataError, mixture_plan, proportional_counts
+from hpc_rlhf.data.sources import DataError, SkippedRows, load_source, mixture_plan, proportional_counts
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
@@ -153,6 +153,22 @@ def test_without_probs_max_samples_takes_the_first_rows_in_order(tmp_path):
     ds = PromptDataset([a, b], max_samples=5)
     assert [p.text for p in ds] == ["a0", "a1", "a2", "b0", "b1"]
     assert [p.text for p in PromptDataset([a, b], max_samples=2)] == ["a0", "a1"]
+
+
+def test_load_source_drops_none_rows_and_keeps_the_first_skip_reasons(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [{"x": 1}, {"x": None}, {"y": 1}, {"y": 2}, {"x": 2}, {"x": 3}])
+
+    def make(row, path, index):
+        if "x" not in row:
+            raise DataError(f"row {index + 1}: no x")
+        return row["x"]
+
+    skipped = SkippedRows(max_reasons=1)
+    examples, num_dropped = load_source(path, make, limit=2, skip_bad_rows=True, skipped=skipped)
+    assert examples == [1, 2] and num_dropped == 1  # stops at the limit: row 6 is not read
+    assert skipped.by_source == {path: 2} and skipped.total == 2 and skipped.reasons == ["row 3: no x"]
+    with pytest.raises(DataError, match="row 3: no x"):
+        load_source(path, make, skip_bad_rows=False, skipped=SkippedRows(max_reasons=1))
 
 
 def test_from_config_uses_every_data_key(tmp_path):
