@@ -9,7 +9,7 @@ The trainer
 1. counts the global normaliser of each mini-batch once, before the first
    micro-batch, over the rows of every dp shard (``count_tokens_and_seqs``; the RL
    controller does it on the whole batch before sharding it:
-   ``hpc_rlhf.trainers.rl.controller_steps.minibatch_counts``);
+   ``hpc_rlhf.trainers.rl.row_layout.minibatch_counts``);
 2. for every micro-batch, calls ``aggregate_loss(..., global_num_tokens or
    global_num_seqs, dp_size)`` and back-propagates the result *unscaled*;
 3. lets the engine average gradients over the dp ranks (DeepSpeed's all-reduce).

@@ -6,7 +6,7 @@ Two batch layouts reach a model:
 * the offline trainers' micro-batches (:func:`hpc_rlhf.data.packing.collate`: one sample per row, or
   several samples packed per row with restarting ``position_ids``), through :func:`model_inputs`,
   :func:`causal_lm_forward` and :func:`value_model_forward`;
-* the RL batch (``hpc_rlhf.trainers.rl.experience``): left-padded prompts and right-padded responses,
+* the RL batch (``hpc_rlhf.trainers.rl.step_batch``): left-padded prompts and right-padded responses,
   ``(B, P+R)``, whose R response (action) columns hold the same positions in every row, through
   :func:`policy_logprobs` and :func:`critic_values` (optionally repacked into one row of real tokens,
   :func:`pack_actions`) and :func:`sequence_scores` for reward models.

@@ -59,7 +59,7 @@ class Probes:
             torch.cuda.synchronize()
             self.train_seconds += time.perf_counter() - start
             if batch is not None:  # one rank: the controller holds the whole batch
-                self.train_tokens += int(batch["attention_mask"].sum()) * trainer.cfg.train.max_epochs
+                self.train_tokens += int(batch.attention_mask.sum()) * trainer.cfg.train.max_epochs
             return out
 
         engine.generate, actor.step, trainer.train = probed_generate, probed_step, probed_train

@@ -22,7 +22,8 @@ def _agent_step(rank, world_size, overrides):
     trainer = run_trainer(rank, world_size, overrides)
     prompts = trainer.data.next_prompts() if rank == 0 else None
     trajectories = trainer.score(trainer.generate(prompts, step=1))
-    batch = trainer.make_experience(trajectories)
+    trains, batch = trainer.make_experience(trajectories)
+    assert trains
     trainer.train(batch)
     if rank != 0:
         return None
@@ -30,8 +31,8 @@ def _agent_step(rank, world_size, overrides):
     return {
         "trajectories": [(t.response_ids, t.action_mask, t.rollout_logprobs, t.extra_logs.get("num_turns"))
                          for t in trajectories],
-        "batch_action_mask": batch["action_mask"], "feedback_ids": feedback_ids,
-        "advantages": batch["advantages"],
+        "batch_action_mask": batch.action_mask, "feedback_ids": feedback_ids,
+        "advantages": batch.advantages,
     }
 
 

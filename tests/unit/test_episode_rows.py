@@ -13,15 +13,14 @@ from hpc_rlhf.algos import (
     expand_to_rows,
 )
 from hpc_rlhf.config import load_config
-from hpc_rlhf.trainers.rl.batching import balanced_order, episode_minibatch_layout
-from hpc_rlhf.trainers.rl.controller_steps import (
+from hpc_rlhf.trainers.rl.controller_steps import kept_by_dynamic_filtering, rollout_metrics, select_samples
+from hpc_rlhf.trainers.rl.row_layout import (
+    balanced_order,
     episode_layout,
-    kept_by_dynamic_filtering,
+    episode_minibatch_layout,
     minibatch_counts,
-    rollout_metrics,
-    select_samples,
 )
-from hpc_rlhf.trainers.rl.experience import split_rows, take_rows
+from hpc_rlhf.trainers.rl.step_batch import StepBatch
 
 # 2 prompts x 3 episodes; the episodes branched into 1, 3, 2 and 2, 1, 1 rows.
 ROWS_PER_EPISODE = [1, 3, 2, 2, 1, 1]
@@ -118,17 +117,18 @@ def test_layout_keeps_whole_episodes_per_minibatch_and_pads_with_their_own_rows(
 def test_episode_layout_masks_padding_so_the_loss_counts_see_real_rows_only():
     index = _episode_index()
     action_mask = torch.ones(index.shape[0], 4, dtype=torch.bool)
-    view = {"action_mask": action_mask, "sequences": torch.arange(index.shape[0]).unsqueeze(1).repeat(1, 6)}
+    sequences = torch.arange(index.shape[0]).unsqueeze(1).repeat(1, 6)
+    view = StepBatch(sequences=sequences, attention_mask=torch.ones_like(sequences), action_mask=action_mask)
     laid_out, rows_per_rank, regrouped = episode_layout(view, index, 3, 2)
-    assert regrouped and rows_per_rank == 3 and laid_out["sequences"].shape[0] == 12
+    assert regrouped and rows_per_rank == 3 and laid_out.sequences.shape[0] == 12
     # Deal each contiguous mini-batch to the 2 ranks, as the trainer does, then count as the trainer does.
-    laid_out = take_rows(laid_out, balanced_order([1] * 12, 2, rows_per_rank))
-    counts = minibatch_counts(laid_out["action_mask"], 2, rows_per_rank)
+    laid_out = laid_out.take_rows(balanced_order([1] * 12, 2, rows_per_rank))
+    counts = minibatch_counts(laid_out.action_mask, 2, rows_per_rank)
     # Mini-batch 0: the 6 rows of episodes 0..2; mini-batch 1: the 4 rows of episodes 3..5 (+2 masked copies).
     assert counts == {"num_seqs": [6, 4], "num_tokens": [24, 16]}
-    shards = split_rows(laid_out, 2)
+    shards = laid_out.split_rows(2)
     for k, episodes in enumerate(([0, 1, 2], [3, 4, 5])):
-        rows = torch.cat([shard["sequences"][3 * k : 3 * (k + 1), 0] for shard in shards])
+        rows = torch.cat([shard.sequences[3 * k : 3 * (k + 1), 0] for shard in shards])
         assert {int(index[r]) for r in rows} == set(episodes)
     unchanged, _, regrouped = episode_layout(view, torch.arange(index.shape[0]), 10, 2)
     assert unchanged is view and not regrouped

@@ -8,8 +8,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
+from hpc_rlhf.config import load_config
 from hpc_rlhf.models.forward import critic_values, pack_actions, policy_logprobs
-from hpc_rlhf.trainers.rl.batching import (
+from hpc_rlhf.trainers.rl.row_layout import (
+    Batching,
     balanced_order,
     first_positions,
     forward_row_layout,
@@ -67,7 +69,8 @@ def test_balanced_order_keeps_minibatches_and_balances_ranks():
 
 
 def _batch(num_rows=5, prompt=6, resp=7, vocab=40, seed=0):
-    """Left-padded prompts, right-padded responses of different lengths (as ``pack_trajectories`` lays out)."""
+    """Left-padded prompts, right-padded responses of different lengths (as ``StepBatch.from_trajectories`` lays
+    out)."""
     g = torch.Generator().manual_seed(seed)
     seq = torch.randint(1, vocab, (num_rows, prompt + resp), generator=g)
     mask = torch.zeros_like(seq)
@@ -144,13 +147,12 @@ def test_packed_critic_values_equal_padded():
 
 
 def test_token_budget_is_per_gpu_and_a_ring_holds_sp_times_more():
-    from hpc_rlhf.config import load_config
-    from hpc_rlhf.trainers.rl.workers import Batching
-
     base = ["train.use_dynamic_batch=true", "train.max_tokens_per_gpu=100", "train.packing_samples=true"]
-    assert Batching.for_training(load_config(None, base)).max_tokens == 100
+    cfg = load_config(None, base)
+    assert Batching.for_training(cfg.train, cfg.ds).max_tokens == 100
     ring = load_config(None, [*base, "ds.ring_attn_size=4", "rollout.max_tokens_per_gpu=50"])
-    assert Batching.for_training(ring).max_tokens == 400
-    assert Batching.for_experience(ring).max_tokens == 200
-    fixed = Batching.for_training(load_config(None, ["train.micro_train_batch_size=3"]))
+    assert Batching.for_training(ring.train, ring.ds).max_tokens == 400
+    assert Batching.for_experience(ring.train, ring.rollout, ring.ds).max_tokens == 200
+    cfg = load_config(None, ["train.micro_train_batch_size=3"])
+    fixed = Batching.for_training(cfg.train, cfg.ds)
     assert (fixed.micro_size, fixed.max_tokens, fixed.packed) == (3, None, False)

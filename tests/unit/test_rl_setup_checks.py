@@ -30,7 +30,7 @@ def test_trim_padding_keeps_the_forward_identical():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hpc_rlhf.models.forward import action_logprobs
-    from hpc_rlhf.trainers.rl.experience import trim_padding
+    from hpc_rlhf.trainers.rl.step_batch import StepBatch
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -41,14 +41,14 @@ def test_trim_padding_keeps_the_forward_identical():
     mask[0, 3:9] = 1  # prompt cols 3..5 (P=6), response 6..8
     mask[1, 2:8] = 1
     action = mask[:, 6:].bool()
-    rows = {"sequences": seq, "attention_mask": mask, "action_mask": action, "advantages": torch.randn(2, 6)}
-    trimmed = trim_padding(rows)
-    assert trimmed["sequences"].shape == (2, 7) and trimmed["action_mask"].shape == (2, 3)
-    assert torch.equal(trimmed["advantages"], rows["advantages"][:, :3])
+    rows = StepBatch(sequences=seq, attention_mask=mask, action_mask=action, advantages=torch.randn(2, 6))
+    trimmed = rows.trim_padding()
+    assert trimmed.sequences.shape == (2, 7) and trimmed.action_mask.shape == (2, 3)
+    assert torch.equal(trimmed.advantages, rows.advantages[:, :3])
     with torch.no_grad():
         full = action_logprobs(model, seq, mask, 6)
-        short = action_logprobs(model, trimmed["sequences"], trimmed["attention_mask"], 3)
-    assert torch.allclose(full[:, :3][action[:, :3]], short[trimmed["action_mask"]], atol=1e-5)
+        short = action_logprobs(model, trimmed.sequences, trimmed.attention_mask, 3)
+    assert torch.allclose(full[:, :3][action[:, :3]], short[trimmed.action_mask], atol=1e-5)
 
 
 def test_missing_model_folders_fail_naming_the_key(tmp_path):

@@ -25,7 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hpc_rlhf.trainers.rl.controller_steps import rollout_metrics
-from hpc_rlhf.trainers.rl.loop import PPOTrainer
+from hpc_rlhf.trainers.rl.loop import PPOTrainer, sampling_seed
 from hpc_rlhf.trainers.rl.partial_rollout import continue_generation, stamp_versions
 from hpc_rlhf.utils.metrics import PhaseTimer
 
@@ -94,8 +94,7 @@ class AsyncPPOTrainer(PPOTrainer):
             return super().run_rollouts(prompts, step)
         start = time.perf_counter()
         rollout, groups = self.roles.rollout, self.world.roles["rollout"]
-        seed = self.cfg.train.seed * 100_003 + step * 1_009 + groups.dp_rank_of[self.rank]
-        sampling = rollout.sampling(seed)
+        sampling = rollout.sampling(sampling_seed(self.cfg.train.seed, step, groups.dp_rank_of[self.rank]))
         finished = []
         if self.in_flight:
             finished = continue_generation(self.in_flight, rollout.engine.generate, sampling, self.policy_version,
@@ -131,10 +130,10 @@ class AsyncPPOTrainer(PPOTrainer):
             popped = self.score(popped)
         trajectories, staleness, dropped = self._drop_stale(popped) if self.rank == 0 else (None, [], 0)
         with timer("make_experience"):
-            batch = self.make_experience(trajectories)
+            trains, batch = self.make_experience(trajectories)
         self.dump_rollouts(step, popped)
         with timer("train"):
-            train_stats = self.train(batch)
+            train_stats = self.train(batch) if trains else {"skipped_update": 1.0}
         train_seconds = time.perf_counter() - train_start
         with timer("wait_for_rollout"):
             if more:

@@ -1,22 +1,21 @@
-"""What the controller computes between phases: rewards, sample selection, advantages, counts, metrics.
+"""What the controller computes between phases: rewards, sample selection, advantages, metrics.
 
 No process groups and no controller object here: each function takes what it reads and returns what it
 computes; the state that outlives a step (reward normaliser, KL controller) stays on ``ControllerState``
-in ``setup``, whose caller passes in the values it needs. They see the whole step batch on rank 0.
+in ``setup``, whose caller passes in the values it needs. They see the trajectories, or the whole step batch
+(``StepBatch``), on rank 0. Where the batch's rows go next is ``row_layout``'s business.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from hpc_rlhf.rewards.scoring import score_trajectories
 from hpc_rlhf.algos import (
     compute_advantages,
-    count_tokens_and_seqs,
     dynamic_filter_mask,
-    episode_index_from_branches,
     episode_means,
     expand_to_rows,
     kl_estimate,
@@ -24,27 +23,21 @@ from hpc_rlhf.algos import (
     overlong_penalty,
 )
 from hpc_rlhf.config.schema import RunConfig
-from hpc_rlhf.trainers.rl.batching import episode_minibatch_layout
-from hpc_rlhf.trainers.rl.experience import take_rows
+from hpc_rlhf.rewards.scoring import score_trajectories
 from hpc_rlhf.trainers.rl.rollout_health import extra_log_metrics
+from hpc_rlhf.trainers.rl.step_batch import StepBatch, episode_index_of
 
 
-def attach_rewards(trajectories: list, reward_fn: Any, tokenizer: Any, model_scores: dict | None) -> list:
+def attach_rewards(trajectories: list, reward_fn: Any, tokenizer: Any, model_scores: torch.Tensor | None) -> list:
     """Set ``reward`` / ``score`` on every trajectory (and return them) from the reward-model role's
-    ``model_scores`` when there is one, else from ``reward_fn`` (a reward function or remote server; ``None``
-    when the agent's environment set the rewards)."""
+    ``model_scores`` (B,) when there is one, else from ``reward_fn`` (a reward function or remote server;
+    ``None`` when the agent's environment set the rewards)."""
     if model_scores is not None:
-        for t, s in zip(trajectories, model_scores["scores"].tolist(), strict=True):
+        for t, s in zip(trajectories, model_scores.tolist(), strict=True):
             t.reward = t.score = float(s)
         return trajectories
     score_trajectories(trajectories, reward_fn, tokenizer)
     return trajectories
-
-
-def episode_index_of(trajectories: list) -> torch.Tensor:
-    """(B,) episode of each row: an agent episode that branched has several consecutive rows, the first with
-    ``branch_index`` 0 (``hpc_rlhf.algos.episodes``); otherwise row ``i`` is episode ``i``."""
-    return episode_index_from_branches(torch.tensor([t.branch_index for t in trajectories], dtype=torch.long))
 
 
 def _episode_filter(trajectories: list, cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,72 +92,35 @@ def select_samples(trajectories: list, cfg: RunConfig) -> list:
     return [t for t, episode in zip(trajectories, index, strict=True) if episode < usable]
 
 
-def make_advantages(batch: dict[str, torch.Tensor], cfg: RunConfig, rewards: torch.Tensor,
-                    kl_coef: float) -> dict[str, torch.Tensor]:
-    """Advantages and returns for the whole step batch (whitening and group baselines are global).
+def make_advantages(batch: StepBatch, cfg: RunConfig, rewards: torch.Tensor, kl_coef: float) -> StepBatch:
+    """The step batch with advantages and returns (whitening and group baselines are global).
 
-    ``batch["episode_index"]`` (B,): each row's episode (group statistics are per episode, see
+    ``batch.episode_index`` (B,): each row's episode (group statistics are per episode, see
     ``hpc_rlhf.algos.episodes``). ``rewards`` (B,): the sequence rewards after any running normalisation
     (``algo.normalize_reward``); ``kl_coef``: the KL controller's current coefficient, used when the KL is folded
     into the reward.
-    Returns ``advantages`` / ``returns`` (B, R) and, with a reference model and old log-probs, the per-token
+    Sets ``advantages`` / ``returns`` (B, R) and, with a reference model and old log-probs, the per-token
     ``kl`` (B, R). (On-policy with a fixed-coefficient KL loss there are no old log-probs: the actor measures
     the KL in its loss.)
     """
     algo = cfg.algo
-    mask = batch["action_mask"]
-    out: dict[str, torch.Tensor] = {}
-    folded_kl = None
-    if "ref_logprobs" in batch and "old_logprobs" in batch:
-        kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], mask, algo.kl.estimator)
-        out["kl"] = kl
+    mask = batch.action_mask
+    kl = folded_kl = None
+    if batch.ref_logprobs is not None and batch.old_logprobs is not None:
+        kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, mask, algo.kl.estimator)
         if not algo.kl.use_loss:
             folded_kl = kl
     advantages, returns = compute_advantages(
         algo.advantage_estimator, rewards, mask, cfg.rollout.n_samples_per_prompt,
-        episode_index=batch["episode_index"],
-        values=batch.get("values"), kl=folded_kl, kl_coef=kl_coef if folded_kl is not None else 0.0,
+        episode_index=batch.episode_index,
+        values=batch.values, kl=folded_kl, kl_coef=kl_coef if folded_kl is not None else 0.0,
         gamma=algo.gamma, lambd=algo.lambd, reward_clip_range=algo.reward_clip_range,
         norm_adv_by_std=not algo.no_advantage_std_norm,
     )
-    out["advantages"], out["returns"] = advantages, returns
-    return out
+    return replace(batch, kl=kl, advantages=advantages, returns=returns)
 
 
-def episode_layout(view: dict[str, torch.Tensor], episode_index: torch.Tensor, train_batch_size: int,
-                   dp_size: int) -> tuple[dict[str, torch.Tensor], int, bool]:
-    """The training view laid out as whole episodes per mini-batch (``batching.episode_minibatch_layout``):
-    ``train_batch_size`` episodes per optimizer step, padded with copies of their own rows whose action mask is
-    cleared. Returns ``(view, rows per rank per mini-batch, regrouped)``. Unchanged (``regrouped`` False) with
-    one row per episode; else mini-batch ``k`` is the ``k``-th contiguous chunk of ``dp_size x M`` rows, which
-    the caller deals to the ranks (``batching.balanced_order``) before ``split_rows``."""
-    order, is_padding, rows_per_rank = episode_minibatch_layout(episode_index.tolist(), train_batch_size, dp_size)
-    if order == list(range(episode_index.shape[0])):
-        return view, rows_per_rank, False
-    view = take_rows(view, order)
-    view["action_mask"] = view["action_mask"] & ~torch.tensor(is_padding).unsqueeze(1)
-    return view, rows_per_rank, True
-
-
-def minibatch_counts(action_mask: torch.Tensor, dp_size: int, rows_per_minibatch: int) -> dict[str, list[int]]:
-    """Global action-token and row counts of each mini-batch.
-
-    The batch is cut into ``dp_size`` contiguous shards; mini-batch ``i`` is rows
-    ``[i*m, (i+1)*m)`` of every shard. These counts normalise the loss exactly (``aggregate_loss``).
-    """
-    rows = action_mask.shape[0]
-    shard = rows // dp_size
-    num_tokens, num_seqs = [], []
-    for i in range(shard // rows_per_minibatch):
-        picked = torch.cat([action_mask[d * shard + i * rows_per_minibatch : d * shard + (i + 1) * rows_per_minibatch]
-                            for d in range(dp_size)])
-        tokens, seqs = count_tokens_and_seqs(picked)
-        num_tokens.append(int(tokens))
-        num_seqs.append(int(seqs))
-    return {"num_tokens": num_tokens, "num_seqs": num_seqs}
-
-
-def rollout_metrics(trajectories: list, batch: dict | None, generation_s: float) -> dict[str, float]:
+def rollout_metrics(trajectories: list, batch: StepBatch | None, generation_s: float) -> dict[str, float]:
     """Reward, length and throughput of the step's rollouts (before filtering for the reward mean), and the
     episode means of their ``extra_logs`` (``agent/...``, ``extra/...``). ``reward`` / ``score`` are means over
     episodes (an episode's rows averaged first); lengths and truncation are over rows (trained sequences)."""
@@ -182,9 +138,9 @@ def rollout_metrics(trajectories: list, batch: dict | None, generation_s: float)
         "rollout_tokens_per_s": generated / max(generation_s, 1e-9),
         "num_samples": float(len(trajectories)),
         "num_episodes": float(rewards.shape[0]),
-        "num_trained_samples": float(0 if batch is None else batch["sequences"].shape[0]),
+        "num_trained_samples": float(0 if batch is None else batch.num_rows),
     }
-    if batch is not None and "kl" in batch:
-        row["kl"] = float(masked_mean(batch["kl"], batch["action_mask"]))
+    if batch is not None and batch.kl is not None:
+        row["kl"] = float(masked_mean(batch.kl, batch.action_mask))
     row.update(extra_log_metrics(trajectories))
     return row

@@ -6,6 +6,11 @@ touches (plus rank 0, the controller), so the same script reads as one story on 
     prompts -> generate (rollout ranks) -> rewards -> ref / critic / old logprobs (role ranks)
     -> advantages (controller) -> train critic + actor (role ranks) -> weight sync -> metrics
 
+The step's data: trajectories become one :class:`StepBatch` on rank 0 (``step_batch``); ``row_layout`` deals its
+rows to a role's data-parallel replicas (:meth:`PPOTrainer._role_forward` for the experience forwards,
+``row_layout.train_shards`` for the updates); :meth:`PPOTrainer._on_role` moves the shards out and the results
+back; ``workers`` run on the role's ranks; ``controller_steps`` computes advantages and metrics on rank 0.
+
 Colocated runs time-share each rank: wake rollout -> generate -> sleep -> reload training states ->
 train -> offload training states -> wake rollout weights -> sync -> offload actor weights -> wake KV cache
 (``hpc_rlhf.weight_sync.colocated``).
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +36,12 @@ from hpc_rlhf.models.micro_forward import SequenceParallel
 from hpc_rlhf.trainers.rl import checkpoint as rl_checkpoint
 from hpc_rlhf.trainers import run_skeleton
 from hpc_rlhf.trainers.rl import setup as rl_setup
-from hpc_rlhf.trainers.rl.batching import balanced_order, first_positions, forward_row_layout
 from hpc_rlhf.weight_sync.colocated import colocated_weight_sync
 from hpc_rlhf.trainers.rl.controller_steps import (
     append_groups,
     attach_rewards,
-    episode_index_of,
-    episode_layout,
     kept_by_dynamic_filtering,
     make_advantages,
-    minibatch_counts,
     rollout_metrics,
     select_samples,
 )
@@ -49,12 +51,6 @@ from hpc_rlhf.trainers.rl.evaluation import (
     load_eval_prompts,
     source_name,
 )
-from hpc_rlhf.trainers.rl.experience import (
-    cat_rows,
-    pack_trajectories,
-    split_rows,
-    take_rows,
-)
 from hpc_rlhf.trainers.rl.rollout_dump import (
     is_dump_step,
     rollout_records,
@@ -62,9 +58,12 @@ from hpc_rlhf.trainers.rl.rollout_dump import (
 )
 from hpc_rlhf.trainers.rl.rollout_health import AgentFailureLimitError, RolloutHealth
 from hpc_rlhf.trainers.rl.run_hooks import RLRunHooks, rl_run_plan
+from hpc_rlhf.trainers.rl.row_layout import Batching, forward_shards, in_batch_order, train_shards
+from hpc_rlhf.trainers.rl.step_batch import StepBatch, TrainShard
 from hpc_rlhf.weight_sync.sharded import build_weight_sync
 from hpc_rlhf.trainers.rl.workers import (
-    Batching,
+    TRAIN_FIELDS,
+    UpdateSettings,
     forward_logprobs,
     forward_values,
     train_actor,
@@ -84,6 +83,12 @@ def _split_even(items: list[Any], parts: int) -> list[list[Any]]:
     """Split a list into ``parts`` contiguous chunks whose sizes differ by at most one."""
     bounds = np.linspace(0, len(items), parts + 1).round().astype(int)
     return [items[bounds[i] : bounds[i + 1]] for i in range(parts)]
+
+
+def sampling_seed(train_seed: int, step: int, engine_index: int) -> int:
+    """The training rollouts' sampling seed: one per (step, engine) keeps sampling reproducible and different
+    across engines (``engine_index``: the engine's data-parallel rank in the rollout role)."""
+    return train_seed * 100_003 + step * 1_009 + engine_index
 
 
 class PPOTrainer:
@@ -143,10 +148,10 @@ class PPOTrainer:
             trajectories = self.score(trajectories)
         trajectories, refill_rounds = self.refill(trajectories, step, timer)
         with timer("make_experience"):
-            batch = self.make_experience(trajectories)
+            trains, batch = self.make_experience(trajectories)
         self.dump_rollouts(step, trajectories)
         with timer("train"):
-            train_stats = self.train(batch)
+            train_stats = self.train(batch) if trains else {"skipped_update": 1.0}
         with timer("weight_sync"):
             self.sync_weights()
         if not self.world.is_controller:
@@ -231,8 +236,7 @@ class PPOTrainer:
         rollout, groups = self.roles.rollout, self.world.roles["rollout"]
         rollout.engine.wake_up()
         fault_point("generation", step, self.rank)
-        # One seed per (step, engine) keeps sampling reproducible and different across engines.
-        seed = self.cfg.train.seed * 100_003 + step * 1_009 + groups.dp_rank_of[self.rank]
+        seed = sampling_seed(self.cfg.train.seed, step, groups.dp_rank_of[self.rank])
         trajectories = rollout.executor.run(prompts, rollout.engine.generate, sampling or rollout.sampling(seed),
                                             n or self.cfg.rollout.n_samples_per_prompt)
         for t in trajectories:
@@ -288,60 +292,63 @@ class PPOTrainer:
         reward_groups = self.world.roles.get("reward")
         model_scores = None
         if reward_groups is not None and self.rank in reward_groups.controller_ranks:
-            batch = pack_trajectories(trajectories, self.tokenizer.pad_token_id) if self.rank == 0 else None
-            model_scores = self._role_forward("reward", batch, ("sequences", "attention_mask"),
-                                              lambda m, s: {"scores": m.scores(s, self._sp("reward"))})
+            batch = StepBatch.from_trajectories(trajectories, self.tokenizer.pad_token_id, scored=False) \
+                if self.rank == 0 else None
+            sp = self._sp("reward")
+            model_scores = self._role_forward("reward", batch, lambda m, rows: m.scores(rows.forward_inputs(), sp))
         if self.rank != 0:
             return None
         return attach_rewards(trajectories, self.data.reward_fn, self.tokenizer, model_scores)
 
-    def make_experience(self, trajectories: list | None) -> dict | None:
-        """Selected samples as padded tensors, plus the logprobs/values each enabled role computes."""
+    def make_experience(self, trajectories: list | None) -> tuple[bool, StepBatch | None]:
+        """Selected samples as one step batch, plus the logprobs/values each enabled role computes and the
+        advantages. Returns ``(trains, batch)``: whether this rank takes part in this step's update (a training rank
+        and a step whose samples were not all filtered away) and, on rank 0, the batch."""
         cfg = self.cfg
         if self.rank not in self.train_ranks:
-            return None
+            return False, None
         batch = None
         if self.rank == 0:
             trajectories = select_samples(trajectories, cfg)  # overlong penalty, dynamic filtering
         if self.rank == 0 and trajectories:
-            batch = pack_trajectories(trajectories, self.tokenizer.pad_token_id)
-            batch["rewards"] = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-            batch["episode_index"] = episode_index_of(trajectories)
+            batch = StepBatch.from_trajectories(trajectories, self.tokenizer.pad_token_id)
         if self.rank == 0 and batch is None:
             log.warning("dynamic filtering (algo.dynamic_filtering_reward_range=%s) dropped every prompt group of "
                         "this step: all samples of each prompt scored alike; the update is skipped",
                         list(cfg.algo.dynamic_filtering_reward_range))
         if not self._broadcast_flag(batch is not None, self.train_group):
-            return None  # dynamic filtering removed every group: skip the update this step
-        keys = ("sequences", "attention_mask", "action_mask")
+            return False, None  # dynamic filtering removed every group: skip the update this step
         temperature = cfg.rollout.temperature
-        batching = Batching.for_experience(cfg)
+        batching = Batching.for_experience(cfg.train, cfg.rollout, cfg.ds)
         if self.roles.need_old_logprobs:
-            out = self._role_forward("actor", batch, keys, lambda m, s: {
-                "old_logprobs": forward_logprobs(m, s, batching, temperature, self._sp("actor"))})
+            sp = self._sp("actor")
+            old = self._role_forward("actor", batch, lambda m, rows: forward_logprobs(m, rows, batching, temperature,
+                                                                                      sp))
             if self.rank == 0:
-                batch.update(out)
+                batch.old_logprobs = old
         if "ref" in self.world.roles:
-            out = self._role_forward("ref", batch, keys, lambda m, s: {
-                "ref_logprobs": forward_logprobs(m, s, batching, temperature, self._sp("ref"))})
+            sp = self._sp("ref")
+            ref = self._role_forward("ref", batch, lambda m, rows: forward_logprobs(m, rows, batching, temperature,
+                                                                                    sp))
             if self.rank == 0:
-                batch.update(out)
+                batch.ref_logprobs = ref
         if "critic" in self.world.roles:
-            out = self._role_forward("critic", batch, keys, lambda m, s: {
-                "values": forward_values(m, s, batching, self._sp("critic"))})
+            sp = self._sp("critic")
+            values = self._role_forward("critic", batch, lambda m, rows: forward_values(m, rows, batching, sp))
             if self.rank == 0:
-                batch.update(out)
+                batch.values = values
         if self.rank == 0:
-            rewards = self.data.normalized_rewards(batch["rewards"])
-            batch.update(make_advantages(batch, cfg, rewards, self.data.kl_controller.value))
-        return batch if self.rank == 0 else {}
+            rewards = self.data.normalized_rewards(batch.rewards)
+            batch = make_advantages(batch, cfg, rewards, self.data.kl_controller.value)
+        return True, batch
 
-    def train(self, batch: dict | None) -> dict[str, float]:
-        """Critic then actor updates on their ranks; returns stats averaged over dp ranks (rank 0)."""
-        if batch is None:
-            return {"skipped_update": 1.0}
+    def train(self, batch: StepBatch | None) -> dict[str, float]:
+        """Critic then actor updates on their ranks (every training rank calls it; ``batch``: rank 0's step batch);
+        returns stats averaged over dp ranks (rank 0)."""
+        cfg = self.cfg
+        settings = UpdateSettings.from_sections(cfg.train, cfg.rollout, cfg.ds)
         stats: dict[str, float] = {}
-        for role, fn in (("critic", train_critic), ("actor", train_actor)):
+        for role, update in (("critic", train_critic), ("actor", train_actor)):
             if role not in self.world.roles:
                 continue
             groups = self.world.roles[role]
@@ -350,25 +357,18 @@ class PPOTrainer:
             dp = len(groups.dp_leaders)
             shards = None
             if self.rank == 0:
+                kl_coef = self.data.kl_controller.value if role == "actor" and cfg.algo.kl.use_loss else 0.0
                 # train.train_batch_size counts episodes; a branching agent's episode brings all its rows.
-                view, rows_per_rank, regrouped = episode_layout(self._train_view(batch, role), batch["episode_index"],
-                                                                self.cfg.train.train_batch_size, dp)
-                view = self._balanced(view, dp, rows_per_rank, regrouped)
-                view["rows_per_minibatch"] = rows_per_rank
-                shards = split_rows(view, dp)
-                counts = minibatch_counts(view["action_mask"], dp, rows_per_rank)
-                for shard in shards:
-                    shard.update(counts)
-            shard = scatter_to_role(shards, groups)
-            result = None
-            if self.rank in groups.ranks:
-                engine = getattr(self.roles, role)
+                shards = train_shards(batch.select(*TRAIN_FIELDS[role]), batch.episode_index,
+                                      cfg.train.train_batch_size, dp, cfg.train.use_dynamic_batch, kl_coef)
+            sp = self._sp(role)
+
+            def run(engine: Any, shard: TrainShard, update=update, sp=sp) -> dict[str, float]:
                 fault_point("train", self.policy_version + 1, self.rank)
-                engine.reload_states()
-                result = fn(engine, shard, self.cfg, dp, self._sp(role))
-                if not self.cfg.train.colocate_all:  # colocated: offloaded after the weight sync
-                    engine.offload_states()
-            gathered = gather_from_role(result, groups)
+                return update(engine, shard, cfg.algo, settings, dp, sp)
+
+            # Colocated: the states are offloaded after the weight sync instead.
+            gathered = self._on_role(role, shards, TrainShard, run, offload=not cfg.train.colocate_all)
             if self.rank == 0:
                 for k in gathered[0]:
                     stats[k] = float(np.mean([g[k] for g in gathered]))
@@ -487,32 +487,37 @@ class PPOTrainer:
         dist.broadcast_object_list(box, src=0, group=group)
         return bool(box[0])
 
-    def _role_forward(self, role: str, batch: dict | None, keys: tuple[str, ...], fn) -> dict | None:
-        """Scatter ``batch[keys]`` over the role's dp ranks, run ``fn(engine, shard)``, gather on rank 0."""
+    def _on_role(self, role: str, shards: list | None, shard_type: type[StepBatch] | type[TrainShard],
+                 fn: Callable[[Any, Any], Any], *, reload: bool = True, offload: bool = False) -> list | None:
+        """Rank 0's ``shards`` (one per data-parallel replica of ``role``) to the role's ranks, which reload their
+        training states (``reload``), run ``fn(engine, shard)`` and offload them again (``offload``); the results
+        come back to rank 0 in replica order (None elsewhere). Collective over the role's controller ranks."""
         groups = self.world.roles[role]
-        if self.rank not in groups.controller_ranks:
-            return None
-        dp = len(groups.dp_leaders)
-        shards = layout = None
-        num_rows = 0
-        if self.rank == 0:
-            view = {k: batch[k] for k in keys}
-            num_rows = view["sequences"].shape[0]
-            lengths = view["attention_mask"].sum(dim=1).tolist() if self.cfg.train.use_dynamic_batch else None
-            layout = forward_row_layout(num_rows, dp, lengths)
-            shards = split_rows(view if layout == list(range(num_rows)) else take_rows(view, layout), dp)
-        shard = scatter_to_role(shards, groups)
+        wire = scatter_to_role(None if shards is None else [s.to_wire() for s in shards], groups)
         result = None
         if self.rank in groups.ranks:
             engine = getattr(self.roles, role)
-            if role != "reward":  # colocated: its states left the device for the weight sync
+            if reload:
                 engine.reload_states()
-            result = fn(engine, shard)
+            result = fn(engine, shard_type.from_wire(wire))
+            if offload:
+                engine.offload_states()
         gathered = gather_from_role(result, groups)
-        if self.rank != 0:
+        return gathered if self.rank == 0 else None
+
+    def _role_forward(self, role: str, batch: StepBatch | None,
+                      fn: Callable[[Any, StepBatch], torch.Tensor]) -> torch.Tensor | None:
+        """The batch's forward inputs over the role's dp replicas (``row_layout.forward_shards``), ``fn(engine,
+        rows) -> (b, ...)`` on each, and the outputs back on rank 0 as (B, ...) in the batch's row order."""
+        groups = self.world.roles[role]
+        if self.rank not in groups.controller_ranks:
             return None
-        out = cat_rows(gathered)
-        return out if layout == list(range(num_rows)) else take_rows(out, first_positions(layout, num_rows))
+        shards = layout = None
+        if self.rank == 0:
+            shards, layout = forward_shards(batch, len(groups.dp_leaders), self.cfg.train.use_dynamic_batch)
+        # Colocated: the states left the device for the weight sync; the reward model keeps none to reload.
+        outputs = self._on_role(role, shards, StepBatch, fn, reload=role != "reward")
+        return None if self.rank != 0 else in_batch_order(outputs, layout, batch.num_rows)
 
     def _sp(self, role: str) -> SequenceParallel | None:
         """This rank's sequence-parallel peers in ``role`` (``ds.ring_attn_size`` > 1), else None."""
@@ -520,25 +525,3 @@ class PPOTrainer:
             return None
         group = self.world.roles[role].sp_group
         return SequenceParallel(group, dist.get_rank(group), self.cfg.ds.ring_attn_size, self.cfg.ds.ring_head_stride)
-
-    def _balanced(self, view: dict, dp: int, rows_per_minibatch: int, contiguous_minibatches: bool = False) -> dict:
-        """With ``train.use_dynamic_batch``, ``view`` reordered to balance tokens over the dp shards. With
-        ``contiguous_minibatches`` (``episode_layout`` regrouped the rows) the mini-batches are dealt to the
-        shards in any case (equal rows each), so that every shard's ``k``-th chunk belongs to mini-batch ``k``."""
-        dynamic = self.cfg.train.use_dynamic_batch
-        if dp == 1 or not (dynamic or contiguous_minibatches):
-            return view
-        lengths = view["attention_mask"].sum(dim=1).tolist() if dynamic else [1] * view["attention_mask"].shape[0]
-        return take_rows(view, balanced_order(lengths, dp, rows_per_minibatch))
-
-    def _train_view(self, batch: dict, role: str) -> dict:
-        keys = ["sequences", "attention_mask", "action_mask"]
-        if role == "critic":
-            keys += ["values", "returns"]
-        else:
-            keys += ["advantages", "rollout_logprobs"]
-            keys += [k for k in ("old_logprobs", "ref_logprobs") if k in batch]
-        view = {k: batch[k] for k in keys}
-        if role == "actor":
-            view["kl_coef"] = self.data.kl_controller.value if self.cfg.algo.kl.use_loss else 0.0
-        return view
