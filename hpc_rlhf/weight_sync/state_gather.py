@@ -110,6 +110,8 @@ class ModuleWeights:
     ``gathered_state_dict_items``): full tensors, as a ZeRO 0-2 replica holds them. For benchmarks and tests of
     the sync without DeepSpeed."""
 
+    zero_stage = 0  # full tensors on every rank, as under ZeRO 0-2
+
     def __init__(self, module: torch.nn.Module):
         self.module = module
 

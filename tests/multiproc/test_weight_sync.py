@@ -165,7 +165,7 @@ def _sync_over_channels(rank: int, world_size: int, overrides: list[str]) -> dic
 
     cfg = load_config(None, [*SERVER_PROCESS, *overrides])
     world = build_world_groups(build_placement(cfg, world_size))
-    sync = build_weight_sync(cfg, world, bucket_bytes=BUCKET_BYTES, open_channel=StoreChannel)
+    sync = build_weight_sync(cfg.rollout, world, bucket_bytes=BUCKET_BYTES, open_channel=StoreChannel)
     assert isinstance(sync, EngineChannelWeightSync)
     result: dict = {"sender_of": sync.sender_of}
     if rank in world.placement.roles["actor"].ranks:

@@ -61,7 +61,6 @@ from hpc_rlhf.trainers.rl.rollout_dump import (
     write_rollouts,
 )
 from hpc_rlhf.trainers.rl.rollout_health import AgentFailureLimitError, RolloutHealth
-from hpc_rlhf.weight_sync.sharded import build_weight_sync
 from hpc_rlhf.trainers.rl.workers import (
     Batching,
     forward_logprobs,
@@ -103,7 +102,7 @@ class PPOTrainer:
         dist.broadcast_object_list(box, src=0)
         self.num_steps: int = box[0]
         # Collective (it creates groups), so built by every rank before any role's engine.
-        self.weight_sync = None if cfg.train.colocate_all else build_weight_sync(cfg, world)
+        self.weight_sync = rl_setup.weight_sync(cfg, world)
         self.roles = rl_setup.build_roles(cfg, world, self.tokenizer, self.num_steps)
         if world.is_controller:
             save_resolved_config(cfg, cfg.train.output_dir)
