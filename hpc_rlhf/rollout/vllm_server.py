@@ -56,6 +56,7 @@ import torch
 
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
 from hpc_rlhf.rollout.vllm_api import PAUSE_MODE, resolve
+from hpc_rlhf.weight_sync.vllm_gloo_transfer import gloo_worker_init_info  # imports no vLLM
 from hpc_rlhf.rollout.vllm_external_launcher import (
     VllmEngineSpec,
     import_vllm,
@@ -120,8 +121,6 @@ def worker_init_info(master_address: str, master_port: int, num_workers: int, ba
     """``init_info`` of ``init_weight_transfer_engine``: workers take ranks ``1 .. num_workers`` of a
     communicator whose rank 0 is the sending actor rank (hosting the rendezvous store)."""
     if backend == "gloo":
-        from hpc_rlhf.weight_sync.vllm_gloo_transfer import gloo_worker_init_info
-
         return gloo_worker_init_info(master_address, master_port, num_workers)
     if backend != "nccl":
         raise ValueError(f"unknown weight-transfer backend {backend!r}; choose one of {TRANSFER_BACKENDS}")
