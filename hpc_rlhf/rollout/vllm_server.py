@@ -56,7 +56,6 @@ import torch
 
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
 from hpc_rlhf.rollout.vllm_api import PAUSE_MODE, resolve
-from hpc_rlhf.weight_sync.vllm_gloo_transfer import gloo_worker_init_info  # imports no vLLM
 from hpc_rlhf.rollout.vllm_external_launcher import (
     VllmEngineSpec,
     import_vllm,
@@ -64,6 +63,7 @@ from hpc_rlhf.rollout.vllm_external_launcher import (
     spec_engine_kwargs,
     vllm_sampling_kwargs,
 )
+from hpc_rlhf.weight_sync.vllm_gloo_transfer import gloo_worker_init_info  # imports no vLLM
 
 # Our launch layer's variables (torchrun / srun via hpc_rlhf.world): vLLM's processes must not see
 # them, or they would read our world's rank and size as theirs.
