@@ -102,6 +102,9 @@ class AgentExecutor(ABC):
             n_samples_per_prompt: int) -> list[Trajectory]:
         ...
 
+    def close(self) -> None:
+        """Stop what the executor serves (the OpenAI-agent endpoint) when training ends; no-op by default."""
+
 
 def check_samples_per_prompt(n_samples_per_prompt: int) -> None:
     """Every executor's ``run`` refuses ``n_samples_per_prompt < 1`` the same way."""

@@ -18,9 +18,8 @@ from pathlib import Path
 import yaml
 
 from hpc_rlhf.config import ConfigError, load_config
-from hpc_rlhf.config.supervised import CONFIG_CLASSES, load_supervised_config
 from hpc_rlhf.config.schema import resolved_param_dtype
-from hpc_rlhf.training.optimizer_choice import adam_implementation, optimizer_offloaded
+from hpc_rlhf.config.supervised import CONFIG_CLASSES, load_supervised_config
 from hpc_rlhf.planning.memory_estimate import (
     RoleMemory,
     effective_zero_stage,
@@ -30,6 +29,7 @@ from hpc_rlhf.planning.memory_estimate import (
     supervised_memory,
 )
 from hpc_rlhf.planning.model_shape import ModelSizeError, role_num_params, role_shape
+from hpc_rlhf.training.optimizer_choice import adam_implementation, optimizer_offloaded
 from hpc_rlhf.world.placement import PlacementError, build_placement
 
 KINDS = ("auto", "rl", *CONFIG_CLASSES)

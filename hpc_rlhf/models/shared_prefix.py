@@ -7,7 +7,7 @@ to the ``B`` rows (an index, so gradients of the copies add up in the shared pro
 response columns against it. Values and gradients are those of the full forward up to float round-off;
 the decoder's linear layers see ``U*P + B*R`` tokens instead of ``B*(P+R)``.
 
-It needs a decoder that takes ``past_key_values`` in training (transformers' own attention: sdpa or
+It needs a decoder that takes a KV cache in training (transformers' own attention: sdpa or
 eager) and no activation checkpointing (transformers turns the cache off under it):
 :func:`can_share_prompts` says when.
 """
@@ -17,16 +17,16 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from hpc_rlhf.models.hf_compat import cache_kwargs, is_activation_checkpointing
+
 SHARED_PREFIX_ATTENTION = ("sdpa", "eager")
 
 
 def can_share_prompts(module: torch.nn.Module) -> bool:
     """Whether :func:`shared_prefix_hidden` reproduces ``module``'s padded forward."""
-    config = getattr(module, "config", None)
-    checkpointing = getattr(module, "is_activation_checkpointing", None)  # transformers >= 5.x; older name below
-    if checkpointing is None:
-        checkpointing = getattr(module, "is_gradient_checkpointing", False)
-    return getattr(config, "_attn_implementation", None) in SHARED_PREFIX_ATTENTION and not checkpointing
+    config = getattr(module, "config", None)  # a transformers model's; other modules have none
+    return (getattr(config, "_attn_implementation", None) in SHARED_PREFIX_ATTENTION
+            and not is_activation_checkpointing(module))
 
 
 def distinct_prompts(sequences: torch.Tensor, attention_mask: torch.Tensor,
@@ -65,11 +65,11 @@ def shared_prefix_hidden(decoder: torch.nn.Module, sequences: torch.Tensor, atte
     response_embeds = embeds[prompt_ids.numel():].view(*response_ids.shape, -1)
     cache = DynamicCache(config=decoder.config)
     prompt_hidden = decoder(inputs_embeds=prompt_embeds, attention_mask=attention_mask[first_rows, :prompt_len],
-                            position_ids=position_ids[first_rows, :prompt_len], past_key_values=cache,
-                            use_cache=True).last_hidden_state  # (U, P, H)
+                            position_ids=position_ids[first_rows, :prompt_len], use_cache=True,
+                            **cache_kwargs(decoder, cache)).last_hidden_state  # (U, P, H)
     cache.batch_select_indices(row_prompt)  # (U, ...) -> (B, ...) per layer
     response_hidden = decoder(inputs_embeds=response_embeds, attention_mask=attention_mask,
-                              position_ids=position_ids[:, prompt_len:], past_key_values=cache,
-                              use_cache=True).last_hidden_state  # (B, R, H)
+                              position_ids=position_ids[:, prompt_len:], use_cache=True,
+                              **cache_kwargs(decoder, cache)).last_hidden_state  # (B, R, H)
     # left padding: every prompt's last real token sits in column P-1
     return torch.cat([prompt_hidden[row_prompt, -1:], response_hidden[:, :-1]], dim=1)

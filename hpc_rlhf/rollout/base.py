@@ -22,6 +22,7 @@ Conventions shared by all engines (tests hold both engines to them):
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -140,8 +141,22 @@ class RolloutEngine(ABC):
     def reset_prefix_cache(self) -> None:
         """Forget cached prompt prefixes (needed after a weight update); no-op without a prefix cache."""
 
+    def open_weight_channel(self, master_address: str, master_port: int) -> None:
+        """Join the communicator of the actor rank that sends this engine its weights (engines in processes of
+        their own, ``hpc_rlhf.weight_sync.sharded.EngineChannelWeightSync``). In-process engines take weights
+        through :meth:`update_weights` and have no channel."""
+        raise NotImplementedError(f"{type(self).__name__} loads weights in-process (update_weights); it has no "
+                                  "weight channel to open")
+
+    def receive_weights(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> None:
+        """One weight round given as buckets of ``(name, tensor)`` pairs. In-process engines load the round as one
+        :meth:`update_weights` call (vLLM processes a layer again only once all its tensors came in one call);
+        engines behind a weight channel receive the tensors there and take only their descriptions here."""
+        self.update_weights(itertools.chain.from_iterable(buckets))
+
     def close(self) -> None:
-        """Release what the engine started (processes, executors); the engine is not used afterwards."""
+        """Release what the engine started (processes, executors); the engine is not used afterwards. No-op for
+        engines that started nothing."""
 
 
 def num_results(requests: list[GenerationRequest]) -> int:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from hpc_rlhf.models.hf_compat import cache_kwargs
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
 
 
@@ -183,7 +184,7 @@ class TransformersRolloutEngine(RolloutEngine):
         """Next-token logits [B, V] (float32) of the last position of each row."""
         kwargs = {"logits_to_keep": 1} if self._accepts_logits_to_keep else {}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True, **kwargs)
+                         use_cache=True, **cache_kwargs(self.model, cache), **kwargs)
         return out.logits[:, -1, :].float()
 
     def _generate(self, requests: list[GenerationRequest], seed: int) -> list[GenerationResult]:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from hpc_rlhf.models.ring_flash_import import add_missing_transformers_name  # imports no transformers itself
 from hpc_rlhf.rollout.base import WAKE_TAGS, SamplingParams
 from hpc_rlhf.rollout.vllm_api import PAUSE_MODE, SLEEP_TAGS, VLLM_NAMES, VllmName, resolve
 from hpc_rlhf.rollout.vllm_external_launcher import llm_kwargs, vllm_sampling_kwargs
@@ -287,8 +288,6 @@ def gpu_package_checks() -> list[Check]:
         dist, version = found
         try:
             if module == "ring_flash_attn":  # imported as the code imports it: after the transformers 5 shim
-                from hpc_rlhf.models.ring_flash_import import add_missing_transformers_name
-
                 add_missing_transformers_name()
             importlib.import_module(module)
         except Exception as exc:  # noqa: BLE001 - a package that is installed but does not import is the finding

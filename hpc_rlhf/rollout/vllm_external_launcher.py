@@ -45,10 +45,11 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_rlhf.rollout.vllm_api import resolve
+from hpc_rlhf.config.schema import resolved_param_dtype
 from hpc_rlhf.rollout.base import (
     WAKE_TAGS,
     GenerationRequest,
@@ -56,11 +57,12 @@ from hpc_rlhf.rollout.base import (
     RolloutEngine,
     SamplingParams,
 )
+from hpc_rlhf.rollout.vllm_api import resolve
 
 if TYPE_CHECKING:
     import torch
 
-    from hpc_rlhf.config.schema import RunConfig
+    from hpc_rlhf.config.schema import VllmConfig
 
 
 logger = logging.getLogger(__name__)
@@ -131,6 +133,7 @@ def results_from_vllm_outputs(outputs: Sequence[Any], requests: Sequence[Generat
         raise ValueError(f"vLLM returned {len(outputs)} outputs for {len(requests)} requests")
     results = []
     for request_index, (output, request) in enumerate(zip(outputs, requests)):
+        # vLLM's CompletionOutput.index; test doubles of one-sample outputs may leave it out
         completions = sorted(output.outputs, key=lambda c: getattr(c, "index", 0))
         if len(completions) != request.n:
             raise ValueError(f"request {request_index}: asked n={request.n}, vLLM returned {len(completions)}")
@@ -166,8 +169,6 @@ def llm_kwargs(model_path: str, *, tensor_parallel_size: int, enable_sleep_mode:
 def engine_dtype(param_dtype: str, on_gpu: bool) -> str:
     """vLLM's ``dtype`` keyword for the trainer's ``ds.param_dtype``: the engine samples with the weights the trainer
     computes logprobs with (vLLM would otherwise pick bf16 from the model config, also on CPU)."""
-    from hpc_rlhf.config.schema import resolved_param_dtype
-
     return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[resolved_param_dtype(param_dtype, on_gpu)]
 
 
@@ -196,14 +197,12 @@ def refresh_tied_layers(model: torch.nn.Module) -> int:
     tensor of its own and keeps what its processing derived from the old weights (on CPU: a packed GEMM copy).
     Only unquantised embedding layers are processed again: their processing only builds such a derived copy (on
     GPU it does nothing), whereas a quantised layer's processing is not meant to run twice."""
-    from hpc_rlhf.rollout.vllm_api import resolve
-
     embedding_method = resolve("vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod")
     seen: set[int] = set()
     refreshed = 0
     for module in model.modules():
         params = [id(p) for p in module.parameters(recurse=False)]
-        method = getattr(module, "quant_method", None)
+        method = getattr(module, "quant_method", None)  # vLLM sets it on its own layers only
         if any(p in seen for p in params) and isinstance(method, embedding_method):
             method.process_weights_after_loading(module)
             refreshed += 1
@@ -217,19 +216,29 @@ def _reload_weights_on_worker(worker: Any, weights: Iterable[tuple[str, torch.Te
     refresh_tied_layers(worker.model_runner.model)
 
 
-def engine_kwargs_from_config(cfg: RunConfig, on_gpu: bool) -> dict[str, Any]:
-    """vLLM engine keywords both engines take from the run config (checked first: a model vLLM's CPU attention
-    cannot run fails here, naming the key, not after the engine has started)."""
-    if not cfg.actor.pretrain:
+@dataclass(frozen=True)
+class VllmEngineSpec:
+    """What both vLLM engines take from the run config (``hpc_rlhf.trainers.rl.setup.vllm_engine_spec`` picks it
+    out); the comments name the keys, which error messages repeat."""
+
+    model_path: str | None  # actor.pretrain: vLLM loads the actor's initial weights (and its tokenizer)
+    param_dtype: str  # ds.param_dtype: the engine samples with the weights the trainer computes logprobs with
+    max_model_len: int  # data.max_len, else data.prompt_max_len + rollout.generate_max_len
+    tensor_parallel_size: int  # rollout.tensor_parallel_size
+    seed: int  # train.seed
+    vllm: VllmConfig  # the vllm section
+
+
+def spec_engine_kwargs(spec: VllmEngineSpec, on_gpu: bool) -> dict[str, Any]:
+    """vLLM engine keywords both engines take from ``spec`` (checked first: a model vLLM's CPU attention cannot run
+    fails here, naming the key, not after the engine has started)."""
+    if not spec.model_path:
         raise ValueError("rollout.backend=vllm needs actor.pretrain (a local HF model folder) to load vLLM from")
     if not on_gpu:
-        check_cpu_head_dim(cfg.actor.pretrain, resolve_cpu_attention_head_sizes())
-    kwargs: dict[str, Any] = {
-        "dtype": engine_dtype(cfg.ds.param_dtype, on_gpu),
-        "max_model_len": cfg.data.max_len or cfg.data.prompt_max_len + cfg.rollout.generate_max_len,
-    }
-    if cfg.vllm.kv_cache_memory_gib is not None:
-        kwargs["kv_cache_memory_bytes"] = int(cfg.vllm.kv_cache_memory_gib * (1 << 30))
+        check_cpu_head_dim(spec.model_path, resolve_cpu_attention_head_sizes())
+    kwargs: dict[str, Any] = {"dtype": engine_dtype(spec.param_dtype, on_gpu), "max_model_len": spec.max_model_len}
+    if spec.vllm.kv_cache_memory_gib is not None:
+        kwargs["kv_cache_memory_bytes"] = int(spec.vllm.kv_cache_memory_gib * (1 << 30))
     return kwargs
 
 
@@ -267,6 +276,7 @@ class VllmRolloutEngine(RolloutEngine):
         logprobs_mode: str = "processed_logprobs",
         **extra_llm_kwargs: Any,
     ) -> None:
+        self.llm: Any = None  # set once vLLM has started; close() is a no-op before
         vllm = import_vllm()
         self._vllm = vllm
         self.enable_sleep_mode = enable_sleep_mode
@@ -280,31 +290,29 @@ class VllmRolloutEngine(RolloutEngine):
             enable_prefix_caching=enable_prefix_caching, logprobs_mode=logprobs_mode, **extra_llm_kwargs))
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, tokenizer: Any = None, **extra_llm_kwargs: Any) -> VllmRolloutEngine:
-        """Build from a resolved run config: the actor's weights, ``rollout`` and ``vllm`` sections.
-
-        ``tokenizer`` is accepted so both backends are built alike; vLLM loads the tokenizer of
-        ``actor.pretrain`` itself (it is only used for the eos id: we pass and return token ids).
+    def from_spec(cls, spec: VllmEngineSpec, **extra_llm_kwargs: Any) -> VllmRolloutEngine:
+        """Build from the run config's values in ``spec`` (the actor's weights, ``rollout`` and ``vllm`` sections).
+        vLLM loads the tokenizer of ``actor.pretrain`` itself (only for the eos id: we pass and return token ids).
         """
-        del tokenizer
-        import torch
+        import torch  # lazily: the helpers of this module stay importable on a process without torch
 
         on_gpu = torch.cuda.is_available()
-        enable_sleep = cfg.vllm.enable_sleep and on_gpu
-        if cfg.vllm.enable_sleep and not on_gpu:
+        vllm = spec.vllm
+        enable_sleep = vllm.enable_sleep and on_gpu
+        if vllm.enable_sleep and not on_gpu:
             logger.warning("vllm.enable_sleep=true: vLLM's sleep mode needs CUDA, so on this CPU-only machine the "
                            "engine keeps its weights and KV cache between phases (set vllm.enable_sleep=false to "
                            "silence this)")
         return cls(
-            cfg.actor.pretrain,
-            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-            gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
-            seed=cfg.train.seed,
-            enforce_eager=cfg.vllm.enforce_eager,
-            enable_prefix_caching=cfg.vllm.enable_prefix_caching,
+            spec.model_path,
+            tensor_parallel_size=spec.tensor_parallel_size,
+            gpu_memory_utilization=vllm.gpu_memory_utilization,
+            seed=spec.seed,
+            enforce_eager=vllm.enforce_eager,
+            enable_prefix_caching=vllm.enable_prefix_caching,
             enable_sleep_mode=enable_sleep,
-            sleep_level=cfg.vllm.sleep_level,
-            **{**engine_kwargs_from_config(cfg, on_gpu), **extra_llm_kwargs},
+            sleep_level=vllm.sleep_level,
+            **{**spec_engine_kwargs(spec, on_gpu), **extra_llm_kwargs},
         )
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -337,7 +345,7 @@ class VllmRolloutEngine(RolloutEngine):
         """Shut vLLM's executor down while our process groups still exist (its finalizer at interpreter exit
         would destroy groups the trainer already destroyed). vLLM's external launcher owns the world it joined: this
         destroys the default process group too, so call it after the run's last collective. Idempotent."""
-        llm, self.llm = getattr(self, "llm", None), None
+        llm, self.llm = self.llm, None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
 

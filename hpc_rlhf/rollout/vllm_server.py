@@ -5,7 +5,7 @@ which vLLM's external launcher cannot serve: it takes the whole torch.distribute
 Here a rollout rank starts vLLM's asynchronous engine (``AsyncLLMEngine``: an engine-core process plus
 ``tensor_parallel_size`` worker processes on ``devices``, vLLM's own internal world on a port of its own;
 built from a config, one worker on the rank's GPU, or on the host's cores on a CPU machine, see
-:meth:`VllmServerEngine.from_config`). Our world stays the control plane: prompts come in and trajectories go
+:meth:`VllmServerEngine.from_spec`). Our world stays the control plane: prompts come in and trajectories go
 out over it as in every layout; no other rank of the world joins vLLM's groups. vLLM's processes start with our
 launch variables removed (:func:`server_process_env`) and are spawned, so a script that builds this engine at its
 top level needs the ``if __name__ == "__main__":`` guard (the CLIs have it; spawned children import the main
@@ -50,21 +50,20 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
 from hpc_rlhf.rollout.vllm_api import PAUSE_MODE, resolve
 from hpc_rlhf.rollout.vllm_external_launcher import (
-    engine_kwargs_from_config,
+    VllmEngineSpec,
     import_vllm,
     results_from_vllm_outputs,
+    spec_engine_kwargs,
     vllm_sampling_kwargs,
 )
-
-if TYPE_CHECKING:
-    import torch
-
-    from hpc_rlhf.config.schema import RunConfig
+from hpc_rlhf.weight_sync.vllm_gloo_transfer import gloo_worker_init_info  # imports no vLLM
 
 # Our launch layer's variables (torchrun / srun via hpc_rlhf.world): vLLM's processes must not see
 # them, or they would read our world's rank and size as theirs.
@@ -122,8 +121,6 @@ def worker_init_info(master_address: str, master_port: int, num_workers: int, ba
     """``init_info`` of ``init_weight_transfer_engine``: workers take ranks ``1 .. num_workers`` of a
     communicator whose rank 0 is the sending actor rank (hosting the rendezvous store)."""
     if backend == "gloo":
-        from hpc_rlhf.weight_sync.vllm_gloo_transfer import gloo_worker_init_info
-
         return gloo_worker_init_info(master_address, master_port, num_workers)
     if backend != "nccl":
         raise ValueError(f"unknown weight-transfer backend {backend!r}; choose one of {TRANSFER_BACKENDS}")
@@ -162,8 +159,7 @@ class VllmServerEngine(RolloutEngine):
                  gpu_memory_utilization: float = 0.9, seed: int = 0, enforce_eager: bool = False,
                  enable_prefix_caching: bool = True, logprobs_mode: str = "processed_logprobs",
                  weight_transfer_backend: str | None = None, **engine_kwargs: Any) -> None:
-        import torch
-
+        self.engine: Any = None  # vLLM's AsyncLLMEngine once started; close() is a no-op before
         import_vllm()  # the actionable install hint when vLLM is missing
         backend = weight_transfer_backend or transfer_backend(torch.cuda.is_available())
         if backend not in TRANSFER_BACKENDS:
@@ -187,13 +183,13 @@ class VllmServerEngine(RolloutEngine):
             self.engine = self._run(self._start(args))
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, local_rank: int | None, **engine_kwargs: Any) -> VllmServerEngine:
+    def from_spec(cls, spec: VllmEngineSpec, local_rank: int | None, **engine_kwargs: Any) -> VllmServerEngine:
         """Built by every rollout rank, one engine each: on its own GPU (``local_rank``), or on the host's cores
         where there is no GPU (``local_rank=None``: weights then come over gloo). Engine keywords (dtype, context
         length, KV cache size, the CPU head-size check) are the in-process engine's
-        (``vllm_external_launcher.engine_kwargs_from_config``); ``engine_kwargs`` override them. Engines spanning several
+        (``vllm_external_launcher.spec_engine_kwargs``); ``engine_kwargs`` override them. Engines spanning several
         GPUs (``devices``) need the other ranks of their group to build none: not arranged yet, so refused."""
-        tp = cfg.rollout.tensor_parallel_size
+        tp = spec.tensor_parallel_size
         if tp > 1:
             # Every rollout rank builds its engine; with tp > 1 only each group's leading rank may (the others'
             # GPUs are its workers'), which the rollout placement does not arrange yet.
@@ -201,11 +197,11 @@ class VllmServerEngine(RolloutEngine):
                              f"rollout.tensor_parallel_size={tp} is not supported there yet; use 1, or a colocated "
                              "layout (train.colocate_all=true, vLLM's external launcher)")
         on_gpu = local_rank is not None
-        kwargs = {**engine_kwargs_from_config(cfg, on_gpu), **engine_kwargs}
-        return cls(cfg.actor.pretrain, tensor_parallel_size=tp,
+        kwargs = {**spec_engine_kwargs(spec, on_gpu), **engine_kwargs}
+        return cls(spec.model_path, tensor_parallel_size=tp,
                    devices=list(range(local_rank, local_rank + tp)) if on_gpu else None,
-                   gpu_memory_utilization=cfg.vllm.gpu_memory_utilization, seed=cfg.train.seed,
-                   enforce_eager=cfg.vllm.enforce_eager, enable_prefix_caching=cfg.vllm.enable_prefix_caching,
+                   gpu_memory_utilization=spec.vllm.gpu_memory_utilization, seed=spec.seed,
+                   enforce_eager=spec.vllm.enforce_eager, enable_prefix_caching=spec.vllm.enable_prefix_caching,
                    weight_transfer_backend=transfer_backend(on_gpu), **kwargs)
 
     async def _start(self, args: Any) -> Any:
@@ -304,7 +300,7 @@ class VllmServerEngine(RolloutEngine):
     def close(self) -> None:
         """Abort what is in flight (pending ``submit`` futures then fail instead of waiting forever), stop vLLM's
         processes and the loop thread. Idempotent; the engine is not usable afterwards."""
-        if getattr(self, "engine", None) is None:
+        if self.engine is None:
             return
         if self._in_flight:
             self._run(self.engine.abort(request_id=list(self._in_flight)))

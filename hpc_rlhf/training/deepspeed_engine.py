@@ -37,6 +37,10 @@ from omegaconf import OmegaConf
 from torch.distributed import ProcessGroup
 
 from hpc_rlhf.config.schema import DeepSpeedConfig, ModelRole, TrainedRole
+from hpc_rlhf.models.hf_compat import enable_activation_checkpointing
+from hpc_rlhf.models.lora import apply_lora, load_trainable_state  # peft itself: lazily, inside
+from hpc_rlhf.models.precision import resolve_dtype
+from hpc_rlhf.training.optimizer_choice import adam_implementation, optimizer_offloaded
 from hpc_rlhf.training.topology import (
     copy_from_tp_leader,
     dp_setup,
@@ -45,7 +49,6 @@ from hpc_rlhf.training.topology import (
     tp_group_for,
     zero_init_group,
 )
-from hpc_rlhf.training.optimizer_choice import adam_implementation, optimizer_offloaded
 from hpc_rlhf.weight_sync.state_gather import (
     is_first_rank_of_role,
     iter_gathered_state_dict,
@@ -53,7 +56,6 @@ from hpc_rlhf.weight_sync.state_gather import (
     state_dict_sizes,
     write_hf_folder,
 )
-from hpc_rlhf.models.precision import resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -216,17 +218,68 @@ def _warmup_cosine_scheduler(optimizer: torch.optim.Optimizer, num_training_step
 # engines
 
 
-class TrainEngine:
-    """A model wrapped by DeepSpeed for one trainable role (actor, critic)."""
+class _DeepSpeedRole:
+    """What both engines share: the DeepSpeed engine of one role, its ZeRO stage and process groups, the wrapped
+    module and its forward."""
 
-    def __init__(self, engine, *, zero_stage: int, dp_group: ProcessGroup | None, on_gpu: bool,
-                 adam_offload: bool, lora: bool = False, tp_group: ProcessGroup | None = None):
+    def __init__(self, engine, *, zero_stage: int, dp_group: ProcessGroup | None, tp_group: ProcessGroup | None,
+                 on_gpu: bool):
         self.engine = engine
-        self.lora = lora
         self.zero_stage = zero_stage
         self.dp_group = dp_group
         self.tp_group = tp_group
         self.on_gpu = on_gpu
+
+    @staticmethod
+    def _partitioned_model(model_factory: Callable[[], torch.nn.Module], ds_cfg: DeepSpeedConfig,
+                           role_cfg: TrainedRole | None, *, train_batch_size: int | None, micro_train_batch_size: int,
+                           dp_group: ProcessGroup | None, tp_group: ProcessGroup | None, on_gpu: bool, lora: bool,
+                           offload_params: bool = False, extra_ds_config: dict | None = None):
+        """The steps both ``create`` share: the role's groups handed to DeepSpeed, its JSON config
+        (``role_cfg=None``: frozen), the factory's model (inside ``zero.Init`` under ZeRO-3) with AutoTP shards
+        copied from the tp leader. ``train_batch_size=None``: one micro-batch per data-parallel replica. Returns
+        ``(model, config, dp_size, mpu, tp_group)``. Collective."""
+        init_deepspeed_dist()
+        tp_group = tp_group_for(ds_cfg, tp_group, dp_group, lora)
+        dp_size, mpu = dp_setup(dp_group, tp_group)
+        if train_batch_size is None:
+            train_batch_size = micro_train_batch_size * dp_size
+        config = build_ds_config(ds_cfg, role_cfg, train_batch_size=train_batch_size,
+                                 micro_train_batch_size=micro_train_batch_size, dp_size=dp_size, on_gpu=on_gpu,
+                                 offload_params=offload_params, tp_size=ds_cfg.tensor_parallel_size,
+                                 extra=extra_ds_config)
+        init_group = zero_init_group(config, dp_group, tp_group)
+        if tp_group is not None:
+            install_tp_groups(tp_group, dp_group)
+        model = _build_model(model_factory, config, init_group, mpu)
+        copy_from_tp_leader(model, tp_group, config["zero_optimization"]["stage"])
+        return model, config, dp_size, mpu, tp_group
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def forward(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def eval(self) -> None:
+        self.engine.eval()
+
+
+class TrainEngine(_DeepSpeedRole):
+    """A model wrapped by DeepSpeed for one trainable role (actor, critic)."""
+
+    def __init__(self, engine, *, zero_stage: int, dp_group: ProcessGroup | None, on_gpu: bool,
+                 adam_offload: bool, lora: bool = False, tp_group: ProcessGroup | None = None):
+        super().__init__(engine, zero_stage=zero_stage, dp_group=dp_group, tp_group=tp_group, on_gpu=on_gpu)
+        self.lora = lora
         self._adam_offload = adam_offload
         self._offloaded_states: set = set()  # DeepSpeed OffloadStateTypeEnum members now on the host
         self._warned_optimizer_stays = False
@@ -244,27 +297,18 @@ class TrainEngine:
         the adapters (and a value model's ``score`` head) train. Under ZeRO-3 the adapters are created outside
         ``zero.Init`` and partitioned by ``deepspeed.initialize``.
         """
-        import deepspeed
+        import deepspeed  # lazily: importing the facade must not pull in deepspeed
 
-        init_deepspeed_dist()
         on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
         lora = ds_cfg.lora.rank > 0
-        tp_group = tp_group_for(ds_cfg, tp_group, dp_group, lora)
-        dp_size, mpu = dp_setup(dp_group, tp_group)
-        config = build_ds_config(ds_cfg, role_cfg, train_batch_size=train_batch_size,
-                                 micro_train_batch_size=micro_train_batch_size, dp_size=dp_size, on_gpu=on_gpu,
-                                 tp_size=ds_cfg.tensor_parallel_size, extra=extra_ds_config)
-        init_group = zero_init_group(config, dp_group, tp_group)
-        if tp_group is not None:
-            install_tp_groups(tp_group, dp_group)
-        model = _build_model(model_factory, config, init_group, mpu)
-        copy_from_tp_leader(model, tp_group, config["zero_optimization"]["stage"])
+        model, config, dp_size, mpu, tp_group = cls._partitioned_model(
+            model_factory, ds_cfg, role_cfg, train_batch_size=train_batch_size,
+            micro_train_batch_size=micro_train_batch_size, dp_group=dp_group, tp_group=tp_group, on_gpu=on_gpu,
+            lora=lora, extra_ds_config=extra_ds_config)
         if lora:
-            from hpc_rlhf.models.lora import apply_lora
-
             model = apply_lora(model, ds_cfg.lora)
-        if ds_cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if ds_cfg.gradient_checkpointing:
+            enable_activation_checkpointing(model, use_reentrant=False)
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=_param_groups(model, role_cfg.weight_decay), config=config,
             lr_scheduler=lambda optimizer: _warmup_cosine_scheduler(optimizer, num_training_steps, role_cfg),
@@ -280,19 +324,6 @@ class TrainEngine:
             log.info("optimizer: %s", adam.describe())
         return cls(engine, zero_stage=config["zero_optimization"]["stage"], dp_group=dp_group, on_gpu=on_gpu,
                    adam_offload=ds_cfg.adam_offload, lora=lora, tp_group=tp_group)
-
-    @property
-    def module(self) -> torch.nn.Module:
-        return self.engine.module
-
-    @property
-    def device(self) -> torch.device:
-        return self.engine.device
-
-    def forward(self, *args, **kwargs):
-        return self.engine(*args, **kwargs)
-
-    __call__ = forward
 
     def backward(self, loss: torch.Tensor, boundary: bool | None = None) -> None:
         """Accumulate gradients of ``loss``, which is already this micro-batch's share of the step loss.
@@ -354,9 +385,6 @@ class TrainEngine:
 
     def train(self) -> None:
         self.engine.train()
-
-    def eval(self) -> None:
-        self.engine.eval()
 
     def _can_offload(self) -> bool:
         # DeepSpeed 0.19's ZeRO optimizers (stages 1-3) move their states to host memory and back; stage 0 has
@@ -443,9 +471,7 @@ class TrainEngine:
 
     def load_checkpoint(self, path: str, tag: str) -> dict:
         """Restore what ``save_checkpoint`` wrote; returns its ``client_state``."""
-        custom_load_fn = None
-        if self.lora:
-            from hpc_rlhf.models.lora import load_trainable_state as custom_load_fn
+        custom_load_fn = load_trainable_state if self.lora else None
         load_path, client_state = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,
                                                               load_lr_scheduler_states=True,
                                                               custom_load_fn=custom_load_fn)
@@ -466,17 +492,13 @@ class TrainEngine:
                         tp_group=self.tp_group)
 
 
-class FrozenEngine:
+class FrozenEngine(_DeepSpeedRole):
     """Inference-only role (reference model, reward model): ZeRO-3 partitioning when ``ds.zero_stage == 3``,
     optional CPU parameter offload (``role_cfg.offload``, GPU only), eval mode, no optimizer."""
 
     def __init__(self, engine, *, zero_stage: int, dp_group: ProcessGroup | None,
                  tp_group: ProcessGroup | None = None, on_gpu: bool = False):
-        self.engine = engine
-        self.zero_stage = zero_stage
-        self.dp_group = dp_group
-        self.tp_group = tp_group
-        self.on_gpu = on_gpu
+        super().__init__(engine, zero_stage=zero_stage, dp_group=dp_group, tp_group=tp_group, on_gpu=on_gpu)
         self._offloaded = False
 
     @classmethod
@@ -485,43 +507,22 @@ class FrozenEngine:
                tp_group: ProcessGroup | None = None, on_gpu: bool | None = None,
                extra_ds_config: dict | None = None) -> FrozenEngine:
         """Collective over ``dp_group`` and ``tp_group`` (needed when ``ds.tensor_parallel_size > 1``)."""
-        import deepspeed
+        import deepspeed  # lazily: importing the facade must not pull in deepspeed
 
-        init_deepspeed_dist()
         on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
-        tp_group = tp_group_for(ds_cfg, tp_group, dp_group, lora=False)  # frozen roles never get LoRA
-        dp_size, mpu = dp_setup(dp_group, tp_group)
-        config = build_ds_config(ds_cfg, None, train_batch_size=micro_batch_size * dp_size,
-                                 micro_train_batch_size=micro_batch_size, dp_size=dp_size, on_gpu=on_gpu,
-                                 offload_params=role_cfg.offload, tp_size=ds_cfg.tensor_parallel_size,
-                                 extra=extra_ds_config)
-        init_group = zero_init_group(config, dp_group, tp_group)
-        if tp_group is not None:
-            install_tp_groups(tp_group, dp_group)
-        model = _build_model(model_factory, config, init_group, mpu)
-        copy_from_tp_leader(model, tp_group, config["zero_optimization"]["stage"])
+        model, config, _, mpu, tp_group = cls._partitioned_model(
+            model_factory, ds_cfg, None, train_batch_size=None, micro_train_batch_size=micro_batch_size,
+            dp_group=dp_group, tp_group=tp_group, on_gpu=on_gpu, lora=False,  # frozen roles never get LoRA
+            offload_params=role_cfg.offload, extra_ds_config=extra_ds_config)
         model.requires_grad_(False)
         engine, *_ = deepspeed.initialize(model=model, config=config, mpu=mpu, dist_init_required=False)
         engine.eval()
         return cls(engine, zero_stage=config["zero_optimization"]["stage"], dp_group=dp_group, tp_group=tp_group,
                    on_gpu=on_gpu)
 
-    @property
-    def module(self) -> torch.nn.Module:
-        return self.engine.module
-
-    @property
-    def device(self) -> torch.device:
-        return self.engine.device
-
     @torch.no_grad()
     def forward(self, *args, **kwargs):
         return self.engine(*args, **kwargs)
-
-    __call__ = forward
-
-    def eval(self) -> None:
-        self.engine.eval()
 
     def offload_states(self) -> None:
         """Move the whole (stage-0) model to host memory on GPU. ZeRO-3 partitions stay where ``role_cfg.offload``

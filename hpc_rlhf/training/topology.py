@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from hpc_rlhf.config.schema import DeepSpeedConfig
-from hpc_rlhf.world.groups import new_group
+from hpc_rlhf.world.groups import comm_device, new_group
 
 
 class _RoleMpu:
@@ -191,8 +191,6 @@ def copy_from_tp_leader(model: torch.nn.Module, tp_group: ProcessGroup | None, z
     """
     if tp_group is None or zero_stage == 3:
         return
-    from hpc_rlhf.world.groups import comm_device
-
     src, device = dist.get_global_rank(tp_group, 0), comm_device()
     for tensor in (*model.parameters(), *model.buffers()):
         staged = tensor.data.to(device)

@@ -24,7 +24,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.config.schema import RunConfig, resolved_vllm_mode
+from hpc_rlhf.config.schema import RolloutConfig, resolved_vllm_mode
+from hpc_rlhf.rollout.base import RolloutEngine
+from hpc_rlhf.rollout.vllm_server import SenderChannel, transfer_backend  # vLLM itself: only when a channel opens
 from hpc_rlhf.weight_sync.plan import (
     WeightSyncPlan,
     assign_engine_senders,
@@ -39,9 +41,22 @@ from hpc_rlhf.weight_sync.transport import (
     pack_bucket,
     sender_groups,
 )
+from hpc_rlhf.weight_sync.vllm_gloo_transfer import GlooSenderChannel
 from hpc_rlhf.world.channel import broadcast_to_role
 from hpc_rlhf.world.groups import WorldGroups, comm_device, new_group
 from hpc_rlhf.world.launch_env import free_port, host_address
+
+
+class ActorWeights(Protocol):
+    """What a weight sync reads from the actor on an actor rank: a ``TrainEngine``, or ``state_gather.ModuleWeights``
+    for a plain module."""
+
+    zero_stage: int
+
+    def state_dict_sizes(self) -> list[tuple[str, int]]: ...
+
+    def gathered_state_dict_items(self, bucket_bytes: int = ...,
+                                  names: list[list[str]] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]: ...
 
 
 class ShardedWeightSync:
@@ -63,12 +78,11 @@ class ShardedWeightSync:
                                                               comm_device())
         self.plan: WeightSyncPlan | None = None
 
-    def send(self, actor) -> None:
+    def send(self, actor: ActorWeights) -> None:
         """Actor ranks: gather this rank's replica's buckets (collective over its tp group) and send the ones
-        this rank is the sender of. ``actor``: a ``TrainEngine`` (``state_dict_sizes``,
-        ``gathered_state_dict_items(names=...)``)."""
+        this rank is the sender of."""
         rank = self.world.rank
-        if getattr(actor, "zero_stage", 0) == 3:  # check_engines_can_run refuses the layout before this
+        if actor.zero_stage == 3:  # check_engines_can_run refuses the layout before this
             raise ValueError("sharded weight sync plans ZeRO 0-2 replicas; ZeRO-3 runs in the colocated layout only")
         if self.plan is None:
             # One plan, made on the controller (an actor rank) and broadcast: under AutoTP each rank sees its own
@@ -117,14 +131,8 @@ OpenChannel = Callable[[str, int, int], EngineChannel]
 def _open_vllm_channel(master_address: str, master_port: int, num_workers: int) -> EngineChannel:
     """The sender's end for this machine's backend (``vllm_server.transfer_backend``, the rule the engine follows):
     vLLM's NCCL on CUDA (never run on a GPU yet), our gloo group without it."""
-    from hpc_rlhf.rollout.vllm_server import transfer_backend  # imports no vLLM
-
     if transfer_backend(torch.cuda.is_available()) == "nccl":
-        from hpc_rlhf.rollout.vllm_server import SenderChannel  # vLLM itself is imported only when opening
-
         return SenderChannel(master_address, master_port, num_workers)
-    from hpc_rlhf.weight_sync.vllm_gloo_transfer import GlooSenderChannel
-
     return GlooSenderChannel(master_address, master_port, num_workers)
 
 
@@ -188,10 +196,10 @@ class EngineChannelWeightSync:
         return box[0]
 
     # ------------------------------------------------------------------ actor ranks
-    def send(self, actor) -> None:
-        """Actor ranks: ``actor`` is a ``TrainEngine`` (``state_dict_sizes``, ``gathered_state_dict_items``)."""
+    def send(self, actor: ActorWeights) -> None:
+        """Actor ranks: one weight round from ``actor`` to the engines this rank feeds."""
         rank = self.world.rank
-        if getattr(actor, "zero_stage", 0) == 3:  # check_engines_can_run refuses the layout before this
+        if actor.zero_stage == 3:  # check_engines_can_run refuses the layout before this
             raise ValueError("weight sync to server_process engines plans ZeRO 0-2 replicas; ZeRO-3 runs in the "
                              "colocated layout only")
         replica = next(r for r in self.replicas if rank in r)
@@ -212,7 +220,7 @@ class EngineChannelWeightSync:
                 self.channels[engine].send(bucket)
                 self._bytes_sent += sum(t.numel() * t.element_size() for _, t in bucket)
 
-    def _plan_buckets(self, actor, replica: tuple[int, ...]) -> list[list[str]]:
+    def _plan_buckets(self, actor: ActorWeights, replica: tuple[int, ...]) -> list[list[str]]:
         """The buckets' names, in send order. Under AutoTP the replica's first rank decides for its tp group: a
         shard's size may differ between its ranks, and every rank must gather the same buckets."""
         sizes = actor.state_dict_sizes()
@@ -233,7 +241,7 @@ class EngineChannelWeightSync:
             self.channels[engine] = self.open_channel(address, ports[engine], self.num_workers)
 
     # ------------------------------------------------------------------ rollout ranks
-    def receive(self, engine) -> None:
+    def receive(self, engine: RolloutEngine) -> None:
         """Rollout ranks: one weight round of ``engine`` (``open_weight_channel``, ``receive_weights``)."""
         sender = self.sender_of[self.world.rank]
         if self.num_buckets is None:
@@ -252,10 +260,14 @@ class EngineChannelWeightSync:
                    for name, shape, dtype in self.descriptions[index]]
 
 
-def build_weight_sync(cfg: RunConfig, world: WorldGroups, **kwargs: Any):
-    """The weight sync of a layout whose rollout ranks are a subset of the world: over vLLM's per-engine
-    channels for ``rollout.vllm_mode=server_process``, else sharded over the main world. Collective."""
-    if cfg.rollout.backend == "vllm" and resolved_vllm_mode(cfg.rollout.vllm_mode,
-                                                            cfg.train.colocate_all) == "server_process":
-        return EngineChannelWeightSync(world, num_workers=cfg.rollout.tensor_parallel_size, **kwargs)
+WeightSync = ShardedWeightSync | EngineChannelWeightSync
+
+
+def build_weight_sync(rollout: RolloutConfig, world: WorldGroups, **kwargs: Any) -> WeightSync:
+    """The weight sync of a layout whose rollout ranks are a subset of the world (``rollout``: the rollout
+    section): over vLLM's per-engine channels for ``rollout.vllm_mode=server_process``, else sharded over the main
+    world. Collective."""
+    # Only runs without train.colocate_all build one (colocated runs load weights in-process): ``auto`` resolves so.
+    if rollout.backend == "vllm" and resolved_vllm_mode(rollout.vllm_mode, colocate_all=False) == "server_process":
+        return EngineChannelWeightSync(world, num_workers=rollout.tensor_parallel_size, **kwargs)
     return ShardedWeightSync(world, **kwargs)

@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from hpc_rlhf.weight_sync.plan import pack_consecutive
+from hpc_rlhf.models.lora import lora_factors, merge_lora_entries, save_adapter  # peft itself: lazily, inside
 from hpc_rlhf.models.quantization import is_quantized, plain_config, plain_copy
+from hpc_rlhf.weight_sync.plan import pack_consecutive
 
 
 def _state_dict_entries(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -110,6 +111,8 @@ class ModuleWeights:
     ``gathered_state_dict_items``): full tensors, as a ZeRO 0-2 replica holds them. For benchmarks and tests of
     the sync without DeepSpeed."""
 
+    zero_stage = 0  # full tensors on every rank, as under ZeRO 0-2
+
     def __init__(self, module: torch.nn.Module):
         self.module = module
 
@@ -128,8 +131,6 @@ def iter_merged_lora_state_dict(module: torch.nn.Module, zero_stage: int, bucket
     Under ZeRO-3 each bucket gathers its base weights together with the LoRA factors of their layers; a
     collective over the dp group like ``iter_gathered_state_dict``; ``names`` as there.
     """
-    from hpc_rlhf.models.lora import lora_factors, merge_lora_entries
-
     factors = lora_factors(module)  # base weight name -> LoRA parameters of its layer
     for bucket in _buckets(_state_dict_entries(module), bucket_bytes, names):
         params = {id(t): t for n, t in bucket for t in (t, *factors.get(n, ()))}
@@ -175,8 +176,6 @@ def write_hf_folder(module: torch.nn.Module, buckets: Iterator[list[tuple[str, t
             tokenizer.save_pretrained(output_dir)
     if lora:  # the merged weights above, plus the adapter alone for peft / `hpc-rlhf lora-merge`
         import deepspeed
-
-        from hpc_rlhf.models.lora import save_adapter
 
         trainable = [p for p in module.parameters() if p.requires_grad and hasattr(p, "ds_id")]
         with deepspeed.zero.GatheredParameters(trainable, modifier_rank=None, enabled=zero_stage == 3):

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.weight_sync.plan import SyncBucket
+from hpc_rlhf.world.groups import new_group
 
 _ALIGN = 16  # byte offset of every tensor in a flat bucket: a slice viewed as any dtype stays aligned
 
@@ -94,8 +95,6 @@ class WeightTransport(ABC):
 def sender_groups(sender_ranks: Sequence[int], rollout_ranks: Sequence[int]) -> dict[int, dist.ProcessGroup | None]:
     """{sender: group of the sender and every rollout rank}; collective: every rank of the world calls it with the
     same arguments, in the same order (``hpc_rlhf.world.groups.new_group``)."""
-    from hpc_rlhf.world.groups import new_group
-
     rank = dist.get_rank()
     groups = {}
     for sender in sender_ranks:

@@ -11,8 +11,8 @@ import re
 import pytest
 
 from hpc_rlhf.ckpt.atomic import CheckpointManager
-from hpc_rlhf.utils.metrics import read_metrics
 from hpc_rlhf.resilience.watchdog import STALL_EXIT_CODE
+from hpc_rlhf.utils.metrics import read_metrics
 from tests.faults import driver
 from tests.faults.conftest import OUTCOMES
 from tests.multiproc.rl_fixtures import make_assets

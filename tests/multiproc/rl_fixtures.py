@@ -32,9 +32,9 @@ def grpo_overrides(assets: dict[str, str], output_dir: Path, *extra: str) -> lis
 
 def run_trainer(rank: int, world_size: int, overrides: list[str]):
     """Build the world groups and a PPOTrainer from overrides (inside a spawned rank)."""
-    from hpc_rlhf.world.placement import build_placement
-    from hpc_rlhf.world.groups import build_world_groups
     from hpc_rlhf.trainers.rl.loop import PPOTrainer
+    from hpc_rlhf.world.groups import build_world_groups
+    from hpc_rlhf.world.placement import build_placement
 
     cfg = load_config(None, overrides)
     world = build_world_groups(build_placement(cfg, world_size))

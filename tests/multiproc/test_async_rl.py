@@ -24,10 +24,10 @@ def _async(assets, out, *extra):
 
 def _fit_async(rank, world_size, overrides, stop_after=None):
     from hpc_rlhf.config import load_config
-    from hpc_rlhf.world.placement import build_placement
-    from hpc_rlhf.world.groups import build_world_groups
     from hpc_rlhf.resilience import preemption
     from hpc_rlhf.trainers.rl.async_loop import AsyncPPOTrainer
+    from hpc_rlhf.world.groups import build_world_groups
+    from hpc_rlhf.world.placement import build_placement
 
     seen = {"n": 0}
     original = preemption.PreemptionGuard.agreed_stop

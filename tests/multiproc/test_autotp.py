@@ -285,9 +285,9 @@ def _frozen_and_critic_worker(rank: int, world_size: int, base: str, stage: int)
     like the trainers seed their ranks: the value head missing from the checkpoint starts random."""
     import torch.distributed as dist
 
-    from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine
     from hpc_rlhf.models.forward import sequence_scores, token_values
     from hpc_rlhf.models.loading import load_value_model
+    from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine
 
     torch.manual_seed(1234 + rank)
     tp_group, singles = dist.new_group([0, 1]), [dist.new_group([r]) for r in range(world_size)]

@@ -24,13 +24,12 @@ JOIN_LIMIT_S = 90  # startup on 2 busy cores + 4 timeouts of TIMEOUT_S; without 
 
 def _groups_under_test(world_size: int) -> dict:
     import torch.distributed as dist
+    from deepspeed.utils import groups as ds_groups
 
     from hpc_rlhf.config import load_config
     from hpc_rlhf.training.topology import dp_setup, init_deepspeed_dist
     from hpc_rlhf.world.groups import build_world_groups, tensor_data_parallel_groups
     from hpc_rlhf.world.placement import build_placement
-
-    from deepspeed.utils import groups as ds_groups
 
     cfg = load_config(None, ["algo.advantage_estimator=gae", "algo.kl.init_coef=0.01"])
     world = build_world_groups(build_placement(cfg, world_size))

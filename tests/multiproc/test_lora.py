@@ -61,9 +61,9 @@ def _train_and_check(rank: int, world_size: int, model_path: str, out_dir: str, 
     from peft import PeftModel
     from transformers import AutoTokenizer
 
+    from hpc_rlhf.models.lora import merged_named_tensors
     from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
     from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine
-    from hpc_rlhf.models.lora import merged_named_tensors
 
     tok = AutoTokenizer.from_pretrained(model_path)
     engine = _lora_engine(model_path, zero_stage, load_in_4bit)

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
 from hpc_rlhf.models.tiny import VLLM_CPU_SIZES, build_tiny_model
+from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
 from hpc_rlhf.utils.metrics import read_metrics
 from hpc_rlhf.world.launch_env import free_port
 from tests.multiproc.rl_fixtures import grpo_overrides
@@ -55,8 +55,8 @@ def tiny_model(tmp_path_factory) -> str:
 def linked_engine(tiny_model):
     """``(engine, sender)``: one ``VllmServerEngine`` on this machine's cores and the open gloo channel to its
     worker, sending from this process as an actor rank would."""
-    from hpc_rlhf.weight_sync.vllm_gloo_transfer import GlooSenderChannel
     from hpc_rlhf.rollout.vllm_server import VllmServerEngine
+    from hpc_rlhf.weight_sync.vllm_gloo_transfer import GlooSenderChannel
 
     engine = VllmServerEngine(tiny_model, dtype="float32", enforce_eager=True, max_model_len=LONG + 64,
                               kv_cache_memory_bytes=64 << 20, seed=0)
@@ -133,9 +133,9 @@ def sampled_requests(max_new_tokens: int, temperature: float = 1.0, n: int = 2) 
 def test_engine_samples_with_the_weights_it_was_sent(linked_engine, tiny_model):
     """Two successive rounds, each split inside fused layers: after each, vLLM's logprobs are the new model's.
     (Without the tied LM head processed again after a round they are off by 1.5 here.)"""
-    from hpc_rlhf.weight_sync.vllm_gloo_transfer import GlooWeightTransferEngine
-
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    from hpc_rlhf.weight_sync.vllm_gloo_transfer import GlooWeightTransferEngine
 
     assert issubclass(GlooWeightTransferEngine, WeightTransferEngine)  # what vLLM's factory builds in its worker
     engine, sender = linked_engine

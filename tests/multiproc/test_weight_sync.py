@@ -43,9 +43,9 @@ LAYOUTS = {"dp3": ["actor.num_ranks=3", "rollout.num_engines=2"],
 
 def _sync_twice(rank: int, world_size: int, overrides: list[str]) -> dict:
     from hpc_rlhf.config import load_config
-    from hpc_rlhf.weight_sync.state_gather import ModuleWeights
     from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine
     from hpc_rlhf.weight_sync.sharded import ShardedWeightSync
+    from hpc_rlhf.weight_sync.state_gather import ModuleWeights
     from hpc_rlhf.world.groups import build_world_groups
     from hpc_rlhf.world.placement import build_placement
 
@@ -158,14 +158,14 @@ def _matches(received: dict[str, list[torch.Tensor]], expected: torch.nn.Module)
 
 def _sync_over_channels(rank: int, world_size: int, overrides: list[str]) -> dict:
     from hpc_rlhf.config import load_config
-    from hpc_rlhf.weight_sync.state_gather import ModuleWeights
     from hpc_rlhf.weight_sync.sharded import EngineChannelWeightSync, build_weight_sync
+    from hpc_rlhf.weight_sync.state_gather import ModuleWeights
     from hpc_rlhf.world.groups import build_world_groups
     from hpc_rlhf.world.placement import build_placement
 
     cfg = load_config(None, [*SERVER_PROCESS, *overrides])
     world = build_world_groups(build_placement(cfg, world_size))
-    sync = build_weight_sync(cfg, world, bucket_bytes=BUCKET_BYTES, open_channel=StoreChannel)
+    sync = build_weight_sync(cfg.rollout, world, bucket_bytes=BUCKET_BYTES, open_channel=StoreChannel)
     assert isinstance(sync, EngineChannelWeightSync)
     result: dict = {"sender_of": sync.sender_of}
     if rank in world.placement.roles["actor"].ranks:

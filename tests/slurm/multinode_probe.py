@@ -23,8 +23,8 @@ for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from hpc_rlhf.world.launch_env import detect_launch_env  # noqa: E402
 from hpc_rlhf.world.groups import init_world  # noqa: E402
+from hpc_rlhf.world.launch_env import detect_launch_env  # noqa: E402
 
 env = detect_launch_env()
 init_world(timeout_s=60, env=env, backend="gloo")

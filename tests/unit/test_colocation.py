@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from hpc_rlhf.config.schema import RunConfig
-from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine
 from hpc_rlhf.planning.memory_estimate import SYNC_BUCKET_GIB, rank_memory, role_memory
+from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine
 from hpc_rlhf.weight_sync import colocated as colocation
 from hpc_rlhf.world.placement import build_placement
 

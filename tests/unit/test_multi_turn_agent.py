@@ -13,8 +13,8 @@ import torch
 from hpc_rlhf.agents.agent_loader import AgentLoadError, load_agent_executor
 from hpc_rlhf.agents.multi_turn import AgentInstanceBase, MultiTurnAgentExecutor
 from hpc_rlhf.data.prompts import Prompt
-from hpc_rlhf.rollout.base import GenerationResult, SamplingParams
 from hpc_rlhf.models.tiny import build_char_tokenizer, build_tiny_model
+from hpc_rlhf.rollout.base import GenerationResult, SamplingParams
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "agents")
 

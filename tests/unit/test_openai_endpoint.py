@@ -14,9 +14,9 @@ from hpc_rlhf.agents.openai_endpoint import OpenAIEndpoint, run_batch  # noqa: E
 from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor  # noqa: E402
 from hpc_rlhf.agents.openai_recording import CompletionRecord, episode_sequences  # noqa: E402
 from hpc_rlhf.data.prompts import Prompt  # noqa: E402
+from hpc_rlhf.models.tiny import build_tiny_model  # noqa: E402
 from hpc_rlhf.rollout.base import SamplingParams  # noqa: E402
 from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine  # noqa: E402
-from hpc_rlhf.models.tiny import build_tiny_model  # noqa: E402
 
 
 class CapturingEngine:

@@ -7,10 +7,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hpc_rlhf.agents.executor import SingleTurnExecutor
 from hpc_rlhf.data.prompts import Prompt
-from hpc_rlhf.rollout.base import SamplingParams
-from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine
 from hpc_rlhf.models.logprobs import logprobs_from_logits
 from hpc_rlhf.models.tiny import build_tiny_model
+from hpc_rlhf.rollout.base import SamplingParams
+from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine
 from hpc_rlhf.trainers.rl.partial_rollout import continue_generation, stamp_versions
 
 

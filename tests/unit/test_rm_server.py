@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,11 +18,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from hpc_rlhf.rewards.remote_rm import RemoteRewardError, RemoteRewardModel
 from hpc_rlhf.cli import serve_rm
 from hpc_rlhf.models.forward import sequence_scores
 from hpc_rlhf.models.loading import load_value_model
 from hpc_rlhf.models.tiny import build_tiny_reward_model
+from hpc_rlhf.rewards.remote_rm import RemoteRewardError, RemoteRewardModel
 from hpc_rlhf.serving.guards import API_KEY_ENV
 from hpc_rlhf.serving.loadtest import run_load, start_server
 from hpc_rlhf.serving.rm_server import BackgroundServer, MicroBatcher, RewardScorer, RewardServerError, create_app

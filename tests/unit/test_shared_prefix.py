@@ -1,11 +1,11 @@
 """Each distinct prompt computed once (``hpc_rlhf.models.shared_prefix``): the same log-probs, entropy and
 gradients as the full padded forward."""
 
-import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hpc_rlhf.models.forward import policy_logprobs
+from hpc_rlhf.models.hf_compat import enable_activation_checkpointing
 from hpc_rlhf.models.shared_prefix import can_share_prompts, distinct_prompts
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -68,7 +68,7 @@ def test_shared_prefix_forward_equals_the_full_forward_with_gradients():
 
 def test_shared_prefix_skips_checkpointed_models():
     model = _model()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, use_reentrant=False)
     assert not can_share_prompts(model)
     model.train()
     sequences, attention_mask, r, _ = _grpo_batch()

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from hpc_rlhf.agents.executor import SingleTurnExecutor, Trajectory
+from hpc_rlhf.data.prompts import Prompt, tokenize_prompts
 from hpc_rlhf.rewards.functions import RewardFunction
 from hpc_rlhf.rewards.scoring import score_trajectories
-from hpc_rlhf.data.prompts import Prompt, tokenize_prompts
 from hpc_rlhf.rollout.base import GenerationResult, SamplingParams
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "reward_funcs")

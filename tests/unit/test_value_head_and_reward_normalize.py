@@ -11,7 +11,7 @@ from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.models.loading import load_value_model
 from hpc_rlhf.models.tiny import build_tiny_model
 from hpc_rlhf.models.value_head import ValueHeadError, read_reward_normalization
-from hpc_rlhf.trainers.rl.setup import RewardModelRole
+from hpc_rlhf.rewards.reward_model import RewardModelRole
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_rlhf.rollout import vllm_api
-from hpc_rlhf.rollout import vllm_contract
+from hpc_rlhf.rollout import vllm_api, vllm_contract
 from hpc_rlhf.rollout.vllm_api import VLLM_NAMES, VllmName, resolve
 
 ENGINES = Path(vllm_api.__file__).parent

@@ -200,9 +200,10 @@ def _model_folder(path, hidden_size: int, heads: int):
     return str(path)
 
 
-def test_from_config_maps_sections(monkeypatch, tmp_path):
+def test_from_spec_maps_sections(monkeypatch, tmp_path):
     from hpc_rlhf.config.schema import RunConfig
     from hpc_rlhf.rollout import vllm_external_launcher as vllm_rollout
+    from hpc_rlhf.trainers.rl.setup import vllm_engine_spec
 
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=FakeLLM))
     monkeypatch.setattr(vllm_rollout, "resolve_cpu_attention_head_sizes", lambda: [32, 64])
@@ -215,7 +216,7 @@ def test_from_config_maps_sections(monkeypatch, tmp_path):
         "data": {"prompt_max_len": 100},
         "train": {"seed": 9},
     })
-    kwargs = VllmRolloutEngine.from_config(cfg, tokenizer=object()).llm.kwargs
+    kwargs = VllmRolloutEngine.from_spec(vllm_engine_spec(cfg)).llm.kwargs
     assert kwargs["model"] == model and kwargs["tensor_parallel_size"] == 2 and kwargs["seed"] == 9
     assert kwargs["gpu_memory_utilization"] == 0.3 and kwargs["enforce_eager"] is True
     assert kwargs["enable_prefix_caching"] is False and kwargs["max_model_len"] == 164
@@ -223,14 +224,15 @@ def test_from_config_maps_sections(monkeypatch, tmp_path):
     assert kwargs["dtype"] == "float32" and kwargs["enable_sleep_mode"] is False
     assert "kv_cache_memory_bytes" not in kwargs
     cfg.vllm.kv_cache_memory_gib = 0.25
-    assert VllmRolloutEngine.from_config(cfg).llm.kwargs["kv_cache_memory_bytes"] == 1 << 28
+    assert VllmRolloutEngine.from_spec(vllm_engine_spec(cfg)).llm.kwargs["kv_cache_memory_bytes"] == 1 << 28
     with pytest.raises(ValueError, match="actor.pretrain"):
-        VllmRolloutEngine.from_config(RunConfig())
+        VllmRolloutEngine.from_spec(vllm_engine_spec(RunConfig()))
 
 
 def test_cpu_head_size_is_checked_before_the_engine_starts(monkeypatch, tmp_path):
     from hpc_rlhf.config.schema import RunConfig
     from hpc_rlhf.rollout import vllm_external_launcher as vllm_rollout
+    from hpc_rlhf.trainers.rl.setup import vllm_engine_spec
 
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=FakeLLM))
     monkeypatch.setattr(vllm_rollout, "resolve_cpu_attention_head_sizes", lambda: [32, 64])
@@ -238,7 +240,7 @@ def test_cpu_head_size_is_checked_before_the_engine_starts(monkeypatch, tmp_path
     model = _model_folder(tmp_path / "tiny16", 64, 4)  # the default tiny model: head size 16
     cfg = RunConfig.model_validate({"actor": {"pretrain": model}, "rollout": {"backend": "vllm"}})
     with pytest.raises(ValueError, match=r"actor.pretrain=.*tiny16: attention head size 16 .*supported: 32, 64"):
-        VllmRolloutEngine.from_config(cfg)
+        VllmRolloutEngine.from_spec(vllm_engine_spec(cfg))
 
 
 def test_engine_dtype_follows_the_trainer():

@@ -15,6 +15,15 @@ import torch
 
 from hpc_rlhf.config.schema import resolved_vllm_mode
 from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
+from hpc_rlhf.rollout.vllm_server import (
+    LAUNCH_ENV_VARS,
+    VllmServerEngine,
+    bucket_update_info,
+    isolated_environ,
+    server_process_env,
+    transfer_backend,
+    worker_init_info,
+)
 from hpc_rlhf.weight_sync import vllm_gloo_transfer
 from hpc_rlhf.weight_sync.vllm_gloo_transfer import (
     GlooGroup,
@@ -26,15 +35,6 @@ from hpc_rlhf.weight_sync.vllm_gloo_transfer import (
     pack_by_dtype,
     unpack_by_dtype,
     worker_group_rank,
-)
-from hpc_rlhf.rollout.vllm_server import (
-    LAUNCH_ENV_VARS,
-    VllmServerEngine,
-    bucket_update_info,
-    isolated_environ,
-    server_process_env,
-    transfer_backend,
-    worker_init_info,
 )
 from hpc_rlhf.world.launch_env import free_port
 from tests.unit.test_vllm_external_launcher_contract import FakeRequestOutput, completion
@@ -212,14 +212,15 @@ def test_close_aborts_generations_in_flight(fake_vllm):
     assert [c for c in fake.calls if c[0] != "generate"] == [("abort", ["hpc-rlhf-0"]), ("shutdown",)]
 
 
-def test_from_config_refuses_tensor_parallel_engines_per_rank(fake_vllm):
+def test_from_spec_refuses_tensor_parallel_engines_per_rank(fake_vllm):
     from hpc_rlhf.config.schema import RunConfig
+    from hpc_rlhf.trainers.rl.setup import vllm_engine_spec
 
     cfg = RunConfig.model_validate({"actor": {"pretrain": "/models/tiny"}, "rollout": {"tensor_parallel_size": 2}})
     with pytest.raises(ValueError, match="rollout.tensor_parallel_size=2"):
-        VllmServerEngine.from_config(cfg, local_rank=0)
-    engine = VllmServerEngine.from_config(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
-        update={"tensor_parallel_size": 1})}), local_rank=3)
+        VllmServerEngine.from_spec(vllm_engine_spec(cfg), local_rank=0)
+    engine = VllmServerEngine.from_spec(vllm_engine_spec(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
+        update={"tensor_parallel_size": 1})})), local_rank=3)
     try:
         args = engine.engine.args.kwargs
         assert args["tensor_parallel_size"] == 1 and args["weight_transfer_config"].kwargs == {"backend": "nccl"}
@@ -234,15 +235,16 @@ def _model_dir(tmp_path, hidden_size: int, heads: int):
     return str(tmp_path)
 
 
-def test_from_config_on_cpu_uses_gloo_and_the_trainers_keywords(fake_vllm, tmp_path, monkeypatch):
+def test_from_spec_on_cpu_uses_gloo_and_the_trainers_keywords(fake_vllm, tmp_path, monkeypatch):
     from hpc_rlhf.config.schema import RunConfig
     from hpc_rlhf.rollout import vllm_external_launcher as vllm_rollout
+    from hpc_rlhf.trainers.rl.setup import vllm_engine_spec
 
     monkeypatch.setattr(vllm_rollout, "resolve_cpu_attention_head_sizes", lambda: [32, 64, 128])
     cfg = RunConfig.model_validate({"actor": {"pretrain": _model_dir(tmp_path, 128, 2)},
                                     "vllm": {"kv_cache_memory_gib": 0.25, "enforce_eager": True},
                                     "data": {"prompt_max_len": 16}, "rollout": {"generate_max_len": 4}})
-    engine = VllmServerEngine.from_config(cfg, local_rank=None, max_model_len=64)
+    engine = VllmServerEngine.from_spec(vllm_engine_spec(cfg), local_rank=None, max_model_len=64)
     try:
         args = engine.engine.args.kwargs
     finally:
@@ -253,14 +255,15 @@ def test_from_config_on_cpu_uses_gloo_and_the_trainers_keywords(fake_vllm, tmp_p
     assert args["max_model_len"] == 64 and args["enforce_eager"] is True  # keywords given override the config's
 
 
-def test_from_config_on_cpu_refuses_a_head_size_vllm_cannot_run(fake_vllm, tmp_path, monkeypatch):
+def test_from_spec_on_cpu_refuses_a_head_size_vllm_cannot_run(fake_vllm, tmp_path, monkeypatch):
     from hpc_rlhf.config.schema import RunConfig
     from hpc_rlhf.rollout import vllm_external_launcher as vllm_rollout
+    from hpc_rlhf.trainers.rl.setup import vllm_engine_spec
 
     monkeypatch.setattr(vllm_rollout, "resolve_cpu_attention_head_sizes", lambda: [32, 64, 128])
     cfg = RunConfig.model_validate({"actor": {"pretrain": _model_dir(tmp_path, 64, 4)}})
     with pytest.raises(ValueError, match="actor.pretrain=.*head size 16"):
-        VllmServerEngine.from_config(cfg, local_rank=None)
+        VllmServerEngine.from_spec(vllm_engine_spec(cfg), local_rank=None)
 
 
 def test_unknown_transfer_backend_is_refused(fake_vllm):
@@ -389,12 +392,11 @@ def test_a_bucket_crosses_a_gloo_group_between_sender_and_worker():
 
 
 def test_channels_follow_the_hardware(monkeypatch):
-    from hpc_rlhf.rollout import vllm_server
     from hpc_rlhf.weight_sync import sharded as weight_sync
 
     opened = []
-    monkeypatch.setattr(vllm_gloo_transfer, "GlooSenderChannel", lambda *a: opened.append(("gloo", a)))
-    monkeypatch.setattr(vllm_server, "SenderChannel", lambda *a: opened.append(("nccl", a)))
+    monkeypatch.setattr(weight_sync, "GlooSenderChannel", lambda *a: opened.append(("gloo", a)))
+    monkeypatch.setattr(weight_sync, "SenderChannel", lambda *a: opened.append(("nccl", a)))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     weight_sync._open_vllm_channel("h", 31000, 1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

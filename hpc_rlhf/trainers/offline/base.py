@@ -39,12 +39,12 @@ from hpc_rlhf.config import save_resolved_config
 from hpc_rlhf.config.supervised import SupervisedRunConfig
 from hpc_rlhf.data.packing import TokenSample, collate
 from hpc_rlhf.data.prompts import PromptStream
-from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine, gradient_accumulation_steps
 from hpc_rlhf.models.loading import load_causal_lm, load_tokenizer, resolve_attn_implementation
 from hpc_rlhf.models.precision import resolve_dtype
 from hpc_rlhf.resilience.stall_guard import StallGuard
 from hpc_rlhf.trainers import run_skeleton
 from hpc_rlhf.trainers.run_skeleton import RunHooks, RunPlan
+from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine, gradient_accumulation_steps
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
 from hpc_rlhf.utils.seeding import seed_rank
 from hpc_rlhf.world.groups import comm_device, tensor_data_parallel_groups

@@ -30,13 +30,14 @@ import torch.distributed as dist
 
 from hpc_rlhf.ckpt.hf_exports import HFExports
 from hpc_rlhf.config import RunConfig, save_resolved_config
-from hpc_rlhf.rollout.base import SamplingParams
 from hpc_rlhf.models.loading import load_tokenizer
 from hpc_rlhf.models.micro_forward import SequenceParallel
-from hpc_rlhf.trainers.rl import checkpoint as rl_checkpoint
+from hpc_rlhf.resilience.fault_injection import fault_point
+from hpc_rlhf.resilience.stall_guard import StallGuard
+from hpc_rlhf.rollout.base import SamplingParams
 from hpc_rlhf.trainers import run_skeleton
+from hpc_rlhf.trainers.rl import checkpoint as rl_checkpoint
 from hpc_rlhf.trainers.rl import setup as rl_setup
-from hpc_rlhf.weight_sync.colocated import colocated_weight_sync
 from hpc_rlhf.trainers.rl.controller_steps import (
     append_groups,
     attach_rewards,
@@ -57,10 +58,9 @@ from hpc_rlhf.trainers.rl.rollout_dump import (
     write_rollouts,
 )
 from hpc_rlhf.trainers.rl.rollout_health import AgentFailureLimitError, RolloutHealth
-from hpc_rlhf.trainers.rl.run_hooks import RLRunHooks, rl_run_plan
 from hpc_rlhf.trainers.rl.row_layout import Batching, forward_shards, in_batch_order, train_shards
+from hpc_rlhf.trainers.rl.run_hooks import RLRunHooks, rl_run_plan
 from hpc_rlhf.trainers.rl.step_batch import StepBatch, TrainShard
-from hpc_rlhf.weight_sync.sharded import build_weight_sync
 from hpc_rlhf.trainers.rl.workers import (
     TRAIN_FIELDS,
     UpdateSettings,
@@ -69,10 +69,9 @@ from hpc_rlhf.trainers.rl.workers import (
     train_actor,
     train_critic,
 )
-from hpc_rlhf.resilience.stall_guard import StallGuard
-from hpc_rlhf.resilience.fault_injection import fault_point
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
 from hpc_rlhf.utils.seeding import seed_rank
+from hpc_rlhf.weight_sync.colocated import colocated_weight_sync
 from hpc_rlhf.world.channel import gather_from_role, scatter_to_role
 from hpc_rlhf.world.groups import WorldGroups
 
@@ -108,7 +107,7 @@ class PPOTrainer:
         dist.broadcast_object_list(box, src=0)
         self.num_steps: int = box[0]
         # Collective (it creates groups), so built by every rank before any role's engine.
-        self.weight_sync = None if cfg.train.colocate_all else build_weight_sync(cfg, world)
+        self.weight_sync = rl_setup.weight_sync(cfg, world)
         self.roles = rl_setup.build_roles(cfg, world, self.tokenizer, self.num_steps)
         if world.is_controller:
             save_resolved_config(cfg, cfg.train.output_dir)

@@ -67,9 +67,8 @@ class RLRunHooks(RunHooks):
 
     def after_steps(self) -> None:
         rollout = self.trainer.roles.rollout
-        close_executor = getattr(rollout.executor, "close", None) if rollout else None
-        if close_executor is not None:  # e.g. the OpenAI-agent endpoint: stop serving when training ends
-            close_executor()
+        if rollout is not None:  # e.g. the OpenAI-agent endpoint stops serving when training ends
+            rollout.executor.close()
 
     def export(self) -> None:
         self.trainer.export()

@@ -12,24 +12,33 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from hpc_rlhf.agents.agent_loader import AgentLoadError, load_agent_executor
 from hpc_rlhf.agents.executor import AgentExecutor, SingleTurnExecutor
-from hpc_rlhf.rewards.functions import RewardFunction
+from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor  # imports no openai / fastapi by itself
 from hpc_rlhf.algos import AdaptiveKLController, FixedKLController, RunningRewardNormalizer
-from hpc_rlhf.config.schema import RunConfig, resolved_vllm_mode
+from hpc_rlhf.config.schema import RolloutConfig, RunConfig, resolved_vllm_mode
 from hpc_rlhf.data.prompts import PromptDataset, PromptStream
-from hpc_rlhf.rollout.base import RolloutEngine, SamplingParams
+from hpc_rlhf.data.reasoning_gym import reasoning_gym_reward, write_prompt_file  # reasoning-gym itself: lazily
 from hpc_rlhf.models.loading import (
     load_causal_lm,
     load_value_model,
     require_local_model,
     resolve_attn_implementation,
 )
-from hpc_rlhf.models.micro_forward import SequenceParallel, forward_scope
 from hpc_rlhf.models.precision import resolve_dtype
-from hpc_rlhf.models.value_head import read_reward_normalization
+from hpc_rlhf.rewards.functions import RewardFunction
+from hpc_rlhf.rewards.remote_rm import RemoteRewardModel
+from hpc_rlhf.rewards.reward_model import RewardModelRole, build_reward_model_role
+from hpc_rlhf.rollout.base import RolloutEngine, SamplingParams
+from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine
+from hpc_rlhf.rollout.vllm_external_launcher import VllmEngineSpec, VllmRolloutEngine  # vLLM itself: lazily
+from hpc_rlhf.rollout.vllm_server import VllmServerEngine
+from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine  # deepspeed itself: lazily
 from hpc_rlhf.utils.seeding import seed_rank
+from hpc_rlhf.weight_sync.sharded import WeightSync, build_weight_sync
 from hpc_rlhf.world.groups import WorldGroups
 
 log = logging.getLogger(__name__)
@@ -54,9 +63,9 @@ def check_supported(cfg: RunConfig) -> None:
 
 def check_model_paths(cfg: RunConfig) -> None:
     """Every role's model folder exists, before minutes of start-up (errors name the key)."""
-    for key in ("actor.pretrain", "critic.pretrain", "ref.pretrain", "reward.pretrain"):
-        section, field = key.split(".")
-        path = getattr(getattr(cfg, section), field)
+    paths = {"actor.pretrain": cfg.actor.pretrain, "critic.pretrain": cfg.critic.pretrain,
+             "ref.pretrain": cfg.ref.pretrain, "reward.pretrain": cfg.reward.pretrain}
+    for key, path in paths.items():
         if path is not None or key == "actor.pretrain":
             require_local_model(path, key)
 
@@ -117,8 +126,6 @@ class ControllerState:
 def reasoning_gym_prompts(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
     """``data.reasoning_gym``: the task's questions, written once under ``<train.output_dir>/data`` and read like
     any prompt file (``data.input_template``, ``apply_chat_template``, ``max_samples`` apply)."""
-    from hpc_rlhf.data.reasoning_gym import write_prompt_file
-
     data, gym = cfg.data, cfg.data.reasoning_gym
     seed = cfg.train.seed if gym.seed is None else gym.seed
     path = write_prompt_file(gym.task, gym.size, seed, Path(cfg.train.output_dir) / "data")
@@ -146,13 +153,9 @@ def reward_function(cfg: RunConfig) -> Any:
     if path:
         return RewardFunction(path, timeout_s=r.reward_func_timeout_s)
     if r.remote_url:
-        from hpc_rlhf.rewards.remote_rm import RemoteRewardModel
-
         return RemoteRewardModel(r.remote_url, timeout_s=r.remote_timeout_s, max_retries=r.remote_max_retries,
                                  api_key=os.environ.get(r.remote_api_key_env) or None)
     if cfg.data.reasoning_gym.task and not r.pretrain and not cfg.train.agent_func_path:
-        from hpc_rlhf.data.reasoning_gym import reasoning_gym_reward
-
         return reasoning_gym_reward  # the task's own score_answer
     return None
 
@@ -161,47 +164,20 @@ def reward_function(cfg: RunConfig) -> Any:
 class RolloutSide:
     engine: RolloutEngine
     executor: AgentExecutor
-    rollout_cfg: Any
+    rollout_cfg: RolloutConfig
     stop_token_ids: list[int]
 
     def sampling(self, seed: int) -> SamplingParams:
         return SamplingParams.from_rollout_config(self.rollout_cfg, self.stop_token_ids, seed=seed)
 
 
-class RewardModelRole:
-    """The reward-model role: a frozen sequence scorer (value head loaded into ``score``).
-
-    ``normalization``: ``(reward_mean, reward_std)`` stored with the reward model (``reward.normalize``, as
-    OpenRLHF's ``--normalize_reward``): scores become ``(score - mean) / std``; None keeps raw scores.
-    """
-
-    def __init__(self, engine: Any, micro_batch_size: int, normalization: tuple[float, float] | None = None) -> None:
-        self.engine, self.micro, self.normalization = engine, micro_batch_size, normalization
-
-    @torch.no_grad()
-    def scores(self, shard: dict[str, torch.Tensor], sp: SequenceParallel | None = None) -> torch.Tensor:
-        """(B, T) sequences -> (B,) scores, ``micro_batch_size`` rows per forward. ``sp``: every rank of the
-        sequence-parallel group gets the same shard and runs its chunk of each row (ring attention)."""
-        num_rows, m = shard["sequences"].shape[0], self.micro
-        scores = []
-        for i in range(0, num_rows, m):
-            rows = {k: shard[k][i : i + m] for k in ("sequences", "attention_mask")}
-            with forward_scope(self.engine, rows, sp=sp) as fwd:
-                scores.append(fwd.sequence_scores())
-        scores = torch.cat(scores)
-        if self.normalization is not None:
-            mean, std = self.normalization
-            scores = (scores - mean) / std
-        return scores
-
-
 @dataclass
 class Roles:
     """The engines this rank hosts (``None`` for roles it does not host)."""
 
-    actor: Any = None
-    critic: Any = None
-    ref: Any = None
+    actor: TrainEngine | None = None
+    critic: TrainEngine | None = None
+    ref: FrozenEngine | None = None
     reward: RewardModelRole | None = None
     rollout: RolloutSide | None = None
     need_old_logprobs: bool = True
@@ -218,19 +194,26 @@ def rollout_shares_actor(cfg: RunConfig, world: WorldGroups) -> bool:
             and cfg.ds.lora.rank == 0 and not cfg.ds.use_liger_kernel)
 
 
-def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool, actor: Any = None) -> RolloutEngine:
+def vllm_engine_spec(cfg: RunConfig) -> VllmEngineSpec:
+    """What a vLLM rollout engine takes from the run config."""
+    return VllmEngineSpec(model_path=cfg.actor.pretrain, param_dtype=cfg.ds.param_dtype,
+                          max_model_len=cfg.data.max_len or cfg.data.prompt_max_len + cfg.rollout.generate_max_len,
+                          tensor_parallel_size=cfg.rollout.tensor_parallel_size, seed=cfg.train.seed, vllm=cfg.vllm)
+
+
+def weight_sync(cfg: RunConfig, world: WorldGroups) -> WeightSync | None:
+    """The actor -> rollout weight sync of a layout whose rollout ranks are a subset of the world; None when
+    colocated (weights load in-process, ``weight_sync.colocated``). Collective (it creates groups)."""
+    return None if cfg.train.colocate_all else build_weight_sync(cfg.rollout, world)
+
+
+def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool, actor: TrainEngine | None = None) -> RolloutEngine:
     """The rollout engine of this rank; with ``actor`` (:func:`rollout_shares_actor`) it runs on its module."""
     dtype = resolve_dtype(cfg.ds.param_dtype, on_gpu)
     if cfg.rollout.backend == "vllm":
         if resolved_vllm_mode(cfg.rollout.vllm_mode, cfg.train.colocate_all) == "server_process":
-            from hpc_rlhf.rollout.vllm_server import VllmServerEngine
-
-            return VllmServerEngine.from_config(cfg, torch.cuda.current_device() if on_gpu else None)
-        from hpc_rlhf.rollout.vllm_external_launcher import VllmRolloutEngine
-
-        return VllmRolloutEngine.from_config(cfg, tokenizer)
-    from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine
-
+            return VllmServerEngine.from_spec(vllm_engine_spec(cfg), torch.cuda.current_device() if on_gpu else None)
+        return VllmRolloutEngine.from_spec(vllm_engine_spec(cfg))
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     if actor is not None:
         return TransformersRolloutEngine(actor.module, eos_token_id=tokenizer.eos_token_id,
@@ -245,10 +228,6 @@ def check_agent_loads(cfg: RunConfig, tokenizer: Any, rank: int) -> None:
     reported once, with its traceback, by rank 0; the other ranks exit with a one-line pointer to it."""
     if not cfg.train.agent_func_path:
         return
-    import torch.distributed as dist
-
-    from hpc_rlhf.agents.agent_loader import AgentLoadError
-
     error = None
     if rank == 0:
         try:
@@ -269,9 +248,6 @@ def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
     is set."""
     if not cfg.train.agent_func_path:
         return SingleTurnExecutor(tokenizer, cfg.data.prompt_max_len)
-    from hpc_rlhf.agents.agent_loader import load_agent_executor
-    from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor  # imports no openai / fastapi by itself
-
     executor = load_agent_executor(cfg.train.agent_func_path, tokenizer, cfg.data.prompt_max_len,
                                    max_len=cfg.data.max_len, max_turns=cfg.train.agent_max_turns,
                                    num_concurrent=cfg.rollout.async_num_tasks,
@@ -285,7 +261,8 @@ def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
     return executor
 
 
-def _rollout_side(cfg: RunConfig, world: WorldGroups, tokenizer: Any, on_gpu: bool, actor: Any = None) -> RolloutSide:
+def _rollout_side(cfg: RunConfig, world: WorldGroups, tokenizer: Any, on_gpu: bool,
+                  actor: TrainEngine | None = None) -> RolloutSide:
     side = RolloutSide(_rollout_engine(cfg, tokenizer, on_gpu, actor), _executor(cfg, tokenizer), cfg.rollout,
                        [tokenizer.eos_token_id])
     # A rollout engine may seed the global RNGs itself, the same on every rank (vLLM's worker calls
@@ -296,8 +273,6 @@ def _rollout_side(cfg: RunConfig, world: WorldGroups, tokenizer: Any, on_gpu: bo
 
 def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: int) -> Roles:
     """Create the engines of every role this rank hosts. Collective within each role group."""
-    from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine
-
     on_gpu = torch.cuda.is_available()
     dtype = resolve_dtype(cfg.ds.param_dtype, on_gpu)
     attn = resolve_attn_implementation(cfg.ds.attn_implementation, on_gpu)
@@ -317,7 +292,7 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
     kl_needs_old = "ref" in world.roles and (not cfg.algo.kl.use_loss or cfg.algo.kl.target is not None)
     roles.need_old_logprobs = not (cfg.train.max_epochs == 1 and samples == cfg.train.train_batch_size
                                    and not kl_needs_old)
-    for role in ("actor", "critic"):
+    for role, role_cfg in (("actor", cfg.actor), ("critic", cfg.critic)):
         if role not in world.roles:
             continue
         dp = len(world.roles[role].dp_leaders)
@@ -326,14 +301,14 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
                              f"{role} data-parallel size {dp} x train.micro_train_batch_size="
                              f"{cfg.train.micro_train_batch_size}")
         if world.has_role(role):
-            path = getattr(cfg, role).pretrain or cfg.actor.pretrain
+            path = role_cfg.pretrain or cfg.actor.pretrain
             head = cfg.critic.value_head_prefix
             factory = (lambda p=path: load_causal_lm(p, dtype, attn, liger, q4)) if role == "actor" else \
                 (lambda p=path: load_value_model(p, dtype, attn, liger, q4, value_head_prefix=head,
                                                  key="critic.value_head_prefix"))
             # DeepSpeed counts every rank of its group (dp x sp) as a replica; sp peers share a micro-batch.
             engine = TrainEngine.create(
-                factory, cfg.ds, getattr(cfg, role),
+                factory, cfg.ds, role_cfg,
                 train_batch_size=cfg.train.train_batch_size * cfg.ds.ring_attn_size,
                 micro_train_batch_size=cfg.train.micro_train_batch_size,
                 num_training_steps=optimizer_steps(cfg, num_steps), dp_group=world.roles[role].dp_sp_group,
@@ -347,16 +322,11 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
                                         micro_batch_size=cfg.rollout.micro_rollout_batch_size,
                                         dp_group=world.roles["ref"].dp_sp_group, tp_group=world.roles["ref"].tp_group,
                                         on_gpu=on_gpu)
-    if world.has_role("reward"):
-        path, head = cfg.reward.pretrain, cfg.reward.value_head_prefix
-        # Statistics first: a missing key fails before the weights load.
-        normalization = read_reward_normalization(path, "reward.normalize") if cfg.reward.normalize else None
-        engine = FrozenEngine.create(lambda: load_value_model(path, dtype, attn, liger, value_head_prefix=head,
-                                                              key="reward.value_head_prefix"), cfg.ds, cfg.reward,
-                                     micro_batch_size=cfg.rollout.micro_rollout_batch_size,
-                                     dp_group=world.roles["reward"].dp_sp_group,
-                                     tp_group=world.roles["reward"].tp_group, on_gpu=on_gpu)
-        roles.reward = RewardModelRole(engine, cfg.rollout.micro_rollout_batch_size, normalization)
+    if world.has_role("reward"):  # full precision under QLoRA too
+        roles.reward = build_reward_model_role(cfg.reward, cfg.ds,
+                                               micro_batch_size=cfg.rollout.micro_rollout_batch_size,
+                                               dp_group=world.roles["reward"].dp_sp_group,
+                                               tp_group=world.roles["reward"].tp_group, on_gpu=on_gpu)
     return roles
 
 
