@@ -2,20 +2,22 @@
 # GPU acceptance: every tests/gpu test on one GPU, including GRPO colocated on a locally built ~0.5B Llama
 # (tests/gpu/test_acceptance_gpu.py), which prints rollout tokens/s, train tokens/s, MFU, state-dict gather
 # GB/s and plan's per-GPU estimate against torch.cuda.max_memory_allocated, and writes them as JSON to
-# $OUT/acceptance (or runs/acceptance).
+# $HPC_RLHF_ACCEPTANCE_DIR (default runs/acceptance).
 #
 #   bash tests/gpu/acceptance.sh [pytest args ...]            # from anywhere; e.g. -k full_zero3
 #
-# For a machine with only torch + transformers: wheels under shared/wheels (DeepSpeed and its small
-# dependencies, the project's own pure-Python dependencies, liger-kernel, bitsandbytes) are installed first,
-# without an index and without dependency resolution, then the project itself (--no-deps). See docs/gpu.md.
+# For a compute node without internet that has only torch + transformers: the wheels in $WHEELHOUSE (default
+# ./wheelhouse, built on a login node: DeepSpeed and its small dependencies, the project's own pure-Python
+# dependencies, liger-kernel, bitsandbytes) are installed first, without an index and without dependency
+# resolution. See docs/gpu.md, "A wheelhouse for a compute node without internet".
 # Without CUDA every test here skips with its reason.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON="${PYTHON:-python}"
 
-if compgen -G "shared/wheels/*.whl" > /dev/null; then
-    "$PYTHON" -m pip install --quiet --no-index --no-deps shared/wheels/*.whl
+WHEELHOUSE="${WHEELHOUSE:-wheelhouse}"
+if compgen -G "$WHEELHOUSE/*.whl" > /dev/null; then
+    "$PYTHON" -m pip install --quiet --no-index --no-deps "$WHEELHOUSE"/*.whl
 fi
 # The project runs from this checkout (python -m pytest puts it first on the path); its imports must resolve.
 missing=$("$PYTHON" - <<'PY'
@@ -26,7 +28,7 @@ print(" ".join(m for m in needed if find_spec(m) is None))
 PY
 )
 if [[ -n "$missing" ]]; then
-    echo "acceptance: not importable: $missing (carry their wheels under shared/wheels; docs/gpu.md)" >&2
+    echo "acceptance: not importable: $missing (put their wheels in $WHEELHOUSE; docs/gpu.md)" >&2
     [[ " $missing " == *" pytest "* ]] && exit 2
 fi
 "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),

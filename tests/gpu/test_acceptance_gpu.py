@@ -6,7 +6,7 @@ DeepSpeed), in four variants, each a real run (``acceptance_run.py`` under torch
 - LoRA, QLoRA (bitsandbytes NF4 base, ZeRO-2), and Liger kernels (skipped with a reason when not installed).
 
 Each prints rollout tokens/s, train tokens/s, MFU, state-dict gather GB/s and ``plan``'s per-GPU estimate next to
-``torch.cuda.max_memory_allocated``, and writes them to ``$OUT/acceptance`` (or ``runs/acceptance``). Run all GPU
+``torch.cuda.max_memory_allocated``, and writes them to ``$HPC_RLHF_ACCEPTANCE_DIR`` (default ``runs/acceptance``). Run all GPU
 tests with ``bash tests/gpu/acceptance.sh``.
 """
 
@@ -30,7 +30,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (GPU acceptance: bf16 DeepSpeed runs)"),
     pytest.mark.skipif(find_spec("deepspeed") is None,
-                       reason="deepspeed is not installed (carry its wheel: docs/gpu.md, 'GPU acceptance run')"),
+                       reason="deepspeed is not installed (add its wheel to the wheelhouse: docs/gpu.md)"),
 ]
 
 # ~0.45B parameters: 24 layers of hidden 1024 (GQA 16/8 heads) and MLP 5120; a char-level vocabulary.
@@ -47,8 +47,7 @@ NEEDS = {"qlora": "bitsandbytes", "liger": "liger_kernel"}
 
 
 def report_dir() -> Path:
-    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "runs"
-    path = out / "acceptance"
+    path = Path(os.environ.get("HPC_RLHF_ACCEPTANCE_DIR") or ROOT / "runs" / "acceptance")
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -116,5 +115,5 @@ def test_grpo_full_zero3_offload_frees_device_memory_while_generating(assets):
 @pytest.mark.parametrize("name", ["lora", "qlora", "liger"])
 def test_grpo_lora_qlora_liger(assets, name):
     if name in NEEDS and find_spec(NEEDS[name]) is None:
-        pytest.skip(f"{NEEDS[name]} is not installed (carry its wheel to run the {name} path)")
+        pytest.skip(f"{NEEDS[name]} is not installed (add its wheel to the wheelhouse to run the {name} path)")
     _check_common(_run(assets, name))
