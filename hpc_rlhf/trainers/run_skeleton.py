@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from hpc_rlhf.resilience.preemption import preemption_guard, requeue_if_enabled
 from hpc_rlhf.resilience.stall_guard import StallGuard

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from hpc_rlhf.agents.agent_loader import AgentLoadError, load_agent_executor
 from hpc_rlhf.agents.executor import AgentExecutor, SingleTurnExecutor
@@ -328,7 +327,3 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
                                                dp_group=world.roles["reward"].dp_sp_group,
                                                tp_group=world.roles["reward"].tp_group, on_gpu=on_gpu)
     return roles
-
-
-def progress_bar(total: int, enabled: bool) -> tqdm:
-    return tqdm(total=total, desc="steps", disable=not enabled, dynamic_ncols=True)
