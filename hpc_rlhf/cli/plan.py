@@ -20,6 +20,7 @@ import yaml
 from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.config.schema import resolved_param_dtype
 from hpc_rlhf.config.supervised import CONFIG_CLASSES, load_supervised_config
+from hpc_rlhf.planning.devices import DEVICES, get_device
 from hpc_rlhf.planning.memory_estimate import (
     RoleMemory,
     effective_zero_stage,
@@ -29,9 +30,14 @@ from hpc_rlhf.planning.memory_estimate import (
     supervised_memory,
 )
 from hpc_rlhf.planning.model_shape import ModelSizeError, role_num_params, role_shape
-from hpc_rlhf.planning.devices import DEVICES, get_device
 from hpc_rlhf.planning.step_time import StepTime, rl_step_time, supervised_step_time
-from hpc_rlhf.planning.time_budget import GraceTooShort, SlurmBudget, grace_check, read_sbatch_budget, time_lines
+from hpc_rlhf.planning.time_budget import (
+    GraceTooShort,
+    SlurmBudget,
+    grace_check,
+    read_sbatch_budget,
+    time_lines,
+)
 from hpc_rlhf.training.optimizer_choice import adam_implementation, optimizer_offloaded
 from hpc_rlhf.world.placement import PlacementError, build_placement
 

@@ -81,8 +81,8 @@ def grace_check(step: StepTime, budget: SlurmBudget) -> None:
         raise GraceTooShort(
             f"the USR1 warning comes {budget.grace_s} s before the time limit ({budget.source}), less than one step "
             f"({step.step_s:.0f} s) plus one checkpoint save ({step.checkpoint_save_s:.0f} s) = {needed:.0f} s "
-            f"predicted; raise the grace to at least {needed * 1.5:.0f} s (#SBATCH --signal=USR1@<s>, "
-            "slurm.signal_grace_s) or give your filesystem's bandwidth (--fs-gbps)")
+            f"predicted; raise the grace above {needed:.0f} s, with margin (e.g. {needed * 1.5:.0f} s: #SBATCH "
+            "--signal=USR1@<s>, slurm.signal_grace_s), or give your filesystem's bandwidth (--fs-gbps)")
 
 
 def _seconds(s: float) -> str:
@@ -100,8 +100,8 @@ def time_lines(step: StepTime, budget: SlurmBudget, device: Device) -> list[str]
     if budget.time_s is not None:
         usable = budget.time_s - (budget.grace_s or 0) - step.checkpoint_load_s
         steps = max(0, int(usable // step.step_s)) if step.step_s > 0 else 0
-        lines.append(f"  time limit {budget.time_s} s: about {steps} steps per job (after loading a checkpoint, "
-                     f"before the warning signal)")
+        lines.append(f"  time limit {budget.time_s} s ({budget.time_s / 3600:.1f} h): about {steps} steps per job "
+                     "(after loading a checkpoint, before the warning signal)")
     if budget.grace_s is not None:
         needed = step.step_s + step.checkpoint_save_s
         verdict = "enough" if budget.grace_s >= needed else "TOO SHORT"

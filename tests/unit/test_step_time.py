@@ -22,7 +22,12 @@ from hpc_rlhf.planning.step_time import (
     weight_sync_bytes,
     zero3_traffic_bytes,
 )
-from hpc_rlhf.planning.time_budget import GraceTooShort, SlurmBudget, grace_check, read_sbatch_budget
+from hpc_rlhf.planning.time_budget import (
+    GraceTooShort,
+    SlurmBudget,
+    grace_check,
+    read_sbatch_budget,
+)
 from hpc_rlhf.world.placement import build_placement
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,14 +101,14 @@ def _shape_dir(tmp_path: Path, name: str, **sizes) -> Path:
 
 
 def _tiny_recipe(tmp_path):
-    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=83, tie_word_embeddings=True)
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "vocab_size": 83, "tie_word_embeddings": True}
     return _shape_dir(tmp_path, "tiny", **sizes), [], 2
 
 
 def _tiny_benchmark(tmp_path):
-    sizes = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=4, vocab_size=83, tie_word_embeddings=True)
+    sizes = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
+                 "num_key_value_heads": 4, "vocab_size": 83, "tie_word_embeddings": True}
     overrides = ["rollout.n_samples_per_prompt=8", "rollout.rollout_batch_size=16", "rollout.generate_max_len=16",
                  "rollout.micro_rollout_batch_size=32", "train.train_batch_size=128", "train.micro_train_batch_size=32",
                  "data.prompt_max_len=6"]
@@ -111,8 +116,8 @@ def _tiny_benchmark(tmp_path):
 
 
 def _smollm2(tmp_path):
-    sizes = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                 num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+    sizes = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                 "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}
     overrides = ["rollout.n_samples_per_prompt=4", "rollout.rollout_batch_size=4", "rollout.generate_max_len=32",
                  "rollout.micro_rollout_batch_size=16", "train.train_batch_size=16", "train.micro_train_batch_size=16",
                  "data.prompt_max_len=14", "algo.kl.init_coef=0.04", "algo.kl.use_loss=true", "algo.kl.estimator=k3"]
@@ -141,3 +146,19 @@ def test_cpu_calibration_within_35_percent(case, tmp_path):
     for phase, measured in CALIBRATION[case][1].items():
         ratio = predicted[phase] / measured
         assert 0.65 <= ratio <= 1.35, f"{case}: {phase} predicted {predicted[phase]:.4f} s, measured {measured} s"
+
+
+def test_plan_prints_phases_and_fails_a_short_grace(capsys):
+    from hpc_rlhf.cli.plan import plan
+
+    base = ["--config", str(ROOT / "configs/ppo_70b.yaml"), "--nodes", "8", "--gpus-per-node", "8"]
+    assert plan(base) == 0
+    out = capsys.readouterr().out
+    for line in ("generation", "ref logprob", "train actor", "train critic", "weight sync", "checkpoint:",
+                 "steps per job", "signal grace 2400 s (slurm.signal_grace_s)"):
+        assert line in out, line
+    assert plan([*base, "--signal-grace-s", "1200"]) == 1
+    err = capsys.readouterr().err
+    assert "1200 s before the time limit (--signal-grace-s)" in err and "one step (" in err and "save (" in err
+    # a faster filesystem shortens the save enough for the old grace
+    assert plan([*base, "--signal-grace-s", "1200", "--fs-gbps", "20"]) == 0
