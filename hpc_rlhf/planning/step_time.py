@@ -65,6 +65,14 @@ class StepTime:
         return sum(p.seconds for p in self.phases)
 
 
+def _flop(x: float) -> str:
+    return f"{x / 1e12:.1f} TFLOP" if x >= 1e11 else f"{x / 1e9:.2f} GFLOP"
+
+
+def _bytes(x: float) -> str:
+    return f"{x / 1e9:.2f} GB" if x >= 1e8 else f"{x / 1e6:.2f} MB"
+
+
 # ---- the pieces, by hand-checkable formulas ------------------------------------------------------------
 
 def kv_bytes_per_token(shape: ModelShape, param_bytes: int) -> float:
@@ -151,7 +159,7 @@ def generation_phase(ctx: _Ctx) -> Phase:
     seconds = prefill + decode + _overhead(device, shape, gen + 1)
     bound = "memory" if memory_s >= compute_s else "compute"
     return Phase("generation", seconds,
-                 f"{engines} engine(s) x {batch} samples, {gen} decode steps of {step_bytes / 1e9:.2f} GB/GPU "
+                 f"{engines} engine(s) x {batch} samples, {gen} decode steps of {_bytes(step_bytes)}/GPU "
                  f"({bound}-bound), prefill {prompts} x {prompt_len} tokens")
 
 
@@ -179,7 +187,7 @@ def _role_pass(ctx: _Ctx, role: str, *, train: bool) -> tuple[float, str]:
                                         weights if train else 0.0)
         comm = micro_batches * per_micro / device.collective_bw(ctx.nodes)
     seconds = max(compute, comm) + _overhead(device, shape, passes * micro_batches)
-    detail = f"{flops / 1e12:.2f} TFLOP/rank" + (f", ZeRO-3 traffic {comm:.1f} s" if comm else "")
+    detail = f"{_flop(flops)}/rank" + (f", ZeRO-3 traffic {comm:.1f} s" if comm else "")
     return seconds, detail
 
 
@@ -253,7 +261,7 @@ def weight_sync_phase(ctx: _Ctx) -> Phase:
     else:
         seconds = sync / device.collective_bw(ctx.nodes)
         path = f"broadcast from {len(actor.tp_groups)} actor replica(s) to every rollout rank"
-    return Phase("weight sync", seconds, f"{sync / 1e9:.2f} GB, {path}")
+    return Phase("weight sync", seconds, f"{_bytes(sync)}, {path}")
 
 
 def checkpoint_bytes(cfg: RunConfig, placement: Placement, param_bytes: int) -> float:
@@ -330,7 +338,7 @@ def supervised_step_time(cfg, kind: str, device: Device, *, nodes: int, gpus_per
     phases = []
     if kind in ("dpo", "kto"):
         seconds, flops = pass_s(False)
-        phases.append(Phase("ref logprob", seconds, f"reference forward, {flops / 1e12:.2f} TFLOP/rank"))
+        phases.append(Phase("ref logprob", seconds, f"reference forward, {_flop(flops)}/rank"))
     trained = n
     lora = LoraSpec.from_config(cfg.ds.lora)
     if lora is not None:
@@ -342,7 +350,7 @@ def supervised_step_time(cfg, kind: str, device: Device, *, nodes: int, gpus_per
         opt = shard * (param_bytes + GRAD_BYTES + 2 * ADAM_STATE_BYTES + MASTER_BYTES) / rank.memory_bw
     seconds, flops = pass_s(True)
     phases.append(Phase("train", seconds + opt + rank.step_overhead_s,
-                        f"{flops / 1e12:.2f} TFLOP/rank, {micro} micro-batch(es)/rank"))
+                        f"{_flop(flops)}/rank, {micro} micro-batch(es)/rank"))
     size = checkpoint_bytes_per_role(trained, n - trained if trained < n else 0.0, param_bytes)
     if cfg.ckpt.save_hf:
         size += n * param_bytes

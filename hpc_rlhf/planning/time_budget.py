@@ -95,7 +95,9 @@ def time_lines(step: StepTime, budget: SlurmBudget, device: Device) -> list[str]
     width = max(len(p.name) for p in step.phases)
     lines += [f"  {p.name:<{width}}  {_seconds(p.seconds):>10}  {p.detail}" for p in step.phases]
     lines.append(f"  {'step':<{width}}  {_seconds(step.step_s):>10}")
-    lines.append(f"  checkpoint: {step.checkpoint_bytes / 1e9:.1f} GB, save {_seconds(step.checkpoint_save_s)}, "
+    size = step.checkpoint_bytes
+    size_text = f"{size / 1e9:.1f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+    lines.append(f"  checkpoint: {size_text}, save {_seconds(step.checkpoint_save_s)}, "
                  f"load {_seconds(step.checkpoint_load_s)} at {device.fs_bw / 1e9:g} GB/s")
     if budget.time_s is not None:
         usable = budget.time_s - (budget.grace_s or 0) - step.checkpoint_load_s
