@@ -11,7 +11,8 @@
 #   GPU_JOB              1: NCCL ranks (NCCL settings below); 0: CPU ranks over gloo
 #   PREPARE_ASSETS       1: build a CPU recipe's tiny model and synthetic data before the guard
 # Arguments are dotted overrides, given to the guard and to every rank. User environment: CONFIG, PYTHON,
-# PLAN_ARGS (extra `plan` flags, e.g. "--gpu-mem-gb 141" on H200), OMP_NUM_THREADS, NCCL_DEBUG,
+# PLAN_ARGS (extra `plan` flags, e.g. "--gpu-mem-gb 141 --gpu h200" on H200, "--fs-gbps 20" for the site's
+# filesystem), OMP_NUM_THREADS, NCCL_DEBUG,
 # MAX_STALL_REQUEUES (how many times a hung job is requeued, counted over the job's life; default 2).
 set -euo pipefail
 
@@ -68,11 +69,17 @@ prepare_local_assets(cfg)
 PY
 fi
 
-# Guard: a config error (unknown key, bad value), an invalid layout or one that does not fit in GPU memory
-# stops the job here, before any rank starts and holds the nodes.
+# Guard: a config error (unknown key, bad value), an invalid layout, one that does not fit in GPU memory, or a
+# --signal=USR1@<grace> shorter than one predicted step plus one checkpoint save stops the job here, before
+# any rank starts and holds the nodes. The recipe's own file (the spooled copy sbatch runs, which keeps its
+# #SBATCH lines) gives plan the time limit and the grace; CPU recipes are timed with the CPU description.
+TIME_ARGS=()
+RECIPE_FILE="${BASH_SOURCE[1]:-}"
+if [ -n "$RECIPE_FILE" ] && [ -r "$RECIPE_FILE" ]; then TIME_ARGS+=(--sbatch "$RECIPE_FILE"); fi
+if [ "$GPU_JOB" = 0 ]; then TIME_ARGS+=(--gpu cpu); fi
 # shellcheck disable=SC2086  # PLAN_ARGS is a list of flags
 "$PYTHON" -m hpc_rlhf.cli.plan --config "$CONFIG" --kind "$PLAN_KIND" --nodes "$SLURM_JOB_NUM_NODES" \
-    --gpus-per-node "$SLURM_NTASKS_PER_NODE" ${PLAN_ARGS:-} "$@" \
+    --gpus-per-node "$SLURM_NTASKS_PER_NODE" ${TIME_ARGS[@]+"${TIME_ARGS[@]}"} ${PLAN_ARGS:-} "$@" \
     || { echo "$RECIPE: hpc-rlhf plan rejected this layout (see above); not starting" >&2; exit 1; }
 
 # One rank per task (per GPU on GPU recipes), rank order = node order: rank 0, on the first node, logs,

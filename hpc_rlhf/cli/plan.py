@@ -20,6 +20,7 @@ import yaml
 from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.config.schema import resolved_param_dtype
 from hpc_rlhf.config.supervised import CONFIG_CLASSES, load_supervised_config
+from hpc_rlhf.planning.devices import DEVICES, get_device
 from hpc_rlhf.planning.memory_estimate import (
     RoleMemory,
     effective_zero_stage,
@@ -29,6 +30,14 @@ from hpc_rlhf.planning.memory_estimate import (
     supervised_memory,
 )
 from hpc_rlhf.planning.model_shape import ModelSizeError, role_num_params, role_shape
+from hpc_rlhf.planning.step_time import StepTime, rl_step_time, supervised_step_time
+from hpc_rlhf.planning.time_budget import (
+    GraceTooShort,
+    SlurmBudget,
+    grace_check,
+    read_sbatch_budget,
+    time_lines,
+)
 from hpc_rlhf.training.optimizer_choice import adam_implementation, optimizer_offloaded
 from hpc_rlhf.world.placement import PlacementError, build_placement
 
@@ -46,6 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory of one GPU (default 80)")
     p.add_argument("--headroom", type=float, default=0.1,
                    help="fraction of GPU memory kept for fragmentation and the CUDA context (default 0.1)")
+    p.add_argument("--gpu", choices=sorted(DEVICES), default="h100",
+                   help="device of the step-time model (docs/step_time.md; GPU numbers are assumptions with "
+                        "sources, cpu is measured); default h100")
+    p.add_argument("--interconnect-gbps", type=float,
+                   help="GB/s (bytes) per rank of collectives and the weight sync; default: the device's NVLink "
+                        "inside one node, its network across nodes")
+    p.add_argument("--fs-gbps", type=float, help="GB/s (bytes) of checkpoint writes and reads for the whole job; "
+                                                 "default: the device's conservative figure")
+    p.add_argument("--sbatch", help="an sbatch file whose #SBATCH --time and --signal=USR1@<grace> are checked")
+    p.add_argument("--time", help="SLURM time limit, e.g. 48:00:00 (default: the --sbatch file's, else slurm.time)")
+    p.add_argument("--signal-grace-s", type=int,
+                   help="seconds between the USR1 warning and the time limit (default: the --sbatch file's "
+                        "--signal, else slurm.signal_grace_s)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ds.zero_stage=3")
     return p
 
@@ -125,6 +147,29 @@ def optimizer_lines(ds, zero_ranks: dict[str, int]) -> list[str]:
     return [f"optimizer of {', '.join(roles)}: {description}" for description, roles in chosen.items()]
 
 
+def _device(args):
+    one_path = args.interconnect_gbps
+    return get_device(args.gpu, intra_node_gbps=one_path, inter_node_gbps=one_path, fs_gbps=args.fs_gbps)
+
+
+def _time_budget(step: StepTime, slurm, args) -> int:
+    """Print the step-time section; 1 when the warning signal leaves less than one step plus one checkpoint."""
+    try:
+        from_file = read_sbatch_budget(args.sbatch) if args.sbatch else SlurmBudget(None, None, None)
+        budget = SlurmBudget.resolve(args.time, args.signal_grace_s, from_file, slurm)
+    except (OSError, ValueError) as err:
+        print(f"plan: invalid time budget: {err}", file=sys.stderr)
+        return 1
+    print()
+    print("\n".join(time_lines(step, budget, _device(args))))
+    try:
+        grace_check(step, budget)
+    except GraceTooShort as err:
+        print(f"plan: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _fits(peak: float, budget: float, where: str) -> int:
     if peak > budget:
         print(f"plan: does not fit: {where} needs {peak:.1f} GiB > {budget:.1f} GiB usable; raise ds.zero_stage, "
@@ -153,7 +198,11 @@ def plan_supervised(args, kind: str, world_size: int) -> int:
     budget = args.gpu_mem_gb * (1 - args.headroom)
     print(f"\npeak per rank: {peak:.1f} GiB ({'fits' if peak <= budget else 'does NOT fit'} {budget:.0f} GiB)")
     print(FOOTNOTE + ")")
-    return _fits(peak, budget, f"every rank ({'+'.join(roles)})")
+    fits = _fits(peak, budget, f"every rank ({'+'.join(roles)})")
+    with _sized_tiny_model(cfg.model):
+        step = supervised_step_time(cfg, kind, _device(args), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                                    world_size=world_size)
+    return _time_budget(step, cfg.slurm, args) or fits
 
 
 def plan(argv: list[str] | None = None) -> int:
@@ -227,7 +276,10 @@ def plan(argv: list[str] | None = None) -> int:
              "bf16 weights + one bucket + vLLM weights while they load)" if cfg.train.colocate_all
              and cfg.vllm.enable_sleep else ")"))
     worst = max(per_rank, key=lambda m: m.peak_gib)
-    return _fits(worst.peak_gib, budget, f"rank {worst.rank} ({'+'.join(worst.roles)})")
+    fits = _fits(worst.peak_gib, budget, f"rank {worst.rank} ({'+'.join(worst.roles)})")
+    with _sized_tiny_model(cfg.actor, cfg.rollout.backend):
+        step = rl_step_time(cfg, placement, _device(args), nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+    return _time_budget(step, cfg.slurm, args) or fits
 
 
 def main(argv: list[str] | None = None) -> None:

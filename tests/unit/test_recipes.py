@@ -254,3 +254,24 @@ def test_every_rl_recipe_is_a_layout_the_engines_run(config, world):
             build_placement(load_config(ROOT / config, [f"rollout.vllm_mode={other}"]), world)
     if cfg.ds.zero_stage == 3:
         assert placement.layout == "colocated", f"{config}: ZeRO-3 runs in the colocated layout only"
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_grace_covers_a_step_and_a_checkpoint(name, tmp_path):
+    """The guard checks the recipe's own #SBATCH --signal grace; with a grace too short it names both numbers."""
+    local = ([f"actor.pretrain={tmp_path / 'tiny'}", f"data.prompt_data=[{tmp_path / 'prompts.jsonl'}]"]
+             if name == "cpu_debug" else [])
+    out = _run(_path(name), *local, env=_job_env(name))
+    assert out.returncode == 0, out.stderr
+    grace = _directives(name)["signal"].split("@")[1]
+    assert f"signal grace {grace} s (--signal in {name}.sbatch" in out.stdout
+    assert ("CPU node" in out.stdout) == (name == "cpu_debug")  # CPU recipes are timed as the CPU they run on
+    if name == "cpu_debug":
+        return  # its step and checkpoint take well under the shortest grace (1 s)
+    short = tmp_path / f"{name}.sbatch"
+    short.write_text(re.sub(r"--signal=USR1@\d+", "--signal=USR1@1", _path(name).read_text()))
+    (tmp_path / "slurm").symlink_to(ROOT / "slurm")  # the copy finds slurm/launch.sh from its directory
+    bad = _run(short, *local, env={**_job_env(name), "SLURM_SUBMIT_DIR": str(tmp_path)})
+    assert bad.returncode == 1 and "not starting" in bad.stderr and not _srun_lines(bad)
+    assert f"1 s before the time limit (--signal in {name}.sbatch)" in bad.stderr
+    assert re.search(r"one step \([\d.]+ s\) plus one checkpoint save \([\d.]+ s\)", bad.stderr), bad.stderr

@@ -37,7 +37,7 @@ def _resolve(argv):
 def test_recipe_slurm_section_is_the_default_and_flags_win(tmp_path):
     sub = _resolve(["--config", PPO_70B, "--chdir", str(tmp_path)])
     assert (sub.nodes, sub.gpus_per_node, sub.tasks_per_node, sub.time_min) == (8, 8, 8, 48 * 60)
-    assert sub.requeue and sub.signal_grace_s == 300 and sub.num_ranks == 64
+    assert sub.requeue and sub.signal_grace_s == 2400 and sub.num_ranks == 64
     assert sub.folder == str(tmp_path / "runs/ppo_70b/submitit")
     sub = _resolve(["--config", PPO_70B, "--nodes", "2", "--time", "1:00:00", "--signal-grace", "120",
                     "--no-requeue", "--partition", "p", "--account", "a"])
@@ -71,7 +71,7 @@ def test_dry_run_prints_the_submitit_parameters_and_task_command(capsys):
     assert (params["partition"], params["time"], params["exclusive"]) == ("gpu", 2880, True)
     # The trainer's USR1 replaces submitit's own --signal=USR2@<signal_delay_s>: additional_parameters
     # are written after (and so override) submitit's flags.
-    assert params["additional_parameters"]["signal"] == "USR1@300" and params["signal_delay_s"] == 300
+    assert params["additional_parameters"]["signal"] == "USR1@2400" and params["signal_delay_s"] == 2400
     assert params["additional_parameters"]["requeue"] is True
     assert "no-requeue" not in params["additional_parameters"]
     assert "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in params["setup"]
