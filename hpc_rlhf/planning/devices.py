@@ -85,15 +85,6 @@ DEVICES: dict[str, Device] = {
                  "mfu": _MEGATRON_MFU, "decode_efficiency": _DECODE, "fs_bw": _FS, "layer_overhead_s": _GPU_OVERHEAD,
                  "step_overhead_s": "DeepSpeed optimizer step bookkeeping (assumption)",
                  "host_adam_s_per_gparam": _CPU_ADAM}),
-    "h200": Device(
-        "NVIDIA H200 SXM 141GB (assumed numbers)", peak_flops=989e12, memory_bw=4.8e12, intra_node_bw=450 * GB,
-        inter_node_bw=40 * GB, host_link_bw=50 * GB, mfu=0.35, decode_efficiency=0.6, fs_bw=2 * GB,
-        layer_overhead_s=100e-6, step_overhead_s=0.5, host_adam_s_per_gparam=0.3,
-        sources={"peak_flops": f"989 TFLOP/s dense BF16, {_NVIDIA_H200}", "memory_bw": f"4.8 TB/s HBM3e, {_NVIDIA_H200}",
-                 "intra_node_bw": _NCCL_TESTS + " (same NVLink 4 as H100)", "inter_node_bw": _IB_NDR,
-                 "host_link_bw": "PCIe Gen5 x16 (assumption)", "mfu": _MEGATRON_MFU,
-                 "decode_efficiency": _DECODE, "fs_bw": _FS, "layer_overhead_s": _GPU_OVERHEAD,
-                 "step_overhead_s": "as H100 (assumption)", "host_adam_s_per_gparam": _CPU_ADAM}),
     "a100": Device(
         "NVIDIA A100 SXM 80GB (assumed numbers)", peak_flops=312e12, memory_bw=2.039e12, intra_node_bw=240 * GB,
         inter_node_bw=20 * GB, host_link_bw=25 * GB, mfu=0.35, decode_efficiency=0.6, fs_bw=2 * GB,
@@ -116,6 +107,11 @@ DEVICES: dict[str, Device] = {
                  "layer_overhead_s": _CPU_FITTED, "step_overhead_s": _CPU_FITTED,
                  "host_adam_s_per_gparam": "Adam on the CPU ranks themselves (assumption)"}),
 }
+# The H200 is an H100 with HBM3e: same compute, NVLink and host link; only the memory bandwidth differs.
+DEVICES["h200"] = replace(
+    DEVICES["h100"], name="NVIDIA H200 SXM 141GB (assumed numbers)", memory_bw=4.8e12,
+    sources={**DEVICES["h100"].sources, "peak_flops": f"989 TFLOP/s dense BF16, {_NVIDIA_H200}",
+             "memory_bw": f"4.8 TB/s HBM3e, {_NVIDIA_H200}", "intra_node_bw": _NCCL_TESTS + " (same NVLink 4 as H100)"})
 
 
 def get_device(name: str, *, intra_node_gbps: float | None = None, inter_node_gbps: float | None = None,
