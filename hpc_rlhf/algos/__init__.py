@@ -24,6 +24,7 @@ from hpc_rlhf.algos.controllers import (
     RunningRewardNormalizer,
 )
 from hpc_rlhf.algos.corrections import CORRECTION_MODES, rollout_importance_weights, rollout_mismatch_kl
+from hpc_rlhf.algos.distillation import distill_advantages, reverse_kl_metrics
 from hpc_rlhf.algos.episodes import (
     check_episode_index,
     episode_index_from_branches,
@@ -57,6 +58,7 @@ __all__ = [
     "compute_advantages",
     "count_tokens_and_seqs",
     "discounted_returns",
+    "distill_advantages",
     "dr_grpo_rewards",
     "dynamic_filter_mask",
     "entropy_from_logits",
@@ -77,6 +79,7 @@ __all__ = [
     "powers_of_two_up_to",
     "reinforce_baseline_rewards",
     "rloo_rewards",
+    "reverse_kl_metrics",
     "rollout_importance_weights",
     "rollout_mismatch_kl",
     "token_level_rewards",

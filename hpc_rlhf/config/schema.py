@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-AdvantageEstimator = Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
+AdvantageEstimator = Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo", "distill"]
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
 
 
@@ -57,6 +57,16 @@ class CriticConfig(TrainedRole):
 
 class RefConfig(ModelRole):
     pass
+
+
+class TeacherConfig(ModelRole):
+    """The frozen teacher of on-policy distillation (``algo.distill_coef``): it scores every token the student
+    samples. Placed like the reference model (every rank when colocated; ``teacher.num_ranks`` of its own, or the
+    actor's ranks with ``train.colocate_actor_ref``); ZeRO-3 / AutoTP / ``teacher.offload`` as the reference."""
+
+    pretrain: str | None = Field(
+        None, description="local HF model folder of the teacher; its tokenizer must be the actor's. Set: the "
+        "teacher role runs and its per-token advantage is added (algo.distill_coef)")
 
 
 class RewardConfig(ModelRole):
@@ -192,6 +202,10 @@ class AlgoConfig(Section):
         "token_mean"
     )
     entropy_loss_coef: float = Field(0.0, ge=0)
+    distill_coef: float = Field(
+        1.0, gt=0, description="with teacher.pretrain: weight of the per-token distillation advantage "
+        "log p_teacher(y_t) - log p_student(y_t); advantage_estimator=distill trains on it alone, any other "
+        "estimator adds it to the task reward's advantage")
     no_advantage_std_norm: bool = False
     reward_clip_range: tuple[float, float] | None = Field(
         None, description="clamp on the sequence rewards after group shaping (OpenRLHF's order)")
@@ -245,7 +259,9 @@ class TrainConfig(StallLimits):
         "episode counts once and brings all its rows")
     micro_train_batch_size: int = Field(4, ge=1, description="rows per forward/backward per rank")
     colocate_all: bool = Field(True, description="every rank hosts every enabled role (hybrid engine)")
-    colocate_actor_ref: bool = False
+    colocate_actor_ref: bool = Field(
+        False, description="the frozen models (reference, and the teacher of on-policy distillation) share the "
+        "actor's ranks instead of ranks of their own")
     colocate_critic_reward: bool = False
     packing_samples: bool = False
     use_dynamic_batch: bool = False
@@ -368,6 +384,7 @@ class RunConfig(Section):
     actor: ActorConfig = Field(default_factory=ActorConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     ref: RefConfig = Field(default_factory=RefConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     vllm: VllmConfig = Field(default_factory=VllmConfig)
@@ -425,7 +442,15 @@ class RunConfig(Section):
                              f"{self.algo.advantage_estimator}; only gae trains one)")
         if self.reward.remote_url and self.reward.reward_func_path:
             raise ValueError("set only one of reward.remote_url and reward.reward_func_path")
+        if self.algo.advantage_estimator == "distill" and not self.needs_teacher:
+            raise ValueError("algo.advantage_estimator=distill trains on the teacher's per-token scores: set "
+                             "teacher.pretrain to the teacher's model folder")
         return self
+
+    @property
+    def needs_teacher(self) -> bool:
+        """On-policy distillation: a teacher role scores the sampled tokens."""
+        return self.teacher.pretrain is not None
 
     @property
     def needs_reward_model(self) -> bool:

@@ -46,6 +46,29 @@ def load_tokenizer(path: str | None, key: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def check_same_tokenizer(student: PreTrainedTokenizerBase, student_key: str, teacher_path: str,
+                         teacher_key: str) -> None:
+    """Refuse a teacher whose tokenizer maps any token differently from the student's.
+
+    The teacher scores the student's token ids as they are, so the two vocabularies (and the special tokens
+    that end a turn) must agree id for id; distilling across tokenizers would need the sequences re-tokenized
+    and the scores aligned between two tokenizations, which this does not do. The error names both folders
+    and the first difference."""
+    teacher = load_tokenizer(teacher_path, teacher_key)
+    where = f"{teacher_key}={teacher_path} and {student_key}={student.name_or_path}"
+    student_vocab, teacher_vocab = student.get_vocab(), teacher.get_vocab()
+    if student_vocab != teacher_vocab:
+        diff = sorted(set(student_vocab.items()) ^ set(teacher_vocab.items()), key=lambda kv: kv[1])[0]
+        raise ValueError(f"the tokenizers of {where} differ ({len(teacher_vocab)} vs {len(student_vocab)} tokens; "
+                         f"first difference: token {diff[0]!r} -> id {diff[1]} in only one of them): on-policy "
+                         "distillation scores the student's token ids with the teacher, so both must use the same "
+                         "tokenizer (a teacher of the same model family)")
+    for name in ("eos_token_id", "bos_token_id"):
+        if getattr(student, name) != getattr(teacher, name):
+            raise ValueError(f"the tokenizers of {where} have different {name} ({getattr(teacher, name)} vs "
+                             f"{getattr(student, name)}): use a teacher with the student's tokenizer")
+
+
 def _from_pretrained(auto_class, path: str, dtype: torch.dtype, attn_implementation: str, use_liger_kernel: bool,
                      load_in_4bit: bool, **kwargs) -> PreTrainedModel:
     """``auto_class.from_pretrained`` with the options every role shares: QLoRA's 4-bit base, Liger kernels."""

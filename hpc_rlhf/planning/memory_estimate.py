@@ -69,7 +69,7 @@ from hpc_rlhf.planning.model_shape import (
     role_shape,
     section_num_params,
 )
-from hpc_rlhf.world.placement import Placement
+from hpc_rlhf.world.placement import POLICY_ROLES, Placement
 
 GIB = 1024**3
 ADAM_MOMENTS_BYTES = 8  # exp_avg + exp_avg_sq in fp32
@@ -281,7 +281,7 @@ def role_memory(cfg: RunConfig, placement: Placement, role: str, on_gpu: bool = 
     trainable = role in ("actor", "critic")
     tokens = micro_batch_tokens(cfg, role)
     logit_tokens = 0
-    if role in ("actor", "ref"):
+    if role in POLICY_ROLES:
         # The LM head runs on the response positions only (``logits_to_keep``), except under ring
         # attention, where each rank computes the logits of its whole chunk.
         share = 1.0 if grid.sp_size > 1 else min(1.0, cfg.rollout.generate_max_len / _rl_seq_len(cfg))

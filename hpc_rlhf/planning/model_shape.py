@@ -147,16 +147,17 @@ def section_num_params(section: ModelRole) -> int | None:
 def role_num_params(cfg: RunConfig, role: str) -> int:
     """Parameter count of a role's model: the recipe's ``num_params_b``, else the local config.json.
 
-    The critic, ref and reward default to the actor's size when they name no model of their own.
+    The critic, ref and reward default to the actor's size when they name no model of their own; the
+    distillation teacher is another model, usually larger, so it never does.
     """
     num_params = section_num_params(getattr(cfg, role))
     if num_params is not None:
         return num_params
-    if role != "actor":
+    if role not in ("actor", "teacher"):
         return role_num_params(cfg, "actor")
     raise ModelSizeError(
-        "cannot size the actor: set actor.pretrain to a local model folder with config.json "
-        "or set actor.num_params_b"
+        f"cannot size the {role}: set {role}.pretrain to a local model folder with config.json "
+        f"or set {role}.num_params_b"
     )
 
 

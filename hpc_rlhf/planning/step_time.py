@@ -37,7 +37,7 @@ from hpc_rlhf.planning.memory_estimate import (
     role_memory,
 )
 from hpc_rlhf.planning.model_shape import ModelShape, role_num_params, role_shape
-from hpc_rlhf.world.placement import Placement
+from hpc_rlhf.world.placement import POLICY_ROLES, Placement
 
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4
@@ -170,7 +170,7 @@ def _role_pass(ctx: _Ctx, role: str, *, train: bool) -> tuple[float, str]:
     shape, n = role_shape(cfg, role), role_num_params(cfg, role)
     zero_ranks = grid.dp_size * grid.sp_size
     tokens = ctx.samples * ctx.seq_len / zero_ranks
-    logit_tokens = ctx.samples * cfg.rollout.generate_max_len / zero_ranks if role in ("actor", "ref") else 0
+    logit_tokens = ctx.samples * cfg.rollout.generate_max_len / zero_ranks if role in POLICY_ROLES else 0
     ckpt = cfg.ds.gradient_checkpointing
     flops = (training_flops(shape, n, tokens, logit_tokens, ckpt) if train
              else forward_flops(shape, n, tokens, logit_tokens)) / grid.tp_size
@@ -220,8 +220,8 @@ def _trainable_params(cfg, role: str, num_params: float) -> float:
 def scoring_phases(ctx: _Ctx, need_old_logprobs: bool) -> list[Phase]:
     roles = ctx.placement.roles
     out = []
-    for role, label in (("actor", "old logprob"), ("ref", "ref logprob"), ("critic", "values"),
-                        ("reward", "reward model")):
+    for role, label in (("actor", "old logprob"), ("ref", "ref logprob"), ("teacher", "teacher logprob"),
+                        ("critic", "values"), ("reward", "reward model")):
         if role not in roles or (role == "actor" and not need_old_logprobs):
             continue
         seconds, detail = _role_pass(ctx, role, train=False)

@@ -2,9 +2,9 @@
 
 Layouts:
 - fully colocated (``train.colocate_all``): every enabled role on every rank, time-shared;
-- partially colocated (``train.colocate_actor_ref`` / ``train.colocate_critic_reward``): ref shares
-  the actor's ranks, reward shares the critic's;
-- disaggregated: disjoint consecutive rank ranges, in the order actor, ref, critic, reward, rollout.
+- partially colocated (``train.colocate_actor_ref`` / ``train.colocate_critic_reward``): ref (and the
+  distillation teacher) share the actor's ranks, reward shares the critic's;
+- disaggregated: disjoint consecutive rank ranges, in the order actor, ref, teacher, critic, reward, rollout.
 
 Inside a training role the ranks form a (dp, sp, tp) grid with tp fastest: tensor-parallel peers are
 neighbours (same node, fast links), then sequence-parallel (ring attention), then data-parallel.
@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 from hpc_rlhf.config.schema import RunConfig, resolved_vllm_mode
 
-ROLES = ("actor", "ref", "critic", "reward", "rollout")
+ROLES = ("actor", "ref", "teacher", "critic", "reward", "rollout")
+FROZEN_POLICY_ROLES = ("ref", "teacher")  # causal LMs that score the rollout's tokens and never train
+POLICY_ROLES = ("actor", *FROZEN_POLICY_ROLES)  # roles whose LM head runs over the response tokens
 TRAINED_ROLES = ("actor", "critic")
 
 
@@ -134,6 +136,8 @@ def enabled_roles(cfg: RunConfig) -> list[str]:
     roles = ["actor"]
     if cfg.algo.needs_ref:
         roles.append("ref")
+    if cfg.needs_teacher:
+        roles.append("teacher")
     if cfg.algo.needs_critic:
         roles.append("critic")
     if cfg.needs_reward_model:
@@ -204,8 +208,8 @@ def build_placement(cfg: RunConfig, world_size: int) -> Placement:
         return placement
 
     shares = {}
-    if cfg.train.colocate_actor_ref and "ref" in roles:
-        shares["ref"] = "actor"
+    if cfg.train.colocate_actor_ref:
+        shares.update({role: "actor" for role in FROZEN_POLICY_ROLES if role in roles})
     if cfg.train.colocate_critic_reward and "reward" in roles and "critic" in roles:
         shares["reward"] = "critic"
     owners = [r for r in roles if r not in shares]

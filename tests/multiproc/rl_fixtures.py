@@ -31,11 +31,49 @@ def grpo_overrides(assets: dict[str, str], output_dir: Path, *extra: str) -> lis
 
 
 def run_trainer(rank: int, world_size: int, overrides: list[str]):
-    """Build the world groups and a PPOTrainer from overrides (inside a spawned rank)."""
-    from hpc_rlhf.trainers.rl.loop import PPOTrainer
+    """Build the world groups and the trainer the CLI would (``train.async_train``: the asynchronous one) from
+    overrides (inside a spawned rank)."""
+    from hpc_rlhf.trainers.rl.async_loop import trainer_class
     from hpc_rlhf.world.groups import build_world_groups
     from hpc_rlhf.world.placement import build_placement
 
     cfg = load_config(None, overrides)
     world = build_world_groups(build_placement(cfg, world_size))
-    return PPOTrainer(cfg, world)
+    return trainer_class(cfg)(cfg, world)
+
+
+def fit_addition_model(path: Path, facts_path: Path, steps: int, seed: int) -> dict[str, str]:
+    """A tiny model (the character tokenizer of every tiny model here) fitted by full-batch AdamW to all 100
+    single-digit sums ``a+b=`` -> ``a+b<eos>``, and the facts as prompt rows ``{"input", "label"}``. 300 steps
+    (a few seconds) give greedy accuracy 1.0 on them: a distillation teacher; fewer, a weaker student."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    facts = [(a, b) for a in range(10) for b in range(10)]
+    Path(facts_path).write_text("".join(json.dumps({"input": f"{a}+{b}=", "label": str(a + b)}) + "\n"
+                                        for a, b in facts))
+    if not (Path(path) / "model.safetensors").is_file() or not (Path(path) / "fitted").is_file():
+        build_tiny_model(path, seed=seed)
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        rows = [(tok(f"{a}+{b}=", add_special_tokens=False)["input_ids"],
+                 tok(str(a + b), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]) for a, b in facts]
+        width = max(len(p) + len(r) for p, r in rows)
+        ids = torch.full((len(rows), width), tok.pad_token_id)
+        labels, attention = torch.full_like(ids, -100), torch.zeros_like(ids)
+        for i, (prompt, answer) in enumerate(rows):
+            n = len(prompt) + len(answer)
+            ids[i, :n], attention[i, :n] = torch.tensor(prompt + answer), 1
+            labels[i, len(prompt):n] = torch.tensor(answer)
+        torch.manual_seed(seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        for _ in range(steps):
+            loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        model.save_pretrained(path)
+        (Path(path) / "fitted").write_text("ok")
+    return {"model": str(path), "facts": str(facts_path)}

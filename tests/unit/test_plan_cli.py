@@ -223,13 +223,30 @@ def _recipe_world(recipe: Path) -> tuple[int, int]:
     return 1, int(nproc.group(1))
 
 
+def _quickstart_models(run: Path) -> None:
+    """Stand-ins of the quickstart's SFT and GRPO models (same shape and tokenizer), which recipes built on the
+    quickstart's outputs read."""
+    from hpc_rlhf.cli.quickstart import MODEL_SIZES
+    from hpc_rlhf.models.tiny import build_tiny_model
+
+    for stage in ("sft", "grpo"):
+        build_tiny_model(run / stage / "model", **MODEL_SIZES)
+
+
+# Recipes that start from another run's outputs: what must exist before plan can size them.
+RECIPE_INPUTS = {"distill_tiny_cpu.yaml": lambda cwd: _quickstart_models(cwd / "runs" / "quickstart")}
+
+
 @pytest.mark.parametrize("recipe", ALL_RECIPES, ids=lambda p: p.name)
 def test_every_recipe_passes_plan(recipe, capsys, tmp_path, monkeypatch):
     """Every file in configs/ (RL and offline trainers, CPU and GPU) is a valid layout that fits."""
     monkeypatch.chdir(tmp_path)  # CPU recipes name relative paths; nothing is written under the repository
+    prepare = RECIPE_INPUTS.get(recipe.name)
+    if prepare:
+        prepare(tmp_path)
     nodes, per_node = _recipe_world(recipe)
     code = plan(["--config", str(recipe), "--nodes", str(nodes), "--gpus-per-node", str(per_node)])
     captured = capsys.readouterr()
     assert code == 0, f"plan rejected {recipe.name}:\n{captured.err}"
     assert "per-GPU states" in captured.out
-    assert not (tmp_path / "runs").exists()
+    assert prepare or not (tmp_path / "runs").exists()  # plan writes nothing

@@ -15,12 +15,14 @@ import torch
 
 from hpc_rlhf.algos import (
     compute_advantages,
+    distill_advantages,
     dynamic_filter_mask,
     episode_means,
     expand_to_rows,
     kl_estimate,
     masked_mean,
     overlong_penalty,
+    reverse_kl_metrics,
 )
 from hpc_rlhf.config.schema import RunConfig
 from hpc_rlhf.rewards.scoring import score_trajectories
@@ -101,7 +103,9 @@ def make_advantages(batch: StepBatch, cfg: RunConfig, rewards: torch.Tensor, kl_
     into the reward.
     Sets ``advantages`` / ``returns`` (B, R) and, with a reference model and old log-probs, the per-token
     ``kl`` (B, R). (On-policy with a fixed-coefficient KL loss there are no old log-probs: the actor measures
-    the KL in its loss.)
+    the KL in its loss.) With a distillation teacher (``batch.teacher_logprobs``) the per-token distillation
+    advantage (``hpc_rlhf.algos.distillation``) is the advantage (``algo.advantage_estimator=distill``) or is
+    added to the estimator's; the returns (the critic's targets) stay the task reward's.
     """
     algo = cfg.algo
     mask = batch.action_mask
@@ -110,6 +114,13 @@ def make_advantages(batch: StepBatch, cfg: RunConfig, rewards: torch.Tensor, kl_
         kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, mask, algo.kl.estimator)
         if not algo.kl.use_loss:
             folded_kl = kl
+    distill = None
+    if batch.teacher_logprobs is not None:
+        distill = distill_advantages(batch.teacher_logprobs, batch.student_logprobs, mask, algo.distill_coef)
+    if algo.advantage_estimator == "distill":
+        if distill is None:
+            raise ValueError("algo.advantage_estimator=distill but the step batch has no teacher log-probs")
+        return replace(batch, kl=kl, advantages=distill, returns=distill)
     advantages, returns = compute_advantages(
         algo.advantage_estimator, rewards, mask, cfg.rollout.n_samples_per_prompt,
         episode_index=batch.episode_index,
@@ -117,7 +128,17 @@ def make_advantages(batch: StepBatch, cfg: RunConfig, rewards: torch.Tensor, kl_
         gamma=algo.gamma, lambd=algo.lambd, reward_clip_range=algo.reward_clip_range,
         norm_adv_by_std=not algo.no_advantage_std_norm,
     )
+    if distill is not None:
+        advantages = advantages + distill
     return replace(batch, kl=kl, advantages=advantages, returns=returns)
+
+
+def distillation_metrics(batch: StepBatch | None) -> dict[str, float]:
+    """``distill/reverse_kl`` and ``distill/teacher_logprob`` of the step's trained rows (with a teacher)."""
+    if batch is None or batch.teacher_logprobs is None:
+        return {}
+    stats = reverse_kl_metrics(batch.teacher_logprobs, batch.student_logprobs, batch.action_mask)
+    return {f"distill/{k}": v for k, v in stats.items()}
 
 
 def rollout_metrics(trajectories: list, batch: StepBatch | None, generation_s: float) -> dict[str, float]:

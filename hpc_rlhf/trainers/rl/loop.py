@@ -3,7 +3,7 @@
 Every rank runs :meth:`PPOTrainer.fit`; each phase is collective only over the ranks of the roles it
 touches (plus rank 0, the controller), so the same script reads as one story on every rank:
 
-    prompts -> generate (rollout ranks) -> rewards -> ref / critic / old logprobs (role ranks)
+    prompts -> generate (rollout ranks) -> rewards -> ref / teacher / critic / old logprobs (role ranks)
     -> advantages (controller) -> train critic + actor (role ranks) -> weight sync -> metrics
 
 The step's data: trajectories become one :class:`StepBatch` on rank 0 (``step_batch``); ``row_layout`` deals its
@@ -41,6 +41,7 @@ from hpc_rlhf.trainers.rl import setup as rl_setup
 from hpc_rlhf.trainers.rl.controller_steps import (
     append_groups,
     attach_rewards,
+    distillation_metrics,
     kept_by_dynamic_filtering,
     make_advantages,
     rollout_metrics,
@@ -74,6 +75,7 @@ from hpc_rlhf.utils.seeding import seed_rank
 from hpc_rlhf.weight_sync.colocated import colocated_weight_sync
 from hpc_rlhf.world.channel import gather_from_role, scatter_to_role
 from hpc_rlhf.world.groups import WorldGroups
+from hpc_rlhf.world.placement import FROZEN_POLICY_ROLES
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,7 @@ class PPOTrainer:
         rl_setup.check_model_paths(cfg)
         seed_rank(cfg.train.seed, self.rank)
         self.tokenizer = load_tokenizer(cfg.actor.pretrain, key="actor.pretrain")
+        rl_setup.check_teacher_tokenizer(cfg, self.tokenizer)
         rl_setup.check_agent_loads(cfg, self.tokenizer, self.rank)
         # The controller alone reads the data; every rank needs the step count for its LR schedule.
         self.data = rl_setup.ControllerState(cfg, self.tokenizer) if world.is_controller else None
@@ -156,7 +159,8 @@ class PPOTrainer:
         if not self.world.is_controller:
             return None
         self.health.observe(trajectories, step)
-        row = {**rollout_metrics(trajectories, batch, timer.seconds["generation"]), **train_stats}
+        row = {**rollout_metrics(trajectories, batch, timer.seconds["generation"]), **distillation_metrics(batch),
+               **train_stats}
         if self.cfg.algo.dynamic_filtering:
             row["dynamic_filtering/refill_rounds"] = float(refill_rounds)
         return row
@@ -325,12 +329,13 @@ class PPOTrainer:
                                                                                       sp))
             if self.rank == 0:
                 batch.old_logprobs = old
-        if "ref" in self.world.roles:
-            sp = self._sp("ref")
-            ref = self._role_forward("ref", batch, lambda m, rows: forward_logprobs(m, rows, batching, temperature,
-                                                                                    sp))
-            if self.rank == 0:
-                batch.ref_logprobs = ref
+        for role in FROZEN_POLICY_ROLES:  # the reference and the distillation teacher score the sampled tokens
+            if role in self.world.roles:
+                sp = self._sp(role)
+                scores = self._role_forward(role, batch, lambda m, rows, sp=sp: forward_logprobs(
+                    m, rows, batching, temperature, sp))
+                if self.rank == 0:
+                    setattr(batch, f"{role}_logprobs", scores)
         if "critic" in self.world.roles:
             sp = self._sp("critic")
             values = self._role_forward("critic", batch, lambda m, rows: forward_values(m, rows, batching, sp))
@@ -381,7 +386,8 @@ class PPOTrainer:
         actor, rollout = self.world.roles["actor"], self.world.roles["rollout"]
         fault_point("weight_sync", self.policy_version + 1, self.rank)
         if self.cfg.train.colocate_all:
-            others = [engine for engine in (self.roles.critic, self.roles.ref) if engine is not None]
+            others = [engine for engine in (self.roles.critic, self.roles.ref, self.roles.teacher)
+                      if engine is not None]
             colocated_weight_sync(self.roles.rollout.engine, self.roles.actor, others)
             self.policy_version += 1
             return

@@ -22,6 +22,7 @@ from hpc_rlhf.config.schema import RolloutConfig, RunConfig, resolved_vllm_mode
 from hpc_rlhf.data.prompts import PromptDataset, PromptStream
 from hpc_rlhf.data.reasoning_gym import reasoning_gym_reward, write_prompt_file  # reasoning-gym itself: lazily
 from hpc_rlhf.models.loading import (
+    check_same_tokenizer,
     load_causal_lm,
     load_value_model,
     require_local_model,
@@ -63,10 +64,17 @@ def check_supported(cfg: RunConfig) -> None:
 def check_model_paths(cfg: RunConfig) -> None:
     """Every role's model folder exists, before minutes of start-up (errors name the key)."""
     paths = {"actor.pretrain": cfg.actor.pretrain, "critic.pretrain": cfg.critic.pretrain,
-             "ref.pretrain": cfg.ref.pretrain, "reward.pretrain": cfg.reward.pretrain}
+             "ref.pretrain": cfg.ref.pretrain, "teacher.pretrain": cfg.teacher.pretrain,
+             "reward.pretrain": cfg.reward.pretrain}
     for key, path in paths.items():
         if path is not None or key == "actor.pretrain":
             require_local_model(path, key)
+
+
+def check_teacher_tokenizer(cfg: RunConfig, tokenizer: Any) -> None:
+    """On-policy distillation: the teacher must read the student's token ids as the student does."""
+    if cfg.needs_teacher:
+        check_same_tokenizer(tokenizer, "actor.pretrain", cfg.teacher.pretrain, "teacher.pretrain")
 
 
 def optimizer_steps(cfg: RunConfig, num_steps: int) -> int:
@@ -177,6 +185,7 @@ class Roles:
     actor: TrainEngine | None = None
     critic: TrainEngine | None = None
     ref: FrozenEngine | None = None
+    teacher: FrozenEngine | None = None
     reward: RewardModelRole | None = None
     rollout: RolloutSide | None = None
     need_old_logprobs: bool = True
@@ -315,12 +324,18 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
             setattr(roles, role, engine)
     if share_actor:
         roles.rollout = _rollout_side(cfg, world, tokenizer, on_gpu, actor=roles.actor)
-    if world.has_role("ref"):
-        path = cfg.ref.pretrain or cfg.actor.pretrain
-        roles.ref = FrozenEngine.create(lambda: load_causal_lm(path, dtype, attn, liger, q4), cfg.ds, cfg.ref,
-                                        micro_batch_size=cfg.rollout.micro_rollout_batch_size,
-                                        dp_group=world.roles["ref"].dp_sp_group, tp_group=world.roles["ref"].tp_group,
-                                        on_gpu=on_gpu)
+    for role, section in (("ref", cfg.ref), ("teacher", cfg.teacher)):
+        if not world.has_role(role):
+            continue
+        # The reference is the initial policy (QLoRA: its 4-bit base, as the actor's); the teacher is its own
+        # model, kept in full precision.
+        path, quantized = (cfg.ref.pretrain or cfg.actor.pretrain, q4) if role == "ref" else (cfg.teacher.pretrain,
+                                                                                             False)
+        engine = FrozenEngine.create(lambda p=path, q=quantized: load_causal_lm(p, dtype, attn, liger, q), cfg.ds,
+                                     section, micro_batch_size=cfg.rollout.micro_rollout_batch_size,
+                                     dp_group=world.roles[role].dp_sp_group, tp_group=world.roles[role].tp_group,
+                                     on_gpu=on_gpu)
+        setattr(roles, role, engine)
     if world.has_role("reward"):  # full precision under QLoRA too
         roles.reward = build_reward_model_role(cfg.reward, cfg.ds,
                                                micro_batch_size=cfg.rollout.micro_rollout_batch_size,

@@ -66,6 +66,8 @@ class StepBatch:
     """(B, R) fp32: the actor's log-probs before the update (None when the update is exactly on-policy)."""
     ref_logprobs: torch.Tensor | None = None
     """(B, R) fp32: the reference model's log-probs (with a ``ref`` role)."""
+    teacher_logprobs: torch.Tensor | None = None
+    """(B, R) fp32: the distillation teacher's log-probs of the sampled tokens (with a ``teacher`` role)."""
     values: torch.Tensor | None = None
     """(B, R) fp32: the critic's value before each response token (with a ``critic`` role)."""
     kl: torch.Tensor | None = None
@@ -107,6 +109,13 @@ class StepBatch:
     @property
     def num_rows(self) -> int:
         return self.sequences.shape[0]
+
+    @property
+    def student_logprobs(self) -> torch.Tensor:
+        """(B, R) fp32: the policy's log-probs of its sampled tokens: the actor's before the update when that
+        forward ran, else the rollout engine's (the same weights in synchronous layouts: an exactly on-policy
+        step skips the actor forward; in asynchronous ones the policy that sampled)."""
+        return self.old_logprobs if self.old_logprobs is not None else self.rollout_logprobs
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The fields that are set, by name."""
