@@ -154,6 +154,20 @@ def test_agents_roll_out_on_vllm(tmp_path, vllm_model, config):
     assert all(r["response_length"] > 0 for r in rows)
 
 
+def test_distillation_teacher_scores_the_models_tokens_of_agent_episodes_on_vllm(tmp_path, vllm_model):
+    """On-policy distillation with multi-turn agent episodes sampled by vLLM, the teacher's term added to GRPO's.
+    The teacher here is the student's own checkpoint, so before the first update it must agree with vLLM's
+    logprobs on every token the model generated: a reverse KL of ~0 at step 1 holds only if the teacher scores
+    exactly the model's tokens (environment feedback, whose engine logprob is 0, left out) at the right columns."""
+    rows = _torchrun("configs/grpo_agent_tiny_cpu.yaml", tmp_path / "distill", f"actor.pretrain={vllm_model}",
+                     f"teacher.pretrain={vllm_model}", "train.max_steps=3", "actor.learning_rate=5e-2")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    _assert_engine_matches_trainer(rows)
+    assert abs(rows[0]["distill/reverse_kl"]) < MAX_ABS_K1, rows[0]
+    # After updates the student has moved away from its frozen starting point, and the metric shows it.
+    assert abs(rows[-1]["distill/reverse_kl"]) > 100 * MAX_ABS_K1, rows[-1]
+
+
 def test_resume_with_vllm_equals_the_uninterrupted_run(tmp_path, vllm_model):
     """vLLM samples with a per-request seed derived from the step, so a resumed run draws the same tokens."""
     common = [f"actor.pretrain={vllm_model}", "ckpt.save_steps=2"]
