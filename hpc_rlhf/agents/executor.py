@@ -20,10 +20,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpc_rlhf.data.prompts import Prompt, tokenize_prompts
+from hpc_rlhf.data.prompts import Prompt, source_name, tokenize_prompts
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams
 
 GenerateFn = Callable[[list[GenerationRequest]], list[GenerationResult]]
+
+# The source name of a trajectory whose executor did not set ``Trajectory.data_source``.
+UNKNOWN_SOURCE = "unknown"
 
 
 @dataclass
@@ -55,6 +58,10 @@ class Trajectory:
     # share the episode's reward and group, and are numbered 0, 1, ... here. Group statistics, filtering and
     # metrics count episodes (``hpc_rlhf.algos.episodes``); every row trains.
     branch_index: int = 0
+    # The prompt's data source as evaluation names it (``hpc_rlhf.data.prompts.source_name``: the row's
+    # ``data_source`` column, else its file's stem), for the per-source training metrics (``reward/<source>``).
+    # Executors set it from the prompt; None (an executor that does not) is reported as ``UNKNOWN_SOURCE``.
+    data_source: str | None = None
 
     @property
     def num_response_tokens(self) -> int:
@@ -164,6 +171,7 @@ class SingleTurnExecutor(AgentExecutor):
                     truncated=result.finish_reason == "length",
                     finish_reason=result.finish_reason,
                     group_index=group_index,
+                    data_source=source_name(prompt),
                 )
                 trajectory.check()
                 trajectories.append(trajectory)

@@ -90,7 +90,7 @@ from typing import Any
 
 from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, Trajectory, check_samples_per_prompt
 from hpc_rlhf.agents.step_output import AgentOutputError, apply_sampling, numeric_logs, parse_step_output, to_float
-from hpc_rlhf.data.prompts import Prompt, tokenize_prompts
+from hpc_rlhf.data.prompts import Prompt, source_name, tokenize_prompts
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams
 from hpc_rlhf.utils.user_calls import UserCallRunner, UserCallTimeout, run_to_completion
 from hpc_rlhf.utils.user_code import accepted_kwargs
@@ -512,7 +512,7 @@ class MultiTurnAgentExecutor(AgentExecutor):
             response_ids=list(episode.response_ids), action_mask=list(mask), rollout_logprobs=list(logprobs),
             reward=float(episode.reward), score=float(episode.score), truncated=episode.truncated,
             finish_reason=episode.finish_reason, extra_logs=extra_logs, group_index=episode.group_index,
-            failure=episode.error)
+            failure=episode.error, data_source=source_name(episode.prompt))
         trajectory.check()
         return trajectory
 

@@ -52,7 +52,7 @@ from typing import Any
 from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, Trajectory, check_samples_per_prompt
 from hpc_rlhf.agents.openai_endpoint import OpenAIEndpoint, run_batch
 from hpc_rlhf.agents.openai_recording import CompletionRecord, TokenSequence, episode_sequences
-from hpc_rlhf.data.prompts import Prompt
+from hpc_rlhf.data.prompts import Prompt, source_name
 from hpc_rlhf.rollout.base import SamplingParams
 from hpc_rlhf.utils.user_calls import UserCallRunner
 from hpc_rlhf.utils.user_code import accepted_kwargs
@@ -278,7 +278,8 @@ class OpenAIAgentExecutor(AgentExecutor):
                 prompt_ids=list(sequence.prompt_ids), response_ids=list(sequence.response_ids),
                 action_mask=list(mask), rollout_logprobs=list(logprobs), reward=reward, score=score,
                 truncated=finish == "length", finish_reason=finish, extra_logs=dict(extra_logs),
-                group_index=episode.group_index, failure=failure, branch_index=branch)
+                group_index=episode.group_index, failure=failure, branch_index=branch,
+                data_source=source_name(episode.prompt))
             row.check()
             rows.append(row)
         return rows

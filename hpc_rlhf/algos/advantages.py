@@ -14,6 +14,8 @@ Conventions shared by every function here:
 * The scalar reward of a row is credited on its last action token. The per-token
   KL penalty (when folded into the reward) is ``-kl_coef * kl_t`` on every action token.
 * Statistics are computed in fp32.
+* A prompt group whose rewards are all equal gets a shaped reward of exactly 0 from every group
+  estimator (no fp32 residue of ``r - mean``; see ``_zero_constant_groups``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,24 @@ def _grouped(rewards: torch.Tensor, n_samples_per_prompt: int) -> torch.Tensor:
             f"n_samples_per_prompt={n_samples_per_prompt}"
         )
     return rewards.float().view(-1, n_samples_per_prompt)
+
+
+def _zero_constant_groups(shaped: torch.Tensor, grouped: torch.Tensor) -> torch.Tensor:
+    """Set the shaped rewards of every constant group to exactly 0.
+
+    A group whose samples all got the same reward carries no signal, but its fp32 mean is rarely
+    exactly that reward (0.1, 0.3, 0.7 are not representable), so ``r - mean`` leaves a residue of a few
+    ulps, and the std division of ``group_norm`` amplifies it (by ``1 / (std + eps)`` with std ~ 0) into
+    advantages of several hundredths. Compare the raw rewards, not the centred ones, so the test is exact.
+
+    Args:
+        shaped: (G, n) shaped rewards of G groups of n samples.
+        grouped: (G, n) the raw rewards they were computed from.
+    Returns:
+        (G, n) ``shaped`` with the rows of constant groups replaced by 0.
+    """
+    constant = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(constant, torch.zeros_like(shaped), shaped)
 
 
 def last_action_index(action_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +196,7 @@ def reinforce_baseline_rewards(rewards: torch.Tensor, n_samples_per_prompt: int)
     """
     _check_group_size("reinforce_baseline", n_samples_per_prompt)
     grouped = _grouped(rewards, n_samples_per_prompt)
-    return (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
+    return _zero_constant_groups(grouped - grouped.mean(dim=1, keepdim=True), grouped).view(-1)
 
 
 def rloo_rewards(rewards: torch.Tensor, n_samples_per_prompt: int) -> torch.Tensor:
@@ -189,7 +209,7 @@ def rloo_rewards(rewards: torch.Tensor, n_samples_per_prompt: int) -> torch.Tens
     _check_group_size("rloo", n_samples_per_prompt)
     grouped = _grouped(rewards, n_samples_per_prompt)
     baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (n_samples_per_prompt - 1)
-    return (grouped - baseline).view(-1)
+    return _zero_constant_groups(grouped - baseline, grouped).view(-1)
 
 
 def group_norm_rewards(
@@ -207,9 +227,9 @@ def group_norm_rewards(
     _check_group_size("group_norm" if norm_by_std else "dr_grpo", n_samples_per_prompt)
     grouped = _grouped(rewards, n_samples_per_prompt)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
-    if not norm_by_std:
-        return centred.view(-1)
-    return (centred / (grouped.std(dim=1, keepdim=True) + eps)).view(-1)
+    if norm_by_std:
+        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+    return _zero_constant_groups(centred, grouped).view(-1)
 
 
 def dr_grpo_rewards(rewards: torch.Tensor, n_samples_per_prompt: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,12 @@ class Prompt:
     source: str
     index: int
     data_source: str | None = None
+
+
+def source_name(prompt: Prompt) -> str:
+    """The data source a prompt is reported under (evaluation and the per-source training metrics): its
+    ``data_source`` column, else its file's stem."""
+    return prompt.data_source or Path(prompt.source).stem
 
 
 def _check_messages(messages: list, path: str, row: int, key: str) -> None:

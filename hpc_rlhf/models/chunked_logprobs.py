@@ -61,6 +61,9 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
             entropy = log_z - mean_z
         ctx.save_for_backward(hidden, weight, targets, log_z, entropy if with_entropy else log_z)
         ctx.inv_t, ctx.step, ctx.with_entropy = inv_t, step, with_entropy
+        # An output outside the loss (a detached entropy that is only logged) then reaches backward as None,
+        # not as zeros, and its term is skipped instead of computed on every vocabulary chunk.
+        ctx.set_materialize_grads(False)
         if with_entropy:
             return logprobs, entropy
         return logprobs, torch.zeros_like(logprobs)

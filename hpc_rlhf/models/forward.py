@@ -265,26 +265,39 @@ def _chunked_policy_logprobs(model: torch.nn.Module, weight: torch.Tensor, seque
     return _scatter_actions(logprobs, mask), (_scatter_actions(entropy, mask) if with_entropy else None)
 
 
+def logits_entropy(logits: torch.Tensor, temperature: float, mask: torch.Tensor, grad: bool) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)``: (..., V) -> (...) fp32, 0 where ``mask`` (...) is false.
+
+    ``grad=False`` computes it outside autograd: an entropy that is only logged then keeps none of its
+    (..., V) intermediates alive for a backward (on the logits paths they are as large as the logits).
+    """
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        return entropy_from_logits(logits / temperature, mask)
+
+
 def policy_logprobs(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
                     num_actions: int, temperature: float = 1.0, *, packed: bool = False,
-                    with_entropy: bool = False, chunked: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    with_entropy: bool = False, entropy_grad: bool = True,
+                    chunked: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and optionally the entropy) of the response tokens: (B, P+R) -> two (B, R) fp32.
 
     ``packed`` runs the forward over one packed row of real tokens (no padding FLOPs; the LM head only
     on action positions) and returns the same values as the padded forward, up to float round-off.
-    The entropy is that of the sampling distribution ``softmax(logits / temperature)``.
+    The entropy is that of the sampling distribution ``softmax(logits / temperature)``; with
+    ``entropy_grad=False`` it is returned detached (for logging: it costs no backward).
     ``chunked`` (when the model allows it, :func:`chunked_head_weight`) computes them from the hidden
     states of the real response tokens in vocabulary chunks, never holding (B, R, V) logits; values are
     0 on response padding (where the logits path returns the pad token's log-prob, masked downstream).
     """
     weight = chunked_head_weight(_layout_of(model)[0]) if chunked else None
     if weight is not None:
-        return _chunked_policy_logprobs(model, weight, sequences, attention_mask, num_actions, temperature, packed,
-                                        with_entropy)
+        logprobs, entropy = _chunked_policy_logprobs(model, weight, sequences, attention_mask, num_actions,
+                                                     temperature, packed, with_entropy)
+        return logprobs, (entropy if entropy is None or entropy_grad else entropy.detach())
     if not packed:
         logits = action_logits(model, sequences, attention_mask, num_actions)
         logprobs = logprobs_from_logits(logits, sequences[:, -num_actions:], temperature)
-        return logprobs, (entropy_from_logits(logits / temperature, attention_mask[:, -num_actions:])
+        return logprobs, (logits_entropy(logits, temperature, attention_mask[:, -num_actions:], entropy_grad)
                           if with_entropy else None)
     pack = pack_actions(sequences, attention_mask, num_actions)
     _, attn, dtype, device = _layout_of(model)
@@ -293,7 +306,8 @@ def policy_logprobs(model: torch.nn.Module, sequences: torch.Tensor, attention_m
     logprobs = logprobs_from_logits(logits, pack.targets.to(device).unsqueeze(0), temperature)[0]
     entropy = None
     if with_entropy:
-        entropy = pack.scatter(entropy_from_logits(logits / temperature, torch.ones_like(logprobs).unsqueeze(0))[0])
+        everywhere = torch.ones_like(logprobs).unsqueeze(0)  # (1, K): every kept position is an action
+        entropy = pack.scatter(logits_entropy(logits, temperature, everywhere, entropy_grad)[0])
     return pack.scatter(logprobs), entropy
 
 

@@ -13,8 +13,13 @@ from typing import Any
 
 import torch
 
-from hpc_rlhf.algos import entropy_from_logits
-from hpc_rlhf.models.forward import critic_values, policy_logprobs, score_at_last_token, sequence_scores
+from hpc_rlhf.models.forward import (
+    critic_values,
+    logits_entropy,
+    policy_logprobs,
+    score_at_last_token,
+    sequence_scores,
+)
 from hpc_rlhf.models.logprobs import logprobs_from_logits
 from hpc_rlhf.models.sequence_parallel import (
     gather_from_sp,
@@ -54,18 +59,19 @@ class MicroForward:
         ZeRO averages gradients over dp x sp ranks, so scaling by sp turns the sp part into the sum."""
         return float(self.sp.size) if self.sp else 1.0
 
-    def policy_logprobs(self, temperature: float = 1.0,
-                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, R) fp32 log-probs of the response tokens, and their entropy when asked."""
+    def policy_logprobs(self, temperature: float = 1.0, with_entropy: bool = False,
+                        entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, R) fp32 log-probs of the response tokens, and their entropy when asked (detached when
+        ``entropy_grad`` is False: an entropy that is only logged costs no backward)."""
         if self.sp is None:
             return policy_logprobs(self.model, self.sequences, self.attention_mask, self.num_actions, temperature,
-                                   packed=self.packed, with_entropy=with_entropy)
+                                   packed=self.packed, with_entropy=with_entropy, entropy_grad=entropy_grad)
         logits = sp_token_logits(self.model, self.shard)  # (B, S_local, V), or (1, N_local, V) packed
         logprobs = self._gather(logprobs_from_logits(logits, self.shard.labels, temperature))
         entropy = None
         if with_entropy:
             everywhere = torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device)
-            entropy = self._gather(entropy_from_logits(logits / temperature, everywhere))
+            entropy = self._gather(logits_entropy(logits, temperature, everywhere, entropy_grad))
         return logprobs, entropy
 
     def critic_values(self) -> torch.Tensor:

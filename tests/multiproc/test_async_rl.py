@@ -53,6 +53,8 @@ def test_async_run_keeps_staleness_within_the_bound(assets, tmp_path, queue_size
     assert [r["step"] for r in rows] == list(range(1, 9))
     for row in rows:
         assert row["async/staleness_max"] <= queue_size
+        assert 0 < row["entropy"] < float("inf")  # the actor update of the async trainer logs it too
+        assert row["reward/arith"] == pytest.approx(row["reward"], abs=1e-6)  # one source: the prompt file's stem
     # The pipeline is full after the first steps: samples are exactly queue_size versions old.
     assert rows[-1].get(f"async/staleness_{queue_size}") == 64.0
     assert rows[0].get("async/staleness_0") == 64.0

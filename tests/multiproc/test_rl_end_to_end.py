@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +40,22 @@ def test_grpo_colocated_reward_rises_and_export_loads(assets, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     assert model.config.vocab_size == AutoModelForCausalLM.from_pretrained(assets["model"]).config.vocab_size
     assert (tmp_path / "config.resolved.yaml").is_file()
+    _check_step_signals(rows, model.config.vocab_size, generate_max_len=4, source=Path(assets["data"]).stem)
+
+
+def _check_step_signals(rows: list[dict], vocab_size: int, generate_max_len: int, source: str) -> None:
+    """Entropy, length spread, clipping and per-source reward are in every step's row and make sense."""
+    for row in rows:
+        # A policy entropy, logged with algo.entropy_loss_coef=0: positive, at most that of a uniform policy.
+        assert 0 < row["entropy"] <= math.log(vocab_size), (row["step"], row["entropy"])
+        assert row["response_length/min"] <= row["response_length"] <= row["response_length/max"] <= generate_max_len
+        # Single-turn: a row is truncated exactly when the engine stopped it at the token limit.
+        assert 0 <= row["response_length/clip_fraction"] == row["truncated_fraction"] <= 1
+        # One data source (the prompt file's stem): its reward is the overall reward.
+        assert [k for k in row if k.startswith("reward/")] == [f"reward/{source}"], row["step"]
+        assert row[f"reward/{source}"] == pytest.approx(row["reward"], abs=1e-6)
+    # A 4-token budget clips some responses of the untrained model early in the run.
+    assert any(row["response_length/clip_fraction"] > 0 for row in rows)
 
 
 def _one_ppo_step(rank, world_size, overrides):
@@ -266,7 +284,7 @@ def test_packed_token_budgeted_batches_match_padded_fixed_ones(assets, tmp_path)
                    "rollout.max_tokens_per_gpu=90"),
     }
     rows, weights = _first_step_of_runs(assets, tmp_path, common, runs)
-    for key in ("reward", "policy_loss", "actor_grad_norm"):
+    for key in ("reward", "policy_loss", "actor_grad_norm", "entropy"):  # entropy: logged, outside the loss
         assert rows["packed"][key] == pytest.approx(rows["padded"][key], rel=1e-4, abs=1e-6), key
     assert weights["packed"].keys() == weights["padded"].keys()
     for name, tensor in weights["padded"].items():
@@ -284,7 +302,7 @@ def test_ring_attention_sequence_parallel_step_matches_data_parallel(assets, tmp
             "sp_packed": ("ds.ring_attn_size=2", "train.packing_samples=true")}
     rows, weights = _first_step_of_runs(assets, tmp_path, common, runs)
     for name in ("sp", "sp_packed"):
-        for key in ("reward", "kl", "policy_loss", "kl_loss", "actor_grad_norm"):
+        for key in ("reward", "kl", "policy_loss", "kl_loss", "actor_grad_norm", "entropy"):
             assert rows[name][key] == pytest.approx(rows["dp"][key], rel=1e-4, abs=1e-6), (name, key)
         for param, tensor in weights["dp"].items():
             # Adam's first step is lr * g / (|g| + eps), about lr * sign(g): where |g| is near eps (1e-8),

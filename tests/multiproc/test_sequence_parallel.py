@@ -138,8 +138,27 @@ def _llama_ranks(rank: int, world_size: int) -> bool:
             if hasattr(module, "gradient_checkpointing"):
                 module.gradient_checkpointing = False
         model.eval()
+    _check_policy_entropy(rank, world_size, group, model, ids, mask)
     _check_values(rank, world_size, group, ids, mask)
     return True
+
+
+def _check_policy_entropy(rank, world_size, group, model, ids, mask) -> None:
+    """The actor's sequence-parallel forward gives the unsplit response log-probs and entropy, padded and packed,
+    and a logged entropy (``entropy_grad=False``) comes back detached."""
+    from hpc_rlhf.models.forward import policy_logprobs
+    from hpc_rlhf.models.micro_forward import SequenceParallel, forward_scope
+
+    num_actions = 4
+    action = mask[:, -num_actions:].bool()
+    rows = {"sequences": ids, "attention_mask": mask, "action_mask": action}
+    ref_lp, ref_ent = policy_logprobs(model, ids, mask, num_actions, 0.8, with_entropy=True)
+    for packed in (False, True):
+        with forward_scope(model, rows, packed=packed, sp=SequenceParallel(group, rank, world_size)) as fwd:
+            lp, ent = fwd.policy_logprobs(0.8, with_entropy=True, entropy_grad=False)
+        assert lp.requires_grad and not ent.requires_grad
+        torch.testing.assert_close(lp[action], ref_lp[action].detach(), **TOL)
+        torch.testing.assert_close(ent[action], ref_ent[action].detach(), **TOL)
 
 
 def _check_values(rank, world_size, group, ids, mask) -> None:

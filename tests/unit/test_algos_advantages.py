@@ -10,8 +10,10 @@ from hpc_rlhf.algos import (
     GROUP_ESTIMATORS,
     compute_advantages,
     discounted_returns,
+    dr_grpo_rewards,
     gae_advantages,
     group_norm_rewards,
+    reinforce_baseline_rewards,
     rloo_rewards,
     token_level_rewards,
 )
@@ -162,6 +164,54 @@ def test_group_estimators_broadcast_sequence_advantage(estimator, expected_seque
     advantages, _ = compute_advantages(estimator, rewards, mask, 2, eps=0.0)
     expected = torch.tensor(expected_sequence_advantage).unsqueeze(1).expand(4, 4)
     torch.testing.assert_close(advantages, torch.where(mask, expected, 0.0), atol=1e-6, rtol=1e-6)
+
+
+SHAPING = {
+    "group_norm": group_norm_rewards,
+    "dr_grpo": dr_grpo_rewards,
+    "reinforce_baseline": reinforce_baseline_rewards,
+    "rloo": rloo_rewards,
+}
+
+
+def test_shaping_table_covers_every_group_estimator():
+    assert set(SHAPING) == set(GROUP_ESTIMATORS)
+
+
+@pytest.mark.parametrize("estimator", GROUP_ESTIMATORS)
+@pytest.mark.parametrize("value", [0.1, 0.3, 0.7])
+@pytest.mark.parametrize("n", [8, 16])
+def test_constant_group_gives_exactly_zero_advantage(estimator, value, n):
+    # The fp32 mean of n copies of 0.1 / 0.3 / 0.7 is not exactly the value; without the constant-group
+    # guard group_norm turned that residue into advantages of 0.007 to 0.06.
+    rewards = torch.full((2 * n,), value)
+    shaped = SHAPING[estimator](rewards, n)
+    assert (shaped == 0.0).all(), shaped
+    mask = torch.ones(2 * n, 3, dtype=torch.bool)
+    advantages, returns = compute_advantages(estimator, rewards, mask, n)
+    assert (advantages == 0.0).all(), advantages
+    assert (returns == 0.0).all(), returns
+
+
+@pytest.mark.parametrize("estimator,expected_varied", [
+    # Varied group {0, 1} x 4: mean 0.5, unbiased std sqrt(2/7); RLOO baselines 4/7 (for a 0) and 3/7 (for a 1).
+    ("group_norm", [-0.5 / math.sqrt(2 / 7), 0.5 / math.sqrt(2 / 7)] * 4),
+    ("dr_grpo", [-0.5, 0.5] * 4),
+    ("reinforce_baseline", [-0.5, 0.5] * 4),
+    ("rloo", [-4 / 7, 4 / 7] * 4),
+])
+def test_constant_group_beside_a_varied_group(estimator, expected_varied):
+    n = 8
+    rewards = torch.tensor([0.7] * n + [0.0, 1.0] * 4)
+    expected = torch.tensor([0.0] * n + expected_varied)
+    shaped = SHAPING[estimator](rewards, n)
+    assert (shaped[:n] == 0.0).all(), shaped
+    torch.testing.assert_close(shaped, expected, atol=1e-5, rtol=1e-5)
+    mask = torch.ones(2 * n, 2, dtype=torch.bool)
+    # No whitening: batch whitening (reinforce_baseline's default) shifts the zeros by the batch mean.
+    advantages, _ = compute_advantages(estimator, rewards, mask, n, whiten=False)
+    assert (advantages[:n] == 0.0).all(), advantages
+    torch.testing.assert_close(advantages, expected.unsqueeze(1).expand(2 * n, 2), atol=1e-5, rtol=1e-5)
 
 
 def test_group_norm_without_std_equals_dr_grpo():

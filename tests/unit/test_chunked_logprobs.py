@@ -94,6 +94,44 @@ def test_policy_logprobs_chunked_equal_logits_path_with_gradients(small_chunks, 
         torch.testing.assert_close(grads_c[name], grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_an_entropy_outside_the_loss_costs_the_chunked_backward_nothing(small_chunks, monkeypatch):
+    """A logged (detached) entropy reaches the chunked backward as None, so its term is skipped."""
+    seen = []
+    backward = chunked_logprobs._ChunkedLinearLogprobs.backward
+
+    def spy(ctx, grad_logprobs, grad_entropy):
+        seen.append(grad_entropy)
+        return backward(ctx, grad_logprobs, grad_entropy)
+
+    monkeypatch.setattr(chunked_logprobs._ChunkedLinearLogprobs, "backward", staticmethod(spy))
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(20, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(301, 16, generator=gen)
+    lp, ent = linear_logprobs(hidden, weight, torch.randint(0, 301, (20,), generator=gen), with_entropy=True)
+    (lp.sum() + 0.0 * ent.detach().sum()).backward()
+    assert seen == [None]
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("packed", [False, True])
+def test_entropy_without_grad_is_detached_and_leaves_the_logprob_gradients_alone(small_chunks, chunked, packed):
+    model, sequences, attention_mask, num_actions = _model_and_batch()
+    mask = attention_mask[:, -num_actions:].bool()
+    results = {}
+    for entropy_grad in (True, False):
+        model.zero_grad()
+        lp, ent = policy_logprobs(model, sequences, attention_mask, num_actions, temperature=0.8, packed=packed,
+                                  with_entropy=True, entropy_grad=entropy_grad, chunked=chunked)
+        assert ent.requires_grad == entropy_grad
+        lp[mask].sum().backward()
+        results[entropy_grad] = (lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()])
+    (lp_g, ent_g, grads_g), (lp_n, ent_n, grads_n) = results[True], results[False]
+    torch.testing.assert_close(lp_n, lp_g, **TOL)
+    torch.testing.assert_close(ent_n[mask], ent_g[mask], **TOL)
+    for got, want in zip(grads_n, grads_g):
+        torch.testing.assert_close(got, want, **TOL)
+
+
 def test_no_grad_forward_equals_logits_path_and_keeps_nothing_for_backward(small_chunks):
     model, sequences, attention_mask, num_actions = _model_and_batch()
     with torch.no_grad():

@@ -160,6 +160,7 @@ def test_masks_logprobs_and_exact_next_prompts(tok):
             boundary += len(ids)
         assert t.reward == 3.0 and t.score == 30.0  # the last step's
         assert not t.truncated and t.finish_reason == "stop"
+        assert t.data_source == "mem"  # the prompt's source name (its file stem: no data_source column)
         assert t.extra_logs["num_turns"] == 3.0 and t.extra_logs["agent_error"] == 0.0
         assert t.extra_logs["turn_seen"] == 3.0 and t.extra_logs["flag"] == 1.0
 

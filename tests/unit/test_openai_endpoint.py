@@ -207,12 +207,13 @@ def test_branching_episode_trains_one_row_per_branch_sharing_the_reward(tiny):
     try:
         sampling = SamplingParams(max_new_tokens=4, stop_token_ids=[tokenizer.eos_token_id], seed=7, temperature=1.0)
         prompts = [Prompt(text="2+5=", label="7", source="t", index=0),
-                   Prompt(text="1+1=", label="2", source="t", index=1)]
+                   Prompt(text="1+1=", label="2", source="t", index=1, data_source="sums")]
         rows = executor.run(prompts, capturing.generate, sampling, n_samples_per_prompt=2)
     finally:
         executor.close()
     assert [(t.group_index, t.branch_index) for t in rows] == [(0, 0), (0, 1), (0, 0), (0, 1),
                                                                 (1, 0), (1, 1), (1, 0), (1, 1)]
+    assert [t.data_source for t in rows] == ["t"] * 4 + ["sums"] * 4  # every branch: its prompt's source
     outputs = _engine_outputs(capturing)
     n2_choices = [sorted(list(r.output_ids) for r in results if r.request_index == i)
                   for requests, results in capturing.calls for i, q in enumerate(requests) if q.n == 2]

@@ -89,6 +89,13 @@ def test_single_turn_groups_masks_and_truncation(shuffle):
         assert [len(t.response_ids) - 1 for t in trajectories] == [0, 1, 2, 3] * 3
 
 
+def test_trajectories_carry_their_prompts_source_name():
+    prompts = [Prompt(text="What is w1 ?", label=None, source="/data/math_train.jsonl", index=0),
+               Prompt(text="What is w2 ?", label=None, source="/data/mix.jsonl", index=1, data_source="gsm8k")]
+    trajectories = SingleTurnExecutor(make_tokenizer(), 64).run(prompts, FakeEngine(), SamplingParams(4), 2)
+    assert [t.data_source for t in trajectories] == ["math_train"] * 2 + ["gsm8k"] * 2
+
+
 def test_prompts_are_left_truncated_before_generation():
     tok = make_tokenizer()
     engine = FakeEngine()

@@ -8,11 +8,13 @@ in ``setup``, whose caller passes in the values it needs. They see the trajector
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import replace
 from typing import Any
 
 import torch
 
+from hpc_rlhf.agents.executor import UNKNOWN_SOURCE
 from hpc_rlhf.algos import (
     compute_advantages,
     distill_advantages,
@@ -26,7 +28,7 @@ from hpc_rlhf.algos import (
 )
 from hpc_rlhf.config.schema import RunConfig
 from hpc_rlhf.rewards.scoring import score_trajectories
-from hpc_rlhf.trainers.rl.rollout_health import extra_log_metrics
+from hpc_rlhf.trainers.rl.rollout_health import extra_log_metrics, first_rows
 from hpc_rlhf.trainers.rl.step_batch import StepBatch, episode_index_of
 
 
@@ -141,11 +143,53 @@ def distillation_metrics(batch: StepBatch | None) -> dict[str, float]:
     return {f"distill/{k}": v for k, v in stats.items()}
 
 
+# Finish reasons of a row whose generation stopped at a length limit: the engine's token cap of the request
+# ("length": ``rollout.generate_max_len``, or what is left of ``data.max_len`` for a multi-turn turn) or a
+# multi-turn episode's whole ``data.max_len`` budget ("max_len", ``hpc_rlhf.agents.multi_turn``).
+LENGTH_FINISH_REASONS = ("length", "max_len")
+
+
+def response_length_metrics(trajectories: list) -> dict[str, float]:
+    """``response_length`` (mean), ``/max``, ``/min`` of the rows' response tokens (generated plus agent feedback),
+    ``response_length/clip_fraction``: the fraction of rows whose ``finish_reason`` is in
+    :data:`LENGTH_FINISH_REASONS` (a multi-turn episode ended by ``max_turns`` does not count), and
+    ``truncated_fraction``: the rows flagged ``truncated`` by their executor (length or, multi-turn, ``max_turns``)."""
+    lengths = [len(t.response_ids) for t in trajectories]
+    return {
+        "response_length": sum(lengths) / len(lengths),
+        "response_length/max": float(max(lengths)),
+        "response_length/min": float(min(lengths)),
+        "response_length/clip_fraction": sum(t.finish_reason in LENGTH_FINISH_REASONS for t in trajectories)
+        / len(trajectories),
+        "truncated_fraction": sum(t.truncated for t in trajectories) / len(trajectories),
+    }
+
+
+def reward_by_source(trajectories: list, episode_rewards: torch.Tensor) -> dict[str, float]:
+    """``reward/<source>``: the mean reward of each data source's episodes.
+
+    Args:
+        trajectories: the step's rows; an episode's source is that of its first row (``branch_index`` 0).
+        episode_rewards: (E,) the reward of each episode, in episode order.
+    The source is ``Trajectory.data_source`` (the name evaluation uses, ``hpc_rlhf.data.prompts.source_name``),
+    or ``UNKNOWN_SOURCE`` ("unknown") for a trajectory whose executor did not set it.
+    """
+    sources = [t.data_source or UNKNOWN_SOURCE for t in first_rows(trajectories)]
+    if len(sources) != episode_rewards.shape[0]:
+        raise ValueError(f"{len(sources)} episodes but {episode_rewards.shape[0]} episode rewards")
+    sums: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for source, reward in zip(sources, episode_rewards.tolist()):
+        sums[source] += reward
+        counts[source] += 1
+    return {f"reward/{source}": sums[source] / counts[source] for source in sorted(sums)}
+
+
 def rollout_metrics(trajectories: list, batch: StepBatch | None, generation_s: float) -> dict[str, float]:
     """Reward, length and throughput of the step's rollouts (before filtering for the reward mean), and the
-    episode means of their ``extra_logs`` (``agent/...``, ``extra/...``). ``reward`` / ``score`` are means over
-    episodes (an episode's rows averaged first); lengths and truncation are over rows (trained sequences)."""
-    lengths = [len(t.response_ids) for t in trajectories]
+    episode means of their ``extra_logs`` (``agent/...``, ``extra/...``). ``reward`` / ``score`` and
+    ``reward/<source>`` (:func:`reward_by_source`) are means over episodes (an episode's rows averaged first);
+    lengths, clipping and truncation (:func:`response_length_metrics`) are over rows (trained sequences)."""
     generated = sum(sum(t.action_mask) for t in trajectories)
     index = episode_index_of(trajectories)
     rewards = episode_means(torch.tensor([float(t.reward) for t in trajectories]), index)
@@ -154,8 +198,7 @@ def rollout_metrics(trajectories: list, batch: StepBatch | None, generation_s: f
     row: dict[str, float] = {
         "reward": float(rewards.mean()),
         "score": float(scores.mean()),
-        "response_length": sum(lengths) / len(lengths),
-        "truncated_fraction": sum(t.truncated for t in trajectories) / len(trajectories),
+        **response_length_metrics(trajectories),
         "rollout_tokens_per_s": generated / max(generation_s, 1e-9),
         "num_samples": float(len(trajectories)),
         "num_episodes": float(rewards.shape[0]),
@@ -163,5 +206,6 @@ def rollout_metrics(trajectories: list, batch: StepBatch | None, generation_s: f
     }
     if batch is not None and batch.kl is not None:
         row["kl"] = float(masked_mean(batch.kl, batch.action_mask))
+    row.update(reward_by_source(trajectories, rewards))
     row.update(extra_log_metrics(trajectories))
     return row

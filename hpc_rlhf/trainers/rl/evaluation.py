@@ -8,20 +8,14 @@ prompts, the eval schedule, the sampling parameters, and the per-source metrics 
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 from hpc_rlhf.algos.pass_at_k import pass_at_k, powers_of_two_up_to
 from hpc_rlhf.config.schema import RunConfig
-from hpc_rlhf.data.prompts import Prompt, PromptDataset
+from hpc_rlhf.data.prompts import Prompt, PromptDataset, source_name
 from hpc_rlhf.rollout.base import SamplingParams
 
 ALL_SOURCES = "all"
-
-
-def source_name(prompt: Prompt) -> str:
-    """The data source a prompt is reported under: its ``data_source`` column, else its file's stem."""
-    return prompt.data_source or Path(prompt.source).stem
 
 
 def load_eval_prompts(cfg: RunConfig, tokenizer: Any) -> list[Prompt]:

@@ -142,6 +142,20 @@ def _num_updates(shard: TrainShard, settings: UpdateSettings) -> int:
     return settings.max_epochs * shard.num_minibatches
 
 
+def _log_entropy(entropy_per_token: torch.Tensor, mask: torch.Tensor, counts: dict[str, Any],
+                 stats: dict[str, list[float]]) -> None:
+    """Record this micro-batch's share of the mini-batch token-mean entropy of the sampling distribution.
+
+    ``entropy_per_token``, ``mask``: (b, R). Always a token mean, whatever ``algo.loss_agg_mode``: as a
+    ``_share`` it sums over the micro-batches of an update and averages over data-parallel ranks into the
+    exact token mean of each mini-batch (``_finish_stats``), so the logged ``entropy`` is the mean over
+    the step's optimizer updates of the global token mean of their action tokens. Detached: logging it
+    must never add to the backward.
+    """
+    share = aggregate_loss(entropy_per_token.detach(), mask, "token_mean", **counts)
+    stats["entropy_share"].append(float(share))
+
+
 def _actor_micro_step(engine: Any, fwd: Any, rows: StepBatch, counts: dict[str, Any], kl_coef: float,
                       num_micro: int, last: bool, algo: AlgoConfig, temperature: float,
                       stats: dict[str, list[float]]) -> dict:
@@ -150,7 +164,8 @@ def _actor_micro_step(engine: Any, fwd: Any, rows: StepBatch, counts: dict[str, 
     ``counts``: the global normalisers of its mini-batch (``aggregate_loss`` keyword arguments).
     """
     mask = rows.action_mask
-    logprobs, entropy_per_token = fwd.policy_logprobs(temperature, with_entropy=algo.entropy_loss_coef > 0)
+    entropy_bonus = algo.entropy_loss_coef != 0.0
+    logprobs, entropy_per_token = fwd.policy_logprobs(temperature, with_entropy=True, entropy_grad=entropy_bonus)
     old = rows.old_logprobs if rows.old_logprobs is not None else logprobs.detach()
     is_weights = None
     if algo.is_correction != "none":
@@ -176,9 +191,8 @@ def _actor_micro_step(engine: Any, fwd: Any, rows: StepBatch, counts: dict[str, 
             # reference; these logprobs are the old ones, so its token mean here is that metric exactly.
             kl_mean = aggregate_loss(kl.detach(), mask, "token_mean", **counts)
             stats["kl_share"].append(float(kl_mean))
-    entropy = None
-    if entropy_per_token is not None:
-        entropy = aggregate_loss(entropy_per_token, mask, algo.loss_agg_mode, **counts)
+    _log_entropy(entropy_per_token, mask, counts, stats)
+    entropy = aggregate_loss(entropy_per_token, mask, algo.loss_agg_mode, **counts) if entropy_bonus else None
     loss = total_loss(pg_loss, kl_loss=kl_loss, kl_coef=kl_coef, entropy=entropy,
                       entropy_coef=algo.entropy_loss_coef, num_micro_batches=num_micro)
     engine.backward(loss * fwd.loss_scale, boundary=last)
