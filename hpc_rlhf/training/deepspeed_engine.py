@@ -187,11 +187,17 @@ def _build_model(model_factory: Callable[[], torch.nn.Module], config: dict, dp_
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on biases and norm weights (1-D tensors), as in OpenRLHF / nanoGPT."""
+    """No weight decay on biases and norm weights (1-D tensors), as in OpenRLHF / nanoGPT.
+
+    Without weight decay the two groups would be the same, so there is one: DeepSpeed 0.19.8's ZeRO-3 universal
+    checkpoint load (a resume on another layout, ``hpc_rlhf.ckpt.universal``) restores the Adam moments of the
+    second group wrongly (tests/multiproc/test_resume_resize.py caught it), and one group avoids that for the
+    usual RL setting of no weight decay."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if weight_decay == 0.0:
+        return [{"params": trainable, "weight_decay": 0.0}]
     decay, no_decay = [], []
-    for param in model.parameters():
-        if not param.requires_grad:
-            continue
+    for param in trainable:
         shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3 params are flattened partitions
         (decay if len(shape) >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -469,12 +475,21 @@ class TrainEngine(_DeepSpeedRole):
         dist.barrier()
         dist.barrier()
 
-    def load_checkpoint(self, path: str, tag: str) -> dict:
-        """Restore what ``save_checkpoint`` wrote; returns its ``client_state``."""
+    def load_checkpoint(self, path: str, tag: str, universal: bool = False) -> dict:
+        """Restore what ``save_checkpoint`` wrote; returns its ``client_state``. ``universal``: ``path`` holds the
+        universal copy of a checkpoint saved with another layout (``hpc_rlhf.ckpt.universal``), which this engine
+        re-partitions for its own data-parallel size, ZeRO stage and tensor-parallel size."""
         custom_load_fn = load_trainable_state if self.lora else None
-        load_path, client_state = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,
-                                                              load_lr_scheduler_states=True,
-                                                              custom_load_fn=custom_load_fn)
+        # DeepSpeed reads this flag from its config at load time only; set it for this load and restore it, so a
+        # later native load of this engine is unaffected.
+        saved_flag = self.engine._config.load_universal_checkpoint
+        self.engine._config.load_universal_checkpoint = universal
+        try:
+            load_path, client_state = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,
+                                                                  load_lr_scheduler_states=True,
+                                                                  custom_load_fn=custom_load_fn)
+        finally:
+            self.engine._config.load_universal_checkpoint = saved_flag
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint with tag {tag!r} under {path}")
         return client_state or {}

@@ -34,7 +34,9 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.ckpt import CheckpointManager, load_json, load_rank_rng, save_json_atomic, save_rank_rng
+from hpc_rlhf.ckpt.layout import compare_layouts, read_layout, supervised_layout, write_layout
 from hpc_rlhf.ckpt.resume import agreed_checkpoint, warn_if_starting_over
+from hpc_rlhf.ckpt.universal import load_resharded
 from hpc_rlhf.config import save_resolved_config
 from hpc_rlhf.config.supervised import SupervisedRunConfig
 from hpc_rlhf.data.packing import TokenSample, collate
@@ -250,6 +252,7 @@ class SupervisedTrainer(RunHooks):
             if self.rank == 0:
                 save_json_atomic(tmp / STATE_FILE, {"step": self.step, "kind": self.kind,
                                                     "stream": self.stream.state_dict()})
+                write_layout(tmp, supervised_layout(self.cfg, dist.get_world_size()))
 
     def maybe_resume(self) -> bool:
         if not self.cfg.ckpt.load:
@@ -261,13 +264,21 @@ class SupervisedTrainer(RunHooks):
         state = load_json(latest / STATE_FILE)
         if state.get("kind") != self.kind:
             raise ValueError(f"{latest} is a {state.get('kind')} checkpoint, this is a {self.kind} run")
-        self.engine.load_checkpoint(str(latest), tag=ENGINE_TAG)
+        saved = read_layout(latest)  # None: written before layouts were recorded; loads as saved
+        change = compare_layouts(saved, supervised_layout(self.cfg, dist.get_world_size()), latest) if saved else None
+        if change is not None and change.resharded:
+            if self.rank == 0:
+                log.warning("checkpoint %s was saved with another layout: %s", latest, "; ".join(change.notes))
+            # The global batch is split over the data-parallel ranks by its order, so the data stream carries over.
+            load_resharded(self.engine, latest, "model", latest, ENGINE_TAG)
+        else:
+            self.engine.load_checkpoint(str(latest), tag=ENGINE_TAG)
         self.stream.load_state_dict(state["stream"])
         self.step = int(state["step"])
-        try:
+        if change is None or change.same_world:
             load_rank_rng(latest, self.rank)
-        except FileNotFoundError as err:
-            log.warning("%s; this rank's RNG is seeded afresh", err)
+        else:
+            log.info("rank %d: RNG seeded as at a fresh start (the checkpoint's world had another size)", self.rank)
         log.info("resumed from %s at step %d", latest, self.step)
         return True
 

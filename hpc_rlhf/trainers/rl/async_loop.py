@@ -193,11 +193,12 @@ class AsyncPPOTrainer(PPOTrainer):
     def restore_rank_buffers(self, buffers: Any) -> None:
         self.in_flight = buffers["in_flight"]
 
-    def restore_buffers(self, buffers: Any) -> None:
+    def restore_buffers(self, buffers: Any, same_world: bool = True) -> None:
         if buffers:
             self.ready = deque(buffers["ready"])
             self.generated = buffers["generated"]
-            self.partial_in_flight = buffers["partial_in_flight"]
+            # Another layout dropped the rollout ranks' cut-short batch (its rank buffers): nothing to finish.
+            self.partial_in_flight = buffers["partial_in_flight"] and same_world
 
 
 def trainer_class(cfg: Any) -> type[PPOTrainer]:

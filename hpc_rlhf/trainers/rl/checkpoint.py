@@ -2,7 +2,12 @@
 
 A checkpoint ``<ckpt.path>/step_<N>/`` holds the DeepSpeed states of each trained role (weights,
 optimizer, LR schedule), the controller state (step, prompt-stream position and order, KL controller,
-reward normaliser) and the RNG state of every rank. ``hpc_rlhf.ckpt.CheckpointManager`` makes it atomic.
+reward normaliser), the RNG state of every rank and the layout it was saved with (``layout.json``).
+``hpc_rlhf.ckpt.CheckpointManager`` makes it atomic.
+
+A run laid out differently (another number of ranks, ZeRO stage or AutoTP size: a requeued job on another
+allocation) loads the trained states through DeepSpeed's universal checkpoint (``hpc_rlhf.ckpt.layout``,
+``hpc_rlhf.ckpt.universal``); the controller state carries over as it is; what cannot be reproduced is said there.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.ckpt import CheckpointManager, load_json, load_rank_rng, save_json_atomic, save_rank_rng
+from hpc_rlhf.ckpt.layout import CheckpointLayout, compare_layouts, read_layout, write_layout
 from hpc_rlhf.ckpt.resume import agreed_checkpoint, warn_if_starting_over
+from hpc_rlhf.ckpt.universal import load_resharded
 from hpc_rlhf.config import RunConfig
 from hpc_rlhf.resilience.fault_injection import fault_point
 from hpc_rlhf.training.deepspeed_engine import TrainEngine
@@ -39,8 +46,9 @@ def make_manager(cfg: RunConfig) -> CheckpointManager:
 
 
 def save(manager: CheckpointManager, step: int, roles: Any, world: Any, controller_state: dict | None,
-         buffers: Any = None, rank_buffers: Any = None) -> None:
-    """Collective over the world: every rank calls it at the same step.
+         buffers: Any = None, rank_buffers: Any = None, layout: CheckpointLayout | None = None) -> None:
+    """Collective over the world: every rank calls it at the same step. ``layout`` (rank 0): this run's layout,
+    recorded so that a run laid out differently knows how to load it.
 
     ``buffers`` (rank 0): Python objects too rich for JSON, such as generated but not yet trained
     trajectories of an asynchronous run; pickled with ``torch.save``. ``rank_buffers`` (any rank):
@@ -59,6 +67,8 @@ def save(manager: CheckpointManager, step: int, roles: Any, world: Any, controll
         fault_point("checkpoint_write", step, world.rank)  # the engine states are written, nothing is committed
         if controller_state is not None:
             save_json_atomic(tmp / CONTROLLER_FILE, {"step": step, **controller_state})
+        if layout is not None:
+            write_layout(tmp, layout)
         if buffers is not None:
             torch.save(buffers, tmp / BUFFERS_FILE)
         if rank_buffers is not None:
@@ -66,24 +76,38 @@ def save(manager: CheckpointManager, step: int, roles: Any, world: Any, controll
     log.info("checkpoint step %d saved to %s", step, manager.step_dir(step))
 
 
-def restore(manager: CheckpointManager, roles: Any, world: Any) -> tuple[int, dict | None]:
+def restore(manager: CheckpointManager, roles: Any, world: Any, layout: CheckpointLayout) -> tuple[int, dict | None]:
     """Load ``LATEST`` into this rank's engines and RNG. Returns (step, state or None): the controller
-    state on rank 0, plus ``rank_buffers`` on any rank that saved some.
+    state on rank 0, plus ``rank_buffers`` on any rank that saved some (only when the world is the same).
 
+    ``layout``: this run's. A checkpoint saved with another layout loads through DeepSpeed's universal checkpoint
+    (converted once, by rank 0); one of another model or LoRA adapter raises ``CheckpointLayoutError`` on every rank.
     Step 0 means no checkpoint was found and the run starts fresh.
     """
     latest = agreed_checkpoint(manager)  # verified, and the same on every rank
     if latest is None:
         log.warning("ckpt.load=true but no complete checkpoint under %s: starting fresh", manager.root)
         return 0, None
+    saved = read_layout(latest)
+    # A checkpoint from before layouts were recorded loads as saved (DeepSpeed refuses a mismatch itself).
+    change = compare_layouts(saved, layout, latest) if saved is not None else None
+    if change is not None and not change.exact and world.rank == 0:
+        log.warning("checkpoint %s was saved with another layout: %s", latest, "; ".join(change.notes))
+    resharded = change.resharded if change is not None else ()
     for role in TRAINED_ROLES:
+        if role in resharded:
+            load_resharded(getattr(roles, role), latest, role, latest / role, DS_TAG)
+            continue
         engine = getattr(roles, role)
         if engine is not None:
             engine.load_checkpoint(str(latest / role), tag=DS_TAG)
-    load_rank_rng(latest, world.rank)
+    same_world = change is None or change.same_world
+    if same_world:
+        load_rank_rng(latest, world.rank)
     rank_file = latest / f"rank_buffers_{world.rank}.pt"
-    # Our own pickle (trajectories), written by this rank of the run being resumed.
-    rank_buffers = torch.load(rank_file, weights_only=False) if rank_file.is_file() else None
+    # Our own pickle (trajectories), written by this rank of the run being resumed (another world's rank
+    # numbering hosts other roles: its in-flight rollouts are dropped, as the layout note says).
+    rank_buffers = torch.load(rank_file, weights_only=False) if same_world and rank_file.is_file() else None
     state = load_json(latest / CONTROLLER_FILE) if world.rank == 0 else None
     if state is not None and (latest / BUFFERS_FILE).is_file():
         # Our own pickle of trajectories (dataclasses), written by rank 0 of this run's code.
@@ -93,4 +117,6 @@ def restore(manager: CheckpointManager, roles: Any, world: Any) -> tuple[int, di
     log.info("resumed from %s (step %d)", latest, step_box[0])
     if rank_buffers is not None:
         state = {**(state or {}), "rank_buffers": rank_buffers}
+    if state is not None:
+        state["same_world"] = same_world
     return int(step_box[0]), state

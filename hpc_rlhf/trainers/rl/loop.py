@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.ckpt.hf_exports import HFExports
+from hpc_rlhf.ckpt.layout import rl_layout
 from hpc_rlhf.config import RunConfig, save_resolved_config
 from hpc_rlhf.models.loading import load_tokenizer
 from hpc_rlhf.models.micro_forward import SequenceParallel
@@ -117,6 +118,7 @@ class PPOTrainer:
         self.metrics = MetricsLogger(cfg.train.output_dir, cfg.logger, cfg.model_dump(mode="json"),
                                      resume=cfg.ckpt.load) if world.is_controller else None
         self.ckpt = rl_checkpoint.make_manager(cfg)
+        self.layout = rl_layout(cfg, world.placement)  # recorded in checkpoints; compared on resume
         self.stopped_by_signal = False
         self.health = RolloutHealth(cfg.train.max_agent_failure_fraction, cfg.train.agent_failure_window_steps,
                                     cfg.data.max_len) if world.is_controller else None
@@ -419,7 +421,7 @@ class PPOTrainer:
                      "refill_stream": self.data.refill_stream.state_dict()}
         rl_checkpoint.save(self.ckpt, step, self.roles, self.world, state,
                             self.checkpoint_buffers() if self.world.is_controller else None,
-                            self.checkpoint_rank_buffers())
+                            self.checkpoint_rank_buffers(), layout=self.layout)
         if self.cfg.ckpt.save_hf:
             self.save_hf_export(step)
 
@@ -458,15 +460,16 @@ class PPOTrainer:
         """This rank's objects to keep across a restart (none when synchronous)."""
         return None
 
-    def restore_buffers(self, buffers: Any) -> None:
-        pass
+    def restore_buffers(self, buffers: Any, same_world: bool = True) -> None:
+        """Rank 0: the controller objects of :meth:`checkpoint_buffers`; ``same_world``: the checkpoint was saved
+        by a world of this size and layout (else other ranks' per-rank buffers were dropped)."""
 
     def restore_rank_buffers(self, buffers: Any) -> None:
         pass
 
     def resume(self) -> int:
         """Restore ``LATEST`` (weights, optimizer, data position, controllers, RNG); returns its step."""
-        step, state = rl_checkpoint.restore(self.ckpt, self.roles, self.world)
+        step, state = rl_checkpoint.restore(self.ckpt, self.roles, self.world, self.layout)
         if self.metrics is not None:
             # Rows after the checkpoint will be logged again; with nothing to load (step 0) that is all of them,
             # so a fresh start under ckpt.load=true leaves one row per step, as ckpt.load=false does.
@@ -479,7 +482,7 @@ class PPOTrainer:
             self.data.reward_normalizer.load_state_dict(state["reward_norm"])
             if "refill_stream" in state:  # checkpoints written before refill existed lack it
                 self.data.refill_stream.load_state_dict(state["refill_stream"])
-            self.restore_buffers(state.get("buffers"))
+            self.restore_buffers(state.get("buffers"), same_world=state["same_world"])
         if step:
             self.policy_version = step - 1  # one sync per step; the sync below makes it ``step``
             self.sync_weights()  # the rollout engines start from the restored actor
