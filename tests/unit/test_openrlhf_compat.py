@@ -1,19 +1,25 @@
 """OpenRLHF compatibility without a distributed run: loader shapes and their errors, the function-style
-adapter, user-call timeouts, reward-function timeouts, a .py remote_url, serve-rm flags, rollout health."""
+adapter, user-call timeouts, reward-function timeouts, a .py remote_url, serve-rm flags, rollout health, and the
+config keys that docs/openrlhf_flags.md cites."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
+from typing import get_args
 
 import pytest
+from pydantic import BaseModel
 
 from hpc_rlhf.agents.agent_loader import AgentLoadError, load_agent_executor
 from hpc_rlhf.agents.executor import Trajectory
 from hpc_rlhf.cli.serve_rm import translate_openrlhf_flags
-from hpc_rlhf.config import load_config
+from hpc_rlhf.config import RunConfig, load_config
+from hpc_rlhf.config.supervised import CONFIG_CLASSES
 from hpc_rlhf.data.prompts import Prompt
 from hpc_rlhf.models.tiny import build_char_tokenizer
 from hpc_rlhf.rewards.functions import RewardFunction, RewardFunctionError
@@ -24,7 +30,8 @@ from hpc_rlhf.trainers.rl.setup import SetupError, reward_function
 from hpc_rlhf.utils.user_calls import UserCallTimeout, call_in_thread
 from tests.unit.test_multi_turn_agent import ScriptedGenerate
 
-FILES = __import__("pathlib").Path(__file__).resolve().parents[1] / "multiproc" / "agent_files"
+FILES = Path(__file__).resolve().parents[1] / "multiproc" / "agent_files"
+FLAGS_DOC = Path(__file__).resolve().parents[2] / "docs" / "openrlhf_flags.md"
 
 
 @pytest.fixture(scope="module")
@@ -210,3 +217,64 @@ def test_reward_function_without_timeout_runs_in_the_calling_thread(tmp_path):
     """)
     assert RewardFunction(path, timeout_s=None)(["q"], ["p"]).rewards.tolist() == [1.0]
     assert RewardFunction(path, timeout_s=5)(["q"], ["p"]).rewards.tolist() == [0.0]
+
+
+# A backticked dotted key in a table cell, with an optional `=value`: `ds.param_dtype=bf16`, `ds.lora.rank`.
+_KEY = re.compile(r"`([a-z_]+(?:\.[a-z0-9_]+)+)(?:=[^`]*)?`")
+
+
+def _has_key(root: type[BaseModel], dotted: str) -> bool:
+    """Whether ``dotted`` names a field of the config tree ``root`` (nested sections followed)."""
+    model: type[BaseModel] | None = root
+    for part in dotted.split("."):
+        if model is None or part not in model.model_fields:
+            return False
+        annotation = model.model_fields[part].annotation
+        nested = [c for c in (annotation, *get_args(annotation)) if isinstance(c, type) and issubclass(c, BaseModel)]
+        model = nested[0] if nested else None
+    return True
+
+
+def _flag_tables() -> dict[str, list[tuple[str, str]]]:
+    """docs/openrlhf_flags.md's flag tables: ``{"rl": [...], "offline": [...]}`` of (key cell, notes cell)."""
+    tables: dict[str, list[tuple[str, str]]] = {"rl": [], "offline": []}
+    section = "rl"
+    for line in FLAGS_DOC.read_text().splitlines():
+        if line.startswith("## "):
+            section = "offline" if line.startswith("## SFT") else "other"
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("| ") else []
+        if section in tables and len(cells) == 3 and cells[0] != "OpenRLHF flag":
+            tables[section].append((cells[1], cells[2]))
+    return tables
+
+
+def test_every_key_the_openrlhf_flags_doc_cites_exists():
+    """The RL table's keys are RunConfig's, the offline table's those of an SFT / RM / DPO / KTO config; keys in
+    the notes may be of either tree. Only dotted keys whose first part is a section are checked."""
+    tables = _flag_tables()
+    assert len(tables["rl"]) > 90 and len(tables["offline"]) >= 10
+    offline_roots = list(CONFIG_CLASSES.values())
+    rl_sections = set(RunConfig.model_fields)
+    offline_sections = {name for root in offline_roots for name in root.model_fields}
+    missing, checked = [], 0
+    for name, rows in tables.items():
+        own = [RunConfig] if name == "rl" else offline_roots
+        for key_cell, notes in rows:
+            for cell, roots, sections in ((key_cell, own, rl_sections if name == "rl" else offline_sections),
+                                          (notes, [RunConfig, *offline_roots], rl_sections | offline_sections)):
+                for key in _KEY.findall(cell):
+                    if key.split(".")[0] not in sections:
+                        continue
+                    checked += 1
+                    if not any(_has_key(root, key) for root in roots):
+                        missing.append(f"{name}: {key}")
+    assert not missing, f"docs/openrlhf_flags.md cites keys the config does not have: {missing}"
+    assert checked > 150
+
+
+def test_flag_doc_key_check_catches_an_unknown_key():
+    assert _has_key(RunConfig, "ds.lora.rank") and _has_key(RunConfig, "train.async_queue_size")
+    assert not _has_key(RunConfig, "ds.overlap_comm") and not _has_key(RunConfig, "ds.lora.rank.x")
+    assert _has_key(CONFIG_CLASSES["dpo"], "loss.beta") and not _has_key(CONFIG_CLASSES["sft"], "loss.beta")
+    assert _KEY.findall("`ds.param_dtype=bf16` / `hf/step_<N>` `<train.output_dir>/ckpt` `config.json`") == [
+        "ds.param_dtype", "config.json"]
