@@ -13,7 +13,9 @@
 # Arguments are dotted overrides, given to the guard and to every rank. User environment: CONFIG, PYTHON,
 # PLAN_ARGS (extra `plan` flags, e.g. "--gpu-mem-gb 141 --gpu h200" on H200, "--fs-gbps 20" for the site's
 # filesystem), OMP_NUM_THREADS, NCCL_DEBUG,
-# MAX_STALL_REQUEUES (how many times a hung job is requeued, counted over the job's life; default 2).
+# MAX_STALL_REQUEUES (how many times a hung job is requeued, counted over the job's life; default 2),
+# CONTAINER_IMAGE / CONTAINER_RUNTIME / CONTAINER_MOUNTS / APPTAINER_BIN (every step in a container image:
+# slurm/container.sh; unset, everything runs on the host).
 set -euo pipefail
 
 : "${RECIPE:?slurm/launch.sh is sourced by a slurm/*.sbatch recipe, not run on its own}"
@@ -52,10 +54,33 @@ if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(ckpt.load=true); fi
 echo "[$(date -Is)] job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0}: ${SLURM_NTASKS} ranks on" \
      "${SLURM_JOB_NODELIST}, config ${CONFIG} ${RESUME[*]-} $*"
 
+# The recipe's own file (the spooled copy sbatch runs, which keeps its #SBATCH lines), for the guard below, and
+# where this job keeps its state across requeues (see the hang handling before srun).
+RECIPE_FILE="${BASH_SOURCE[1]:-}"
+JOB_REF="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"
+JOB_REF="${JOB_REF:-$SLURM_JOB_ID}"
+JOB_STATE_DIR="${SLURM_SUBMIT_DIR:-$PWD}/.hpc-rlhf/job-${JOB_REF}"
+
+# Containers (docs/slurm.md, "Containers"): with CONTAINER_IMAGE set, slurm/container.sh fills these so that the
+# asset step, the guard and the ranks run in that image; unset, they stay empty and every step runs on the host.
+# CONTAINER_ONCE runs one command once in the image (pyxis: a one-task srun step; apptainer: exec), CONTAINER_SRUN
+# holds the srun flags that start each rank in it (pyxis), CONTAINER_EXEC what each rank's command runs under
+# (apptainer exec ... IMAGE).
+CONTAINER_ONCE=()
+CONTAINER_SRUN=()
+CONTAINER_EXEC=()
+if [ -n "${CONTAINER_IMAGE:-}" ]; then
+    # shellcheck source=container.sh
+    source "$(dirname "${BASH_SOURCE[0]}")/container.sh"
+    container_setup
+elif [ -n "${CONTAINER_RUNTIME:-}" ]; then
+    echo "$RECIPE: CONTAINER_RUNTIME=$CONTAINER_RUNTIME is set but CONTAINER_IMAGE is not; running on the host" >&2
+fi
+
 if [ "$PREPARE_ASSETS" = 1 ]; then
     # A CPU recipe builds its tiny model and data on first use; build them here, once, so that `plan`
     # sizes the model the ranks will load.
-    "$PYTHON" - "$PLAN_KIND" "$CONFIG" "$@" <<'PY'
+    ${CONTAINER_ONCE[@]+"${CONTAINER_ONCE[@]}"} "$PYTHON" - "$PLAN_KIND" "$CONFIG" "$@" <<'PY'
 import sys
 from hpc_rlhf.cli.startup import prepare_local_assets
 from hpc_rlhf.config import ConfigError, load_config
@@ -71,16 +96,17 @@ fi
 
 # Guard: a config error (unknown key, bad value), an invalid layout, one that does not fit in GPU memory, or a
 # --signal=USR1@<grace> shorter than one predicted step plus one checkpoint save stops the job here, before
-# any rank starts and holds the nodes. The recipe's own file (the spooled copy sbatch runs, which keeps its
-# #SBATCH lines) gives plan the time limit and the grace; CPU recipes are timed with the CPU description.
+# any rank starts and holds the nodes. The recipe's own file gives plan the time limit and the grace; CPU
+# recipes are timed with the CPU description.
 TIME_ARGS=()
-RECIPE_FILE="${BASH_SOURCE[1]:-}"
 if [ -n "$RECIPE_FILE" ] && [ -r "$RECIPE_FILE" ]; then TIME_ARGS+=(--sbatch "$RECIPE_FILE"); fi
 if [ "$GPU_JOB" = 0 ]; then TIME_ARGS+=(--gpu cpu); fi
 # shellcheck disable=SC2086  # PLAN_ARGS is a list of flags
-"$PYTHON" -m hpc_rlhf.cli.plan --config "$CONFIG" --kind "$PLAN_KIND" --nodes "$SLURM_JOB_NUM_NODES" \
-    --gpus-per-node "$SLURM_NTASKS_PER_NODE" ${TIME_ARGS[@]+"${TIME_ARGS[@]}"} ${PLAN_ARGS:-} "$@" \
-    || { echo "$RECIPE: hpc-rlhf plan rejected this layout (see above); not starting" >&2; exit 1; }
+${CONTAINER_ONCE[@]+"${CONTAINER_ONCE[@]}"} "$PYTHON" -m hpc_rlhf.cli.plan --config "$CONFIG" --kind "$PLAN_KIND" \
+    --nodes "$SLURM_JOB_NUM_NODES" --gpus-per-node "$SLURM_NTASKS_PER_NODE" ${TIME_ARGS[@]+"${TIME_ARGS[@]}"} \
+    ${PLAN_ARGS:-} "$@" \
+    || { echo "$RECIPE: hpc-rlhf plan rejected this layout${CONTAINER_IMAGE:+ or the image did not start}" \
+              "(see above); not starting" >&2; exit 1; }
 
 # One rank per task (per GPU on GPU recipes), rank order = node order: rank 0, on the first node, logs,
 # writes the HF export and, in RL, is the controller. The master address is the first host of SLURM_JOB_NODELIST
@@ -93,14 +119,13 @@ if [ "$GPU_JOB" = 0 ]; then TIME_ARGS+=(--gpu cpu); fi
 # the rank it killed last, so it cannot tell a hang from a crash). Then this job requeues itself and resumes
 # from the last checkpoint, at most MAX_STALL_REQUEUES times in the job's life (the count is kept in a file
 # named after the job id, which a requeue keeps), and fails after that: a hang that repeats needs a person.
-JOB_REF="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"
-JOB_REF="${JOB_REF:-$SLURM_JOB_ID}"
-JOB_STATE_DIR="${SLURM_SUBMIT_DIR:-$PWD}/.hpc-rlhf/job-${JOB_REF}"
 export HPC_RLHF_STALL_FILE="$JOB_STATE_DIR/stalled"
 mkdir -p "$JOB_STATE_DIR"
 rm -f "$HPC_RLHF_STALL_FILE"
+if [ -n "${CONTAINER_IMAGE:-}" ]; then container_ranks "$@"; fi
 status=0
 srun --kill-on-bad-exit=1 --label --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
+    ${CONTAINER_SRUN[@]+"${CONTAINER_SRUN[@]}"} ${CONTAINER_EXEC[@]+"${CONTAINER_EXEC[@]}"} \
     "$PYTHON" -m "hpc_rlhf.cli.$ENTRY" --config "$CONFIG" ${RESUME[@]+"${RESUME[@]}"} "$@" || status=$?
 if [ -f "$HPC_RLHF_STALL_FILE" ]; then
     stalls=$(( $(cat "$JOB_STATE_DIR/stall_requeues" 2>/dev/null || echo 0) + 1 ))

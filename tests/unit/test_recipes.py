@@ -17,6 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "slurm/launch.sh"
+CONTAINER = ROOT / "slurm/container.sh"  # sourced by launch.sh for CONTAINER_IMAGE: tests/unit/test_containers.py
 # recipe: (entry point, nodes, tasks per node, cpus per task)
 RECIPES = {"ppo_70b": ("train_ppo", 8, 8, 12), "grpo_7b": ("train_ppo", 1, 8, 12),
            "grpo_longctx_7b": ("train_ppo", 2, 8, 12), "sft": ("train_sft", 1, 8, 12),
@@ -125,7 +126,8 @@ def test_shared_body():
     assert all(e in code for e in ENTRIES)
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "slurm").glob("*.sbatch")) + [LAUNCH], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((ROOT / "slurm").glob("*.sbatch")) + [LAUNCH, CONTAINER],
+                         ids=lambda p: p.name)
 def test_bash_syntax(path):
     out = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
@@ -134,7 +136,7 @@ def test_bash_syntax(path):
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
 def test_shellcheck():
     # slurm/.shellcheckrc follows the sourced body, so a parameter the body does not read is reported
-    files = [str(p) for p in sorted((ROOT / "slurm").glob("*.sbatch"))] + [str(LAUNCH)]
+    files = [str(p) for p in sorted((ROOT / "slurm").glob("*.sbatch"))] + [str(LAUNCH), str(CONTAINER)]
     out = subprocess.run(["shellcheck", *files], cwd=ROOT, capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stdout
 
