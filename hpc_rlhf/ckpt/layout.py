@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpc_rlhf.ckpt.atomic import COMPLETE_NAME, CheckpointManager
 from hpc_rlhf.planning.memory_estimate import effective_zero_stage
 from hpc_rlhf.planning.model_shape import local_hf_config
 from hpc_rlhf.world.placement import TRAINED_ROLES
@@ -195,3 +196,43 @@ def supervised_layout(cfg: Any, world_size: int) -> CheckpointLayout:
     tp = cfg.ds.tensor_parallel_size
     return CheckpointLayout(world_size, {"model": role_layout(cfg.ds, cfg.model, world_size // tp, tp, 1,
                                                               cfg.model.weight_decay)})
+
+
+# ---------------------------------------------------------------------------- plan --resume
+
+
+def checkpoint_to_resume(path: str | Path) -> Path:
+    """The checkpoint a job given ``path`` would resume: ``path`` itself when it is a checkpoint (``step_<N>``),
+    else what LATEST names under ``path`` or ``path/ckpt`` (a checkpoint root, or a run's output directory).
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+    """
+    path = Path(path)
+    if (path / COMPLETE_NAME).is_file():
+        return path
+    for root in (path, path / "ckpt"):
+        if root.is_dir():
+            latest = CheckpointManager(root).latest()
+            if latest is not None:
+                return latest
+    raise FileNotFoundError(f"--resume {path}: no checkpoint there (a step_<N> folder, a checkpoint root with "
+                            "LATEST, or a run's output directory with ckpt/)")
+
+
+def describe_resume(path: str | Path, wanted: CheckpointLayout) -> str:
+    """One line for ``plan --resume``: how a run laid out as ``wanted`` would load the checkpoint at ``path``.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``.
+        CheckpointLayoutError: it cannot be loaded by ``wanted`` (the message names the key).
+    """
+    step_dir = checkpoint_to_resume(path)
+    saved = read_layout(step_dir)
+    if saved is None:
+        return (f"resume {step_dir}: it records no layout (saved before layouts were recorded); it loads only on "
+                "the layout that saved it")
+    change = compare_layouts(saved, wanted, step_dir)
+    if change.exact:
+        return f"resume {step_dir}: the same layout, loaded as saved (exact resume)"
+    return f"resume {step_dir}: " + "; ".join(change.notes)

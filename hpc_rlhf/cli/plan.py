@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from hpc_rlhf.ckpt.layout import CheckpointLayoutError, describe_resume, rl_layout, supervised_layout
 from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.config.schema import resolved_param_dtype
 from hpc_rlhf.config.supervised import CONFIG_CLASSES, load_supervised_config
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--signal-grace-s", type=int,
                    help="seconds between the USR1 warning and the time limit (default: the --sbatch file's "
                         "--signal, else slurm.signal_grace_s)")
+    p.add_argument("--resume", metavar="CKPT",
+                   help="a checkpoint (step_<N>), checkpoint root or run directory: say whether this layout can load "
+                        "it (as saved, or resharded through DeepSpeed's universal checkpoint) or why not")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ds.zero_stage=3")
     return p
 
@@ -180,17 +184,28 @@ def _fits(peak: float, budget: float, where: str) -> int:
     return 0
 
 
+def _resume_line(path: str | None, wanted) -> str | None:
+    """``--resume``: how this layout would load that checkpoint (raises when it cannot)."""
+    return None if path is None else describe_resume(path, wanted)
+
+
 def plan_supervised(args, kind: str, world_size: int) -> int:
     try:
         cfg = load_supervised_config(kind, args.config, args.overrides)
         check_parallelism(cfg.ds, kind)
         with _sized_tiny_model(cfg.model):
             roles = supervised_memory(cfg, kind, world_size)
+            resume = _resume_line(args.resume, supervised_layout(cfg, world_size))
     except (ConfigError, ModelSizeError) as err:
         print(f"plan: invalid layout: {err}", file=sys.stderr)
         return 1
+    except (CheckpointLayoutError, FileNotFoundError) as err:
+        print(f"plan: cannot resume: {err}", file=sys.stderr)
+        return 1
     print(f"world: {args.nodes} nodes x {args.gpus_per_node} GPUs = {world_size} ranks, {kind} trainer, "
           f"data parallel over all ranks")
+    if resume:
+        print(resume)
     rows = [[name, "-" if name == "model" else "frozen", *_role_row(name, mem)] for name, mem in roles.items()]
     print(_table(rows, ["role", "", *MEMORY_HEADER]))
     print("\n".join(optimizer_lines(cfg.ds, {"model": world_size // cfg.ds.tensor_parallel_size})))
@@ -224,12 +239,18 @@ def plan(argv: list[str] | None = None) -> int:
             sizes = {r: role_num_params(cfg, r) for r in roles_mem}
             shapes = {r: role_shape(cfg, r) for r in roles_mem}
             per_rank = rank_memory(cfg, placement, args.gpu_mem_gb)
+            resume = _resume_line(args.resume, rl_layout(cfg, placement))
     except (ConfigError, PlacementError, ModelSizeError) as err:
         print(f"plan: invalid layout: {err}", file=sys.stderr)
+        return 1
+    except (CheckpointLayoutError, FileNotFoundError) as err:
+        print(f"plan: cannot resume: {err}", file=sys.stderr)
         return 1
 
     print(f"world: {args.nodes} nodes x {args.gpus_per_node} GPUs = {world_size} ranks, "
           f"layout {placement.layout}, controller rank {placement.controller_rank}")
+    if resume:
+        print(resume)
     rows = []
     for row in placement.describe():
         name = row["role"]
