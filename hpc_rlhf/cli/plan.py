@@ -45,6 +45,9 @@ from hpc_rlhf.world.placement import PlacementError, build_placement
 KINDS = ("auto", "rl", *CONFIG_CLASSES)
 
 
+# ``--resume auto``: the config's own checkpoint root.
+RESUME_FROM_CONFIG = "auto"
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hpc-rlhf plan", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="YAML recipe")
@@ -71,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--signal, else slurm.signal_grace_s)")
     p.add_argument("--resume", metavar="CKPT",
                    help="a checkpoint (step_<N>), checkpoint root or run directory: say whether this layout can load "
-                        "it (as saved, or resharded through DeepSpeed's universal checkpoint) or why not")
+                        "it (as saved, or resharded through DeepSpeed's universal checkpoint) or why not; 'auto': the "
+                        "config's own checkpoint root (ckpt.path, else <train.output_dir>/ckpt), where no checkpoint "
+                        "yet means a fresh start (what a requeued sbatch job checks)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ds.zero_stage=3")
     return p
 
@@ -184,9 +189,18 @@ def _fits(peak: float, budget: float, where: str) -> int:
     return 0
 
 
-def _resume_line(path: str | None, wanted) -> str | None:
-    """``--resume``: how this layout would load that checkpoint (raises when it cannot)."""
-    return None if path is None else describe_resume(path, wanted)
+def _resume_line(path: str | None, cfg, wanted) -> str | None:
+    """``--resume``: how this layout would load that checkpoint (raises when it cannot). Without a path, the
+    config's checkpoint root, where finding nothing is fine: the run starts fresh (``ckpt.load=true`` does)."""
+    if path is None:
+        return None
+    if path != RESUME_FROM_CONFIG:
+        return describe_resume(path, wanted)
+    root = Path(cfg.ckpt.path) if cfg.ckpt.path else Path(cfg.train.output_dir) / "ckpt"
+    try:
+        return describe_resume(root, wanted)
+    except FileNotFoundError:
+        return f"resume: no checkpoint under {root} yet; the run starts fresh"
 
 
 def plan_supervised(args, kind: str, world_size: int) -> int:
@@ -195,7 +209,7 @@ def plan_supervised(args, kind: str, world_size: int) -> int:
         check_parallelism(cfg.ds, kind)
         with _sized_tiny_model(cfg.model):
             roles = supervised_memory(cfg, kind, world_size)
-            resume = _resume_line(args.resume, supervised_layout(cfg, world_size))
+            resume = _resume_line(args.resume, cfg, supervised_layout(cfg, world_size))
     except (ConfigError, ModelSizeError) as err:
         print(f"plan: invalid layout: {err}", file=sys.stderr)
         return 1
@@ -239,7 +253,7 @@ def plan(argv: list[str] | None = None) -> int:
             sizes = {r: role_num_params(cfg, r) for r in roles_mem}
             shapes = {r: role_shape(cfg, r) for r in roles_mem}
             per_rank = rank_memory(cfg, placement, args.gpu_mem_gb)
-            resume = _resume_line(args.resume, rl_layout(cfg, placement))
+            resume = _resume_line(args.resume, cfg, rl_layout(cfg, placement))
     except (ConfigError, PlacementError, ModelSizeError) as err:
         print(f"plan: invalid layout: {err}", file=sys.stderr)
         return 1

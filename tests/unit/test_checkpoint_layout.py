@@ -108,3 +108,17 @@ def test_plan_resume_tells_how_a_checkpoint_loads_and_refuses_naming_the_key(tmp
 
     assert plan([*base, "--gpus-per-node", "2", "--resume", str(tmp_path / "nothing"), *overrides]) == 1
     assert "no checkpoint there" in capsys.readouterr().err
+
+
+def test_plan_resume_auto_reads_the_configs_checkpoint_root(tmp_path, capsys):
+    """What a requeued sbatch job runs: no checkpoint yet is a fresh start, not an error."""
+    model = build_tiny_model(tmp_path / "tiny", seed=0)
+    args = ["--config", str(ROOT / "configs/grpo_tiny_cpu.yaml"), "--nodes", "1", "--gpus-per-node", "2",
+            "--resume", "auto", f"actor.pretrain={model}", "actor.build_tiny=false",
+            f"train.output_dir={tmp_path / 'run'}"]
+    assert plan(args) == 0
+    assert f"no checkpoint under {tmp_path / 'run' / 'ckpt'} yet" in capsys.readouterr().out
+    cfg = load_config(ROOT / "configs/grpo_tiny_cpu.yaml", args[8:])
+    _checkpoint(tmp_path / "run", rl_layout(cfg, build_placement(cfg, 2)))
+    assert plan(args) == 0
+    assert "the same layout, loaded as saved" in capsys.readouterr().out

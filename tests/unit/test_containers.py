@@ -109,7 +109,7 @@ def test_pyxis(name, tmp_path, stubs):
     ranks = (f"--container-image={image} --container-mounts={ROOT}:{ROOT} --container-workdir={ROOT} "
              f"--container-env={FORCED},HPC_RLHF_STALL_FILE{f',{GPU_FORCED}' if gpu else ''}")
     plan = (f"{PY} -m hpc_rlhf.cli.plan --config {config} --kind rl --nodes 1 --gpus-per-node {tasks} "
-            f"--sbatch {_path(name)}{'' if gpu else ' --gpu cpu'} {overrides}")
+            f"--sbatch {_path(name)}{'' if gpu else ' --gpu cpu'} --resume auto {overrides}")  # a restart
     expected = ([] if gpu else [f"{once} {PY} - rl {config} {overrides}"]) + [
         f"{once} {plan}",
         f"{once} {PY} - rl {config} {overrides}",
@@ -141,7 +141,7 @@ def test_apptainer(name, tmp_path, stubs):
     gpu = name != "cpu_debug"
     exec_ = f"apptainer exec {'--nv ' if gpu else ''}--bind {ROOT}:{ROOT} --pwd {ROOT} {image}"
     plan = (f"{PY} -m hpc_rlhf.cli.plan --config {config} --kind rl --nodes 1 --gpus-per-node {tasks} "
-            f"--sbatch {_path(name)}{'' if gpu else ' --gpu cpu'} {overrides}")
+            f"--sbatch {_path(name)}{'' if gpu else ' --gpu cpu'} --resume auto {overrides}")  # a restart
     expected = ([] if gpu else [f"APPTAINER {exec_.removeprefix('apptainer ')} {PY} - rl {config} {overrides}"]) + [
         f"APPTAINER {exec_.removeprefix('apptainer ')} {plan}",
         f"APPTAINER {exec_.removeprefix('apptainer ')} {PY} - rl {config} {overrides}",
