@@ -132,7 +132,11 @@ def compare_layouts(saved: CheckpointLayout, wanted: CheckpointLayout, checkpoin
             raise CheckpointLayoutError(
                 f"{where}ds.lora differs for {role}: {_lora_text(old.lora)} in the checkpoint, {_lora_text(new.lora)} "
                 "now; the adapter's shapes fix the optimizer states, so set ds.lora as it was saved")
-        if old.sharding != new.sharding:
+        if old.zero_stage == new.zero_stage == 0 and (old.tp, old.sp) == (new.tp, new.sp) and old.dp != new.dp:
+            # Without ZeRO every data-parallel rank holds the whole optimizer state, saved once: the checkpoint
+            # does not depend on the number of replicas.
+            notes.append(f"{role}: dp {old.dp} -> {new.dp} without ZeRO: its states are whole, loaded as saved")
+        elif old.sharding != new.sharding:
             if 0 in (old.zero_stage, new.zero_stage):
                 # DeepSpeed's universal format is written from, and read into, ZeRO optimizer partitions; a role on
                 # one data-parallel replica runs without them (stages 1-2 fall back to 0 there).
@@ -141,6 +145,13 @@ def compare_layouts(saved: CheckpointLayout, wanted: CheckpointLayout, checkpoin
                     f"/ tp {new.tp} / ZeRO {new.zero_stage}: resharding needs ZeRO stage 1-3 on both sides, and a "
                     "role on one data-parallel replica (or ds.zero_stage=0) runs without ZeRO partitions; keep at "
                     "least 2 data-parallel replicas (or set ds.adam_offload=true) on both layouts")
+            if old.zero_stage != new.zero_stage:
+                # DeepSpeed 0.19.8 writes a universal checkpoint's model-state files in the source stage's naming
+                # (ZeRO-3: one per data-parallel rank), which an engine of another stage does not find.
+                raise CheckpointLayoutError(
+                    f"{where}{role} was saved under ZeRO stage {old.zero_stage} and would load under stage "
+                    f"{new.zero_stage}: resharding keeps the ZeRO stage (the ranks, data-parallel and AutoTP sizes may "
+                    f"change); set ds.zero_stage={old.zero_stage}")
             if 3 in (old.zero_stage, new.zero_stage) and (old.weight_decay or new.weight_decay):
                 # DeepSpeed 0.19.8's ZeRO-3 universal load gives every parameter group the first group's Adam
                 # moments layout; with weight decay there are two groups (see training.deepspeed_engine).
@@ -152,7 +163,7 @@ def compare_layouts(saved: CheckpointLayout, wanted: CheckpointLayout, checkpoin
             resharded.append(role)
             notes.append(f"{role}: dp {old.dp} -> {new.dp}, tp {old.tp} -> {new.tp}, sp {old.sp} -> {new.sp}, ZeRO "
                          f"stage {old.zero_stage} -> {new.zero_stage}: loaded through DeepSpeed's universal checkpoint")
-    same_world = saved.world_size == wanted.world_size and not resharded
+    same_world = saved.world_size == wanted.world_size and not resharded and not notes
     if saved.world_size != wanted.world_size:
         notes.append(f"world size {saved.world_size} -> {wanted.world_size}: per-rank RNG streams start afresh and "
                      "partial rollouts in flight on the rollout ranks are dropped (their prompts are not retrained)")

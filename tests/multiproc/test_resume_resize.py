@@ -84,16 +84,21 @@ def _compare(reference, resumed, ref_dir, new_dir, before_dir):
         assert torch.allclose(got[name], want[name], atol=WEIGHT_TOL, rtol=0), name
 
 
-@pytest.mark.parametrize(("stage", "old", "new"), [(2, 2, 3), (2, 4, 2), (3, 2, 3), (3, 4, 2)])
-def test_rl_checkpoint_resumes_on_another_number_of_ranks(assets, tmp_path, stage, old, new):
+@pytest.mark.parametrize(("stage", "old", "new", "extra"), [
+    (2, 2, 3, ()), (2, 4, 2, ()), (3, 2, 3, ()), (3, 4, 2, ()),
+    (2, 2, 3, ("ds.lora.rank=4", "ds.lora.alpha=8")),  # LoRA: only the adapters and their moments are saved
+    (0, 2, 3, ()),  # no ZeRO: whole states, loaded as saved on any number of ranks
+], ids=["zero2-2to3", "zero2-4to2", "zero3-2to3", "zero3-4to2", "lora-zero2-2to3", "zero0-2to3"])
+def test_rl_checkpoint_resumes_on_another_number_of_ranks(assets, tmp_path, stage, old, new, extra):
     source = tmp_path / "source"
-    overrides = _overrides(assets, source, f"ds.zero_stage={stage}", "ckpt.save_hf=true")
+    overrides = _overrides(assets, source, "ckpt.save_hf=true", f"ds.zero_stage={stage}", *extra)
     reference = run_on_ranks(_save_then_update, old, overrides, tmp_path / "reference")[0]
     resumed = run_on_ranks(_resume_then_update, new, overrides, tmp_path / "resumed")[0]
     _compare(reference, resumed, tmp_path / "reference", tmp_path / "resumed", source / "hf" / "step_2")
     layout = json.loads((source / "ckpt" / "step_2" / "layout.json").read_text())
     assert layout["world_size"] == old and layout["roles"]["actor"]["dp"] == old
-    assert (source / "ckpt" / "universal" / "step_2" / "actor" / "ds" / "zero").is_dir()
+    resharded = (source / "ckpt" / "universal" / "step_2" / "actor" / "ds" / "zero").is_dir()
+    assert resharded == (stage != 0)
 
 
 def test_autotp_checkpoint_resumes_without_tensor_parallelism(assets, tmp_path):

@@ -42,6 +42,11 @@ def test_more_ranks_reshard_and_say_what_is_not_reproduced():
     assert "dp 2 -> 3" in change.notes[0] and "RNG" in change.notes[1]
 
 
+def test_without_zero_the_states_do_not_depend_on_the_number_of_replicas():
+    change = compare_layouts(_layout(world=2, dp=2, stage=0), _layout(world=3, dp=3, stage=0))
+    assert change.resharded == () and not change.same_world and "loaded as saved" in change.notes[0]
+
+
 def test_another_tp_size_reshards():
     assert compare_layouts(_layout(world=4, dp=2, tp=2), _layout(world=4, dp=4, tp=1)).resharded == ("actor",)
 
@@ -50,6 +55,7 @@ def test_another_tp_size_reshards():
     (_layout(), _layout(model={**MODEL, "hidden_size": 128}), ("actor.pretrain", "hidden_size=64", "128")),
     (_layout(), _layout(lora={"rank": 8, "target_modules": ["all-linear"]}), ("ds.lora", "no LoRA", "rank 8")),
     (_layout(dp=2), _layout(world=1, dp=1, stage=0), ("ZeRO stage 1-3 on both sides",)),
+    (_layout(stage=2), _layout(world=3, dp=3, stage=3), ("ds.zero_stage=2", "stage 2", "stage 3")),
     (_layout(stage=3, weight_decay=0.1), _layout(world=3, dp=3, stage=3, weight_decay=0.1),
      ("actor.weight_decay=0.1", "ZeRO-3")),
 ])
