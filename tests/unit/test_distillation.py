@@ -125,3 +125,23 @@ def test_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path):
     message = str(err.value)
     assert f"teacher.pretrain={teacher_path}" in message and f"actor.pretrain={student_path}" in message
     assert "same tokenizer" in message
+
+
+def test_plan_prints_the_teachers_placement_memory_and_forward(tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    from hpc_rlhf.cli.plan import plan
+
+    monkeypatch.chdir(tmp_path)
+    root = Path(__file__).resolve().parents[2]
+    student = build_tiny_model(tmp_path / "student", seed=0)
+    teacher = build_tiny_model(tmp_path / "teacher", seed=1, hidden_size=128, intermediate_size=256)
+    assert plan(["--config", str(root / "configs/grpo_tiny_cpu.yaml"), "--nodes", "1", "--gpus-per-node", "2",
+                 f"actor.pretrain={student}", "actor.build_tiny=false", f"teacher.pretrain={teacher}",
+                 "algo.advantage_estimator=distill"]) == 0
+    out = capsys.readouterr().out
+    teacher_row = next(line for line in out.splitlines() if line.startswith("teacher "))
+    assert "0-1" in teacher_row and "w " in teacher_row  # on both ranks, with its weights' memory
+    assert "teacher: " in out and "h=128" in out  # sized from its own config.json, not the actor's
+    assert "teacher logprob" in out
+    assert "+teacher+" in out  # counted in the ranks' memory
