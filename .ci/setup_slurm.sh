@@ -55,6 +55,12 @@ mem="$(sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' <<<"$probe")"
 [ -n "$cpus" ] || cpus="$(nproc)"
 [ -n "$mem" ] || mem="$(awk '/MemTotal/ {print int($2 / 1024)}' /proc/meminfo)"
 real_mem=$(( mem * 9 / 10 ))  # a bit below the machine's so slurmd never marks the node invalid
+# The node declares at least 4 CPUs, even on a 2-core machine: a job requeued with 3 or 4 tasks (resume on
+# another number of ranks, tests/slurm) must fit on it, and a job's own tasks cannot overcommit past its
+# node's CPUs (sbatch --overcommit refuses --ntasks-per-node=3 on 2 CPUs). Its ranks then share cores: slower,
+# still correct. config_overrides: slurmd reports this configured count instead of the probed one, which would
+# otherwise drain the node ("Low CPUs").
+node_cpus=$(( cpus > 4 ? cpus : 4 ))
 
 mkdir -p "$CONF_DIR" "$STATE_DIR" "$SPOOL_DIR" "$LOG_DIR" "$RUN_DIR"
 new_conf="$(mktemp)"
@@ -81,6 +87,8 @@ SelectTypeParameters=CR_Core
 ReturnToService=2
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
+# slurmd reports the node's configured CPUs, not the probed ones (at least 4: see node_cpus above).
+SlurmdParameters=config_overrides
 # Requeue: batch jobs may be requeued (scontrol requeue, node failure); 0 would forbid it.
 # A requeued job waits cred_expire seconds before it may start again (default 120): keep it short here.
 JobRequeue=1
@@ -89,7 +97,7 @@ AuthInfo=cred_expire=10
 KillWait=30
 # Finished jobs stay visible to 'scontrol show job' for 5 minutes (there is no slurmdbd / sacct here).
 MinJobAge=300
-NodeName=localhost NodeHostname=$host CPUs=$cpus RealMemory=$real_mem State=UNKNOWN
+NodeName=localhost NodeHostname=$host CPUs=$node_cpus RealMemory=$real_mem State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 EOF
 
@@ -102,7 +110,7 @@ if ! cmp -s "$new_conf" "$CONF" 2>/dev/null; then
     fi
     install -m 0644 "$new_conf" "$CONF"
     conf_changed=1
-    log "wrote $CONF (node localhost -> $host, CPUs=$cpus, RealMemory=$real_mem)"
+    log "wrote $CONF (node localhost -> $host, CPUs=$node_cpus on $cpus cores, RealMemory=$real_mem)"
 fi
 
 # --- 3. daemons (tracked by pidfile) ------------------------------------------------------------

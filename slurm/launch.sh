@@ -51,6 +51,33 @@ fi
 # A requeued run (preemption, time limit, node failure) resumes from the checkpoint LATEST.
 RESUME=()
 if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(ckpt.load=true); fi
+
+# A job resized while it was pending (requeued and held, then `scontrol update JobId=<job> NumTasks=3
+# TasksPerNode=3`, then released: resume on another number of ranks) keeps the SLURM_NTASKS, SLURM_NPROCS and
+# SLURM_NTASKS_PER_NODE that sbatch stored in its environment at submission: srun would start the old number of
+# ranks and the guard would check the old layout. SLURM_TASKS_PER_NODE ("3", "8(x2)", "8,4") is set anew at each
+# start from the allocation: the counts that are set are taken from it.
+refresh_task_counts() {
+    local part total=0 per_node="" uniform=1 count
+    local -a parts
+    IFS=, read -ra parts <<<"$1"
+    for part in "${parts[@]}"; do
+        [[ "$part" =~ ^([0-9]+)(\(x([0-9]+)\))?$ ]] || return 0  # not a layout this reads: keep what sbatch set
+        count="${BASH_REMATCH[1]}"
+        total=$(( total + count * ${BASH_REMATCH[3]:-1} ))
+        per_node="${per_node:-$count}"
+        [ "$count" = "$per_node" ] || uniform=0
+    done
+    [ "$total" -gt 0 ] || return 0
+    if [ -n "${SLURM_NTASKS:-}" ] && [ "$SLURM_NTASKS" != "$total" ]; then
+        echo "$RECIPE: the allocation has $total tasks (SLURM_TASKS_PER_NODE=$1), the job was submitted with" \
+             "$SLURM_NTASKS: starting $total ranks"
+        export SLURM_NTASKS="$total"
+        if [ -n "${SLURM_NPROCS:-}" ]; then export SLURM_NPROCS="$total"; fi
+    fi
+    if [ "$uniform" = 1 ] && [ -n "${SLURM_NTASKS_PER_NODE:-}" ]; then export SLURM_NTASKS_PER_NODE="$per_node"; fi
+}
+if [ -n "${SLURM_TASKS_PER_NODE:-}" ]; then refresh_task_counts "$SLURM_TASKS_PER_NODE"; fi
 echo "[$(date -Is)] job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0}: ${SLURM_NTASKS} ranks on" \
      "${SLURM_JOB_NODELIST}, config ${CONFIG} ${RESUME[*]-} $*"
 

@@ -1,5 +1,6 @@
 """End to end on a real local slurmctld/slurmd (``sudo bash .ci/setup_slurm.sh``): sbatch recipes,
-submitit, multi-node rank/rendezvous logic, fail-fast, time-limit signal, preemption -> requeue -> resume.
+submitit, multi-node rank/rendezvous logic, fail-fast, time-limit signal, preemption -> requeue -> resume, and a
+job requeued on another number of tasks resuming through the universal checkpoint.
 
 Each test submits a job from the repository root with its outputs in a tmp dir and polls
 ``scontrol show job`` (no slurmdbd here, so no sacct) with a bounded timeout.
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, job_info, sbatch, wait_job
+from .conftest import FINAL, ROOT, job_info, sbatch, wait_job
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 TINY = ["train.max_steps=2"]
@@ -195,3 +196,70 @@ def test_preemption_twice_resumes_to_the_uninterrupted_result(tmp_path):
 
 def _rows(metrics: Path) -> list[dict]:
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+# 48 samples a step (6 prompts x 8): whole micro-batches of 4 on 2 or 3 data-parallel ranks.
+RESIZABLE = ["rollout.rollout_batch_size=6", "train.train_batch_size=48", "train.micro_train_batch_size=4"]
+
+
+def _wait_for_state(job: str, state: str, log: Path, timeout_s: float) -> dict[str, str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = job_info(job)
+        if info.get("JobState") == state:
+            return info
+        assert time.monotonic() < deadline, (f"job {job} not {state} after {timeout_s:.0f}s "
+                                             f"({info.get('JobState')}, {info.get('Reason')}): " + _read(log)[-3000:])
+        time.sleep(0.1)
+
+
+def test_requeued_with_another_number_of_tasks_resumes_and_finishes(tmp_path):
+    """A running 2-rank job is requeued and held in one request (``scontrol requeuehold``: SIGTERM to every rank,
+    which checkpoint at the step boundary), given 3 tasks while pending and released: it restarts with
+    ckpt.load=true on 3 ranks, loads the 2-rank checkpoint through DeepSpeed's universal checkpoint (dp 2 -> 3),
+    logs every step once and exports the model. Also covers slurm/launch.sh taking the task counts from the new
+    allocation (the job's stored environment keeps SLURM_NTASKS=2)."""
+    num_steps = 60
+    log, run = tmp_path / "job.out", tmp_path / "run"
+    metrics = run / "metrics.jsonl"
+    start = time.monotonic()
+    job = sbatch("-o", str(log), "slurm/cpu_debug.sbatch", f"train.max_steps={num_steps}", "ckpt.save_steps=20",
+                 *RESIZABLE, f"train.output_dir={run}")
+    try:
+        _wait_for_steps(job, metrics, log, at_least=2, restarts=0)
+        # Requeue and hold at once, not `scancel --signal=USR1` then `scontrol hold`: the job cannot start again
+        # between the two. Rank 0's own `scontrol requeue` after its checkpoint is then refused ("Job is pending
+        # execution"), which leaves the job held.
+        subprocess.run(["scontrol", "requeuehold", job], check=True, timeout=30)
+        held = _wait_for_state(job, "PENDING", log, 120)  # COMPLETING until every rank has exited
+        assert held["Restarts"] == "1" and held["Priority"] == "0", held
+        stopped = _steps(metrics)
+        assert stopped == list(range(1, len(stopped) + 1)) and 2 <= len(stopped) < num_steps, stopped
+        checkpoint = run / "ckpt" / (run / "ckpt/LATEST").read_text().strip()
+        assert checkpoint.name == f"step_{len(stopped)}"  # the stop checkpoint, at the last logged step
+        saved = json.loads((checkpoint / "layout.json").read_text())
+        assert saved["world_size"] == 2 and saved["roles"]["actor"]["dp"] == 2, saved
+        # The recipe's --ntasks-per-node=2 is stored in the job: TasksPerNode too, and the CPUs for 3 tasks.
+        subprocess.run(["scontrol", "update", f"JobId={job}", "NumTasks=3", "TasksPerNode=3", "NumCPUs=3"],
+                       check=True, timeout=30)
+        resized = job_info(job)
+        assert (resized["NumTasks"], resized["NumCPUs"]) == ("3", "3"), resized
+        subprocess.run(["scontrol", "release", job], check=True, timeout=30)
+        info = wait_job(job, 240, log)
+    finally:
+        if job_info(job).get("JobState") not in FINAL:
+            subprocess.run(["scancel", job], check=False)
+    text = _read(log)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-4000:]
+    assert info["Restarts"] == "1", text[-4000:]
+    assert f"job {job} restart 0: 2 ranks on" in text and f"job {job} restart 1: 3 ranks on" in text
+    assert "the allocation has 3 tasks (SLURM_TASKS_PER_NODE=3), the job was submitted with 2" in text
+    assert "1 nodes x 3 GPUs = 3 ranks" in text  # the guard checked the new layout
+    assert f"{checkpoint} was saved with another layout: actor: dp 2 -> 3" in text, text[-4000:]
+    assert f"resumed from {checkpoint} (step {len(stopped)})" in text, text[-4000:]
+    assert _steps(metrics) == list(range(1, num_steps + 1))  # nothing lost, nothing repeated
+    assert (run / "ckpt/universal" / checkpoint.name / "actor").is_dir()
+    final = json.loads((run / "ckpt" / f"step_{num_steps}" / "layout.json").read_text())
+    assert final["world_size"] == 3 and final["roles"]["actor"]["dp"] == 3
+    assert (run / "model/config.json").exists()
+    print(f"requeue 2 -> 3 ranks: stopped at step {len(stopped)}, {time.monotonic() - start:.1f}s in all")

@@ -176,6 +176,21 @@ def test_no_resume_on_first_start_and_user_knobs_kept():
     assert tight.returncode == 1 and "not starting" in tight.stderr and not _srun_lines(tight)
 
 
+
+def test_task_counts_follow_a_resized_allocation(tmp_path):
+    # A job resized while pending (scontrol update NumTasks=3 TasksPerNode=3) keeps sbatch's SLURM_NTASKS=2 and
+    # SLURM_NTASKS_PER_NODE=2 in its environment; SLURM_TASKS_PER_NODE is the allocation's. The SLURM test of this
+    # is tests/slurm/test_slurm_jobs.py::test_requeued_with_another_number_of_tasks_resumes_and_finishes.
+    local = [f"actor.pretrain={tmp_path / 'tiny'}", f"data.prompt_data=[{tmp_path / 'prompts.jsonl'}]"]
+    env = {**_job_env("cpu_debug"), "SLURM_NPROCS": "2", "SLURM_TASKS_PER_NODE": "3"}
+    out = _run(_path("cpu_debug"), *local, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "the allocation has 3 tasks (SLURM_TASKS_PER_NODE=3), the job was submitted with 2" in out.stdout
+    assert "restart 1: 3 ranks on" in out.stdout and "1 nodes x 3 GPUs = 3 ranks" in out.stdout  # and the guard
+    same = _run(_path("grpo_longctx_7b"), env={**_job_env("grpo_longctx_7b"), "SLURM_TASKS_PER_NODE": "8(x2)"})
+    assert same.returncode == 0, same.stderr
+    assert "the allocation has" not in same.stdout and "restart 1: 16 ranks on" in same.stdout
+
 def test_offline_guard_checks_the_recipe_trainer(tmp_path):
     # plan alone infers the trainer from the file name; the recipe must check any CONFIG as its own trainer
     config = tmp_path / "my_run.yaml"
