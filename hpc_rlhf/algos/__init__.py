@@ -1,4 +1,4 @@
-"""Pure RL math over tensors: advantages, KL, losses, aggregation, corrections, filtering.
+"""Pure RL math over tensors: advantages, KL, losses, aggregation, corrections, filtering, MoE routing stats.
 
 Imports only torch. Nothing here touches ``torch.distributed``: functions
 take counts (global token count, dp size) as arguments instead.
@@ -17,7 +17,7 @@ from hpc_rlhf.algos.advantages import (
     rloo_rewards,
     token_level_rewards,
 )
-from hpc_rlhf.algos.aggregation import AGGREGATION_MODES, aggregate_loss, count_tokens_and_seqs
+from hpc_rlhf.algos.aggregation import AGGREGATION_MODES, aggregate_loss, count_tokens_and_seqs, token_share
 from hpc_rlhf.algos.controllers import (
     AdaptiveKLController,
     FixedKLController,
@@ -41,6 +41,7 @@ from hpc_rlhf.algos.losses import (
     value_loss,
 )
 from hpc_rlhf.algos.masking import fill_masked, masked_mean, masked_sum, masked_whiten
+from hpc_rlhf.algos.moe import routing_stats
 from hpc_rlhf.algos.pass_at_k import pass_at_k, powers_of_two_up_to
 
 __all__ = [
@@ -82,7 +83,9 @@ __all__ = [
     "reverse_kl_metrics",
     "rollout_importance_weights",
     "rollout_mismatch_kl",
+    "routing_stats",
     "token_level_rewards",
+    "token_share",
     "total_loss",
     "value_loss",
 ]

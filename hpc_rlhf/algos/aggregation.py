@@ -131,3 +131,15 @@ def aggregate_loss(
     global_count = torch.as_tensor(global_count, dtype=loss.dtype, device=loss.device)
     # An all-padding step batch has count 0 and units 0: return 0, not nan.
     return units * dp_size / global_count.clamp(min=1)
+
+
+def token_share(local_count: int | float | torch.Tensor, global_count: int | float | torch.Tensor,
+                dp_size: int = 1) -> torch.Tensor:
+    """Weight of a per-micro-batch *mean* (e.g. the MoE load-balancing loss) in the step loss: 0-dim fp32.
+
+    ``local_count * dp_size / global_count``: the micro-batch's tokens over the mini-batch's (all ranks).
+    Summed over micro-batches and averaged over ranks, ``share * mean`` gives the token-weighted mean of the
+    micro-batch means, the same contract as :func:`aggregate_loss`; 0 for an all-padding mini-batch.
+    """
+    global_count = torch.as_tensor(global_count, dtype=torch.float32)
+    return torch.as_tensor(local_count, dtype=torch.float32) * dp_size / global_count.clamp(min=1)

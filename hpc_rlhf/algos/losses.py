@@ -193,17 +193,17 @@ def total_loss(
     entropy_coef: float = 0.0,
     aux_loss: torch.Tensor | None = None,
     aux_loss_coef: float = 0.0,
-    num_micro_batches: int = 1,
+    aux_weight: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:
-    """Scalar actor loss = policy + kl_coef * KL - entropy_coef * H + aux_loss_coef * aux / m.
+    """Scalar actor loss = policy + kl_coef * KL - entropy_coef * H + aux_loss_coef * w * aux.
 
     ``pg_loss`` (policy-gradient loss), ``kl_loss`` and ``entropy`` are scalars already produced by
-    :func:`aggregate_loss` for this micro-batch, so they obey its sum-over-micro-
-    batches contract. ``aux_loss`` is the MoE router load-balancing loss
-    (Fedus et al. 2021, Switch Transformer, arXiv:2101.03961) the model returns
-    as a per-forward *mean*; dividing it by ``num_micro_batches`` (the number of
-    micro-batches this rank accumulates before an optimizer step) makes the
-    accumulated sum a mean over micro-batches too.
+    :func:`aggregate_loss` for this micro-batch, so they obey its sum-over-micro-batches contract.
+    ``aux_loss`` is the MoE router load-balancing loss (Fedus et al. 2021, Switch Transformer,
+    arXiv:2101.03961), which the model returns as a *mean* over this micro-batch's tokens; ``aux_weight`` =
+    ``w`` is the micro-batch's share of its mini-batch (:func:`hpc_rlhf.algos.aggregation.token_share`), so
+    that the shares summed over micro-batches and averaged over ranks are the token-weighted mean, as for
+    the other terms.
     """
     loss = pg_loss
     if kl_loss is not None and kl_coef != 0.0:
@@ -211,5 +211,5 @@ def total_loss(
     if entropy is not None and entropy_coef != 0.0:
         loss = loss - entropy_coef * entropy
     if aux_loss is not None and aux_loss_coef != 0.0:
-        loss = loss + aux_loss_coef * aux_loss / num_micro_batches
+        loss = loss + aux_loss_coef * aux_weight * aux_loss
     return loss

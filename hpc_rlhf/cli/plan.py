@@ -30,7 +30,13 @@ from hpc_rlhf.planning.memory_estimate import (
     role_memory,
     supervised_memory,
 )
-from hpc_rlhf.planning.model_shape import ModelSizeError, role_num_params, role_shape
+from hpc_rlhf.planning.model_shape import (
+    ModelSizeError,
+    check_moe_tensor_parallel,
+    local_hf_config,
+    role_num_params,
+    role_shape,
+)
 from hpc_rlhf.planning.step_time import StepTime, rl_step_time, supervised_step_time
 from hpc_rlhf.planning.time_budget import (
     GraceTooShort,
@@ -123,11 +129,12 @@ def _sized_tiny_model(section, rollout_backend: str = "transformers") -> Iterato
     if not (section.build_tiny and section.pretrain) or (Path(section.pretrain) / "config.json").is_file():
         yield
         return
-    from hpc_rlhf.models.tiny import build_tiny_model, tiny_sizes  # torch: plan runs on a login node without it
+    from hpc_rlhf.models.tiny import build_tiny_for  # torch: plan runs on a login node without it
 
     original = section.pretrain
     with tempfile.TemporaryDirectory(prefix="hpc-rlhf-plan-") as tmp:
-        section.pretrain = str(build_tiny_model(Path(tmp) / "tiny", **tiny_sizes(rollout_backend)))
+        section.pretrain = str(build_tiny_for(Path(tmp) / "tiny", section.build_tiny,
+                                              rollout_backend=rollout_backend))
         try:
             yield
         finally:
@@ -208,6 +215,7 @@ def plan_supervised(args, kind: str, world_size: int) -> int:
         cfg = load_supervised_config(kind, args.config, args.overrides)
         check_parallelism(cfg.ds, kind)
         with _sized_tiny_model(cfg.model):
+            check_moe_tensor_parallel(local_hf_config(cfg.model), cfg.ds.tensor_parallel_size, "model.pretrain")
             roles = supervised_memory(cfg, kind, world_size)
             resume = _resume_line(args.resume, cfg, supervised_layout(cfg, world_size))
     except (ConfigError, ModelSizeError) as err:
@@ -249,6 +257,7 @@ def plan(argv: list[str] | None = None) -> int:
         check_parallelism(cfg.ds, kind)
         placement = build_placement(cfg, world_size)
         with _sized_tiny_model(cfg.actor, cfg.rollout.backend):
+            check_moe_tensor_parallel(local_hf_config(cfg.actor), cfg.ds.tensor_parallel_size, "actor.pretrain")
             roles_mem = {r: role_memory(cfg, placement, r) for r in placement.roles if r != "rollout"}
             sizes = {r: role_num_params(cfg, r) for r in roles_mem}
             shapes = {r: role_shape(cfg, r) for r in roles_mem}

@@ -49,9 +49,10 @@ def prepare_local_assets(cfg: Any) -> None:
         prepare_supervised_assets(cfg)
         return
     if cfg.actor.build_tiny and cfg.actor.pretrain:
-        from hpc_rlhf.models.tiny import build_tiny_model, tiny_sizes  # torch: see the note on the imports
+        from hpc_rlhf.models.tiny import build_tiny_for  # torch: see the note on the imports
 
-        build_tiny_model(cfg.actor.pretrain, seed=cfg.train.seed, **tiny_sizes(cfg.rollout.backend))
+        build_tiny_for(cfg.actor.pretrain, cfg.actor.build_tiny, seed=cfg.train.seed,
+                       rollout_backend=cfg.rollout.backend)
     if cfg.data.synthetic_task and cfg.data.prompt_data:
         write_task_if_missing(cfg.data.synthetic_task, cfg.data.prompt_data[0], cfg.data.synthetic_num_samples,
                               cfg.train.seed)

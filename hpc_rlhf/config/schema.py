@@ -44,8 +44,9 @@ class TrainedRole(ModelRole):
 
 
 class ActorConfig(TrainedRole):
-    build_tiny: bool = Field(
-        False, description="create a tiny char-level Llama at actor.pretrain if missing (CPU recipes, tests)"
+    build_tiny: Literal["qwen3_moe", "mixtral"] | bool = Field(
+        False, description="create a tiny char-level model at actor.pretrain if missing (CPU recipes, tests): true "
+        "a Llama, qwen3_moe / mixtral a mixture-of-experts model (4 experts, top-2)"
     )
 
 
@@ -202,6 +203,9 @@ class AlgoConfig(Section):
         "token_mean"
     )
     entropy_loss_coef: float = Field(0.0, ge=0)
+    aux_loss_coef: float = Field(
+        0.0, ge=0, description="weight of a mixture-of-experts actor's router load-balancing loss (Switch "
+        "Transformer; transformers' load_balancing_loss_func) in the actor loss; > 0 needs an MoE actor")
     distill_coef: float = Field(
         1.0, gt=0, description="with teacher.pretrain: weight of the per-token distillation advantage "
         "log p_teacher(y_t) - log p_student(y_t); advantage_estimator=distill trains on it alone, any other "

@@ -79,7 +79,11 @@ class SupervisedTrainConfig(StallLimits):
 
 
 class SFTLossConfig(Section):
-    """SFT has no loss options (token-mean NLL); the section exists so that a typo fails."""
+    """SFT's loss is the token-mean NLL, plus a mixture-of-experts model's load-balancing loss when asked."""
+
+    aux_loss_coef: float = Field(
+        0.0, ge=0, description="weight of a mixture-of-experts model's router load-balancing loss (Switch "
+        "Transformer; transformers' load_balancing_loss_func); > 0 needs an MoE model")
 
 
 class RMLossConfig(Section):

@@ -52,9 +52,9 @@ def prepare_supervised_assets(cfg) -> None:
     if cfg.model.build_tiny:
         # torch: here, not at the top, so that cli/startup (torch-free until the preemption guard is up) can
         # import this module.
-        from hpc_rlhf.models.tiny import build_tiny_model
+        from hpc_rlhf.models.tiny import build_tiny_for
 
-        build_tiny_model(cfg.model.pretrain, seed=cfg.train.seed)
+        build_tiny_for(cfg.model.pretrain, cfg.model.build_tiny, seed=cfg.train.seed)
     data = cfg.data
     if data.synthetic_task:
         write_supervised_task_if_missing(data.synthetic_task, data.train_data[0], data.synthetic_num_samples,

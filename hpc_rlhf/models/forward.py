@@ -27,9 +27,39 @@ from hpc_rlhf.algos import entropy_from_logits
 from hpc_rlhf.data.packing import TokenSample, block_causal_mask, collate
 from hpc_rlhf.models.chunked_logprobs import linear_logprobs
 from hpc_rlhf.models.logprobs import logprobs_from_logits
+from hpc_rlhf.models.moe import RouterLogits
 from hpc_rlhf.models.shared_prefix import can_share_prompts, distinct_prompts, shared_prefix_hidden
 
 FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
+
+
+def _router_kwargs(router: list | None) -> dict:
+    """transformers' switch for the router logits of an MoE model's forward, when they are asked for."""
+    return {"output_router_logits": True} if router is not None else {}
+
+
+def _lm_forward(model, inputs: dict, router: list | None, logits_to_keep: int | torch.Tensor = 0):
+    """``(logits, router logits or None)`` of a causal LM on ``inputs`` (:func:`model_inputs`).
+
+    With the router logits asked for and a packed batch's block-causal (4-D) mask, the decoder and the LM
+    head run apart: transformers' MoE ``ForCausalLM`` then computes its own ``aux_loss`` from the attention
+    mask, which it flattens as if it were (B, T), and fails.
+    """
+    mask = inputs.get("attention_mask")
+    if router is None or mask is None or mask.dim() == 2:
+        keep = {"logits_to_keep": logits_to_keep} if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep else {}
+        out = model(**inputs, use_cache=False, **keep, **_router_kwargs(router))
+        return out.logits, (out.router_logits if router is not None else None)
+    module = getattr(model, "module", model)
+    config = getattr(module, "config", None)
+    transforms = [name for name in _LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 1.0)]
+    if transforms:
+        raise NotImplementedError(f"router logits of a packed forward of a model that transforms its logits "
+                                  f"({', '.join(transforms)})")
+    out = module.get_decoder()(**inputs, use_cache=False, output_router_logits=True)
+    hidden = out.last_hidden_state
+    kept = hidden[:, -logits_to_keep:] if isinstance(logits_to_keep, int) else hidden[:, logits_to_keep]
+    return module.get_output_embeddings()(kept), out.router_logits
 
 
 # ------------------------------------------------------------------ packed or padded micro-batches (collate)
@@ -61,10 +91,18 @@ def _unflatten(tensor: torch.Tensor, batch: dict, attn_implementation: str) -> t
     return tensor.reshape(*batch["input_ids"].shape, *tensor.shape[2:])
 
 
-def causal_lm_forward(model, batch: dict, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
-    """Per-target-token log-probabilities (R, T) fp32 (0 where there is no target)."""
+def causal_lm_forward(model, batch: dict, attn_implementation: str, dtype: torch.dtype,
+                      router: list | None = None) -> torch.Tensor:
+    """Per-target-token log-probabilities (R, T) fp32 (0 where there is no target).
+
+    ``router``: a list to which an MoE model's :class:`RouterLogits` of this forward is appended (its real
+    tokens, and as ``action_mask`` the positions that predict a target).
+    """
     device = next(iter(getattr(model, "module", model).parameters())).device
-    logits = model(**model_inputs(batch, attn_implementation, dtype, device), use_cache=False).logits
+    logits, layers = _lm_forward(model, model_inputs(batch, attn_implementation, dtype, device), router)
+    if router is not None:
+        router.append(RouterLogits(layers, (batch["segment_ids"] >= 0).reshape(-1).to(device),
+                                   batch["target_mask"].reshape(-1).to(device)))
     logits = _unflatten(logits, batch, attn_implementation)
     logps = logprobs_from_logits(logits, batch["target_ids"].to(device))
     return torch.where(batch["target_mask"].to(device), logps, torch.zeros((), device=device))
@@ -135,15 +173,34 @@ def score_at_last_token(values: torch.Tensor, attention_mask: torch.Tensor) -> t
 # ------------------------------------------------------------------ RL batches: response (action) columns
 
 def action_logits(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                  num_actions: int) -> torch.Tensor:
+                  num_actions: int, router: list | None = None) -> torch.Tensor:
     """Logits predicting the last ``num_actions`` tokens: (B, P+R) -> (B, R, V).
 
     ``logits_to_keep`` skips the LM head on prompt positions (a large saving with 150k vocabularies).
+    ``router``: see :func:`policy_logprobs`.
     """
     out = model(input_ids=sequences, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask), use_cache=False,
-                logits_to_keep=num_actions + 1)
+                logits_to_keep=num_actions + 1, **_router_kwargs(router))
+    if router is not None:
+        router.append(_padded_router(out.router_logits, attention_mask, num_actions))
     return out.logits[:, -num_actions - 1 : -1]
+
+
+def _padded_router(layers: tuple[torch.Tensor, ...], attention_mask: torch.Tensor, num_actions: int) -> RouterLogits:
+    """Router logits of a padded (B, P+R) forward: (B*(P+R), E) per layer, row-major like the router's input."""
+    predicting = torch.zeros_like(attention_mask, dtype=torch.bool)
+    predicting[:, -num_actions - 1 : -1] = attention_mask[:, -num_actions:].bool()
+    return RouterLogits(layers, attention_mask.bool().reshape(-1), predicting.reshape(-1))
+
+
+def _packed_router(layers: tuple[torch.Tensor, ...], pack: PackedActions) -> RouterLogits:
+    """Router logits of a :func:`pack_actions` forward (one packed row): (N, E) per layer."""
+    real = (pack.inputs["segment_ids"] >= 0).reshape(-1)
+    predicting = torch.zeros_like(real)
+    predicting[pack.positions] = True
+    device = layers[0].device
+    return RouterLogits(layers, real.to(device), predicting.to(device))
 
 
 def action_logprobs(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
@@ -240,24 +297,32 @@ def _scatter_actions(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def _chunked_policy_logprobs(model: torch.nn.Module, weight: torch.Tensor, sequences: torch.Tensor,
                              attention_mask: torch.Tensor, num_actions: int, temperature: float, packed: bool,
-                             with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                             with_entropy: bool, router: list | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`policy_logprobs` from the decoder's hidden states: the LM head runs only on the real
     response tokens, in vocabulary chunks (:func:`linear_logprobs`); no (B, R, V) logits exist."""
     module, attn, dtype, device = _layout_of(model)
     decoder = module.get_decoder()
     if packed:
         pack = pack_actions(sequences, attention_mask, num_actions)
-        hidden = decoder(**model_inputs(pack.inputs, attn, dtype, device), use_cache=False).last_hidden_state
+        out = decoder(**model_inputs(pack.inputs, attn, dtype, device), use_cache=False, **_router_kwargs(router))
+        if router is not None:
+            router.append(_packed_router(out.router_logits, pack))
+        hidden = out.last_hidden_state
         logprobs, entropy = linear_logprobs(hidden[0, pack.positions.to(device)], weight, pack.targets.to(device),
                                             temperature, with_entropy)
         return pack.scatter(logprobs), (pack.scatter(entropy) if with_entropy else None)
     position_ids = position_ids_from_mask(attention_mask)
-    shared = distinct_prompts(sequences, attention_mask, num_actions) if can_share_prompts(module) else None
+    # The router logits are those of one forward over every token; the shared-prefix forward runs two.
+    share = can_share_prompts(module) and router is None
+    shared = distinct_prompts(sequences, attention_mask, num_actions) if share else None
     if shared is not None:  # n samples per prompt: each prompt's columns run once
         predicting = shared_prefix_hidden(decoder, sequences, attention_mask, position_ids, num_actions, *shared)
     else:
-        hidden = decoder(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False).last_hidden_state
+        out = decoder(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False, **_router_kwargs(router))
+        if router is not None:
+            router.append(_padded_router(out.router_logits, attention_mask, num_actions))
+        hidden = out.last_hidden_state
         predicting = hidden[:, -num_actions - 1 : -1]  # (B, R, H): the states that predict each response token
     mask = attention_mask[:, -num_actions:].bool()  # real response tokens; finished rows are right-padded
     logprobs, entropy = linear_logprobs(predicting[mask], weight, sequences[:, -num_actions:][mask], temperature,
@@ -277,8 +342,8 @@ def logits_entropy(logits: torch.Tensor, temperature: float, mask: torch.Tensor,
 
 def policy_logprobs(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
                     num_actions: int, temperature: float = 1.0, *, packed: bool = False,
-                    with_entropy: bool = False, entropy_grad: bool = True,
-                    chunked: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    with_entropy: bool = False, entropy_grad: bool = True, chunked: bool = True,
+                    router: list | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and optionally the entropy) of the response tokens: (B, P+R) -> two (B, R) fp32.
 
     ``packed`` runs the forward over one packed row of real tokens (no padding FLOPs; the LM head only
@@ -288,21 +353,26 @@ def policy_logprobs(model: torch.nn.Module, sequences: torch.Tensor, attention_m
     ``chunked`` (when the model allows it, :func:`chunked_head_weight`) computes them from the hidden
     states of the real response tokens in vocabulary chunks, never holding (B, R, V) logits; values are
     0 on response padding (where the logits path returns the pad token's log-prob, masked downstream).
+    ``router``: a list to which this forward's :class:`RouterLogits` is appended (transformers'
+    ``output_router_logits``; MoE models only). A padded batch then runs as one forward, never with its
+    prompts shared (:mod:`hpc_rlhf.models.shared_prefix`).
     """
     weight = chunked_head_weight(_layout_of(model)[0]) if chunked else None
     if weight is not None:
         logprobs, entropy = _chunked_policy_logprobs(model, weight, sequences, attention_mask, num_actions,
-                                                     temperature, packed, with_entropy)
+                                                     temperature, packed, with_entropy, router)
         return logprobs, (entropy if entropy is None or entropy_grad else entropy.detach())
     if not packed:
-        logits = action_logits(model, sequences, attention_mask, num_actions)
+        logits = action_logits(model, sequences, attention_mask, num_actions, router)
         logprobs = logprobs_from_logits(logits, sequences[:, -num_actions:], temperature)
         return logprobs, (logits_entropy(logits, temperature, attention_mask[:, -num_actions:], entropy_grad)
                           if with_entropy else None)
     pack = pack_actions(sequences, attention_mask, num_actions)
     _, attn, dtype, device = _layout_of(model)
-    logits = model(**model_inputs(pack.inputs, attn, dtype, device), use_cache=False,
-                   logits_to_keep=pack.positions.to(device)).logits  # (1, K, V)
+    logits, layers = _lm_forward(model, model_inputs(pack.inputs, attn, dtype, device), router,
+                                 logits_to_keep=pack.positions.to(device))  # (1, K, V)
+    if router is not None:
+        router.append(_packed_router(layers, pack))
     logprobs = logprobs_from_logits(logits, pack.targets.to(device).unsqueeze(0), temperature)[0]
     entropy = None
     if with_entropy:

@@ -52,6 +52,7 @@ class MicroForward:
         self.model, self.packed, self.sp, self.shard = model, packed, sp, shard
         self.sequences, self.attention_mask = rows["sequences"], rows["attention_mask"]
         self.num_actions = rows["action_mask"].shape[1] if "action_mask" in rows else None  # None: RM scoring
+        self.router_logits = None  # set by policy_logprobs(with_router=True): the forward's RouterLogits
 
     @property
     def loss_scale(self) -> float:
@@ -59,13 +60,21 @@ class MicroForward:
         ZeRO averages gradients over dp x sp ranks, so scaling by sp turns the sp part into the sum."""
         return float(self.sp.size) if self.sp else 1.0
 
-    def policy_logprobs(self, temperature: float = 1.0, with_entropy: bool = False,
-                        entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def policy_logprobs(self, temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = True,
+                        with_router: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, R) fp32 log-probs of the response tokens, and their entropy when asked (detached when
-        ``entropy_grad`` is False: an entropy that is only logged costs no backward)."""
+        ``entropy_grad`` is False: an entropy that is only logged costs no backward). ``with_router`` (MoE
+        models) also keeps the forward's router logits in ``self.router_logits`` (not under sequence
+        parallelism, where each rank routes only its chunk)."""
         if self.sp is None:
-            return policy_logprobs(self.model, self.sequences, self.attention_mask, self.num_actions, temperature,
-                                   packed=self.packed, with_entropy=with_entropy, entropy_grad=entropy_grad)
+            router = [] if with_router else None
+            out = policy_logprobs(self.model, self.sequences, self.attention_mask, self.num_actions, temperature,
+                                  packed=self.packed, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                  router=router)
+            self.router_logits = router[0] if router else None
+            return out
+        if with_router:
+            raise ValueError("router logits under sequence parallelism (ds.ring_attn_size > 1) are not supported")
         logits = sp_token_logits(self.model, self.shard)  # (B, S_local, V), or (1, N_local, V) packed
         logprobs = self._gather(logprobs_from_logits(logits, self.shard.labels, temperature))
         entropy = None

@@ -3,6 +3,12 @@
 A role's size is the recipe's ``<role>.num_params_b`` or the count of its local ``config.json``; its layer sizes
 (hidden, layers, intermediate, vocabulary, heads) come from that ``config.json``, else from the public reference
 shape nearest in size. ``hpc_rlhf.planning.memory_estimate`` turns them into bytes per rank.
+
+Mixture-of-experts models (Qwen3-MoE, Mixtral: ``num_experts`` / ``num_local_experts`` and
+``num_experts_per_tok`` in ``config.json``) have two sizes: the *total* parameters, which weights, gradients
+and optimizer states occupy, and the *active* ones (attention, routers, the ``top_k`` experts a token runs),
+which set the FLOPs per token (``ModelShape.active_fraction``). Shared experts (Qwen2-MoE, DeepSeek) are not
+counted.
 """
 
 from __future__ import annotations
@@ -35,6 +41,14 @@ class ModelShape:
     head_dim: int
     tie_word_embeddings: bool = False
     source: str = "config.json"
+    num_experts: int = 0
+    """Experts per MoE layer; 0 for a dense model."""
+    experts_per_token: int = 0
+    """Experts each token runs (``num_experts_per_tok``)."""
+    moe_intermediate_size: int = 0
+    """MLP width of one expert."""
+    num_sparse_layers: int = 0
+    """Layers whose MLP is a mixture of experts (the others are dense, ``intermediate_size`` wide)."""
 
     @classmethod
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> ModelShape:
@@ -43,10 +57,25 @@ class ModelShape:
             heads = cfg["num_attention_heads"]
         except KeyError as err:
             raise ModelSizeError(f"config.json lacks {err.args[0]!r}; set <role>.num_params_b instead") from None
-        return cls(hidden_size=hidden, num_layers=layers, intermediate_size=cfg.get("intermediate_size", 4 * hidden),
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+        top_k = cfg.get("num_experts_per_tok") or 0 if experts else 0
+        intermediate = cfg.get("intermediate_size", 4 * hidden)
+        moe = {}
+        if experts and top_k:
+            # Qwen3-MoE: experts moe_intermediate_size wide, sparse every decoder_sparse_step-th layer outside
+            # mlp_only_layers (transformers' Qwen3MoeDecoderLayer); Mixtral: every layer, intermediate_size wide.
+            step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
+            sparse = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+            moe = {"num_experts": int(experts), "experts_per_token": int(top_k), "num_sparse_layers": sparse,
+                   "moe_intermediate_size": cfg.get("moe_intermediate_size") or intermediate}
+        return cls(hidden_size=hidden, num_layers=layers, intermediate_size=intermediate,
                    vocab_size=vocab, num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
                    head_dim=cfg.get("head_dim") or hidden // heads,
-                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), source=source)
+                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), source=source, **moe)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def q_dim(self) -> int:
@@ -57,10 +86,22 @@ class ModelShape:
         return self.num_kv_heads * self.head_dim
 
     @property
-    def layer_linear_params(self) -> int:
-        """Attention and MLP projections of one layer: what tensor parallelism shards."""
+    def attention_params(self) -> int:
+        """q/k/v/o projections of one layer."""
+        return 2 * self.hidden_size * (self.q_dim + self.kv_dim)
+
+    def _mlp_params(self, experts: int) -> int:
+        """MLP parameters of all layers with ``experts`` experts per sparse layer (and its router)."""
         h = self.hidden_size
-        return 2 * h * self.q_dim + 2 * h * self.kv_dim + 3 * h * self.intermediate_size
+        dense = (self.num_layers - self.num_sparse_layers) * 3 * h * self.intermediate_size
+        sparse = self.num_sparse_layers * (experts * 3 * h * self.moe_intermediate_size + self.num_experts * h)
+        return dense + sparse
+
+    @property
+    def layer_linear_params(self) -> int:
+        """Attention and MLP projections of one layer (averaged over the layers of an MoE model, experts
+        included): what tensor parallelism shards in a dense model."""
+        return self.attention_params + self._mlp_params(self.num_experts) // self.num_layers
 
     def projection_dims(self) -> dict[str, tuple[int, int]]:
         """``{module name: (in_features, out_features)}`` of the linear layers of one decoder layer."""
@@ -85,8 +126,24 @@ class ModelShape:
 
     @property
     def num_params(self) -> int:
+        """Every parameter (all experts of an MoE model): what weights and optimizer states occupy."""
         norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
-        return self.num_layers * self.layer_linear_params + self.embedding_params + norms
+        return self.num_layers * self.attention_params + self._mlp_params(self.num_experts) + self.embedding_params \
+            + norms
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: :attr:`num_params` with ``experts_per_token`` experts per sparse
+        layer (the routers whole); the same as :attr:`num_params` for a dense model."""
+        if not self.is_moe:
+            return self.num_params
+        return self.num_params - self._mlp_params(self.num_experts) + self._mlp_params(self.experts_per_token)
+
+    @property
+    def active_fraction(self) -> float:
+        """Active share of the decoder's parameters (embeddings excluded): scales a size's FLOPs per token."""
+        body = self.num_params - self.embedding_params
+        return (self.active_params - self.embedding_params) / body if body > 0 else 1.0
 
     def params_per_tp_rank(self, num_params: int, tp: int) -> float:
         """``num_params`` on one tensor-parallel rank: layer projections split, embeddings and norms not."""
@@ -96,8 +153,32 @@ class ModelShape:
         return num_params - sharded + sharded / tp
 
     def describe(self) -> str:
+        moe = ""
+        if self.is_moe:
+            moe = (f" MoE {self.num_experts} experts (top-{self.experts_per_token}, i={self.moe_intermediate_size}, "
+                   f"{self.num_sparse_layers} sparse layers): {_billions(self.num_params)} total / "
+                   f"{_billions(self.active_params)} active params (memory counts total, FLOPs active)")
         return (f"h={self.hidden_size} L={self.num_layers} i={self.intermediate_size} V={self.vocab_size} "
-                f"heads={self.num_heads}/{self.num_kv_heads} ({self.source})")
+                f"heads={self.num_heads}/{self.num_kv_heads}{moe} ({self.source})")
+
+
+def _billions(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e7 else f"{n / 1e6:.2f}M"
+
+
+def check_moe_tensor_parallel(hf_config: dict | None, tp: int, key: str) -> None:
+    """Refuse DeepSpeed AutoTP (``ds.tensor_parallel_size`` > 1) for a mixture-of-experts model (``key``: the
+    config key of its folder).
+
+    DeepSpeed 0.19.8's AutoTP shards by the model's HF ``base_model_tp_plan``, and the Qwen3-MoE / Mixtral
+    plans of transformers 5 name the experts ``packed_colwise`` / ``moe_tp_experts``, styles its
+    ``TPPlanConverter`` rejects (``deepspeed.initialize`` raises); the experts themselves are 3-D parameters,
+    not ``nn.Linear``, which its name-based fallback would leave replicated on every tp rank anyway.
+    """
+    if tp > 1 and hf_config is not None and ModelShape.from_hf_config(hf_config).is_moe:
+        raise ModelSizeError(f"ds.tensor_parallel_size={tp} with a mixture-of-experts model ({key}): DeepSpeed "
+                             "0.19.8's AutoTP cannot shard its experts; use ds.tensor_parallel_size=1 (ZeRO-3 "
+                             "partitions the experts)")
 
 
 def _ref(name: str, h: int, layers: int, inter: int, vocab: int, heads: int, kv: int, tied: bool) -> ModelShape:
@@ -122,7 +203,8 @@ def nearest_reference_shape(num_params: int) -> ModelShape:
 
 
 def count_params_from_hf_config(cfg: dict) -> int:
-    """Parameter count of a decoder-only transformer from its ``config.json`` (Llama/Qwen/Mistral shape)."""
+    """Parameter count of a decoder-only transformer from its ``config.json`` (Llama/Qwen/Mistral shape; every
+    expert of an MoE model: :attr:`ModelShape.active_params` counts those a token runs)."""
     return ModelShape.from_hf_config(cfg).num_params
 
 

@@ -86,9 +86,12 @@ def decode_bytes_per_step(weight_bytes: float, kv_token_bytes: float, batch: int
 
 
 def forward_flops(shape: ModelShape, num_params: float, tokens: float, logit_tokens: float) -> float:
-    """``2 N`` per token for the decoder (embedding lookups are free), the LM head on ``logit_tokens`` only."""
+    """``2 N`` per token for the decoder (embedding lookups are free), the LM head on ``logit_tokens`` only.
+
+    ``N`` counts the parameters a token runs: an MoE model's active ones (``ModelShape.active_fraction``).
+    """
     head = shape.vocab_size * shape.hidden_size
-    body = num_params - shape.embedding_params
+    body = (num_params - shape.embedding_params) * shape.active_fraction
     return 2 * body * tokens + 2 * head * logit_tokens
 
 

@@ -39,6 +39,7 @@ from torch.distributed import ProcessGroup
 from hpc_rlhf.config.schema import DeepSpeedConfig, ModelRole, TrainedRole
 from hpc_rlhf.models.hf_compat import enable_activation_checkpointing
 from hpc_rlhf.models.lora import apply_lora, load_trainable_state  # peft itself: lazily, inside
+from hpc_rlhf.models.moe import sparse_moe_block_classes
 from hpc_rlhf.models.precision import resolve_dtype
 from hpc_rlhf.training.optimizer_choice import adam_implementation, optimizer_offloaded
 from hpc_rlhf.training.topology import (
@@ -186,6 +187,23 @@ def _build_model(model_factory: Callable[[], torch.nn.Module], config: dict, dp_
         unset_hf_deepspeed_config()
 
 
+def _fetch_moe_blocks_whole(model: torch.nn.Module) -> None:
+    """ZeRO-3 with a mixture-of-experts model: fetch each sparse MoE block's parameters as one leaf.
+
+    ZeRO-3 gathers parameters per submodule as the forward enters it and prefetches along the order it
+    traced; which experts a micro-batch reaches differs between ranks and steps, so per-expert fetches can
+    fall out of step between ranks (a hang) or off the traced order. ``set_z3_leaf_modules`` makes the block
+    fetch all its router and expert parameters on entry, on every rank. Before ``deepspeed.initialize``, which
+    installs the hooks. No-op for a dense model.
+    """
+    classes = sparse_moe_block_classes(model)
+    if classes:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, classes)
+        log.info("ZeRO-3: %s fetched whole (leaf modules)", ", ".join(c.__name__ for c in classes))
+
+
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """No weight decay on biases and norm weights (1-D tensors), as in OpenRLHF / nanoGPT.
 
@@ -259,6 +277,8 @@ class _DeepSpeedRole:
             install_tp_groups(tp_group, dp_group)
         model = _build_model(model_factory, config, init_group, mpu)
         copy_from_tp_leader(model, tp_group, config["zero_optimization"]["stage"])
+        if config["zero_optimization"]["stage"] == 3:
+            _fetch_moe_blocks_whole(model)
         return model, config, dp_size, mpu, tp_group
 
     @property

@@ -161,7 +161,7 @@ def test_total_loss_combines_terms():
     policy, kl, entropy, aux = (torch.tensor(v) for v in (1.0, 0.5, 2.0, 4.0))
     assert total_loss(policy).item() == 1.0
     got = total_loss(policy, kl_loss=kl, kl_coef=0.1, entropy=entropy, entropy_coef=0.01,
-                     aux_loss=aux, aux_loss_coef=0.001, num_micro_batches=4)
+                     aux_loss=aux, aux_loss_coef=0.001, aux_weight=0.25)
     assert got.item() == pytest.approx(1.0 + 0.05 - 0.02 + 0.001)
     # Zero coefficient means the term is not added at all, even if it is NaN.
     assert total_loss(policy, aux_loss=torch.tensor(float("nan"))).item() == 1.0

@@ -43,6 +43,7 @@ from hpc_rlhf.data.packing import TokenSample, collate
 from hpc_rlhf.data.prompts import PromptStream
 from hpc_rlhf.models.loading import load_causal_lm, load_tokenizer, resolve_attn_implementation
 from hpc_rlhf.models.precision import resolve_dtype
+from hpc_rlhf.planning.model_shape import check_moe_tensor_parallel, local_hf_config
 from hpc_rlhf.resilience.stall_guard import StallGuard
 from hpc_rlhf.trainers import run_skeleton
 from hpc_rlhf.trainers.run_skeleton import RunHooks, RunPlan
@@ -88,6 +89,7 @@ class SupervisedTrainer(RunHooks):
         self.dtype = resolve_dtype(cfg.ds.param_dtype, self.on_gpu)
         self.attn = resolve_attn_implementation(cfg.ds.attn_implementation, self.on_gpu)
         self.tokenizer = load_tokenizer(cfg.model.pretrain, key="model.pretrain")
+        check_moe_tensor_parallel(local_hf_config(cfg.model), cfg.ds.tensor_parallel_size, "model.pretrain")
         self.output_dir = Path(cfg.train.output_dir)
 
         self.train_set, eval_set = self.build_datasets()

@@ -29,6 +29,7 @@ from hpc_rlhf.models.loading import (
     resolve_attn_implementation,
 )
 from hpc_rlhf.models.precision import resolve_dtype
+from hpc_rlhf.planning.model_shape import ModelSizeError, check_moe_tensor_parallel, local_hf_config
 from hpc_rlhf.rewards.functions import RewardFunction
 from hpc_rlhf.rewards.remote_rm import RemoteRewardModel
 from hpc_rlhf.rewards.reward_model import RewardModelRole, build_reward_model_role
@@ -59,6 +60,10 @@ def check_supported(cfg: RunConfig) -> None:
     if keys:
         raise SetupError(f"{', '.join(keys)}: not supported by the RL trainer yet (plan accepts them for sizing); "
                          "change the recipe")
+    try:
+        check_moe_tensor_parallel(local_hf_config(cfg.actor), cfg.ds.tensor_parallel_size, "actor.pretrain")
+    except ModelSizeError as err:
+        raise SetupError(str(err)) from None
 
 
 def check_model_paths(cfg: RunConfig) -> None:

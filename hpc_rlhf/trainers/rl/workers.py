@@ -26,11 +26,14 @@ from hpc_rlhf.algos import (
     policy_loss,
     rollout_importance_weights,
     rollout_mismatch_kl,
+    routing_stats,
+    token_share,
     total_loss,
     value_loss,
 )
 from hpc_rlhf.config.schema import AlgoConfig, DeepSpeedConfig, RolloutConfig, TrainConfig
 from hpc_rlhf.models.micro_forward import SequenceParallel, forward_scope
+from hpc_rlhf.models.moe import MoESpec, load_balancing_loss, moe_spec
 from hpc_rlhf.trainers.rl.row_layout import Batching, split_to_count
 from hpc_rlhf.trainers.rl.step_batch import StepBatch, TrainShard
 
@@ -156,16 +159,38 @@ def _log_entropy(entropy_per_token: torch.Tensor, mask: torch.Tensor, counts: di
     stats["entropy_share"].append(float(share))
 
 
+def _moe_terms(engine: Any, router: Any, moe: MoESpec, mask: torch.Tensor, counts: dict[str, Any],
+               stats: dict[str, list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MoE actor's load-balancing loss over this micro-batch and its weight in the step loss; logs the
+    routing statistics of the action positions (``hpc_rlhf.algos.moe``) and the aux loss.
+
+    The load-balancing loss is a mean over the micro-batch's tokens, not a sum that ``aggregate_loss`` could
+    normalise, so it is weighted by the micro-batch's share of the mini-batch's action tokens (the global count
+    the controller computed): the shares then add up over micro-batches and ranks like the other terms, and
+    splitting a mini-batch into more micro-batches does not multiply its weight.
+    """
+    aux = load_balancing_loss(engine.module, router)
+    weight = token_share(mask.sum(), counts["global_num_tokens"], counts["dp_size"])
+    stats["aux_loss_share"].append(float(aux.detach() * weight))
+    for k, v in routing_stats(router.layers, router.action_mask, moe.top_k).items():
+        stats[k].append(v)
+    return aux, weight
+
+
 def _actor_micro_step(engine: Any, fwd: Any, rows: StepBatch, counts: dict[str, Any], kl_coef: float,
-                      num_micro: int, last: bool, algo: AlgoConfig, temperature: float,
-                      stats: dict[str, list[float]]) -> dict:
+                      last: bool, algo: AlgoConfig, temperature: float, stats: dict[str, list[float]],
+                      moe: MoESpec | None = None) -> dict:
     """Loss of one micro-batch (``rows``, forwards in ``fwd``), its backward and the engine step.
 
-    ``counts``: the global normalisers of its mini-batch (``aggregate_loss`` keyword arguments).
+    ``counts``: the global normalisers of its mini-batch (``aggregate_loss`` keyword arguments). ``moe``: the
+    actor's routing when it is a mixture-of-experts model (its router logits are then read, for the routing
+    statistics and ``algo.aux_loss_coef``).
     """
     mask = rows.action_mask
     entropy_bonus = algo.entropy_loss_coef != 0.0
-    logprobs, entropy_per_token = fwd.policy_logprobs(temperature, with_entropy=True, entropy_grad=entropy_bonus)
+    logprobs, entropy_per_token = fwd.policy_logprobs(temperature, with_entropy=True, entropy_grad=entropy_bonus,
+                                                      with_router=moe is not None)
+    aux, aux_weight = _moe_terms(engine, fwd.router_logits, moe, mask, counts, stats) if moe else (None, 1.0)
     old = rows.old_logprobs if rows.old_logprobs is not None else logprobs.detach()
     is_weights = None
     if algo.is_correction != "none":
@@ -194,13 +219,32 @@ def _actor_micro_step(engine: Any, fwd: Any, rows: StepBatch, counts: dict[str, 
     _log_entropy(entropy_per_token, mask, counts, stats)
     entropy = aggregate_loss(entropy_per_token, mask, algo.loss_agg_mode, **counts) if entropy_bonus else None
     loss = total_loss(pg_loss, kl_loss=kl_loss, kl_coef=kl_coef, entropy=entropy,
-                      entropy_coef=algo.entropy_loss_coef, num_micro_batches=num_micro)
+                      entropy_coef=algo.entropy_loss_coef, aux_loss=aux, aux_loss_coef=algo.aux_loss_coef,
+                      aux_weight=aux_weight)
     engine.backward(loss * fwd.loss_scale, boundary=last)
     step_info = engine.step()
     stats["policy_loss_share"].append(float(pg_loss.detach()))
     for k, v in pg_stats.items():
         stats[k].append(float(v))
     return step_info
+
+
+def actor_moe_spec(engine: Any, algo: AlgoConfig, sp: SequenceParallel | None) -> MoESpec | None:
+    """The actor's routing when its router logits are read (an MoE model, not sequence-parallel), else None.
+
+    Raises:
+        ValueError: ``algo.aux_loss_coef`` > 0 for a dense actor, or under sequence parallelism.
+    """
+    moe = moe_spec(engine.module.config)
+    if algo.aux_loss_coef > 0 and moe is None:
+        raise ValueError(f"algo.aux_loss_coef={algo.aux_loss_coef}: the actor ({type(engine.module).__name__}) is "
+                         "not a mixture-of-experts model, so it has no load-balancing loss; set algo.aux_loss_coef=0")
+    if sp is not None:
+        if algo.aux_loss_coef > 0:
+            raise ValueError(f"algo.aux_loss_coef={algo.aux_loss_coef} with ds.ring_attn_size > 1: each rank routes "
+                             "only its chunk of the sequence; set algo.aux_loss_coef=0 or ds.ring_attn_size=1")
+        return None  # routing statistics are not logged under sequence parallelism
+    return moe
 
 
 def train_actor(engine: Any, shard: TrainShard, algo: AlgoConfig, settings: UpdateSettings, dp_size: int,
@@ -216,12 +260,13 @@ def train_actor(engine: Any, shard: TrainShard, algo: AlgoConfig, settings: Upda
     """
     stats: dict[str, list[float]] = defaultdict(list)
     engine.train()
-    for mb_index, rows, num_micro, last in _updates(shard, settings, engine.dp_group):
+    moe = actor_moe_spec(engine, algo, sp)
+    for mb_index, rows, _num_micro, last in _updates(shard, settings, engine.dp_group):
         counts = {"global_num_tokens": shard.num_tokens[mb_index], "global_num_seqs": shard.num_seqs[mb_index],
                   "dp_size": dp_size, "max_tokens": settings.generate_max_len}
         with forward_scope(engine, rows.forward_inputs(), packed=settings.batching.packed, sp=sp) as fwd:
-            step_info = _actor_micro_step(engine, fwd, rows, counts, shard.kl_coef, num_micro, last, algo,
-                                          settings.temperature, stats)
+            step_info = _actor_micro_step(engine, fwd, rows, counts, shard.kl_coef, last, algo,
+                                          settings.temperature, stats, moe)
         if last:
             if step_info.get("grad_norm") is not None:
                 stats["actor_grad_norm"].append(float(step_info["grad_norm"]))

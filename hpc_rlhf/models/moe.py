@@ -1,0 +1,112 @@
+"""Mixture-of-experts models (transformers' Qwen3-MoE, Mixtral, ...): what the trainers need to know of them.
+
+* :func:`moe_spec`: whether a model (or its config) routes tokens to experts, and how many of them (``None``
+  for a dense model);
+* :func:`sparse_moe_block_classes`: the module classes that hold one layer's router and experts, which
+  ZeRO-3 must fetch as one leaf (``hpc_rlhf.training.deepspeed_engine``);
+* :class:`RouterLogits` and :func:`load_balancing_loss`: the router logits of one forward (asked for with
+  transformers' ``output_router_logits``) and the Switch-Transformer load-balancing loss over them, computed by
+  the model's own ``load_balancing_loss_func`` (the one its ``aux_loss`` uses).
+
+The routing statistics that are logged are pure math in ``hpc_rlhf.algos.moe``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A model's routing: ``num_experts`` experts per MoE layer, ``top_k`` of them run per token."""
+
+    num_experts: int
+    top_k: int
+
+
+def moe_spec(config: Any) -> MoESpec | None:
+    """The routing of a transformers config (object or ``config.json`` dict); None for a dense model.
+
+    Qwen3-MoE's ``num_experts`` is an alias of Mixtral's ``num_local_experts`` in transformers' config classes,
+    and a saved ``config.json`` holds either name.
+    """
+    get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    experts = get("num_local_experts") or get("num_experts")
+    top_k = get("num_experts_per_tok")
+    if not experts or not top_k:
+        return None
+    return MoESpec(int(experts), int(top_k))
+
+
+def _transformers_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a peft wrapper (or ``module`` itself)."""
+    get_base = getattr(module, "get_base_model", None)
+    return get_base() if callable(get_base) else module
+
+
+def router_class(module: torch.nn.Module) -> type | None:
+    """The router module class transformers records ``router_logits`` from (``_can_record_outputs``)."""
+    model = _transformers_model(module)
+    recorder = getattr(type(model), "_can_record_outputs", None) or {}
+    target = recorder.get("router_logits")
+    return getattr(target, "target_class", None)
+
+
+def sparse_moe_block_classes(module: torch.nn.Module) -> list[type]:
+    """Classes of the modules that hold a router as a direct child: one layer's sparse MoE block.
+
+    A micro-batch reaches only some experts; DeepSpeed's ZeRO-3 fetches parameters per module as the forward
+    enters it, so expert modules that no token of a rank reaches would leave that rank's fetch out of step
+    with the other ranks'. Marking the block as a leaf (``deepspeed.utils.set_z3_leaf_modules``) fetches all
+    of its parameters on entry on every rank.
+    """
+    router = router_class(module)
+    if router is None:
+        return []
+    classes = []
+    for parent in module.modules():
+        if any(isinstance(child, router) for child in parent.children()) and type(parent) not in classes:
+            classes.append(type(parent))
+    return classes
+
+
+@dataclass
+class RouterLogits:
+    """The router logits of one forward, each MoE layer's over the same N flattened token positions.
+
+    ``layers``: one (N, E) tensor per MoE layer, in model order (carry the gradient). ``token_mask`` (N,)
+    bool: real tokens (not padding). ``action_mask`` (N,) bool: the positions whose output predicts a response
+    (action) token, the ones routed when the rollout engine sampled that token.
+    """
+
+    layers: tuple[torch.Tensor, ...]
+    token_mask: torch.Tensor
+    action_mask: torch.Tensor
+
+
+def _load_balancing_loss_func(module: torch.nn.Module):
+    model = _transformers_model(module)
+    fn = getattr(importlib.import_module(type(model).__module__), "load_balancing_loss_func", None)
+    if fn is None:
+        raise TypeError(f"{type(model).__name__}'s modeling module has no load_balancing_loss_func: cannot compute "
+                        "the MoE load-balancing loss (algo.aux_loss_coef / loss.aux_loss_coef)")
+    return fn
+
+
+def load_balancing_loss(module: torch.nn.Module, router: RouterLogits) -> torch.Tensor:
+    """The model's Switch-Transformer load-balancing loss over the real tokens of one forward: 0-dim fp32.
+
+    transformers' ``load_balancing_loss_func`` (what the model's own ``aux_loss`` returns for this batch):
+    ``E * sum_e f_e * P_e``, with ``f_e`` the fraction of top-k assignments that went to expert ``e`` and
+    ``P_e`` the mean router probability of ``e``, both pooled over the MoE layers and the tokens of
+    ``router.token_mask``. A mean over this forward's tokens.
+    """
+    spec = moe_spec(_transformers_model(module).config)
+    if spec is None:
+        raise TypeError(f"{type(module).__name__} is not a mixture-of-experts model")
+    fn = _load_balancing_loss_func(module)
+    return fn(tuple(router.layers), spec.num_experts, spec.top_k, router.token_mask.long().unsqueeze(0)).float()
