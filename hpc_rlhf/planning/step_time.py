@@ -32,11 +32,19 @@ from hpc_rlhf.config.schema import RunConfig, resolved_param_dtype
 from hpc_rlhf.planning.devices import Device
 from hpc_rlhf.planning.lora_memory import LoraSpec, lora_params
 from hpc_rlhf.planning.memory_estimate import (
+    SUPERVISED_ROWS_PER_SAMPLE,
     effective_zero_stage,
     leaves_device,
     role_memory,
 )
-from hpc_rlhf.planning.model_shape import ModelShape, role_num_params, role_shape
+from hpc_rlhf.planning.model_shape import (
+    ModelShape,
+    local_hf_config,
+    nearest_reference_shape,
+    role_num_params,
+    role_shape,
+    section_num_params,
+)
 from hpc_rlhf.world.placement import POLICY_ROLES, Placement
 
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
@@ -305,13 +313,6 @@ def supervised_step_time(cfg, kind: str, device: Device, *, nodes: int, gpus_per
     """One optimizer step of an offline trainer (sft, rm, dpo, kto): the reference forward (DPO / KTO) and the
     trained model's forward and backward over ``train.train_batch_size`` samples of ``data.max_len``, data
     parallel over ``world_size / ds.tensor_parallel_size`` replicas (same roofline as ``rl_step_time``)."""
-    from hpc_rlhf.planning.memory_estimate import SUPERVISED_ROWS_PER_SAMPLE
-    from hpc_rlhf.planning.model_shape import (
-        local_hf_config,
-        nearest_reference_shape,
-        section_num_params,
-    )
-
     param_bytes = 2 if resolved_param_dtype(cfg.ds.param_dtype, device.gpu) == "bf16" else 4
     rank = device.per_rank(gpus_per_node)
     n = section_num_params(cfg.model) or 0
