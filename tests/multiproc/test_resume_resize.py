@@ -131,7 +131,7 @@ def _sft(rank, world_size, overrides, stop_after=None):
     _build("sft", overrides).fit()
 
 
-@pytest.mark.parametrize(("old", "new"), [(2, 3), (3, 2)])
+@pytest.mark.parametrize(("old", "new"), [(2, 3)])
 def test_sft_resumed_on_another_number_of_ranks_continues_the_uninterrupted_losses(tmp_path, old, new):
     common = [f"model.pretrain={tmp_path / 'tiny-model'}", "model.build_tiny=true",
               f"data.train_data=[{tmp_path / 'sft_train.jsonl'}]", f"data.eval_data=[{tmp_path / 'sft_eval.jsonl'}]",
