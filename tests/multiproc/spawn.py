@@ -46,3 +46,18 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     results = manager.dict()
     mp.spawn(_entry, args=(fn, world_size, _free_port(), args, results), nprocs=world_size, join=True)
     return [results[r] for r in range(world_size)]
+
+
+def signal_after(steps: int | None) -> None:
+    """In a spawned rank: behave as if SLURM's time-limit signal arrived during step ``steps`` (None: never), by
+    wrapping the preemption guard's collective agreement: every rank stops, checkpoints and exits at that step."""
+    from hpc_rlhf.resilience import preemption
+
+    seen = {"n": 0}
+    original = preemption.PreemptionGuard.agreed_stop
+
+    def agreed_stop(guard):
+        seen["n"] += 1
+        return original(guard) or seen["n"] == steps
+
+    preemption.PreemptionGuard.agreed_stop = agreed_stop

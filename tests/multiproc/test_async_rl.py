@@ -6,7 +6,7 @@ import pytest
 
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.multiproc.rl_fixtures import grpo_overrides, make_assets
-from tests.multiproc.spawn import run_on_ranks
+from tests.multiproc.spawn import run_on_ranks, signal_after
 from tests.multiproc.test_resume import _assert_same_rows
 
 pytestmark = pytest.mark.slow
@@ -24,19 +24,11 @@ def _async(assets, out, *extra):
 
 def _fit_async(rank, world_size, overrides, stop_after=None):
     from hpc_rlhf.config import load_config
-    from hpc_rlhf.resilience import preemption
     from hpc_rlhf.trainers.rl.async_loop import AsyncPPOTrainer
     from hpc_rlhf.world.groups import build_world_groups
     from hpc_rlhf.world.placement import build_placement
 
-    seen = {"n": 0}
-    original = preemption.PreemptionGuard.agreed_stop
-
-    def agreed_stop(guard):
-        seen["n"] += 1
-        return original(guard) or seen["n"] == stop_after
-
-    preemption.PreemptionGuard.agreed_stop = agreed_stop
+    signal_after(stop_after)
     cfg = load_config(None, overrides)
     trainer = AsyncPPOTrainer(cfg, build_world_groups(build_placement(cfg, world_size)))
     trainer.fit()

@@ -9,7 +9,7 @@ import pytest
 from hpc_rlhf.ckpt import CheckpointManager
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.multiproc.rl_fixtures import grpo_overrides, make_assets, run_trainer
-from tests.multiproc.spawn import run_on_ranks
+from tests.multiproc.spawn import run_on_ranks, signal_after
 
 pytestmark = pytest.mark.slow
 COMPARED = ("reward", "score", "response_length", "policy_loss", "actor_grad_norm", "actor_lr", "kl", "kl_coef",
@@ -25,21 +25,12 @@ def _fit(rank, world_size, overrides, stop_after=None, fail_save_at=None, log_fi
     """Train; optionally behave as if SLURM signalled after ``stop_after`` steps, or fail a save."""
     import logging
 
-    from hpc_rlhf.resilience import preemption
-
     if log_file is not None and rank == 0:
         handler = logging.FileHandler(log_file)
         handler.setLevel(logging.WARNING)
         logging.getLogger("hpc_rlhf").addHandler(handler)
 
-    steps_seen = {"n": 0}
-    original = preemption.PreemptionGuard.agreed_stop
-
-    def agreed_stop(guard):
-        steps_seen["n"] += 1
-        return original(guard) or steps_seen["n"] == stop_after
-
-    preemption.PreemptionGuard.agreed_stop = agreed_stop
+    signal_after(stop_after)
     trainer = run_trainer(rank, world_size, overrides)
     if fail_save_at is not None:
         save = trainer.save_checkpoint

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.multiproc.rl_fixtures import grpo_overrides, make_assets, run_trainer
-from tests.multiproc.spawn import run_on_ranks
+from tests.multiproc.spawn import run_on_ranks, signal_after
 
 pytestmark = pytest.mark.slow
 # fp32; the same update summed in another order over another number of ranks
@@ -117,17 +117,9 @@ def test_autotp_checkpoint_resumes_without_tensor_parallelism(assets, tmp_path):
 
 def _sft(rank, world_size, overrides, stop_after=None):
     """The SFT trainer of configs/sft_tiny_cpu.yaml; behaves as if SLURM signalled after ``stop_after`` steps."""
-    from hpc_rlhf.resilience import preemption
     from tests.multiproc.test_supervised_trainers import _build
 
-    original = preemption.PreemptionGuard.agreed_stop
-    seen = {"n": 0}
-
-    def agreed_stop(guard):
-        seen["n"] += 1
-        return original(guard) or seen["n"] == stop_after
-
-    preemption.PreemptionGuard.agreed_stop = agreed_stop
+    signal_after(stop_after)
     _build("sft", overrides).fit()
 
 

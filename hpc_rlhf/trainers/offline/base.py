@@ -111,6 +111,7 @@ class SupervisedTrainer(RunHooks):
         if self.uses_reference:
             self.ref = self.frozen_reference()
         self.ckpt = CheckpointManager(cfg.ckpt.path or self.output_dir / "ckpt", max_num=cfg.ckpt.max_num)
+        self.layout = supervised_layout(cfg, dist.get_world_size())  # recorded in checkpoints; compared on resume
         if not cfg.ckpt.load:
             warn_if_starting_over(self.ckpt)
         self.step = 0
@@ -254,7 +255,7 @@ class SupervisedTrainer(RunHooks):
             if self.rank == 0:
                 save_json_atomic(tmp / STATE_FILE, {"step": self.step, "kind": self.kind,
                                                     "stream": self.stream.state_dict()})
-                write_layout(tmp, supervised_layout(self.cfg, dist.get_world_size()))
+                write_layout(tmp, self.layout)
 
     def maybe_resume(self) -> bool:
         if not self.cfg.ckpt.load:
@@ -267,7 +268,7 @@ class SupervisedTrainer(RunHooks):
         if state.get("kind") != self.kind:
             raise ValueError(f"{latest} is a {state.get('kind')} checkpoint, this is a {self.kind} run")
         saved = read_layout(latest)  # None: written before layouts were recorded; loads as saved
-        change = compare_layouts(saved, supervised_layout(self.cfg, dist.get_world_size()), latest) if saved else None
+        change = compare_layouts(saved, self.layout, latest) if saved else None
         if change is not None and change.resharded:
             if self.rank == 0:
                 log.warning("checkpoint %s was saved with another layout: %s", latest, "; ".join(change.notes))

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hpc_rlhf.trainers.rl.controller_steps import distillation_metrics, rollout_metrics
+from hpc_rlhf.trainers.rl.controller_steps import rollout_metrics
 from hpc_rlhf.trainers.rl.loop import PPOTrainer, sampling_seed
 from hpc_rlhf.trainers.rl.partial_rollout import continue_generation, stamp_versions
 from hpc_rlhf.utils.metrics import PhaseTimer
@@ -143,7 +143,7 @@ class AsyncPPOTrainer(PPOTrainer):
         if self.rank != 0:
             return None
         self.health.observe(popped, step)
-        row = {**rollout_metrics(popped, batch, gen_seconds), **distillation_metrics(batch), **train_stats}
+        row = {**rollout_metrics(popped, batch, gen_seconds), **train_stats}
         mixed = sum(len(set(t.token_versions or [])) > 1 for t in popped)
         row.update(self._async_metrics(staleness, dropped, gen_seconds, train_seconds, timer, mixed))
         return row

@@ -189,7 +189,8 @@ def rollout_metrics(trajectories: list, batch: StepBatch | None, generation_s: f
     """Reward, length and throughput of the step's rollouts (before filtering for the reward mean), and the
     episode means of their ``extra_logs`` (``agent/...``, ``extra/...``). ``reward`` / ``score`` and
     ``reward/<source>`` (:func:`reward_by_source`) are means over episodes (an episode's rows averaged first);
-    lengths, clipping and truncation (:func:`response_length_metrics`) are over rows (trained sequences)."""
+    lengths, clipping and truncation (:func:`response_length_metrics`) are over rows (trained sequences). With a
+    distillation teacher, :func:`distillation_metrics` of the trained rows."""
     generated = sum(sum(t.action_mask) for t in trajectories)
     index = episode_index_of(trajectories)
     rewards = episode_means(torch.tensor([float(t.reward) for t in trajectories]), index)
@@ -206,6 +207,7 @@ def rollout_metrics(trajectories: list, batch: StepBatch | None, generation_s: f
     }
     if batch is not None and batch.kl is not None:
         row["kl"] = float(masked_mean(batch.kl, batch.action_mask))
+    row.update(distillation_metrics(batch))
     row.update(reward_by_source(trajectories, rewards))
     row.update(extra_log_metrics(trajectories))
     return row

@@ -42,7 +42,6 @@ from hpc_rlhf.trainers.rl import setup as rl_setup
 from hpc_rlhf.trainers.rl.controller_steps import (
     append_groups,
     attach_rewards,
-    distillation_metrics,
     kept_by_dynamic_filtering,
     make_advantages,
     rollout_metrics,
@@ -161,8 +160,7 @@ class PPOTrainer:
         if not self.world.is_controller:
             return None
         self.health.observe(trajectories, step)
-        row = {**rollout_metrics(trajectories, batch, timer.seconds["generation"]), **distillation_metrics(batch),
-               **train_stats}
+        row = {**rollout_metrics(trajectories, batch, timer.seconds["generation"]), **train_stats}
         if self.cfg.algo.dynamic_filtering:
             row["dynamic_filtering/refill_rounds"] = float(refill_rounds)
         return row
