@@ -62,6 +62,9 @@ class Trajectory:
     # ``data_source`` column, else its file's stem), for the per-source training metrics (``reward/<source>``).
     # Executors set it from the prompt; None (an executor that does not) is reported as ``UNKNOWN_SOURCE``.
     data_source: str | None = None
+    # (P + R, L, k) integer tensor: the experts the rollout engine routed each token position to in each MoE layer,
+    # when it recorded them (``hpc_rlhf.models.routing_replay``); None otherwise.
+    routed_experts: Any = None
 
     @property
     def num_response_tokens(self) -> int:
@@ -86,6 +89,9 @@ class Trajectory:
             raise ValueError(f"trajectory of group {self.group_index}: action_mask must hold only 0 and 1")
         if not self.prompt_ids:
             raise ValueError(f"trajectory of group {self.group_index}: empty prompt_ids")
+        if self.routed_experts is not None and len(self.routed_experts) != len(self.prompt_ids) + n:
+            raise ValueError(f"trajectory of group {self.group_index}: routed_experts covers "
+                             f"{len(self.routed_experts)} positions, the sequence has {len(self.prompt_ids) + n}")
 
 
 class AgentExecutor(ABC):
@@ -172,6 +178,7 @@ class SingleTurnExecutor(AgentExecutor):
                     finish_reason=result.finish_reason,
                     group_index=group_index,
                     data_source=source_name(prompt),
+                    routed_experts=result.routed_experts,
                 )
                 trajectory.check()
                 trajectories.append(trajectory)

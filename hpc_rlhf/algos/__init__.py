@@ -41,7 +41,7 @@ from hpc_rlhf.algos.losses import (
     value_loss,
 )
 from hpc_rlhf.algos.masking import fill_masked, masked_mean, masked_sum, masked_whiten
-from hpc_rlhf.algos.moe import routing_stats
+from hpc_rlhf.algos.moe import route_mismatch, routing_stats
 from hpc_rlhf.algos.pass_at_k import pass_at_k, powers_of_two_up_to
 
 __all__ = [
@@ -83,6 +83,7 @@ __all__ = [
     "reverse_kl_metrics",
     "rollout_importance_weights",
     "rollout_mismatch_kl",
+    "route_mismatch",
     "routing_stats",
     "token_level_rewards",
     "token_share",

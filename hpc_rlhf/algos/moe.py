@@ -60,3 +60,27 @@ def routing_stats(layer_logits: tuple[torch.Tensor, ...] | list[torch.Tensor], m
     stats["moe/load_max_over_mean"] = max(ratios)
     stats["moe/router_entropy"] = sum(entropies) / len(entropies)
     return stats
+
+
+def route_mismatch(layer_logits: tuple[torch.Tensor, ...] | list[torch.Tensor], recorded: torch.Tensor,
+                   mask: torch.Tensor, top_k: int) -> dict[str, float]:
+    """How often the trainer's router picks other experts than the rollout engine did, over the selected tokens.
+
+    ``layer_logits``: one (N, E) router-logit tensor per MoE layer of the trainer's forward; ``recorded`` (N, L, k):
+    the experts the rollout engine used at the same positions (``hpc_rlhf.models.routing_replay``; positions
+    holding the dtype's largest value were not recorded and are left out); ``mask`` (N,) the positions counted. A token
+    *differs* when, in at least one layer, its top-k expert set differs from the recorded set (order ignored).
+
+    Returns ``moe/route_mismatch`` (fraction of counted tokens that differ) and ``moe/route_mismatch_layer_mean``
+    (fraction of (token, layer) pairs that differ); both 0 when no recorded token is counted.
+    """
+    recorded = recorded.to(layer_logits[0].device)
+    unrecorded = torch.iinfo(recorded.dtype).max
+    counted = as_bool_mask(mask).to(recorded.device) & (recorded != unrecorded).all(dim=-1).all(dim=-1)  # (N,)
+    recorded = recorded.long()
+    if not bool(counted.any()):
+        return {"moe/route_mismatch": 0.0, "moe/route_mismatch_layer_mean": 0.0}
+    own = torch.stack([logits.detach()[counted].topk(top_k, dim=-1).indices for logits in layer_logits], dim=1)
+    differs = (own.sort(dim=-1).values != recorded[counted].sort(dim=-1).values).any(dim=-1)  # (n, L)
+    return {"moe/route_mismatch": float(differs.any(dim=-1).float().mean()),
+            "moe/route_mismatch_layer_mean": float(differs.float().mean())}

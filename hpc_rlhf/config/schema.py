@@ -206,6 +206,12 @@ class AlgoConfig(Section):
     aux_loss_coef: float = Field(
         0.0, ge=0, description="weight of a mixture-of-experts actor's router load-balancing loss (Switch "
         "Transformer; transformers' load_balancing_loss_func) in the actor loss; > 0 needs an MoE actor")
+    routing_replay: Literal["none", "measure", "rollout"] = Field(
+        "measure", description="mixture-of-experts actors: 'rollout' replays the experts the rollout engine routed "
+        "each token to in the actor's forwards (R3, arXiv:2510.11370; gate weights from the current router); "
+        "'measure' records them and logs moe/route_mismatch, the fraction of action tokens the trainer routes "
+        "differently, without replaying; 'none' records nothing. Recording needs rollout.backend=transformers and "
+        "single-turn rollouts (no train.agent_func_path); no effect on dense actors")
     distill_coef: float = Field(
         1.0, gt=0, description="with teacher.pretrain: weight of the per-token distillation advantage "
         "log p_teacher(y_t) - log p_student(y_t); advantage_estimator=distill trains on it alone, any other "

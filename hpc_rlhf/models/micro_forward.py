@@ -15,12 +15,14 @@ import torch
 
 from hpc_rlhf.models.forward import (
     critic_values,
+    pack_actions,
     logits_entropy,
     policy_logprobs,
     score_at_last_token,
     sequence_scores,
 )
 from hpc_rlhf.models.logprobs import logprobs_from_logits
+from hpc_rlhf.models.routing_replay import replay_routes
 from hpc_rlhf.models.sequence_parallel import (
     gather_from_sp,
     sequence_parallel_attention,
@@ -53,6 +55,10 @@ class MicroForward:
         self.sequences, self.attention_mask = rows["sequences"], rows["attention_mask"]
         self.num_actions = rows["action_mask"].shape[1] if "action_mask" in rows else None  # None: RM scoring
         self.router_logits = None  # set by policy_logprobs(with_router=True): the forward's RouterLogits
+        routes = rows.get("routed_experts")
+        # (N, L, k): the rollout's routes of the forward's N token positions, aligned with router_logits
+        self.recorded_routes = routes_in_forward_order(routes, self.sequences, self.attention_mask, self.num_actions,
+                                                       packed) if routes is not None and sp is None else None
 
     @property
     def loss_scale(self) -> float:
@@ -103,17 +109,45 @@ class MicroForward:
         return full[:, -self.num_actions - 1 : -1]
 
 
+def routes_in_forward_order(routes: torch.Tensor, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                            num_actions: int, packed: bool) -> torch.Tensor:
+    """Recorded routes (B, T, L, k) of the padded rows -> (N, L, k) in the order the forward's routers see the
+    tokens: every position row-major (padded), or the packed row's tokens (:func:`pack_actions`, which orders
+    the samples as its bin packing does): each from its sample's row at its position in the sample."""
+    if not packed:
+        return routes.reshape(-1, *routes.shape[2:])
+    pack = pack_actions(sequences, attention_mask, num_actions).inputs
+    real = attention_mask.bool()
+    offsets = torch.cumsum(real.sum(dim=1), 0) - real.sum(dim=1)  # where each row's real tokens start in routes[real]
+    segment, position = pack["segment_ids"][0], pack["position_ids"][0]
+    source = offsets[segment.clamp(min=0)] + position
+    out = routes[real][source.clamp(max=int(real.sum()) - 1)]
+    return torch.where((segment >= 0)[:, None, None], out, torch.full_like(out, torch.iinfo(routes.dtype).max))
+
+
 @contextlib.contextmanager
 def forward_scope(model: torch.nn.Module, rows: dict[str, torch.Tensor], *, packed: bool = False,
-                  sp: SequenceParallel | None = None) -> Iterator[MicroForward]:
+                  sp: SequenceParallel | None = None, replay: bool = False) -> Iterator[MicroForward]:
     """Forwards of one micro-batch; under ``sp`` the model's attention is ring attention in the block.
 
     Every rank of the sp group calls this with the same ``rows``; each runs the model on its chunk of
     the sequence (packed into one row of real tokens when ``packed``) and gathers the per-token outputs.
+    ``replay``: an MoE model routes each token to the experts the rollout recorded (``rows["routed_experts"]``,
+    ``hpc_rlhf.models.routing_replay``) for the whole block, so a backward that recomputes checkpointed layers
+    routes them the same way.
     """
     if sp is None:
-        yield MicroForward(model, rows, packed)
+        fwd = MicroForward(model, rows, packed)
+        if not replay:
+            yield fwd
+            return
+        if fwd.recorded_routes is None:
+            raise ValueError("routing replay: this micro-batch carries no recorded routes (rows['routed_experts'])")
+        with replay_routes(model, fwd.recorded_routes):
+            yield fwd
         return
+    if replay:
+        raise ValueError("routing replay under sequence parallelism (ds.ring_attn_size > 1) is not supported")
     shard = shard_for_sp(rows["sequences"], rows["attention_mask"], sp_rank=sp.rank, sp_size=sp.size, pack=packed)
     with sequence_parallel_attention(model, sp.group, shard, head_stride=sp.head_stride):
         yield MicroForward(model, rows, packed, sp, shard)

@@ -103,6 +103,9 @@ class GenerationResult:
     output_logprobs: list[float]
     finish_reason: FinishReason
     request_index: int
+    # (P + O, L, k) integer tensor: the experts of each prompt and output position in each of the L MoE layers,
+    # when the engine records routes (``hpc_rlhf.models.routing_replay``, which marks unrecorded positions).
+    routed_experts: torch.Tensor | None = None
 
 
 class RolloutEngine(ABC):

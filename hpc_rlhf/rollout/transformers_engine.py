@@ -27,6 +27,11 @@ decode step at a 49k vocabulary on CPU, the inversion 2.6 ms). ``temperature == 
 (temperature applied, top-k/top-p NOT applied): the quantity the trainer recomputes with
 ``logits / temperature``, so the rollout/trainer ratio is 1 up to numerics even with truncation.
 
+Routes (mixture-of-experts models, ``record_routes``): a forward hook on each router keeps the experts of
+every position the engine computes (the prefill's prompt positions, then each decode step's token), returned
+as ``GenerationResult.routed_experts`` (``hpc_rlhf.models.routing_replay``). The last output token is never fed
+forward, so its position is marked not recorded.
+
 Randomness: one ``torch.Generator`` per call on the model's device. Its seed is derived from the
 requests' ``seed`` values when any is set (same seeds + same weights + same batch => same outputs),
 else from the engine seed and a call counter (a run is reproducible, consecutive calls differ).
@@ -35,6 +40,7 @@ Unlike vLLM's per-request seeds, a sample depends on the whole call's batch.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 from collections.abc import Iterable
@@ -44,6 +50,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from hpc_rlhf.models.hf_compat import cache_kwargs
+from hpc_rlhf.models.moe import moe_spec
+from hpc_rlhf.models.routing_replay import RouteRecorder, not_recorded
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
 
 
@@ -127,6 +135,29 @@ def sample_tokens(
     return tokens, logprobs_full.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+@dataclass
+class _RouteBuffer:
+    """The routes of one ``generate`` call: the prefill's per request, the decode steps' per sample."""
+
+    prompt: torch.Tensor  # (R, P_max, L, k), left-padded like the prefill
+    decoded: torch.Tensor  # (S, max_steps, L, k): step t's forward over output token t of each sample
+
+    def __init__(self, prefill: torch.Tensor, num_requests: int, num_samples: int, max_steps: int) -> None:
+        prompt = prefill.view(num_requests, -1, *prefill.shape[1:])  # (R * P_max, L, k) row-major -> (R, P_max, ...)
+        self.prompt = prompt
+        self.decoded = torch.full((num_samples, max_steps, *prompt.shape[2:]), not_recorded(prompt.dtype),
+                                  dtype=prompt.dtype,
+                                  device=prompt.device)
+
+    def attach(self, results: list[GenerationResult], prompt_lens: list[int]) -> None:
+        """Set each result's ``routed_experts`` (P + O, L, k) on the host."""
+        prompt, decoded = self.prompt.cpu(), self.decoded.cpu()
+        for sample, result in enumerate(results):
+            i, p = result.request_index, prompt_lens[result.request_index]
+            result.routed_experts = torch.cat([prompt[i, prompt.shape[1] - p:],
+                                               decoded[sample, :len(result.output_ids)]])
+
+
 class TransformersRolloutEngine(RolloutEngine):
     """Batched KV-cache generation on a ``*ForCausalLM`` (see the module docstring).
 
@@ -140,6 +171,7 @@ class TransformersRolloutEngine(RolloutEngine):
         shares_trained_model: ``model`` is the trained actor's own module (colocated, see
             ``hpc_rlhf.trainers.rl.setup.rollout_shares_actor``): its weights are always current, so the
             trainer skips ``update_weights``, and ``sleep`` / ``wake_up`` leave it where training needs it.
+        record_routes: return each sample's routed experts (a mixture-of-experts ``model`` only).
     """
 
     def __init__(
@@ -151,8 +183,13 @@ class TransformersRolloutEngine(RolloutEngine):
         *,
         seed: int = 0,
         shares_trained_model: bool = False,
+        record_routes: bool = False,
     ) -> None:
         self.model = model
+        spec = moe_spec(model.config)
+        if record_routes and spec is None:
+            raise ValueError(f"record_routes: {type(model).__name__} is not a mixture-of-experts model")
+        self._num_experts = spec.num_experts if record_routes else None
         self.shares_trained_model = shares_trained_model
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id if pad_token_id is not None else (eos_token_id or 0)
@@ -175,8 +212,10 @@ class TransformersRolloutEngine(RolloutEngine):
         self._num_calls += 1
         was_training = self.model.training
         self.model.eval()
+        recording = RouteRecorder(self.model, self._num_experts) if self._num_experts else None
         try:
-            return self._generate(requests, seed)
+            with recording or contextlib.nullcontext():
+                return self._generate(requests, seed, recording)
         finally:
             self.model.train(was_training)
 
@@ -187,7 +226,8 @@ class TransformersRolloutEngine(RolloutEngine):
                          use_cache=True, **cache_kwargs(self.model, cache), **kwargs)
         return out.logits[:, -1, :].float()
 
-    def _generate(self, requests: list[GenerationRequest], seed: int) -> list[GenerationResult]:
+    def _generate(self, requests: list[GenerationRequest], seed: int,
+                  recording: RouteRecorder | None) -> list[GenerationResult]:
         device = self.device
         num_requests = len(requests)
         samples_per_request = torch.tensor([r.n for r in requests], device=device)
@@ -211,6 +251,8 @@ class TransformersRolloutEngine(RolloutEngine):
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        routes = (_RouteBuffer(recording.take(), num_requests, num_samples, max_steps)
+                  if recording else None)
 
         # 2. replicate per sample; the KV copy is folded into the first gather of the loop
         logits = logits[sample_request]
@@ -247,8 +289,13 @@ class TransformersRolloutEngine(RolloutEngine):
                 pending_gather = None
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.size(0), 1))], dim=-1)
             logits = self._forward(tokens[:, None], attention_mask, next_position[:, None], cache)
+            if routes is not None:
+                routes.decoded[active, step] = recording.take()
             next_position = next_position + 1
-        return self._results(requests, sample_request, out_tokens, out_logprobs, out_lengths, stopped)
+        results = self._results(requests, sample_request, out_tokens, out_logprobs, out_lengths, stopped)
+        if routes is not None:
+            routes.attach(results, prompt_lens)
+        return results
 
     def _row_params(self, requests: list[GenerationRequest], sample_request: torch.Tensor) -> _RowParams:
         stop_lists = []

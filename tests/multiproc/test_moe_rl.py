@@ -36,10 +36,13 @@ def _check_moe_rows(rows: list[dict]) -> None:
                     "moe/layer1/load_max_over_mean"):
             assert key in row, (row["step"], key)
         assert row["aux_loss"] > 0 and 1.0 <= row["moe/load_max_over_mean"] <= 4.0  # 4 experts
+        # algo.routing_replay=measure (the default) or rollout: the engine recorded routes, the trainer compared
+        assert 0.0 <= row["moe/route_mismatch"] <= 1.0 and "moe/route_mismatch_layer_mean" in row
 
 
 def test_grpo_qwen3_moe_zero2_reward_rises(assets, tmp_path):
-    run_on_ranks(_fit, 2, _moe_overrides(assets, tmp_path, "qwen3_moe", "train.max_steps=30"))
+    run_on_ranks(_fit, 2, _moe_overrides(assets, tmp_path, "qwen3_moe", "train.max_steps=30",
+                                         "algo.routing_replay=rollout"))
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 31))
     first = sum(r["reward"] for r in rows[:5]) / 5
@@ -82,3 +85,18 @@ def test_sft_moe_trains_with_the_aux_loss(assets, tmp_path, zero_stage, packing)
     run_on_ranks(_sft, 2, overrides)
     rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert len(rows) == 3 and all(r["aux_loss"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("replay", ["measure", "rollout"])
+def test_async_moe_routes_drift_and_replay_runs(assets, tmp_path, replay):
+    """Asynchronous training samples with weights one update old: the trainer's router then picks other experts
+    than the rollout's for some tokens (what moe/route_mismatch reports), with or without replaying them."""
+    overrides = _moe_overrides(assets, tmp_path, "qwen3_moe", "train.colocate_all=false", "train.async_train=true",
+                               "actor.num_ranks=1", "rollout.num_engines=1", "algo.is_correction=tis",
+                               "actor.learning_rate=1e-2", "train.max_steps=4", f"algo.routing_replay={replay}")
+    run_on_ranks(_fit, 2, overrides)
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    _check_moe_rows(rows)
+    assert rows[0]["moe/route_mismatch"] == 0.0  # the first batch was sampled with the trained weights
+    assert max(r["moe/route_mismatch"] for r in rows[1:]) > 0.0

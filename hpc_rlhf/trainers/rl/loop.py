@@ -325,8 +325,10 @@ class PPOTrainer:
         batching = Batching.for_experience(cfg.train, cfg.rollout, cfg.ds)
         if self.roles.need_old_logprobs:
             sp = self._sp("actor")
+            replay = cfg.algo.routing_replay == "rollout"  # the experts the rollout recorded, in the actor's forward
             old = self._role_forward("actor", batch, lambda m, rows: forward_logprobs(m, rows, batching, temperature,
-                                                                                      sp))
+                                                                                      sp, replay),
+                                     fields=("routed_experts",) if replay else ())
             if self.rank == 0:
                 batch.old_logprobs = old
         for role in FROZEN_POLICY_ROLES:  # the reference and the distillation teacher score the sampled tokens
@@ -511,16 +513,17 @@ class PPOTrainer:
         gathered = gather_from_role(result, groups)
         return gathered if self.rank == 0 else None
 
-    def _role_forward(self, role: str, batch: StepBatch | None,
-                      fn: Callable[[Any, StepBatch], torch.Tensor]) -> torch.Tensor | None:
-        """The batch's forward inputs over the role's dp replicas (``row_layout.forward_shards``), ``fn(engine,
-        rows) -> (b, ...)`` on each, and the outputs back on rank 0 as (B, ...) in the batch's row order."""
+    def _role_forward(self, role: str, batch: StepBatch | None, fn: Callable[[Any, StepBatch], torch.Tensor],
+                      fields: tuple[str, ...] = ()) -> torch.Tensor | None:
+        """The batch's forward inputs (and ``fields``) over the role's dp replicas (``row_layout.forward_shards``),
+        ``fn(engine, rows) -> (b, ...)`` on each, and the outputs back on rank 0 as (B, ...) in the batch's row
+        order."""
         groups = self.world.roles[role]
         if self.rank not in groups.controller_ranks:
             return None
         shards = layout = None
         if self.rank == 0:
-            shards, layout = forward_shards(batch, len(groups.dp_leaders), self.cfg.train.use_dynamic_batch)
+            shards, layout = forward_shards(batch, len(groups.dp_leaders), self.cfg.train.use_dynamic_batch, fields)
         # Colocated: the states left the device for the weight sync; the reward model keeps none to reload.
         outputs = self._on_role(role, shards, StepBatch, fn, reload=role != "reward")
         return None if self.rank != 0 else in_batch_order(outputs, layout, batch.num_rows)

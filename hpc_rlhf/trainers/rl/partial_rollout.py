@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hpc_rlhf.agents.executor import Trajectory
+from hpc_rlhf.models.routing_replay import continue_routes
 from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
 
 
@@ -49,5 +50,6 @@ def continue_generation(trajectories: list[Trajectory], generate, sampling: Samp
             rollout_logprobs=t.rollout_logprobs + [float(x) for x in result.output_logprobs],
             token_versions=(t.token_versions or [t.policy_version] * len(t.response_ids)) + [version] * len(new_ids),
             finish_reason=result.finish_reason, truncated=result.finish_reason == "length",
+            routed_experts=continue_routes(t.routed_experts, result.routed_experts),
         )
     return out

@@ -222,10 +222,11 @@ class Batching:
 # ------------------------------------------------------------------------------------ the controller's layouts
 
 
-def forward_shards(batch: StepBatch, dp_size: int, balance_tokens: bool) -> tuple[list[StepBatch], list[int]]:
-    """The forward fields of ``batch`` in ``dp_size`` equal shards for an experience forward, and the row layout
-    they follow (:func:`forward_row_layout`; ``balance_tokens``: ``train.use_dynamic_batch``)."""
-    view = batch.select()
+def forward_shards(batch: StepBatch, dp_size: int, balance_tokens: bool,
+                   fields: tuple[str, ...] = ()) -> tuple[list[StepBatch], list[int]]:
+    """The forward fields of ``batch`` (and ``fields``) in ``dp_size`` equal shards for an experience forward, and
+    the row layout they follow (:func:`forward_row_layout`; ``balance_tokens``: ``train.use_dynamic_batch``)."""
+    view = batch.select(*fields)
     lengths = view.attention_mask.sum(dim=1).tolist() if balance_tokens else None
     layout = forward_row_layout(view.num_rows, dp_size, lengths)
     laid_out = view if layout == list(range(view.num_rows)) else view.take_rows(layout)

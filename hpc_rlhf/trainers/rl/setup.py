@@ -28,6 +28,7 @@ from hpc_rlhf.models.loading import (
     require_local_model,
     resolve_attn_implementation,
 )
+from hpc_rlhf.models.moe import moe_spec
 from hpc_rlhf.models.precision import resolve_dtype
 from hpc_rlhf.planning.model_shape import ModelSizeError, check_moe_tensor_parallel, local_hf_config
 from hpc_rlhf.rewards.functions import RewardFunction
@@ -64,6 +65,37 @@ def check_supported(cfg: RunConfig) -> None:
         check_moe_tensor_parallel(local_hf_config(cfg.actor), cfg.ds.tensor_parallel_size, "actor.pretrain")
     except ModelSizeError as err:
         raise SetupError(str(err)) from None
+    check_routing_replay(cfg)
+
+
+def check_routing_replay(cfg: RunConfig) -> None:
+    """``algo.routing_replay=rollout`` needs an MoE actor and rollouts that record every sampled token's routes."""
+    if cfg.algo.routing_replay != "rollout":
+        return
+    key = "algo.routing_replay=rollout"
+    if moe_spec(local_hf_config(cfg.actor) or {}) is None:
+        raise SetupError(f"{key}: actor.pretrain={cfg.actor.pretrain} is not a mixture-of-experts model, so there "
+                         "are no routes to replay; set algo.routing_replay=none")
+    if cfg.rollout.backend == "vllm":
+        # vLLM returns routed experts (enable_return_routed_experts) from its GPU model runner only; its CPU
+        # runner has no such output, and the GPU path has not been run by this project's tests.
+        raise SetupError(f"{key} with rollout.backend=vllm: vLLM's CPU model runner does not return routed experts "
+                         "and the GPU path (enable_return_routed_experts) is not wired yet; use "
+                         "rollout.backend=transformers, or algo.routing_replay=none")
+    if cfg.train.agent_func_path:
+        raise SetupError(f"{key} with train.agent_func_path={cfg.train.agent_func_path}: routes are recorded in "
+                         "single-turn rollouts only (an agent's later turns are prefilled again, not recorded as "
+                         "sampled); set algo.routing_replay=measure or none")
+    if cfg.ds.ring_attn_size > 1:
+        raise SetupError(f"{key} with ds.ring_attn_size={cfg.ds.ring_attn_size}: each rank routes only its chunk of "
+                         "the sequence; routing replay under sequence parallelism is not supported")
+
+
+def records_routes(cfg: RunConfig) -> bool:
+    """Whether the rollout engine records each token's experts (``algo.routing_replay``): an MoE actor generated
+    by the transformers engine in single-turn rollouts."""
+    return (cfg.algo.routing_replay != "none" and cfg.rollout.backend == "transformers"
+            and not cfg.train.agent_func_path and moe_spec(local_hf_config(cfg.actor) or {}) is not None)
 
 
 def check_model_paths(cfg: RunConfig) -> None:
@@ -228,12 +260,14 @@ def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool, actor: TrainEn
             return VllmServerEngine.from_spec(vllm_engine_spec(cfg), torch.cuda.current_device() if on_gpu else None)
         return VllmRolloutEngine.from_spec(vllm_engine_spec(cfg))
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    record = records_routes(cfg)
     if actor is not None:
         return TransformersRolloutEngine(actor.module, eos_token_id=tokenizer.eos_token_id,
-                                         pad_token_id=tokenizer.pad_token_id, device=device, shares_trained_model=True)
+                                         pad_token_id=tokenizer.pad_token_id, device=device, shares_trained_model=True,
+                                         record_routes=record)
     model = load_causal_lm(cfg.actor.pretrain, dtype, resolve_attn_implementation(cfg.ds.attn_implementation, on_gpu))
     return TransformersRolloutEngine(model.to(device).eval(), eos_token_id=tokenizer.eos_token_id,
-                                     pad_token_id=tokenizer.pad_token_id, device=device)
+                                     pad_token_id=tokenizer.pad_token_id, device=device, record_routes=record)
 
 
 def check_agent_loads(cfg: RunConfig, tokenizer: Any, rank: int) -> None:

@@ -31,13 +31,29 @@ from hpc_rlhf.algos import episode_index_from_branches
 
 # Always set: what every forward reads.
 _FORWARD_FIELDS = ("sequences", "attention_mask", "action_mask")
-_FULL_ROW_FIELDS = ("sequences", "attention_mask")  # (B, P+R); every other 2-D field is (B, R)
+# (B, P+R, ...): one entry per token of the row; every other 2-D field is (B, R)
+_FULL_ROW_FIELDS = ("sequences", "attention_mask", "routed_experts")
 
 
 def episode_index_of(trajectories: Sequence[Any]) -> torch.Tensor:
     """(B,) long: episode of each row. An agent episode that branched has several consecutive rows, the first
     with ``branch_index`` 0 (``hpc_rlhf.algos.episodes``); otherwise row ``i`` is episode ``i``."""
     return episode_index_from_branches(torch.tensor([t.branch_index for t in trajectories], dtype=torch.long))
+
+
+def _routes_in_rows(trajectories: Sequence[Any], max_prompt: int, max_resp: int) -> torch.Tensor | None:
+    """The trajectories' recorded routes (P+R, L, k) in the batch layout (B, max_prompt + max_resp, L, k), or None
+    when none carries routes; rows and positions without routes are marked not recorded."""
+    recorded = [t.routed_experts for t in trajectories if t.routed_experts is not None]
+    if not recorded:
+        return None
+    shape, dtype = recorded[0].shape[1:], recorded[0].dtype
+    routes = torch.full((len(trajectories), max_prompt + max_resp, *shape), torch.iinfo(dtype).max, dtype=dtype)
+    for i, t in enumerate(trajectories):
+        if t.routed_experts is not None:
+            start = max_prompt - len(t.prompt_ids)
+            routes[i, start : start + len(t.routed_experts)] = t.routed_experts
+    return routes
 
 
 @dataclass
@@ -76,6 +92,10 @@ class StepBatch:
     """(B, R) fp32: advantages (0 off the action mask)."""
     returns: torch.Tensor | None = None
     """(B, R) fp32: value targets."""
+    routed_experts: torch.Tensor | None = None
+    """(B, P+R, L, k) uint8/int16: the experts the rollout engine routed each token to in each of the L MoE layers
+    (when it recorded them, ``hpc_rlhf.models.routing_replay``); padding and unrecorded positions hold the
+    not-recorded marker."""
 
     @classmethod
     def from_trajectories(cls, trajectories: Sequence[Any], pad_token_id: int, *, scored: bool = True) -> StepBatch:
@@ -103,7 +123,7 @@ class StepBatch:
         response_length = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.long)
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32) if scored else None
         return cls(sequences, attention_mask, action_mask, rollout_logprobs, response_length, rewards,
-                   episode_index_of(trajectories))
+                   episode_index_of(trajectories), routed_experts=_routes_in_rows(trajectories, max_prompt, max_resp))
 
     # ------------------------------------------------------------------ fields
     @property
@@ -131,8 +151,10 @@ class StepBatch:
         return StepBatch(**{k: v for k, v in self.tensors().items() if k in keep})
 
     def forward_inputs(self) -> dict[str, torch.Tensor]:
-        """``sequences`` / ``attention_mask`` / ``action_mask`` by name: what ``models.micro_forward`` reads."""
-        return {k: getattr(self, k) for k in _FORWARD_FIELDS}
+        """``sequences`` / ``attention_mask`` / ``action_mask`` by name, and ``routed_experts`` when set: what
+        ``models.micro_forward`` reads."""
+        names = _FORWARD_FIELDS + (("routed_experts",) if self.routed_experts is not None else ())
+        return {k: getattr(self, k) for k in names}
 
     # ------------------------------------------------------------------ rows
     def take_rows(self, index: Sequence[int] | torch.Tensor) -> StepBatch:

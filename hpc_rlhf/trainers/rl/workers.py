@@ -26,6 +26,7 @@ from hpc_rlhf.algos import (
     policy_loss,
     rollout_importance_weights,
     rollout_mismatch_kl,
+    route_mismatch,
     routing_stats,
     token_share,
     total_loss,
@@ -40,7 +41,7 @@ from hpc_rlhf.trainers.rl.step_batch import StepBatch, TrainShard
 # The step-batch fields each training role reads (the controller sends only these; the optional ones travel
 # when set: old log-probs are absent on-policy, reference log-probs without a ``ref`` role).
 TRAIN_FIELDS = {
-    "actor": ("action_mask", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs"),
+    "actor": ("action_mask", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs", "routed_experts"),
     "critic": ("action_mask", "values", "returns"),
 }
 
@@ -90,10 +91,11 @@ def _per_row_forward(shard: StepBatch, batching: Batching, dp_group: Any, fn) ->
 
 @torch.no_grad()
 def forward_logprobs(model: Any, shard: StepBatch, batching: Batching, temperature: float,
-                     sp: SequenceParallel | None = None) -> torch.Tensor:
-    """Log-probs of the shard's response tokens, micro-batch by micro-batch: (B, R) fp32."""
+                     sp: SequenceParallel | None = None, replay: bool = False) -> torch.Tensor:
+    """Log-probs of the shard's response tokens, micro-batch by micro-batch: (B, R) fp32. ``replay``: route an MoE
+    model's tokens to the experts the rollout recorded (the shard's ``routed_experts``)."""
     def logprobs(rows: StepBatch) -> torch.Tensor:
-        with forward_scope(model, rows.forward_inputs(), packed=batching.packed, sp=sp) as fwd:
+        with forward_scope(model, rows.forward_inputs(), packed=batching.packed, sp=sp, replay=replay) as fwd:
             return fwd.policy_logprobs(temperature)[0]
 
     return _per_row_forward(shard, batching, model.dp_group, logprobs)
@@ -159,20 +161,26 @@ def _log_entropy(entropy_per_token: torch.Tensor, mask: torch.Tensor, counts: di
     stats["entropy_share"].append(float(share))
 
 
-def _moe_terms(engine: Any, router: Any, moe: MoESpec, mask: torch.Tensor, counts: dict[str, Any],
+def _moe_terms(engine: Any, fwd: Any, moe: MoESpec, mask: torch.Tensor, counts: dict[str, Any],
                stats: dict[str, list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
     """An MoE actor's load-balancing loss over this micro-batch and its weight in the step loss; logs the
-    routing statistics of the action positions (``hpc_rlhf.algos.moe``) and the aux loss.
+    routing statistics of the action positions (``hpc_rlhf.algos.moe``), the aux loss and, when the rollout
+    recorded routes, how often the trainer's router picks other experts (``moe/route_mismatch``: under routing
+    replay, what the current router would pick in each layer given the replayed earlier layers).
 
     The load-balancing loss is a mean over the micro-batch's tokens, not a sum that ``aggregate_loss`` could
     normalise, so it is weighted by the micro-batch's share of the mini-batch's action tokens (the global count
     the controller computed): the shares then add up over micro-batches and ranks like the other terms, and
     splitting a mini-batch into more micro-batches does not multiply its weight.
     """
+    router = fwd.router_logits
     aux = load_balancing_loss(engine.module, router)
     weight = token_share(mask.sum(), counts["global_num_tokens"], counts["dp_size"])
     stats["aux_loss_share"].append(float(aux.detach() * weight))
-    for k, v in routing_stats(router.layers, router.action_mask, moe.top_k).items():
+    routing = routing_stats(router.layers, router.action_mask, moe.top_k)
+    if fwd.recorded_routes is not None:
+        routing.update(route_mismatch(router.layers, fwd.recorded_routes, router.action_mask, moe.top_k))
+    for k, v in routing.items():
         stats[k].append(v)
     return aux, weight
 
@@ -190,7 +198,7 @@ def _actor_micro_step(engine: Any, fwd: Any, rows: StepBatch, counts: dict[str, 
     entropy_bonus = algo.entropy_loss_coef != 0.0
     logprobs, entropy_per_token = fwd.policy_logprobs(temperature, with_entropy=True, entropy_grad=entropy_bonus,
                                                       with_router=moe is not None)
-    aux, aux_weight = _moe_terms(engine, fwd.router_logits, moe, mask, counts, stats) if moe else (None, 1.0)
+    aux, aux_weight = _moe_terms(engine, fwd, moe, mask, counts, stats) if moe else (None, 1.0)
     old = rows.old_logprobs if rows.old_logprobs is not None else logprobs.detach()
     is_weights = None
     if algo.is_correction != "none":
@@ -261,10 +269,12 @@ def train_actor(engine: Any, shard: TrainShard, algo: AlgoConfig, settings: Upda
     stats: dict[str, list[float]] = defaultdict(list)
     engine.train()
     moe = actor_moe_spec(engine, algo, sp)
+    replay = moe is not None and algo.routing_replay == "rollout"
     for mb_index, rows, _num_micro, last in _updates(shard, settings, engine.dp_group):
         counts = {"global_num_tokens": shard.num_tokens[mb_index], "global_num_seqs": shard.num_seqs[mb_index],
                   "dp_size": dp_size, "max_tokens": settings.generate_max_len}
-        with forward_scope(engine, rows.forward_inputs(), packed=settings.batching.packed, sp=sp) as fwd:
+        with forward_scope(engine, rows.forward_inputs(), packed=settings.batching.packed, sp=sp,
+                           replay=replay) as fwd:
             step_info = _actor_micro_step(engine, fwd, rows, counts, shard.kl_coef, last, algo,
                                           settings.temperature, stats, moe)
         if last:
