@@ -15,8 +15,8 @@ import torch
 
 from hpc_rlhf.models.forward import (
     critic_values,
-    pack_actions,
     logits_entropy,
+    pack_actions,
     policy_logprobs,
     score_at_last_token,
     sequence_scores,
