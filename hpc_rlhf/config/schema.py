@@ -210,8 +210,9 @@ class AlgoConfig(Section):
         "measure", description="mixture-of-experts actors: 'rollout' replays the experts the rollout engine routed "
         "each token to in the actor's forwards (R3, arXiv:2510.11370; gate weights from the current router); "
         "'measure' records them and logs moe/route_mismatch, the fraction of action tokens the trainer routes "
-        "differently, without replaying; 'none' records nothing. Recording needs rollout.backend=transformers and "
-        "single-turn rollouts (no train.agent_func_path); no effect on dense actors")
+        "differently, without replaying; 'none' records nothing. Routes are recorded in single-turn rollouts (no "
+        "train.agent_func_path) by rollout.backend=transformers, and for 'rollout' by vLLM on a GPU "
+        "(enable_return_routed_experts); no effect on dense actors")
     distill_coef: float = Field(
         1.0, gt=0, description="with teacher.pretrain: weight of the per-token distillation advantage "
         "log p_teacher(y_t) - log p_student(y_t); advantage_estimator=distill trains on it alone, any other "

@@ -199,7 +199,7 @@ def derived_checks() -> list[Check]:
     checks = []
     ours = llm_kwargs("/m", tensor_parallel_size=1, enable_sleep_mode=True, gpu_memory_utilization=0.5, seed=0,
                       enforce_eager=False, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                      max_model_len=128)
+                      max_model_len=128, enable_return_routed_experts=True)
     # LLM(**kwargs) forwards what its own signature lacks to EngineArgs.
     llm_params, _ = _signature_names(resolve("vllm:LLM").__init__)
     engine_args = _class_fields(importlib.import_module("vllm.engine.arg_utils").EngineArgs)
@@ -208,7 +208,7 @@ def derived_checks() -> list[Check]:
                         f"not LLM/EngineArgs fields: {missing}" if missing else ", ".join(sorted(ours))))
     server = server_engine_kwargs("/m", tensor_parallel_size=1, gpu_memory_utilization=0.9, seed=0,
                                   enforce_eager=False, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                                  max_model_len=128)
+                                  max_model_len=128, enable_return_routed_experts=True)
     server["weight_transfer_config"] = None
     checks.append(_accepts("AsyncEngineArgs keywords (vllm_server.server_engine_kwargs)", set(server),
                            "vllm:AsyncEngineArgs"))

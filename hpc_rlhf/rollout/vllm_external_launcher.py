@@ -152,8 +152,32 @@ def results_from_vllm_outputs(outputs: Sequence[Any], requests: Sequence[Generat
                 output_logprobs=_sampled_logprobs(token_ids, completion.logprobs, where),
                 finish_reason=reason,
                 request_index=request_index,
+                routed_experts=routes_from_vllm(getattr(completion, "routed_experts", None),
+                                                len(request.prompt_ids) + len(token_ids), where),
             ))
     return results
+
+
+def routes_from_vllm(routed: Any, num_positions: int, where: str) -> Any:
+    """vLLM's ``CompletionOutput.routed_experts`` (numpy ``(seq_len, L, k)``, with ``enable_return_routed_experts``)
+    as our routes (``hpc_rlhf.models.routing_replay``): ``num_positions`` (prompt + output) rows, the positions vLLM
+    did not report (the last sampled token, which it never fed forward) marked not recorded. None when vLLM
+    returned none. That vLLM reports positions from the first prompt token on (``routed_experts_prompt_start=0``)
+    is read from its documentation; no run of this project has received routes from vLLM (GPU only)."""
+    if routed is None:
+        return None
+    import torch
+
+    from hpc_rlhf.models.routing_replay import not_recorded, route_dtype
+
+    routes = torch.as_tensor(routed)
+    if routes.dim() != 3 or routes.shape[0] > num_positions:
+        raise ValueError(f"{where}: vLLM returned routed_experts of shape {tuple(routes.shape)} for a sequence of "
+                         f"{num_positions} tokens (expected at most ({num_positions}, layers, top_k))")
+    dtype = route_dtype(int(routes.max()) + 1 if routes.numel() else 0)
+    out = torch.full((num_positions, *routes.shape[1:]), not_recorded(dtype), dtype=dtype)
+    out[: routes.shape[0]] = routes.to(dtype)
+    return out
 
 
 def llm_kwargs(model_path: str, *, tensor_parallel_size: int, enable_sleep_mode: bool, gpu_memory_utilization: float,
@@ -210,10 +234,34 @@ def refresh_tied_layers(model: torch.nn.Module) -> int:
     return refreshed
 
 
+def repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Pack again, into the CPU grouped-GEMM layout, the expert weights of every mixture-of-experts layer that runs
+    vLLM's CPU experts kernel; returns how many layers.
+
+    vLLM 0.32 packs a MoE layer's weights for its CPU kernel only when the layer is first set up; a reload (an RL
+    weight update) leaves the newly loaded weights unpacked, and the kernel then reads them as packed (measured on
+    a tiny Qwen3-MoE: sampled-token logprobs off by 0.23 from a fresh engine on the same weights)."""
+    cpu_experts = resolve("vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts")
+    repacked = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, cpu_experts):
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
+
+
+def refresh_after_reload(model: torch.nn.Module) -> None:
+    """What vLLM's layerwise reload leaves stale, processed again (tied LM head, CPU experts)."""
+    refresh_tied_layers(model)
+    repack_cpu_experts(model)
+
+
 def _reload_weights_on_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Runs on this rank's vLLM worker (``collective_rpc`` passes the worker first): one whole round."""
     worker.reload_weights(weights_iterator=iter(weights))
-    refresh_tied_layers(worker.model_runner.model)
+    refresh_after_reload(worker.model_runner.model)
 
 
 @dataclass(frozen=True)
@@ -227,6 +275,7 @@ class VllmEngineSpec:
     tensor_parallel_size: int  # rollout.tensor_parallel_size
     seed: int  # train.seed
     vllm: VllmConfig  # the vllm section
+    return_routed_experts: bool = False  # algo.routing_replay=rollout: vLLM reports each token's experts
 
 
 def spec_engine_kwargs(spec: VllmEngineSpec, on_gpu: bool) -> dict[str, Any]:
@@ -239,7 +288,23 @@ def spec_engine_kwargs(spec: VllmEngineSpec, on_gpu: bool) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"dtype": engine_dtype(spec.param_dtype, on_gpu), "max_model_len": spec.max_model_len}
     if spec.vllm.kv_cache_memory_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(spec.vllm.kv_cache_memory_gib * (1 << 30))
+    if spec.return_routed_experts:
+        kwargs.update(routed_experts_kwargs(spec, on_gpu))
     return kwargs
+
+
+def routed_experts_kwargs(spec: VllmEngineSpec, on_gpu: bool) -> dict[str, Any]:
+    """Engine keywords that make vLLM return each token's experts (routing replay). vLLM 0.32 reports them only
+    from its V2 model runner, which needs Triton (a GPU: on CPU it refuses, "Model Runner V2 requires Triton"),
+    and only with prefix caching on."""
+    if not on_gpu:
+        raise ValueError("algo.routing_replay=rollout with rollout.backend=vllm needs a GPU: vLLM returns routed "
+                         "experts only from its V2 model runner, which does not run on CPU; use "
+                         "rollout.backend=transformers on CPU")
+    if not spec.vllm.enable_prefix_caching:
+        raise ValueError("algo.routing_replay=rollout with rollout.backend=vllm needs vllm.enable_prefix_caching=true "
+                         "(vLLM returns routed experts only with prefix caching on)")
+    return {"enable_return_routed_experts": True}
 
 
 def resolve_cpu_attention_head_sizes() -> list[int]:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from hpc_rlhf.models.checkpoint_names import to_checkpoint_names
 from hpc_rlhf.models.lora import lora_factors, merge_lora_entries, save_adapter  # peft itself: lazily, inside
 from hpc_rlhf.models.quantization import is_quantized, plain_config, plain_copy
 from hpc_rlhf.weight_sync.plan import pack_consecutive
@@ -160,8 +161,8 @@ def write_hf_folder(module: torch.nn.Module, buckets: Iterator[list[tuple[str, t
     state_dict: dict[str, torch.Tensor] = {}
     first = is_first_rank_of_role(dp_group, tp_group)
     for bucket in buckets:
-        if first:
-            state_dict.update((name, tensor.cpu()) for name, tensor in bucket)
+        if first:  # under the checkpoint names (split experts) that vLLM and other readers load
+            state_dict.update(to_checkpoint_names(module, ((name, tensor.cpu()) for name, tensor in bucket)))
     if first:
         # Written without module.save_pretrained: under ZeRO-3 transformers would try to gather the
         # (already gathered) parameters collectively from this one rank and hang.

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.rollout.vllm_api import resolve
-from hpc_rlhf.rollout.vllm_external_launcher import refresh_tied_layers  # imports no vLLM
+from hpc_rlhf.rollout.vllm_external_launcher import refresh_after_reload  # imports no vLLM
 
 GLOO_BACKEND = "gloo"
 # A broadcast waits this long for its peer. The sender's peer is a worker that may still be pausing the engine or
@@ -268,7 +268,7 @@ class GlooWeightTransferReceiver:
     def finish_weight_update(self) -> None:
         """Process every layer of the round; then a tied LM head, which got no tensor of its own."""
         resolve("vllm.model_executor.model_loader.reload:finalize_layerwise_reload")(self.model, self.model_config)
-        refresh_tied_layers(self.model)
+        refresh_after_reload(self.model)
 
     def shutdown(self) -> None:
         if self.group is not None:

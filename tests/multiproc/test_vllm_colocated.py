@@ -125,6 +125,25 @@ def test_colocated_grpo_with_vllm_learns_and_every_sync_reaches_the_engine(tmp_p
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
 
 
+def test_moe_grpo_with_vllm_every_sync_reaches_the_experts(tmp_path):
+    """A mixture-of-experts actor (tiny Qwen3-MoE): vLLM's CPU experts kernel packs its weights only at start-up,
+    so without packing them again after each reload the engine sampled with garbage experts (k3 ~1e-4 from step
+    2 on); and the export has the per-expert checkpoint names, not transformers' fused live ones."""
+    from safetensors import safe_open
+
+    from hpc_rlhf.models.tiny import VLLM_CPU_SIZES, build_tiny_moe_model
+
+    model = build_tiny_moe_model(tmp_path / "moe", "qwen3_moe", **VLLM_CPU_SIZES)
+    rows = _torchrun("configs/grpo_moe_tiny_cpu.yaml", tmp_path / "run", f"actor.pretrain={model}",
+                     "actor.build_tiny=false", "train.max_steps=3", f"data.prompt_data=[{tmp_path / 'arith.jsonl'}]")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    _assert_engine_matches_trainer(rows)
+    with safe_open(str(tmp_path / "run" / "model" / "model.safetensors"), "pt") as exported:
+        names = set(exported.keys())
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in names
+    assert not any(name.endswith("experts.gate_up_proj") for name in names)
+
+
 def test_ppo_with_zero3_gathers_inside_the_engine_reload(tmp_path, vllm_model):
     """PPO with a critic, a reference and ZeRO-3: each rank's engine consumes the gathered state dict inside its
     reload, so the ZeRO-3 all-gathers run there, in the same order on both ranks."""

@@ -243,3 +243,39 @@ def test_actor_update_replays_recorded_routes_only_when_asked(mode):
     replayed = all(bool((u.sort(-1).values == torch.tensor([2, 3])).all()) for u in used)
     assert replayed == (mode == "rollout")
     assert 0 < stats["moe/route_mismatch"] <= 1
+
+
+def test_routing_replay_setup_refusals(one_layer_path, tmp_path):
+    from hpc_rlhf.config import load_config
+    from hpc_rlhf.models.tiny import build_tiny_model
+    from hpc_rlhf.trainers.rl.setup import SetupError, check_routing_replay, records_routes
+
+    moe = [f"actor.pretrain={one_layer_path}", "algo.routing_replay=rollout"]
+    check_routing_replay(load_config(None, moe))  # transformers engine, single-turn: accepted
+    assert records_routes(load_config(None, moe))
+    dense = build_tiny_model(tmp_path / "dense")
+    with pytest.raises(SetupError, match="not a mixture-of-experts model"):
+        check_routing_replay(load_config(None, [f"actor.pretrain={dense}", "algo.routing_replay=rollout"]))
+    assert not records_routes(load_config(None, [f"actor.pretrain={dense}"]))
+    with pytest.raises(SetupError, match="without a GPU: vLLM returns routed experts only from its V2 model runner"):
+        check_routing_replay(load_config(None, [*moe, "rollout.backend=vllm"]))
+    with pytest.raises(SetupError, match="single-turn rollouts only"):
+        check_routing_replay(load_config(None, [*moe, "train.agent_func_path=agent.py"]))
+    with pytest.raises(SetupError, match="sequence parallelism"):
+        check_routing_replay(load_config(None, [*moe, "ds.ring_attn_size=2"]))
+    assert not records_routes(load_config(None, [*moe[:1], "algo.routing_replay=none"]))
+
+
+def test_vllm_routed_experts_become_routes_of_every_position():
+    import numpy as np
+
+    from hpc_rlhf.rollout.vllm_external_launcher import routes_from_vllm
+
+    # vLLM's (seq_len, layers, top_k), here without the last sampled token: padded with the unrecorded marker.
+    routed = np.array([[[0, 1], [2, 3]], [[1, 2], [0, 3]]])
+    routes = routes_from_vllm(routed, 3, "request 0")
+    assert routes.dtype == torch.uint8 and routes.shape == (3, 2, 2)
+    assert routes[:2].tolist() == routed.tolist() and (routes[2] == not_recorded(torch.uint8)).all()
+    assert routes_from_vllm(None, 3, "request 0") is None
+    with pytest.raises(ValueError, match="for a sequence of 1 tokens"):
+        routes_from_vllm(routed, 1, "request 0")

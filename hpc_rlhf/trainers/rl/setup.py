@@ -77,11 +77,12 @@ def check_routing_replay(cfg: RunConfig) -> None:
         raise SetupError(f"{key}: actor.pretrain={cfg.actor.pretrain} is not a mixture-of-experts model, so there "
                          "are no routes to replay; set algo.routing_replay=none")
     if cfg.rollout.backend == "vllm":
-        # vLLM returns routed experts (enable_return_routed_experts) from its GPU model runner only; its CPU
-        # runner has no such output, and the GPU path has not been run by this project's tests.
-        raise SetupError(f"{key} with rollout.backend=vllm: vLLM's CPU model runner does not return routed experts "
-                         "and the GPU path (enable_return_routed_experts) is not wired yet; use "
-                         "rollout.backend=transformers, or algo.routing_replay=none")
+        if not torch.cuda.is_available():
+            raise SetupError(f"{key} with rollout.backend=vllm on a machine without a GPU: vLLM returns routed "
+                             "experts only from its V2 model runner, which needs a GPU (Triton); use "
+                             "rollout.backend=transformers, or algo.routing_replay=none")
+        log.warning("%s with rollout.backend=vllm: vLLM's routed experts (enable_return_routed_experts) feed the "
+                    "replay; this path has not been exercised by the project's tests (no GPU there)", key)
     if cfg.train.agent_func_path:
         raise SetupError(f"{key} with train.agent_func_path={cfg.train.agent_func_path}: routes are recorded in "
                          "single-turn rollouts only (an agent's later turns are prefilled again, not recorded as "
@@ -243,7 +244,8 @@ def vllm_engine_spec(cfg: RunConfig) -> VllmEngineSpec:
     """What a vLLM rollout engine takes from the run config."""
     return VllmEngineSpec(model_path=cfg.actor.pretrain, param_dtype=cfg.ds.param_dtype,
                           max_model_len=cfg.data.max_len or cfg.data.prompt_max_len + cfg.rollout.generate_max_len,
-                          tensor_parallel_size=cfg.rollout.tensor_parallel_size, seed=cfg.train.seed, vllm=cfg.vllm)
+                          tensor_parallel_size=cfg.rollout.tensor_parallel_size, seed=cfg.train.seed, vllm=cfg.vllm,
+                          return_routed_experts=cfg.algo.routing_replay == "rollout")
 
 
 def weight_sync(cfg: RunConfig, world: WorldGroups) -> WeightSync | None:
