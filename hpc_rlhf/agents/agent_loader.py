@@ -1,7 +1,9 @@
 """Load a user agent file (``train.agent_func_path``) into an ``AgentExecutor``.
 
-Every file shape OpenRLHF has documented loads; only the ``openrlhf`` import changes to
-``hpc_rlhf.agents.multi_turn`` (see ``docs/agents_from_openrlhf.md`` for a minimal example of each):
+Every file shape OpenRLHF has documented loads unchanged: ``from openrlhf.utils.agent import ...`` resolves to
+``hpc_rlhf.agents.multi_turn``'s classes while the file loads when ``openrlhf`` is not installed
+(``openrlhf_alias``); importing them from ``hpc_rlhf.agents.multi_turn`` directly works too (see
+``docs/agents_from_openrlhf.md`` for a minimal example of each):
 
 * ``AgentInstance`` + ``AgentExecutor(MultiTurnAgentExecutor)``: the executor is built with the arguments
   its ``__init__`` names (none, as in OpenRLHF, or ``agent_instance_cls``), its ``agent_instance_cls`` taken
@@ -39,10 +41,12 @@ from hpc_rlhf.agents.executor import AgentExecutor
 from hpc_rlhf.agents.function_agent import function_agent_class, is_function_style
 from hpc_rlhf.agents.multi_turn import MultiTurnAgentExecutor
 from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor, import_openai, is_workflow
+from hpc_rlhf.agents.openrlhf_alias import openrlhf_agent_alias
 from hpc_rlhf.utils.user_code import UserCodeImportError, accepted_kwargs, import_user_file
 
-_IMPORT_HINT = ("write `from hpc_rlhf.agents.multi_turn import AgentInstanceBase, MultiTurnAgentExecutor` "
-                "(or AgentExecutorBase) instead of `from openrlhf.utils.agent import ...`")
+_IMPORT_HINT = ("import AgentInstanceBase, AgentExecutorBase or MultiTurnAgentExecutor from "
+                "`openrlhf.utils.agent` (aliased to hpc_rlhf's classes while the file loads) or "
+                "`hpc_rlhf.agents.multi_turn`; no other openrlhf module is available without the openrlhf package")
 
 
 class AgentLoadError(RuntimeError):
@@ -60,7 +64,8 @@ def _import_file(path: str) -> Any:
     if folder not in sys.path:  # agent files often import helpers that sit next to them
         sys.path.append(folder)
     try:
-        return import_user_file(path, "agent")
+        with openrlhf_agent_alias(path):
+            return import_user_file(path, "agent")
     except UserCodeImportError as err:
         hint = f"; {_IMPORT_HINT}" if "openrlhf" in str(err) else ""
         raise AgentLoadError(f"importing agent file {path} failed: {err}{hint}\n{traceback.format_exc()}",
