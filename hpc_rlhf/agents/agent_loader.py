@@ -42,6 +42,7 @@ from hpc_rlhf.agents.function_agent import function_agent_class, is_function_sty
 from hpc_rlhf.agents.multi_turn import MultiTurnAgentExecutor
 from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor, import_openai, is_workflow
 from hpc_rlhf.agents.openrlhf_alias import openrlhf_agent_alias
+from hpc_rlhf.agents.tool_parsers import ParserConfigError
 from hpc_rlhf.utils.user_code import UserCodeImportError, accepted_kwargs, import_user_file
 
 _IMPORT_HINT = ("import AgentInstanceBase, AgentExecutorBase or MultiTurnAgentExecutor from "
@@ -155,23 +156,28 @@ def _openai_agent(module: Any, path: str, agent_kwargs: dict[str, Any]) -> Any:
 
 
 def _openai_executor(agent: Any, path: str, tokenizer: Any, prompt_max_len: int, max_len: int | None,
-                     num_concurrent: int, episode_timeout_s: float | None,
-                     agent_kwargs: dict[str, Any]) -> AgentExecutor:
+                     num_concurrent: int, episode_timeout_s: float | None, agent_kwargs: dict[str, Any],
+                     parsers: dict[str, str]) -> AgentExecutor:
     try:
         import_openai()
     except ImportError as err:
         raise AgentLoadError(f"{path} defines an OpenAI-client agent: {err}", path=path) from err
-    return OpenAIAgentExecutor(agent, tokenizer, prompt_max_len, max_len=max_len,
-                               num_concurrent=num_concurrent, episode_timeout_s=episode_timeout_s,
-                               agent_kwargs=agent_kwargs)
+    try:
+        return OpenAIAgentExecutor(agent, tokenizer, prompt_max_len, max_len=max_len,
+                                   num_concurrent=num_concurrent, episode_timeout_s=episode_timeout_s,
+                                   agent_kwargs=agent_kwargs, **parsers)
+    except ParserConfigError as err:
+        raise AgentLoadError(f"{path} defines an OpenAI-client agent: {err}", path=path) from err
 
 
 def load_agent_executor(path: str, tokenizer: Any, prompt_max_len: int, max_len: int | None = None,
                         max_turns: int = 8, num_concurrent: int = 256,
                         step_timeout_s: float | None = 300.0,
                         agent_kwargs: dict[str, Any] | None = None,
-                        episode_timeout_s: float | None = 600.0) -> AgentExecutor:
-    """The executor defined by the agent file at ``path`` (see the module docstring)."""
+                        episode_timeout_s: float | None = 600.0, tool_call_parser: str = "auto",
+                        reasoning_parser: str = "auto") -> AgentExecutor:
+    """The executor defined by the agent file at ``path`` (see the module docstring); the parsers are those of
+    an OpenAI-client agent's endpoint (``tool_parsers``)."""
     path = os.path.abspath(os.path.expanduser(path))
     agent_kwargs = dict(agent_kwargs or {})
     module = _import_file(path)
@@ -180,7 +186,8 @@ def load_agent_executor(path: str, tokenizer: Any, prompt_max_len: int, max_len:
     openai_agent = _openai_agent(module, path, agent_kwargs) if executor_cls is None and instance_cls is None else None
     if openai_agent is not None:
         return _openai_executor(openai_agent, path, tokenizer, prompt_max_len, max_len, num_concurrent,
-                                episode_timeout_s, agent_kwargs)
+                                episode_timeout_s, agent_kwargs, {"tool_call_parser": tool_call_parser,
+                                                                  "reasoning_parser": reasoning_parser})
     if executor_cls is None and instance_cls is None:
         if not is_function_style(module):
             raise AgentLoadError(
