@@ -271,8 +271,8 @@ class OpenAIEndpoint:
 
     @staticmethod
     def _check_unsupported(body: dict, is_chat: bool) -> int:
-        if body.get("stream_options") is not None and not (body.get("stream") and isinstance(body["stream_options"],
-                                                                                             dict)):
+        options = body.get("stream_options")
+        if options is not None and not (body.get("stream") and isinstance(options, dict)):
             raise EndpointRequestError("'stream_options' needs stream=true and must be an object",
                                        param="stream_options")
         if _number(body, "top_logprobs", int, 0) > 0 or (not is_chat and _number(body, "logprobs", int, 0) > 1):
@@ -332,6 +332,8 @@ class OpenAIEndpoint:
 
     def _message(self, ids: list[int], text: str, tools: list[dict] | None) -> dict[str, Any]:
         """The assistant message of output ``ids`` (``text``: their visible text, cut at a stop string)."""
+        if not (self.parser.parses_reasoning or (tools and self.parser.parses_tool_calls)):
+            return {"role": "assistant", "content": text}
         parsed = self.parser.parse(self._text_with_special_tokens(ids, text), tools)
         found = bool(parsed.tool_calls) or parsed.reasoning is not None
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content if found else text}

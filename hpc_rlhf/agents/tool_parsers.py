@@ -184,7 +184,9 @@ def _vllm_managers() -> tuple[Any, Any] | None:
     try:
         from vllm.reasoning import ReasoningParserManager
         from vllm.tool_parsers import ToolParserManager
-    except Exception:  # noqa: BLE001 - any failure to import vLLM means: use the built-in parsers
+    except Exception as err:  # noqa: BLE001 - any failure to import vLLM means: use the built-in parsers
+        logger.info("vLLM's parsers are not available (%s: %s): the endpoint uses its built-in parsers",
+                    type(err).__name__, err)
         return None
     return ToolParserManager, ReasoningParserManager
 
