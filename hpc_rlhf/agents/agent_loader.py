@@ -1,7 +1,9 @@
 """Load a user agent file (``train.agent_func_path``) into an ``AgentExecutor``.
 
-Every file shape OpenRLHF has documented loads; only the ``openrlhf`` import changes to
-``hpc_rlhf.agents.multi_turn`` (see ``docs/agents_from_openrlhf.md`` for a minimal example of each):
+Every file shape OpenRLHF has documented loads unchanged: ``from openrlhf.utils.agent import ...`` resolves to
+``hpc_rlhf.agents.multi_turn``'s classes while the file loads when ``openrlhf`` is not installed
+(``openrlhf_alias``); importing them from ``hpc_rlhf.agents.multi_turn`` directly works too (see
+``docs/agents_from_openrlhf.md`` for a minimal example of each):
 
 * ``AgentInstance`` + ``AgentExecutor(MultiTurnAgentExecutor)``: the executor is built with the arguments
   its ``__init__`` names (none, as in OpenRLHF, or ``agent_instance_cls``), its ``agent_instance_cls`` taken
@@ -39,10 +41,13 @@ from hpc_rlhf.agents.executor import AgentExecutor
 from hpc_rlhf.agents.function_agent import function_agent_class, is_function_style
 from hpc_rlhf.agents.multi_turn import MultiTurnAgentExecutor
 from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor, import_openai, is_workflow
+from hpc_rlhf.agents.openrlhf_alias import openrlhf_agent_alias
+from hpc_rlhf.agents.tool_parsers import ParserConfigError
 from hpc_rlhf.utils.user_code import UserCodeImportError, accepted_kwargs, import_user_file
 
-_IMPORT_HINT = ("write `from hpc_rlhf.agents.multi_turn import AgentInstanceBase, MultiTurnAgentExecutor` "
-                "(or AgentExecutorBase) instead of `from openrlhf.utils.agent import ...`")
+_IMPORT_HINT = ("import AgentInstanceBase, AgentExecutorBase or MultiTurnAgentExecutor from "
+                "`openrlhf.utils.agent` (aliased to hpc_rlhf's classes while the file loads) or "
+                "`hpc_rlhf.agents.multi_turn`; no other openrlhf module is available without the openrlhf package")
 
 
 class AgentLoadError(RuntimeError):
@@ -60,7 +65,8 @@ def _import_file(path: str) -> Any:
     if folder not in sys.path:  # agent files often import helpers that sit next to them
         sys.path.append(folder)
     try:
-        return import_user_file(path, "agent")
+        with openrlhf_agent_alias(path):
+            return import_user_file(path, "agent")
     except UserCodeImportError as err:
         hint = f"; {_IMPORT_HINT}" if "openrlhf" in str(err) else ""
         raise AgentLoadError(f"importing agent file {path} failed: {err}{hint}\n{traceback.format_exc()}",
@@ -150,23 +156,28 @@ def _openai_agent(module: Any, path: str, agent_kwargs: dict[str, Any]) -> Any:
 
 
 def _openai_executor(agent: Any, path: str, tokenizer: Any, prompt_max_len: int, max_len: int | None,
-                     num_concurrent: int, episode_timeout_s: float | None,
-                     agent_kwargs: dict[str, Any]) -> AgentExecutor:
+                     num_concurrent: int, episode_timeout_s: float | None, agent_kwargs: dict[str, Any],
+                     parsers: dict[str, str]) -> AgentExecutor:
     try:
         import_openai()
     except ImportError as err:
         raise AgentLoadError(f"{path} defines an OpenAI-client agent: {err}", path=path) from err
-    return OpenAIAgentExecutor(agent, tokenizer, prompt_max_len, max_len=max_len,
-                               num_concurrent=num_concurrent, episode_timeout_s=episode_timeout_s,
-                               agent_kwargs=agent_kwargs)
+    try:
+        return OpenAIAgentExecutor(agent, tokenizer, prompt_max_len, max_len=max_len,
+                                   num_concurrent=num_concurrent, episode_timeout_s=episode_timeout_s,
+                                   agent_kwargs=agent_kwargs, **parsers)
+    except ParserConfigError as err:
+        raise AgentLoadError(f"{path} defines an OpenAI-client agent: {err}", path=path) from err
 
 
 def load_agent_executor(path: str, tokenizer: Any, prompt_max_len: int, max_len: int | None = None,
                         max_turns: int = 8, num_concurrent: int = 256,
                         step_timeout_s: float | None = 300.0,
                         agent_kwargs: dict[str, Any] | None = None,
-                        episode_timeout_s: float | None = 600.0) -> AgentExecutor:
-    """The executor defined by the agent file at ``path`` (see the module docstring)."""
+                        episode_timeout_s: float | None = 600.0, tool_call_parser: str = "auto",
+                        reasoning_parser: str = "auto") -> AgentExecutor:
+    """The executor defined by the agent file at ``path`` (see the module docstring); the parsers are those of
+    an OpenAI-client agent's endpoint (``tool_parsers``)."""
     path = os.path.abspath(os.path.expanduser(path))
     agent_kwargs = dict(agent_kwargs or {})
     module = _import_file(path)
@@ -175,7 +186,8 @@ def load_agent_executor(path: str, tokenizer: Any, prompt_max_len: int, max_len:
     openai_agent = _openai_agent(module, path, agent_kwargs) if executor_cls is None and instance_cls is None else None
     if openai_agent is not None:
         return _openai_executor(openai_agent, path, tokenizer, prompt_max_len, max_len, num_concurrent,
-                                episode_timeout_s, agent_kwargs)
+                                episode_timeout_s, agent_kwargs, {"tool_call_parser": tool_call_parser,
+                                                                  "reasoning_parser": reasoning_parser})
     if executor_cls is None and instance_cls is None:
         if not is_function_style(module):
             raise AgentLoadError(

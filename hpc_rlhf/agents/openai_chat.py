@@ -1,4 +1,4 @@
-"""Text <-> token rules of the OpenAI-compatible endpoint: chat prompts, stop strings, tool calls.
+"""Text <-> token rules of the OpenAI-compatible endpoint: chat prompts, stop strings.
 
 Chat prompts (:func:`chat_prompt_ids`)
 --------------------------------------
@@ -20,20 +20,15 @@ Stop strings: the engine stops on token ids only, so a stop string is applied af
 is cut before the first occurrence, as OpenAI does, and the recorded tokens are the longest prefix of the
 output whose text lies within the returned text (the stop string's tokens are neither returned nor trained).
 
-Tool calls: parsed from the Hermes / Qwen2.5 form ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-(the form of the templates that take ``tools``); other models' formats are returned as plain content.
+Tool calls and reasoning are split out of the text by the family's parser (``tool_parsers``).
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from typing import Any
 
 from hpc_rlhf.agents.openai_recording import CompletionRecord
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
 
 class ChatTemplateError(ValueError):
@@ -164,22 +159,3 @@ def apply_stop_strings(tokenizer: Any, output_ids: list[int], logprobs: list[flo
             tokenizer.decode(output_ids[: keep + 1], skip_special_tokens=True)):
         keep += 1
     return output_ids[:keep], logprobs[:keep], text, "stop"
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a generated text in the Hermes ``<tool_call>`` form; no calls: (text, [])."""
-    calls = []
-    for match in _TOOL_CALL.finditer(text):
-        try:
-            body = json.loads(match.group(1))
-        except ValueError:
-            continue
-        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
-            continue
-        arguments = body.get("arguments", body.get("parameters", {}))
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": body["name"], "arguments": json.dumps(arguments)}})
-    if not calls:
-        return text, []
-    content = _TOOL_CALL.sub("", text).strip()
-    return (content or None), calls

@@ -14,8 +14,14 @@ Request fields honoured: ``messages`` / ``prompt`` (text or token ids), ``n``, `
 ``max_tokens`` / ``max_completion_tokens`` (default ``rollout.generate_max_len``; capped so prompt + output fit
 ``data.max_len``), ``stop`` (strings; see ``openai_chat``), ``seed``, ``logprobs`` (chat: ``true``; completions:
 an int, only the sampled token's logprob is reported), ``tools`` (passed to the chat template; ``tool_choice:
-"none"`` leaves them out). Reported logprobs are the engine's (temperature-scaled, see ``rollout.base``).
-Not supported (400): ``stream``, ``top_logprobs`` > 0, ``echo``, ``best_of`` > ``n``.
+"none"`` leaves them out), ``stream`` / ``stream_options.include_usage`` (see ``openai_stream``). Reported
+logprobs are the engine's (temperature-scaled, see ``rollout.base``). Not supported (400): ``top_logprobs`` > 0,
+``echo``, ``best_of`` > ``n``.
+
+Chat replies: the family's parsers (``tool_parsers``: ``rollout.tool_call_parser`` / ``rollout.reasoning_parser``)
+split the output text, decoded with its special tokens (``<|python_tag|>``, ``[TOOL_CALLS]`` may be special
+tokens) but without the stop tokens, into ``reasoning_content``, ``content`` and ``tool_calls`` (only when the
+request offered ``tools``). The recorded ids are the engine's output whatever the parse.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the handlers' `Request` annotation at definition time.
@@ -32,14 +38,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from hpc_rlhf.agents.openai_chat import (
-    ChatTemplateError,
-    apply_stop_strings,
-    chat_prompt_ids,
-    completion_prompt_ids,
-    parse_tool_calls,
-)
+from hpc_rlhf.agents.openai_chat import ChatTemplateError, apply_stop_strings, chat_prompt_ids, completion_prompt_ids
 from hpc_rlhf.agents.openai_recording import CompletionRecord, EpisodeRecorder
+from hpc_rlhf.agents.openai_stream import sse_events
+from hpc_rlhf.agents.tool_parsers import OutputParser
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -167,11 +169,13 @@ class OpenAIEndpoint:
         max_len: prompt + output token budget per call (``data.max_len``); None for none.
         model_name: the name ``/v1/models`` reports (any ``model`` value is accepted).
         batch_wait_s: how long a batch waits for running episodes that have no request queued yet.
+        parser: splits chat output into reasoning, content and tool calls (default: both parsers ``auto``).
     """
 
     def __init__(self, tokenizer: Any, max_len: int | None = None, model_name: str = "policy",
-                 batch_wait_s: float = 0.05) -> None:
+                 batch_wait_s: float = 0.05, parser: OutputParser | None = None) -> None:
         self.tokenizer, self.max_len, self.model_name = tokenizer, max_len, model_name
+        self.parser = parser if parser is not None else OutputParser(tokenizer)
         self.batch_wait_s = batch_wait_s
         self.recorder = EpisodeRecorder()
         self.queue = GenerationQueue()
@@ -267,8 +271,10 @@ class OpenAIEndpoint:
 
     @staticmethod
     def _check_unsupported(body: dict, is_chat: bool) -> int:
-        if body.get("stream"):
-            raise EndpointRequestError("stream=true is not supported by the training endpoint", param="stream")
+        options = body.get("stream_options")
+        if options is not None and not (body.get("stream") and isinstance(options, dict)):
+            raise EndpointRequestError("'stream_options' needs stream=true and must be an object",
+                                       param="stream_options")
         if _number(body, "top_logprobs", int, 0) > 0 or (not is_chat and _number(body, "logprobs", int, 0) > 1):
             raise EndpointRequestError("only the sampled token's logprob is reported: top_logprobs / logprobs > 1 "
                                        "are not supported", param="top_logprobs")
@@ -291,8 +297,9 @@ class OpenAIEndpoint:
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise EndpointRequestError("'messages' must be a non-empty list of message objects", param="messages")
         render_kwargs: dict[str, Any] = {}
-        if body.get("tools") and body.get("tool_choice") != "none":
-            render_kwargs["tools"] = [t.get("function", t) if isinstance(t, dict) else t for t in body["tools"]]
+        tools = body["tools"] if body.get("tools") and body.get("tool_choice") != "none" else None
+        if tools:  # as OpenAI sends them ({"type": "function", "function": {...}}), as vLLM gives templates
+            render_kwargs["tools"] = tools
         try:
             prompt_ids, _ = chat_prompt_ids(self.tokenizer, messages, self.recorder.records(episode_id),
                                             render_kwargs)
@@ -306,10 +313,8 @@ class OpenAIEndpoint:
         results = await self._generate(episode_id, prompt_ids, params, n)
         choices, completion_tokens = [], 0
         for index, (ids, logprobs, text, finish) in enumerate(self._stopped(results, stop)):
-            content, tool_calls = parse_tool_calls(text) if render_kwargs else (text, [])
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if tool_calls:
-                message["tool_calls"] = tool_calls
+            message = self._message(ids, text, tools)
+            tool_calls = message.get("tool_calls")
             self.recorder.add(episode_id, CompletionRecord(
                 call_index=call_index, prompt_ids=list(prompt_ids), output_ids=ids, output_logprobs=logprobs,
                 finish_reason=finish, kind="chat", output_text=text, messages=messages, message=message,
@@ -324,6 +329,28 @@ class OpenAIEndpoint:
                     for t, lp in zip(ids, logprobs)]}
             choices.append(choice)
         return self._response(body, "chatcmpl", "chat.completion", len(prompt_ids), choices, completion_tokens)
+
+    def _message(self, ids: list[int], text: str, tools: list[dict] | None) -> dict[str, Any]:
+        """The assistant message of output ``ids`` (``text``: their visible text, cut at a stop string)."""
+        if not (self.parser.parses_reasoning or (tools and self.parser.parses_tool_calls)):
+            return {"role": "assistant", "content": text}
+        parsed = self.parser.parse(self._text_with_special_tokens(ids, text), tools)
+        found = bool(parsed.tool_calls) or parsed.reasoning is not None
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content if found else text}
+        if parsed.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
+        return message
+
+    def _text_with_special_tokens(self, ids: list[int], text: str) -> str:
+        """What the parsers read: the output decoded with its special tokens but not the stop / padding tokens
+        (which end a turn, they are not part of it); ``text`` itself when a stop string cut inside a token."""
+        ends = {*self.stop_token_ids, self.tokenizer.pad_token_id}
+        kept = [t for t in ids if t not in ends]
+        if self.tokenizer.decode(kept, skip_special_tokens=True) != text:
+            return text
+        return self.tokenizer.decode(kept, skip_special_tokens=False)
 
     def _stopped(self, results: list, stop: list[str]) -> list[tuple[list[int], list[float], str, str]]:
         """Each result cut at its first stop string: (output ids, their logprobs, text, finish reason)."""
@@ -388,6 +415,7 @@ def _error(status: int, message: str, param: str | None = None) -> Any:
 def create_app(endpoint: OpenAIEndpoint) -> Any:
     """The FastAPI app of ``endpoint``; errors use OpenAI's ``{"error": {...}}`` shape."""
     from fastapi import FastAPI, Request  # the optional agents extra (see start)
+    from fastapi.responses import StreamingResponse
 
     app = FastAPI(title="hpc-rlhf rollout (OpenAI-compatible)")
 
@@ -399,7 +427,12 @@ def create_app(endpoint: OpenAIEndpoint) -> Any:
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         try:
-            return await method(body, request.headers.get("authorization"))
+            response = await method(body, request.headers.get("authorization"))
+            if not body.get("stream"):
+                return response
+            # Generated and recorded exactly as without streaming, then sent as server-sent events.
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(sse_events(response, include_usage), media_type="text/event-stream")
         except EndpointRequestError as err:
             return _error(err.status, str(err), err.param)
         except Exception as err:  # noqa: BLE001 - an engine failure is the client's 500, logged here

@@ -52,6 +52,7 @@ from typing import Any
 from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, Trajectory, check_samples_per_prompt
 from hpc_rlhf.agents.openai_endpoint import OpenAIEndpoint, run_batch
 from hpc_rlhf.agents.openai_recording import CompletionRecord, TokenSequence, episode_sequences
+from hpc_rlhf.agents.tool_parsers import OutputParser
 from hpc_rlhf.data.prompts import Prompt, source_name
 from hpc_rlhf.rollout.base import SamplingParams
 from hpc_rlhf.utils.user_calls import UserCallRunner
@@ -110,12 +111,15 @@ class OpenAIAgentExecutor(AgentExecutor):
         episode_timeout_s: wall time limit of one episode (None: none).
         agent_kwargs: extra keyword arguments for ``run_episode`` (those its signature accepts).
         batch_wait_s: how long a generate batch waits for running episodes without a queued request.
+        tool_call_parser, reasoning_parser: the endpoint's parsers (``rollout.tool_call_parser`` /
+            ``rollout.reasoning_parser``, see ``tool_parsers``); an unknown name raises ``ParserConfigError`` here.
     """
 
     def __init__(self, run_episode: Any, tokenizer: Any, prompt_max_len: int, *, max_len: int | None = None,
                  num_concurrent: int = 64, episode_timeout_s: float | None = 600.0,
                  agent_kwargs: dict[str, Any] | None = None, batch_wait_s: float = 0.05,
-                 model_name: str = "policy") -> None:
+                 model_name: str = "policy", tool_call_parser: str = "auto",
+                 reasoning_parser: str = "auto") -> None:
         super().__init__(tokenizer, prompt_max_len)
         if inspect.isclass(run_episode):
             raise ValueError(f"pass an instance of the workflow class {run_episode.__name__}, not the class")
@@ -130,6 +134,7 @@ class OpenAIAgentExecutor(AgentExecutor):
         self.max_len, self.num_concurrent, self.episode_timeout_s = max_len, num_concurrent, episode_timeout_s
         self.agent_kwargs = {} if is_workflow(run_episode) else accepted_kwargs(run_episode, dict(agent_kwargs or {}))
         self.batch_wait_s, self.model_name = batch_wait_s, model_name
+        self.parser = OutputParser(tokenizer, tool_call_parser, reasoning_parser)  # a bad name fails at load time
         self.endpoint: OpenAIEndpoint | None = None
         self.last_run_stats: dict[str, float] = {}
 
@@ -140,7 +145,7 @@ class OpenAIAgentExecutor(AgentExecutor):
         if self.endpoint is None:
             import_openai()  # fail before serving when the client package is missing
             self.endpoint = OpenAIEndpoint(self.tokenizer, self.max_len, self.model_name,
-                                           self.batch_wait_s).start()
+                                           self.batch_wait_s, self.parser).start()
             atexit.register(self.close)
         return self.endpoint
 

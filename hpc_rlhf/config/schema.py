@@ -113,6 +113,15 @@ class RolloutConfig(Section):
                             "single-GPU engine per rollout rank (layouts where rollout ranks are a subset of the "
                             "world: disaggregated, partial, async); auto picks external_launcher when "
                             "train.colocate_all")
+    tool_call_parser: str = Field(
+        "auto", description="OpenAI-client agents: how the endpoint finds tool calls in chat output: a vLLM tool "
+                            "parser name when vLLM is installed (hermes, llama3_json, mistral, qwen3_coder, "
+                            "deepseek_v3, glm45, ...), else one of the built-in hermes, llama3_json, mistral, "
+                            "qwen3_coder; none; auto picks by the chat template (hermes when it is not recognised)")
+    reasoning_parser: str = Field(
+        "auto", description="OpenAI-client agents: how the endpoint moves <think> reasoning into reasoning_content: "
+                            "a vLLM reasoning parser name when vLLM is installed, else the built-in qwen3 or "
+                            "deepseek_r1; none; auto picks qwen3 when the chat template writes </think>, else none")
 
 
 class VllmConfig(Section):

@@ -52,8 +52,8 @@ def _fit(rank, world_size, overrides):
     run_trainer(rank, world_size, overrides).fit()
 
 
-def test_executor_base_file_with_kwargs_logs_and_truncation_warning(assets, tmp_path):
-    overrides = _agent(assets, tmp_path, "executor_base_agent.py", "train.agent_kwargs.bonus=7",
+def test_unchanged_openrlhf_executor_base_file_trains_with_kwargs_logs_and_truncation_warning(assets, tmp_path):
+    overrides = _agent(assets, tmp_path, "openrlhf_import_agent.py", "train.agent_kwargs.bonus=7",
                        "train.agent_max_turns=3", "data.max_len=28")
     warnings = run_on_ranks(_fit_with_warnings, 2, overrides)[0]
     rows = read_metrics(tmp_path)

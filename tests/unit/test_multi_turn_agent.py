@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
+import importlib.util
 import logging
 import os
+import sys
 import time
 
 import pytest
 import torch
 
 from hpc_rlhf.agents.agent_loader import AgentLoadError, load_agent_executor
-from hpc_rlhf.agents.multi_turn import AgentInstanceBase, MultiTurnAgentExecutor
+from hpc_rlhf.agents.multi_turn import AgentExecutorBase, AgentInstanceBase, MultiTurnAgentExecutor
 from hpc_rlhf.data.prompts import Prompt
 from hpc_rlhf.models.tiny import build_char_tokenizer, build_tiny_model
 from hpc_rlhf.rollout.base import GenerationResult, SamplingParams
@@ -368,9 +371,30 @@ def test_loader_errors_name_the_file(tmp_path, tok):
         load_agent_executor(foreign, tok, 64)
     with pytest.raises(AgentLoadError, match="does not exist"):
         load_agent_executor(str(tmp_path / "missing.py"), tok, 64)
-    broken = write(tmp_path, "broken.py", "from openrlhf.utils.agent import AgentInstanceBase\n")
-    with pytest.raises(AgentLoadError, match="broken.py failed: ModuleNotFoundError.*hpc_rlhf.agents.multi_turn"):
+    broken = write(tmp_path, "broken.py", "from openrlhf.models import Actor\n")  # only utils.agent is aliased
+    with pytest.raises(AgentLoadError, match="broken.py failed: ModuleNotFoundError.*openrlhf.utils.agent"):
         load_agent_executor(broken, tok, 64)
+    assert "openrlhf" not in sys.modules
+
+
+def test_openrlhf_import_loads_unchanged_and_the_alias_is_gone_afterwards(tmp_path, tok):
+    if importlib.util.find_spec("openrlhf") is not None:
+        pytest.skip("the real openrlhf is installed: the file imports it and nothing is aliased")
+    original = write(tmp_path, "original.py", (
+        "from openrlhf.utils.agent import AgentExecutorBase, AgentInstanceBase\n"
+        "import openrlhf.utils.agent as agent_module\n"
+        "class AgentInstance(AgentInstanceBase):\n"
+        "    async def step(self, states, **kwargs):\n"
+        "        return {'rewards': 1.0, 'environment_feedback': '', 'done': True}\n"
+        "class AgentExecutor(AgentExecutorBase):\n"
+        "    def __init__(self, max_steps, max_length, llm_engine, hf_tokenizer, result_queue):\n"
+        "        super().__init__(AgentInstance, max_steps, max_length, llm_engine, hf_tokenizer, result_queue)\n"))
+    executor = load_agent_executor(original, tok, 64, max_len=100, max_turns=2)
+    assert isinstance(executor, AgentExecutorBase) and issubclass(executor.agent_instance_cls, AgentInstanceBase)
+    assert [t.reward for t in executor.run(prompts_for([{}]), ScriptedGenerate(tok), sampling(), 2)] == [1.0, 1.0]
+    assert not [name for name in sys.modules if name == "openrlhf" or name.startswith("openrlhf.")]
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("openrlhf.utils.agent")
 
 
 def test_loader_shapes(tmp_path, tok):

@@ -116,8 +116,60 @@ def test_unknown_episode_is_refused(served):
     client = openai.OpenAI(base_url=endpoint.base_url, api_key="not-an-episode", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         client.completions.create(model="policy", prompt="1+1=", max_tokens=2)
-    with pytest.raises(openai.BadRequestError):
-        _client(endpoint, "ep-stream").completions.create(model="policy", prompt="1+1=", max_tokens=2, stream=True)
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        _client(endpoint, "ep-bad").completions.create(model="policy", prompt="1+1=", max_tokens=2,
+                                                       stream_options={"include_usage": True})
+
+
+def _recorded(records):
+    return [(r.prompt_ids, r.output_ids, r.output_logprobs, r.finish_reason) for r in records]
+
+
+def test_streaming_chat_and_completions_record_what_the_same_seed_records_without_streaming(served):
+    """The real client with stream=True: the accumulated deltas equal the non-streaming reply, and the recorded
+    trajectory (a two-call chat, then a completion, n=2) equals the non-streaming episode's for the same seeds."""
+    endpoint, _, _ = served
+    replies, trajectories = {}, {}
+    for stream in (False, True):
+        episode = f"ep-stream-{stream}"
+        client = _client(endpoint, episode)
+        messages = [{"role": "user", "content": "2+2="}]
+        texts = []
+        for seed in (1, 2):
+            kwargs = dict(model="policy", messages=messages, max_tokens=5, temperature=1.0, seed=seed, logprobs=True)
+            if not stream:
+                reply = client.chat.completions.create(**kwargs)
+                content, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+                logprobs = [t.logprob for t in reply.choices[0].logprobs.content]
+            else:
+                chunks = list(client.chat.completions.create(**kwargs, stream=True,
+                                                             stream_options={"include_usage": True}))
+                assert all(c.object == "chat.completion.chunk" for c in chunks)
+                assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(logprobs_of(chunks))
+                content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+                finish, logprobs = finish[0], logprobs_of(chunks)
+                assert chunks[0].choices[0].delta.role == "assistant"
+            texts.append((content, finish, logprobs))
+            messages = messages + [{"role": "assistant", "content": content}, {"role": "user", "content": "ok?"}]
+        kwargs = dict(model="policy", prompt="Q: 1+2=\nA: ", max_tokens=6, temperature=1.0, seed=3, n=2)
+        if stream:
+            chunks = list(client.completions.create(**kwargs, stream=True))
+            texts.append(sorted((i, "".join(c.choices[0].text for c in chunks if c.choices[0].index == i))
+                                for i in (0, 1)))
+            assert all(c.choices[0].finish_reason in ("stop", "length") for c in chunks[1::2])
+        else:
+            texts.append(sorted((c.index, c.text) for c in client.completions.create(**kwargs).choices))
+        replies[stream] = texts
+        trajectories[stream] = _recorded(endpoint.recorder.close(episode))
+    assert replies[True] == replies[False]
+    assert trajectories[True] == trajectories[False] and len(trajectories[True]) == 4
+    assert [len(s.calls) for s in episode_sequences([CompletionRecord(i, *r) for i, r in
+                                                     enumerate(trajectories[True][:2])])] == [2]
+
+
+def logprobs_of(chunks):
+    return [t.logprob for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
 
 
 async def three_turn_chat(client, prompt, label):

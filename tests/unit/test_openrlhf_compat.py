@@ -51,7 +51,7 @@ def _run(executor, tok, labels=("1",), n=2):
 
 
 def test_executor_base_file_gets_constructor_args_kwargs_and_execute_override(tok):
-    executor = load_agent_executor(str(FILES / "executor_base_agent.py"), tok, 16, max_len=64, max_turns=3,
+    executor = load_agent_executor(str(FILES / "openrlhf_import_agent.py"), tok, 16, max_len=64, max_turns=3,
                                    step_timeout_s=5, agent_kwargs={"bonus": 3})
     assert executor.max_steps == 3 and executor.max_length == 64 and executor.hf_tokenizer is tok
     trajectories = _run(executor, tok)

@@ -302,7 +302,9 @@ def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
                                    num_concurrent=cfg.rollout.async_num_tasks,
                                    step_timeout_s=cfg.train.agent_step_timeout_s,
                                    agent_kwargs=cfg.train.agent_kwargs,
-                                   episode_timeout_s=cfg.train.agent_episode_timeout_s)
+                                   episode_timeout_s=cfg.train.agent_episode_timeout_s,
+                                   tool_call_parser=cfg.rollout.tool_call_parser,
+                                   reasoning_parser=cfg.rollout.reasoning_parser)
     if isinstance(executor, OpenAIAgentExecutor) and cfg.rollout.tensor_parallel_size > 1:
         # Each engine rank would batch its own HTTP requests: tensor-parallel peers would not agree on the calls.
         raise SetupError(f"train.agent_func_path={cfg.train.agent_func_path} is an OpenAI-client agent, "

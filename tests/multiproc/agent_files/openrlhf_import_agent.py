@@ -1,8 +1,8 @@
-"""OpenRLHF's AgentExecutorBase shape (import changed), with agent kwargs and an execute override."""
+"""OpenRLHF's AgentExecutorBase shape, unchanged: its original `openrlhf.utils.agent` import (aliased while the file
+loads when openrlhf is not installed), agent kwargs and an execute override."""
 
 import torch
-
-from hpc_rlhf.agents.multi_turn import AgentExecutorBase, AgentInstanceBase
+from openrlhf.utils.agent import AgentExecutorBase, AgentInstanceBase
 
 
 class AgentInstance(AgentInstanceBase):
