@@ -9,7 +9,9 @@ masked)::
 
 The task is the tiny arithmetic set (``a+b=``). ``solve`` returns the answer of the episode's question (it reads
 it from the run context), so a policy that calls it and then repeats what it returned is right. Reward: half a
-point for calling the tool, one point for a right final answer. The recipe's tiny model
+point for calling the tool, a quarter more when the model then answers instead of calling it again, one point
+for a right final answer. ``max_turns=2`` lets the
+model answer once after the tool; an episode that calls the tool again instead ends without an answer (reward 0). The recipe's tiny model
 (``actor.build_tiny: tools``) has the Hermes tool call ``<tool_call>{"name": "solve", "arguments": {}}</tool_call>``
 as one token, so RL can find it; a real model emits the same text token by token.
 """
@@ -39,7 +41,7 @@ def solve(ctx: RunContextWrapper[Question]) -> str:
     return ctx.context.answer
 
 
-async def run_episode(client, prompt, label, model="policy", max_turns=3):
+async def run_episode(client, prompt, label, model="policy", max_turns=2):
     agent = Agent(name="solver", tools=[solve], model=OpenAIChatCompletionsModel(model=model, openai_client=client))
     try:
         # No tracing: the SDK would otherwise try to upload each run's trace to OpenAI.
@@ -51,6 +53,7 @@ async def run_episode(client, prompt, label, model="policy", max_turns=3):
         final = str(result.final_output or "").strip()
     items = result.new_items if result is not None else []
     called = float(any(item.type == "tool_call_item" for item in items))
+    answered = float(final is not None)
     correct = float(final == str(label))
-    return {"reward": 0.5 * called + correct, "score": correct,
-            "extra_logs": {"tool_called": called, "accuracy": correct}}
+    return {"reward": called * (0.5 + 0.25 * answered) + correct, "score": correct,
+            "extra_logs": {"tool_called": called, "answered": answered, "accuracy": correct}}

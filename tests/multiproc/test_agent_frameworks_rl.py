@@ -58,21 +58,22 @@ def test_agents_sdk_function_tool_agent_reward_rises(tmp_path):
     as one token) emits the call; the endpoint parses it into ``tool_calls``; the SDK runs the function tool,
     appends its output as a tool message and calls the model again, so those episodes are two-call chats (a row
     with the tool output masked, or two rows when the model wrote text around the call and the template
-    re-renders the turn differently). The reward (0.5 for calling the tool, 1 for a right final answer) rises as
-    the policy learns to call the tool; the assertions check that, and that late episodes are multi-turn. Whether
-    it also learns to repeat the tool's answer in this short run is not asserted.
+    re-renders the turn differently). The reward (0.5 for calling the tool, 0.25 more for answering after it instead of
+    calling it again, 1 for a right final answer) rises as the policy learns to call the tool; the assertions check
+    that, and that late episodes are multi-turn. In this short run it does not learn to repeat the tool's
+    answer exactly (accuracy stays 0 on this CPU); that is not asserted.
     """
     _require("agents", "Runner", "agents-sdk")
     model = build_tiny_model(tmp_path / "tiny-tools", seed=0, tools=True)
-    steps = 20
+    steps = 30
     rows = _train(tmp_path, str(model), str(ROOT / "examples/agents/agents_sdk_tool_agent.py"), steps)
     first, last = rows[:5], rows[-5:]
     print(f"reward {_mean(first, 'reward'):.3f} -> {_mean(last, 'reward'):.3f}, tool calls "
           f"{_mean(first, 'extra/tool_called'):.3f} -> {_mean(last, 'extra/tool_called'):.3f}, calls per episode "
           f"{_mean(first, 'agent/num_calls'):.2f} -> {_mean(last, 'agent/num_calls'):.2f}")
-    assert _mean(last, "extra/tool_called") > _mean(first, "extra/tool_called") + 0.2
-    assert _mean(last, "agent/num_calls") > 1.2  # the SDK went back to the model after running the tool
-    assert _mean(last, "reward") > _mean(first, "reward") + 0.1
+    assert _mean(last, "extra/tool_called") > _mean(first, "extra/tool_called") + 0.25
+    assert _mean(last, "agent/num_calls") > 1.3  # the SDK went back to the model after running the tool
+    assert _mean(last, "reward") > _mean(first, "reward") + 0.15
 
 
 def test_verifiers_single_turn_env_reward_rises(tmp_path):
