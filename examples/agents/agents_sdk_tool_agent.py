@@ -10,10 +10,10 @@ masked)::
 The task is the tiny arithmetic set (``a+b=``). ``solve`` returns the answer of the episode's question (it reads
 it from the run context), so a policy that calls it and then repeats what it returned is right. Reward: half a
 point for calling the tool, a quarter more when the model then answers instead of calling it again, one point
-for a right final answer. ``max_turns=2`` lets the
-model answer once after the tool; an episode that calls the tool again instead ends without an answer (reward 0). The recipe's tiny model
-(``actor.build_tiny: tools``) has the Hermes tool call ``<tool_call>{"name": "solve", "arguments": {}}</tool_call>``
-as one token, so RL can find it; a real model emits the same text token by token.
+for a right final answer. ``max_turns=2`` lets the model answer once after the tool; an episode that calls the tool
+again instead ends without an answer. The recipe's tiny model (``actor.build_tiny: tools``) has the Hermes tool call
+``<tool_call>{"name": "solve", "arguments": {}}</tool_call>`` as one token, so RL can find it; a real model emits the
+same text token by token.
 """
 
 from dataclasses import dataclass
