@@ -44,9 +44,10 @@ class TrainedRole(ModelRole):
 
 
 class ActorConfig(TrainedRole):
-    build_tiny: Literal["qwen3_moe", "mixtral"] | bool = Field(
+    build_tiny: Literal["qwen3_moe", "mixtral", "tools"] | bool = Field(
         False, description="create a tiny char-level model at actor.pretrain if missing (CPU recipes, tests): true "
-        "a Llama, qwen3_moe / mixtral a mixture-of-experts model (4 experts, top-2)"
+        "a Llama, tools a Llama whose tokenizer has one tool-call token (hpc_rlhf.models.tiny.TOOL_CALL_TOKEN), "
+        "qwen3_moe / mixtral a mixture-of-experts model (4 experts, top-2)"
     )
 
 

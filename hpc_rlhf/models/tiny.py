@@ -34,6 +34,23 @@ CHAT_TEMPLATE = (
     "{% elif m['role'] == 'assistant' %}A: {{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}A: {% endif %}"
 )
+# The tool-calling variant (``build_tiny: tools``): the char tokenizer plus ONE added (not special) token that spells
+# a whole Hermes tool call of a tool named ``solve`` with no arguments, and a template that renders system and tool
+# messages and an assistant's tool calls in that same form. A random tiny model emits that token with probability
+# ~1/vocab per position, so RL can teach it to call the tool within a few steps; the endpoint's Hermes parser reads
+# it from the decoded text like any model's tool call. Other tool calls render with characters the tokenizer
+# lacks (<unk>): this model knows one tool call, no more.
+TOOL_CALL_TOKEN = '<tool_call>{"name": "solve", "arguments": {}}</tool_call>'
+TOOLS_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}S: {{ m['content'] }}\n"
+    "{% elif m['role'] == 'user' %}Q: {{ m['content'] }}\n"
+    "{% elif m['role'] == 'assistant' %}A: {{ m['content'] or '' }}"
+    "{% if m['tool_calls'] is defined and m['tool_calls'] %}{% for c in m['tool_calls'] %}"
+    "<tool_call>{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] | tojson }}}"
+    "</tool_call>{% endfor %}{% endif %}{{ eos_token }}\n"
+    "{% elif m['role'] == 'tool' %}T: {{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}A: {% endif %}"
+)
 DEFAULT_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                  "num_attention_heads": 4, "num_key_value_heads": 2}
 # vLLM's CPU attention refuses head_dim 16 (DEFAULT_SIZES: 64 / 4 heads); head_dim 64 runs. Used when the rollout
@@ -51,8 +68,9 @@ def tiny_sizes(rollout_backend: str) -> dict[str, int]:
     return dict(VLLM_CPU_SIZES if rollout_backend == "vllm" else DEFAULT_SIZES)
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """Each character is a token; special tokens for padding, begin and end of sequence."""
+def build_char_tokenizer(tools: bool = False) -> PreTrainedTokenizerFast:
+    """Each character is a token; special tokens for padding, begin and end of sequence. ``tools``: also the
+    one-token tool call :data:`TOOL_CALL_TOKEN` and :data:`TOOLS_CHAT_TEMPLATE`."""
     vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, UNK, *CHARS])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -60,24 +78,29 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS,
                                   unk_token=UNK, padding_side="left")
     tok.chat_template = CHAT_TEMPLATE
+    if tools:
+        # Not special: decoding with skip_special_tokens (as the endpoint does) keeps it in the text.
+        tok.add_tokens([TOOL_CALL_TOKEN], special_tokens=False)
+        tok.chat_template = TOOLS_CHAT_TEMPLATE
     return tok
 
 
 def build_tiny_model(path: str | Path, seed: int = 0, max_position_embeddings: int = 512,
-                     initializer_range: float = 0.02, **sizes: int) -> Path:
+                     initializer_range: float = 0.02, tools: bool = False, **sizes: int) -> Path:
     """Create (once) a tiny Llama + tokenizer at ``path``; safe when several ranks call it at once.
 
     ``initializer_range`` is the init std. Llama's 0.02 keeps the tied embeddings so small that logits stay
     within about +-1: a model trained with a frozen embedding (LoRA) then never becomes confident, and which
     token wins greedy decoding turns on last-digit differences between CPUs. Tests that check a learned
-    behaviour pass a larger value.
+    behaviour pass a larger value. ``tools``: the
+    tool-calling tokenizer and template (:data:`TOOL_CALL_TOKEN`).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
         if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
             return path
-        tok = build_char_tokenizer()
+        tok = build_char_tokenizer(tools=tools)
         config = LlamaConfig(
             vocab_size=len(tok), max_position_embeddings=max_position_embeddings,
             pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -88,7 +111,8 @@ def build_tiny_model(path: str | Path, seed: int = 0, max_position_embeddings: i
         tmp = path.with_name(path.name + ".tmp")
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        recipe = {"seed": seed, "initializer_range": initializer_range, **sizes}
+        recipe = {"seed": seed, "initializer_range": initializer_range, **({"tools": True} if tools else {}),
+                  **sizes}
         (tmp / "hpc_rlhf_tiny.json").write_text(json.dumps(recipe))
         tmp.rename(path)
     return path
@@ -142,11 +166,12 @@ def build_tiny_moe_model(path: str | Path, family: str = "qwen3_moe", seed: int 
 
 
 def build_tiny_for(path: str | Path, kind: bool | str, seed: int = 0, rollout_backend: str = "transformers") -> Path:
-    """The tiny model a recipe's ``build_tiny`` asks for: ``true`` the Llama, a family name of
-    :data:`MOE_FAMILIES` the mixture-of-experts model; sized for ``rollout_backend`` (:func:`tiny_sizes`)."""
+    """The tiny model a recipe's ``build_tiny`` asks for: ``true`` the Llama, ``tools`` the Llama with the
+    tool-calling tokenizer, a family name of :data:`MOE_FAMILIES` the mixture-of-experts model; sized for
+    ``rollout_backend`` (:func:`tiny_sizes`)."""
     sizes = tiny_sizes(rollout_backend)
-    if kind is True:
-        return build_tiny_model(path, seed=seed, **sizes)
+    if kind is True or kind == "tools":
+        return build_tiny_model(path, seed=seed, tools=kind == "tools", **sizes)
     return build_tiny_moe_model(path, family=str(kind), seed=seed, **sizes)
 
 
