@@ -91,6 +91,7 @@ from typing import Any
 from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, Trajectory, check_samples_per_prompt
 from hpc_rlhf.agents.step_output import AgentOutputError, apply_sampling, numeric_logs, parse_step_output, to_float
 from hpc_rlhf.data.prompts import Prompt, source_name, tokenize_prompts
+from hpc_rlhf.models.routing_replay import continue_routes, pad_routes
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams
 from hpc_rlhf.utils.user_calls import UserCallRunner, UserCallTimeout, run_to_completion
 from hpc_rlhf.utils.user_code import accepted_kwargs
@@ -137,6 +138,9 @@ class _Episode:
     turn_params: SamplingParams | None = None
     action_text: str = ""
     last_finish: str = ""
+    # (positions, L, k): experts of every position so far, each as routed when first computed (the routes a turn's
+    # tokens were sampled with win over a later turn's prefill of them); None when the engine records no routes
+    routes: Any = None
     reward: float = 0.0
     score: float = 0.0
     extra_logs: dict = field(default_factory=dict)
@@ -428,6 +432,8 @@ class MultiTurnAgentExecutor(AgentExecutor):
         episode.response_ids += output_ids
         episode.action_mask += [1] * len(output_ids)
         episode.logprobs += logprobs
+        episode.routes = (result.routed_experts if episode.num_turns == 0
+                          else continue_routes(episode.routes, result.routed_experts))
         episode.num_turns += 1
         episode.last_finish = result.finish_reason
         episode.action_text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
@@ -512,7 +518,8 @@ class MultiTurnAgentExecutor(AgentExecutor):
             response_ids=list(episode.response_ids), action_mask=list(mask), rollout_logprobs=list(logprobs),
             reward=float(episode.reward), score=float(episode.score), truncated=episode.truncated,
             finish_reason=episode.finish_reason, extra_logs=extra_logs, group_index=episode.group_index,
-            failure=episode.error, data_source=source_name(episode.prompt))
+            failure=episode.error, data_source=source_name(episode.prompt),
+            routed_experts=pad_routes(episode.routes, len(episode.prompt_ids) + len(episode.response_ids)))
         trajectory.check()
         return trajectory
 

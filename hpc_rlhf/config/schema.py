@@ -220,8 +220,8 @@ class AlgoConfig(Section):
         "measure", description="mixture-of-experts actors: 'rollout' replays the experts the rollout engine routed "
         "each token to in the actor's forwards (R3, arXiv:2510.11370; gate weights from the current router); "
         "'measure' records them and logs moe/route_mismatch, the fraction of action tokens the trainer routes "
-        "differently, without replaying; 'none' records nothing. Routes are recorded in single-turn rollouts (no "
-        "train.agent_func_path) by rollout.backend=transformers, and for 'rollout' by vLLM on a GPU "
+        "differently, without replaying; 'none' records nothing. Routes are recorded by rollout.backend=transformers "
+        "(single-turn and multi-turn agent rollouts; not OpenAI-client agents), and for 'rollout' by vLLM on a GPU "
         "(enable_return_routed_experts); no effect on dense actors")
     distill_coef: float = Field(
         1.0, gt=0, description="with teacher.pretrain: weight of the per-token distillation advantage "

@@ -54,13 +54,25 @@ def was_recorded(routes: torch.Tensor) -> torch.Tensor:
 
 
 def continue_routes(earlier: torch.Tensor | None, continued: torch.Tensor | None) -> torch.Tensor | None:
-    """Routes of a sample whose generation was continued (partial rollout): ``continued`` (T2, L, k) covers the
-    whole sequence, re-routing the first ``T1`` positions under the newer weights; ``earlier`` (T1, L, k) holds
-    the routes those tokens were actually sampled with, and wins where it was recorded. None if either is."""
+    """Routes of a sample whose generation was continued (a partial rollout's next chunk, an agent's next turn):
+    ``continued`` (T2, L, k) covers the whole sequence, routing its first ``T1`` positions again in the new call's
+    prefill (under newer weights, or only other batch shapes); ``earlier`` (T1, L, k) holds the routes those tokens
+    were sampled with, and wins where it was recorded (vLLM's ``routed_experts_prompt_start`` makes the same
+    choice for multi-turn agents). Positions past ``T1`` (an agent's feedback, the new output) come from
+    ``continued``. None if either is."""
     if earlier is None or continued is None:
         return None
     head = torch.where(was_recorded(earlier)[:, None, None], earlier, continued[: len(earlier)])
     return torch.cat([head, continued[len(earlier):]])
+
+
+def pad_routes(routes: torch.Tensor | None, num_positions: int) -> torch.Tensor | None:
+    """``routes`` (T, L, k) extended to ``num_positions`` rows marked not recorded (tokens appended after the last
+    generation, e.g. an environment's final feedback, which no trained log-prob depends on)."""
+    if routes is None or len(routes) >= num_positions:
+        return routes
+    tail = torch.full((num_positions - len(routes), *routes.shape[1:]), not_recorded(routes.dtype), dtype=routes.dtype)
+    return torch.cat([routes, tail])
 
 
 def routers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -7,7 +7,7 @@ import pytest
 
 from hpc_rlhf.models.tiny import build_tiny_moe_model
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.multiproc.rl_fixtures import grpo_overrides, make_assets, run_trainer
+from tests.multiproc.rl_fixtures import ROOT, grpo_overrides, make_assets, run_trainer
 from tests.multiproc.spawn import run_on_ranks
 
 pytestmark = pytest.mark.slow
@@ -99,3 +99,17 @@ def test_async_moe_routes_drift_and_replay_runs(assets, tmp_path):
     _check_moe_rows(rows)
     assert rows[0]["moe/route_mismatch"] == 0.0  # the first batch was sampled with the trained weights
     assert max(r["moe/route_mismatch"] for r in rows[1:]) > 0.0
+
+
+def test_multi_turn_agent_with_routing_replay(assets, tmp_path):
+    """A multi-turn agent (the retry agent: wrong answers get feedback and another turn) on the MoE actor with
+    routing replay: every turn's routes reach the update, whose routes then equal the rollout's."""
+    agent = str(ROOT / "examples/agents/math_retry_agent.py")
+    run_on_ranks(_fit, 2, _moe_overrides(assets, tmp_path, "qwen3_moe", "reward.reward_func_path=null",
+                                         f"train.agent_func_path={agent}", "train.agent_max_turns=2",
+                                         "train.max_steps=2", "algo.routing_replay=rollout"))
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    _check_moe_rows(rows)
+    assert any(r["agent/num_turns"] > 1 for r in rows)  # episodes took a second turn
+    assert rows[0]["moe/route_mismatch"] == 0.0  # colocated on-policy: the trainer routes as the engine did

@@ -259,8 +259,12 @@ def test_routing_replay_setup_refusals(one_layer_path, tmp_path):
     assert not records_routes(load_config(None, [f"actor.pretrain={dense}"]))
     with pytest.raises(SetupError, match="without a GPU: vLLM returns routed experts only from its V2 model runner"):
         check_routing_replay(load_config(None, [*moe, "rollout.backend=vllm"]))
-    with pytest.raises(SetupError, match="single-turn rollouts only"):
-        check_routing_replay(load_config(None, [*moe, "train.agent_func_path=agent.py"]))
+    # OpenAI-client agents' rows carry no routes: refused once the agent file shows what it is.
+    from hpc_rlhf.trainers.rl.setup import _executor
+    agent = tmp_path / "openai_agent.py"
+    agent.write_text("async def run_episode(client, prompt, label):\n    return 0.0\n")
+    with pytest.raises(SetupError, match="OpenAI-client agent's rows carry no recorded routes"):
+        _executor(load_config(None, [*moe, f"train.agent_func_path={agent}"]), build_char_tokenizer())
     with pytest.raises(SetupError, match="sequence parallelism"):
         check_routing_replay(load_config(None, [*moe, "ds.ring_attn_size=2"]))
     assert not records_routes(load_config(None, [*moe[:1], "algo.routing_replay=none"]))
@@ -279,3 +283,46 @@ def test_vllm_routed_experts_become_routes_of_every_position():
     assert routes_from_vllm(None, 3, "request 0") is None
     with pytest.raises(ValueError, match="for a sequence of 1 tokens"):
         routes_from_vllm(routed, 1, "request 0")
+
+
+def test_multi_turn_episode_carries_the_routes_each_turn_sampled_with(one_layer_path):
+    """An agent's turns: each later call prefills the whole episode again; the trajectory keeps every token's routes
+    from the call that computed it first (its turn's decode), and the feedback tokens' from the next turn's prefill.
+    With unchanged weights that equals one full forward over the episode at every recorded position."""
+    from hpc_rlhf.agents.multi_turn import AgentInstanceBase, MultiTurnAgentExecutor
+
+    class TwoTurns(AgentInstanceBase):
+        def __init__(self):
+            self.turn = 0
+
+        async def reset(self, states):
+            return {"observation": states["observation"]}
+
+        async def step(self, states):
+            self.turn += 1
+            return {"rewards": 1.0, "environment_feedback": f" ok{self.turn} ", "done": self.turn >= 2}
+
+    tok = build_char_tokenizer()
+    model = _load(one_layer_path)
+    engine = TransformersRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, record_routes=True)
+    calls = []
+
+    def generate(requests):
+        results = engine.generate(requests)
+        calls.append(results)
+        return results
+
+    params = SamplingParams(max_new_tokens=5, temperature=1.0, seed=11)
+    (t,) = MultiTurnAgentExecutor(TwoTurns, tok, 64).run([Prompt("3+4=", None, "test", 0)], generate, params, 1)
+    assert len(calls) == 2 and t.routed_experts.shape[0] == len(t.sequence_ids)
+    first = calls[0][0]
+    turn1 = len(first.prompt_ids) + len(first.output_ids) - 1  # positions the first call computed
+    assert torch.equal(t.routed_experts[:turn1], first.routed_experts[:turn1])
+    # The final feedback follows the last generation: no route, and no trained log-prob depends on it.
+    last = calls[1][0]
+    computed = len(last.prompt_ids) + len(last.output_ids) - 1
+    assert (t.routed_experts[computed:] == not_recorded(torch.uint8)).all()
+    with RouteRecorder(model, NUM_EXPERTS) as recorder:
+        model(input_ids=torch.tensor([t.sequence_ids]))
+        full = recorder.take()
+    assert torch.equal(full[:computed], t.routed_experts[:computed])

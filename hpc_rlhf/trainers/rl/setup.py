@@ -83,10 +83,6 @@ def check_routing_replay(cfg: RunConfig) -> None:
                              "rollout.backend=transformers, or algo.routing_replay=none")
         log.warning("%s with rollout.backend=vllm: vLLM's routed experts (enable_return_routed_experts) feed the "
                     "replay; this path has not been exercised by the project's tests (no GPU there)", key)
-    if cfg.train.agent_func_path:
-        raise SetupError(f"{key} with train.agent_func_path={cfg.train.agent_func_path}: routes are recorded in "
-                         "single-turn rollouts only (an agent's later turns are prefilled again, not recorded as "
-                         "sampled); set algo.routing_replay=measure or none")
     if cfg.ds.ring_attn_size > 1:
         raise SetupError(f"{key} with ds.ring_attn_size={cfg.ds.ring_attn_size}: each rank routes only its chunk of "
                          "the sequence; routing replay under sequence parallelism is not supported")
@@ -94,9 +90,9 @@ def check_routing_replay(cfg: RunConfig) -> None:
 
 def records_routes(cfg: RunConfig) -> bool:
     """Whether the rollout engine records each token's experts (``algo.routing_replay``): an MoE actor generated
-    by the transformers engine in single-turn rollouts."""
+    by the transformers engine."""
     return (cfg.algo.routing_replay != "none" and cfg.rollout.backend == "transformers"
-            and not cfg.train.agent_func_path and moe_spec(local_hf_config(cfg.actor) or {}) is not None)
+            and moe_spec(local_hf_config(cfg.actor) or {}) is not None)
 
 
 def check_model_paths(cfg: RunConfig) -> None:
@@ -305,6 +301,11 @@ def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
                                    episode_timeout_s=cfg.train.agent_episode_timeout_s,
                                    tool_call_parser=cfg.rollout.tool_call_parser,
                                    reasoning_parser=cfg.rollout.reasoning_parser)
+    if isinstance(executor, OpenAIAgentExecutor) and cfg.algo.routing_replay == "rollout":
+        # Its rows are the chat calls' prompts and completions, re-tokenized per call: no engine routes reach them.
+        raise SetupError(f"algo.routing_replay=rollout with train.agent_func_path={cfg.train.agent_func_path}: an "
+                         "OpenAI-client agent's rows carry no recorded routes (single-turn and multi-turn agent "
+                         "files do); set algo.routing_replay=measure or none")
     if isinstance(executor, OpenAIAgentExecutor) and cfg.rollout.tensor_parallel_size > 1:
         # Each engine rank would batch its own HTTP requests: tensor-parallel peers would not agree on the calls.
         raise SetupError(f"train.agent_func_path={cfg.train.agent_func_path} is an OpenAI-client agent, "
