@@ -135,19 +135,14 @@ def sample_tokens(
     return tokens, logprobs_full.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-@dataclass
 class _RouteBuffer:
-    """The routes of one ``generate`` call: the prefill's per request, the decode steps' per sample."""
-
-    prompt: torch.Tensor  # (R, P_max, L, k), left-padded like the prefill
-    decoded: torch.Tensor  # (S, max_steps, L, k): step t's forward over output token t of each sample
+    """The routes of one ``generate`` call: ``prompt`` (R, P_max, L, k), the prefill's per request, left-padded like
+    it; ``decoded`` (S, max_steps, L, k), step t's forward over output token t of each sample."""
 
     def __init__(self, prefill: torch.Tensor, num_requests: int, num_samples: int, max_steps: int) -> None:
-        prompt = prefill.view(num_requests, -1, *prefill.shape[1:])  # (R * P_max, L, k) row-major -> (R, P_max, ...)
-        self.prompt = prompt
-        self.decoded = torch.full((num_samples, max_steps, *prompt.shape[2:]), not_recorded(prompt.dtype),
-                                  dtype=prompt.dtype,
-                                  device=prompt.device)
+        self.prompt = prefill.view(num_requests, -1, *prefill.shape[1:])  # the prefill's (R * P_max, L, k), row-major
+        self.decoded = torch.full((num_samples, max_steps, *prefill.shape[1:]), not_recorded(prefill.dtype),
+                                  dtype=prefill.dtype, device=prefill.device)
 
     def attach(self, results: list[GenerationResult], prompt_lens: list[int]) -> None:
         """Set each result's ``routed_experts`` (P + O, L, k) on the host."""
