@@ -138,9 +138,7 @@ class _Episode:
     turn_params: SamplingParams | None = None
     action_text: str = ""
     last_finish: str = ""
-    # (positions, L, k): experts of every position so far, each as routed when first computed (the routes a turn's
-    # tokens were sampled with win over a later turn's prefill of them); None when the engine records no routes
-    routes: Any = None
+    routes: Any = None  # (positions, L, k) experts as first computed (routing_replay.continue_routes), or None
     reward: float = 0.0
     score: float = 0.0
     extra_logs: dict = field(default_factory=dict)

@@ -62,6 +62,17 @@ def routing_stats(layer_logits: tuple[torch.Tensor, ...] | list[torch.Tensor], m
     return stats
 
 
+def not_recorded(dtype: torch.dtype) -> int:
+    """The id that marks a position without recorded routes in routes of integer ``dtype`` (its largest value,
+    never a real expert id: ``hpc_rlhf.models.routing_replay``)."""
+    return torch.iinfo(dtype).max
+
+
+def was_recorded(routes: torch.Tensor) -> torch.Tensor:
+    """(..., L, k) routes -> (...) bool: every layer of the position holds recorded experts."""
+    return (routes != not_recorded(routes.dtype)).all(dim=-1).all(dim=-1)
+
+
 def route_mismatch(layer_logits: tuple[torch.Tensor, ...] | list[torch.Tensor], recorded: torch.Tensor,
                    mask: torch.Tensor, top_k: int) -> dict[str, float]:
     """How often the trainer's router picks other experts than the rollout engine did, over the selected tokens.
@@ -75,8 +86,7 @@ def route_mismatch(layer_logits: tuple[torch.Tensor, ...] | list[torch.Tensor], 
     (fraction of (token, layer) pairs that differ); both 0 when no recorded token is counted.
     """
     recorded = recorded.to(layer_logits[0].device)
-    unrecorded = torch.iinfo(recorded.dtype).max
-    counted = as_bool_mask(mask).to(recorded.device) & (recorded != unrecorded).all(dim=-1).all(dim=-1)  # (N,)
+    counted = as_bool_mask(mask).to(recorded.device) & was_recorded(recorded)  # (N,)
     recorded = recorded.long()
     if not bool(counted.any()):
         return {"moe/route_mismatch": 0.0, "moe/route_mismatch_layer_mean": 0.0}

@@ -22,7 +22,7 @@ from hpc_rlhf.models.forward import (
     sequence_scores,
 )
 from hpc_rlhf.models.logprobs import logprobs_from_logits
-from hpc_rlhf.models.routing_replay import replay_routes
+from hpc_rlhf.models.routing_replay import not_recorded, replay_routes
 from hpc_rlhf.models.sequence_parallel import (
     gather_from_sp,
     sequence_parallel_attention,
@@ -122,7 +122,7 @@ def routes_in_forward_order(routes: torch.Tensor, sequences: torch.Tensor, atten
     segment, position = pack["segment_ids"][0], pack["position_ids"][0]
     source = offsets[segment.clamp(min=0)] + position
     out = routes[real][source.clamp(max=int(real.sum()) - 1)]
-    return torch.where((segment >= 0)[:, None, None], out, torch.full_like(out, torch.iinfo(routes.dtype).max))
+    return torch.where((segment >= 0)[:, None, None], out, torch.full_like(out, not_recorded(routes.dtype)))
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 
 import torch
 
+from hpc_rlhf.algos.moe import not_recorded, was_recorded
 from hpc_rlhf.models.moe import router_class
 
 # transformers router classes that compute ``(logits, top-k softmax weights, top-k ids)`` from one linear
@@ -41,16 +42,6 @@ REPLAYABLE_ROUTERS = {"Qwen3MoeTopKRouter": None, "Qwen2MoeTopKRouter": None, "M
 def route_dtype(num_experts: int) -> torch.dtype:
     """Smallest integer dtype holding the expert ids and the not-recorded marker ``num_experts``."""
     return torch.uint8 if num_experts < 255 else torch.int16
-
-
-def not_recorded(dtype: torch.dtype) -> int:
-    """The id that marks an unrecorded position in routes of ``dtype``."""
-    return torch.iinfo(dtype).max
-
-
-def was_recorded(routes: torch.Tensor) -> torch.Tensor:
-    """(..., L, k) routes -> (...) bool: every layer of the position holds recorded experts."""
-    return (routes != not_recorded(routes.dtype)).all(dim=-1).all(dim=-1)
 
 
 def continue_routes(earlier: torch.Tensor | None, continued: torch.Tensor | None) -> torch.Tensor | None:
@@ -112,8 +103,7 @@ def replay_gate_weights(router_logits: torch.Tensor, experts: torch.Tensor, reno
 def merge_routes(own: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
     """Each position's recorded experts where it was recorded, else the router's own: (N, k) x 2 -> (N, k) long."""
     recorded = recorded.to(own.device)
-    keep = (recorded != not_recorded(recorded.dtype)).all(dim=-1, keepdim=True)
-    return torch.where(keep, recorded.long(), own)
+    return torch.where(was_recorded(recorded.unsqueeze(1)).unsqueeze(-1), recorded.long(), own)
 
 
 class RouteRecorder:

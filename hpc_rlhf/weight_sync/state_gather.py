@@ -160,9 +160,12 @@ def write_hf_folder(module: torch.nn.Module, buckets: Iterator[list[tuple[str, t
     """
     state_dict: dict[str, torch.Tensor] = {}
     first = is_first_rank_of_role(dp_group, tp_group)
-    for bucket in buckets:
-        if first:  # under the checkpoint names (split experts) that vLLM and other readers load
-            state_dict.update(to_checkpoint_names(module, ((name, tensor.cpu()) for name, tensor in bucket)))
+    entries = ((name, tensor.cpu()) for bucket in buckets for name, tensor in bucket)  # exhausted on every rank
+    if first:  # under the checkpoint names (split experts) that vLLM and other readers load
+        state_dict.update(to_checkpoint_names(module, entries))
+    else:
+        for _ in entries:
+            pass
     if first:
         # Written without module.save_pretrained: under ZeRO-3 transformers would try to gather the
         # (already gathered) parameters collectively from this one rank and hang.

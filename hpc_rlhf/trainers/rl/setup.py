@@ -73,7 +73,7 @@ def check_routing_replay(cfg: RunConfig) -> None:
     if cfg.algo.routing_replay != "rollout":
         return
     key = "algo.routing_replay=rollout"
-    if moe_spec(local_hf_config(cfg.actor) or {}) is None:
+    if not actor_is_moe(cfg):
         raise SetupError(f"{key}: actor.pretrain={cfg.actor.pretrain} is not a mixture-of-experts model, so there "
                          "are no routes to replay; set algo.routing_replay=none")
     if cfg.rollout.backend == "vllm":
@@ -92,7 +92,12 @@ def records_routes(cfg: RunConfig) -> bool:
     """Whether the rollout engine records each token's experts (``algo.routing_replay``): an MoE actor generated
     by the transformers engine."""
     return (cfg.algo.routing_replay != "none" and cfg.rollout.backend == "transformers"
-            and moe_spec(local_hf_config(cfg.actor) or {}) is not None)
+            and actor_is_moe(cfg))
+
+
+def actor_is_moe(cfg: RunConfig) -> bool:
+    """Whether ``actor.pretrain``'s config.json describes a mixture-of-experts model."""
+    return moe_spec(local_hf_config(cfg.actor) or {}) is not None
 
 
 def check_model_paths(cfg: RunConfig) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from hpc_rlhf.algos import episode_index_from_branches
+from hpc_rlhf.algos.moe import not_recorded
 
 # Always set: what every forward reads.
 _FORWARD_FIELDS = ("sequences", "attention_mask", "action_mask")
@@ -48,7 +49,7 @@ def _routes_in_rows(trajectories: Sequence[Any], max_prompt: int, max_resp: int)
     if not recorded:
         return None
     shape, dtype = recorded[0].shape[1:], recorded[0].dtype
-    routes = torch.full((len(trajectories), max_prompt + max_resp, *shape), torch.iinfo(dtype).max, dtype=dtype)
+    routes = torch.full((len(trajectories), max_prompt + max_resp, *shape), not_recorded(dtype), dtype=dtype)
     for i, t in enumerate(trajectories):
         if t.routed_experts is not None:
             start = max_prompt - len(t.prompt_ids)
