@@ -12,6 +12,7 @@ import re
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -35,6 +36,30 @@ def require_local_model(path: str | None, key: str) -> None:
         raise FileNotFoundError(f"{key}={path}: the local path {state} (relative paths count from "
                                 f"{os.getcwd()}); give a local Hugging Face model folder (config.json, weights, "
                                 "tokenizer)")
+
+
+def import_model_code(*paths: str | None) -> None:
+    """Import the transformers modeling module of each local model folder in ``paths`` (None: skipped) now.
+
+    Call it before the first ``deepspeed.zero.Init`` that builds one of them. A module first imported inside
+    zero.Init has its ``nn.Module`` classes hooked as they are created, before a class decorator runs, and the
+    hook puts that pre-decorator ``__init__`` back when the context exits: transformers' experts decorator
+    (``use_experts_implementation``, on every MoE experts class) is lost, so the next model built in the process
+    (a DPO reference after the policy) has experts without ``config`` and its first forward fails with
+    "'Qwen3MoeExperts' object has no attribute 'config'" (DeepSpeed 0.19, transformers 5).
+    """
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+    )
+
+    for path in paths:
+        if path is None:
+            continue
+        config_class = type(AutoConfig.from_pretrained(path))
+        for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING):
+            if config_class in mapping:
+                mapping[config_class]  # the lookup imports the class's module (transformers loads them lazily)
 
 
 def load_tokenizer(path: str | None, key: str) -> PreTrainedTokenizerBase:

@@ -41,7 +41,7 @@ from hpc_rlhf.config import save_resolved_config
 from hpc_rlhf.config.supervised import SupervisedRunConfig
 from hpc_rlhf.data.packing import TokenSample, collate
 from hpc_rlhf.data.prompts import PromptStream
-from hpc_rlhf.models.loading import load_causal_lm, load_tokenizer, resolve_attn_implementation
+from hpc_rlhf.models.loading import import_model_code, load_causal_lm, load_tokenizer, resolve_attn_implementation
 from hpc_rlhf.models.precision import resolve_dtype
 from hpc_rlhf.planning.model_shape import check_moe_tensor_parallel, local_hf_config
 from hpc_rlhf.resilience.stall_guard import StallGuard
@@ -104,6 +104,7 @@ class SupervisedTrainer(RunHooks):
         if self.num_steps < 1:
             raise ValueError(f"{len(self.train_set)} train samples cannot fill one batch of train.train_batch_size="
                              f"{tcfg.train_batch_size}")
+        import_model_code(cfg.model.pretrain, cfg.ref.pretrain if self.uses_reference else None)
         self.engine = TrainEngine.create(self.model_factory, cfg.ds, cfg.model,
                                          train_batch_size=tcfg.train_batch_size, micro_train_batch_size=self.micro,
                                          num_training_steps=self.num_steps, dp_group=self.dp_group,

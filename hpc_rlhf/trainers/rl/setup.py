@@ -23,6 +23,7 @@ from hpc_rlhf.data.prompts import PromptDataset, PromptStream
 from hpc_rlhf.data.reasoning_gym import reasoning_gym_reward, write_prompt_file  # reasoning-gym itself: lazily
 from hpc_rlhf.models.loading import (
     check_same_tokenizer,
+    import_model_code,
     load_causal_lm,
     load_value_model,
     require_local_model,
@@ -339,6 +340,9 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
     q4 = cfg.ds.lora.load_in_4bit
     samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     roles = Roles()
+    # Before the first zero.Init (loading.import_model_code says why).
+    import_model_code(*dict.fromkeys((cfg.actor.pretrain, cfg.critic.pretrain, cfg.ref.pretrain,
+                                      cfg.teacher.pretrain, cfg.reward.pretrain)))
     share_actor = rollout_shares_actor(cfg, world)
     if world.has_role("rollout") and not share_actor:
         roles.rollout = _rollout_side(cfg, world, tokenizer, on_gpu)
