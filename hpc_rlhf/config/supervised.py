@@ -78,19 +78,24 @@ class SupervisedTrainConfig(StallLimits):
     packing_max_tokens: int | None = Field(None, ge=2, description="tokens per packed row; default data.max_len")
 
 
-class SFTLossConfig(Section):
-    """SFT's loss is the token-mean NLL, plus a mixture-of-experts model's load-balancing loss when asked."""
+class LossConfig(Section):
+    """What every offline trainer's loss can add: a mixture-of-experts model's load-balancing loss
+    (``hpc_rlhf.trainers.offline.moe_terms``)."""
 
     aux_loss_coef: float = Field(
         0.0, ge=0, description="weight of a mixture-of-experts model's router load-balancing loss (Switch "
         "Transformer; transformers' load_balancing_loss_func); > 0 needs an MoE model")
 
 
-class RMLossConfig(Section):
+class SFTLossConfig(LossConfig):
+    """SFT's loss is the token-mean NLL (plus the MoE load-balancing loss when asked)."""
+
+
+class RMLossConfig(LossConfig):
     loss: Literal["sigmoid", "logexp"] = "sigmoid"
 
 
-class DPOLossConfig(Section):
+class DPOLossConfig(LossConfig):
     beta: float = Field(0.1, gt=0)
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="cDPO: assumed label-flip probability")
     ipo: bool = Field(False, description="IPO loss on length-averaged log-probabilities")
@@ -103,7 +108,7 @@ class DPOLossConfig(Section):
         return self
 
 
-class KTOLossConfig(Section):
+class KTOLossConfig(LossConfig):
     beta: float = Field(0.1, gt=0)
     desirable_weight: float = Field(1.0, gt=0)
     undesirable_weight: float = Field(1.0, gt=0)

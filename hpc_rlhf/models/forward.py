@@ -128,13 +128,21 @@ def sequence_last_values(values: torch.Tensor, batch: dict) -> torch.Tensor:
     return values[pos[:, 0], pos[:, 1]]
 
 
-def value_model_forward(model, batch: dict, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
-    """Reward-model scores (S,) fp32: the ``score`` head at each sample's last token."""
+def value_model_forward(model, batch: dict, attn_implementation: str, dtype: torch.dtype,
+                        router: list | None = None) -> torch.Tensor:
+    """Reward-model scores (S,) fp32: the ``score`` head at each sample's last token.
+
+    ``router``: a list to which an MoE model's :class:`RouterLogits` of this forward is appended (its real
+    tokens; every one of them as ``action_mask``).
+    """
     module = getattr(model, "module", model)
     device = next(iter(module.parameters())).device
     base = getattr(module, module.base_model_prefix)
-    hidden = base(**model_inputs(batch, attn_implementation, dtype, device), use_cache=False).last_hidden_state
-    hidden = _unflatten(hidden, batch, attn_implementation)
+    out = base(**model_inputs(batch, attn_implementation, dtype, device), use_cache=False, **_router_kwargs(router))
+    if router is not None:
+        real = (batch["segment_ids"] >= 0).reshape(-1).to(device)
+        router.append(RouterLogits(out.router_logits, real, real))
+    hidden = _unflatten(out.last_hidden_state, batch, attn_implementation)
     values = module.score(hidden).squeeze(-1).float()
     return sequence_last_values(values, batch)
 

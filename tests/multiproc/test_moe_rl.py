@@ -1,5 +1,6 @@
-"""GRPO and SFT on a tiny mixture-of-experts model (transformers' Qwen3-MoE / Mixtral) on 2 gloo ranks under
-ZeRO-2 and ZeRO-3, with the load-balancing loss in the loss and the routing statistics logged every step."""
+"""GRPO, SFT, DPO, KTO and the reward model on a tiny mixture-of-experts model (transformers' Qwen3-MoE /
+Mixtral) on 2 gloo ranks under ZeRO-2 and ZeRO-3, with the load-balancing loss in the loss and the routing
+statistics logged every step."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from hpc_rlhf.models.tiny import build_tiny_moe_model
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.multiproc.rl_fixtures import ROOT, grpo_overrides, make_assets, run_trainer
 from tests.multiproc.spawn import run_on_ranks
+from tests.multiproc.test_supervised_trainers import _fit as _fit_supervised
+from tests.multiproc.test_supervised_trainers import _overrides as _supervised_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -51,13 +54,22 @@ def test_grpo_qwen3_moe_zero2_reward_rises(assets, tmp_path):
     _check_moe_rows(rows)
 
 
-@pytest.mark.parametrize("family,packed", [("mixtral", False), ("qwen3_moe", True)])
-def test_grpo_moe_zero3_finishes(assets, tmp_path, family, packed):
+PPO = ("algo.advantage_estimator=gae", "rollout.n_samples_per_prompt=1", "rollout.rollout_batch_size=64",
+       "algo.kl.init_coef=0.01")
+
+
+@pytest.mark.parametrize("family,packed,algo", [("mixtral", False, ()), ("qwen3_moe", True, ()),
+                                                ("qwen3_moe", False, PPO)], ids=["mixtral", "qwen3-packed", "ppo"])
+def test_grpo_moe_zero3_finishes(assets, tmp_path, family, packed, algo):
+    """GRPO, and PPO with an MoE critic (a sequence-classification head on the same MoE model) and a KL
+    reference, all three roles under zero.Init."""
     run_on_ranks(_fit, 2, _moe_overrides(assets, tmp_path, family, "train.max_steps=3", "ds.zero_stage=3",
-                                         f"train.packing_samples={str(packed).lower()}"))
+                                         f"train.packing_samples={str(packed).lower()}", *algo))
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
     _check_moe_rows(rows)
+    if algo:
+        assert all("critic_loss" in r and "kl" in r for r in rows)
 
 
 def _sft(rank, world_size, overrides):
@@ -84,7 +96,24 @@ def test_sft_moe_trains_with_the_aux_loss(assets, tmp_path, zero_stage, packing)
                  f"train.output_dir={tmp_path / 'run'}", "loss.aux_loss_coef=0.01", "logger.use_tensorboard=false"]
     run_on_ranks(_sft, 2, overrides)
     rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
-    assert len(rows) == 3 and all(r["aux_loss"] > 0 for r in rows)
+    assert len(rows) == 3 and all(r["aux_loss"] > 0 and "moe/router_entropy" in r for r in rows)
+
+
+@pytest.mark.parametrize("kind,packing", [("dpo", False), ("kto", True), ("rm", False)])
+def test_preference_trainers_train_an_moe_model_under_zero3(tmp_path, kind, packing):
+    """DPO and KTO build their reference after the policy, both under zero.Init: the reference's first forward
+    (the eval at step 0) runs, and every trainer adds the load-balancing loss and logs the routing statistics."""
+    overrides = _supervised_overrides(tmp_path, kind, "model.build_tiny=qwen3_moe", "ds.zero_stage=3",
+                                      "train.max_steps=3", "loss.aux_loss_coef=0.01",
+                                      f"train.packing_samples={str(packing).lower()}")
+    run_on_ranks(_fit_supervised, 2, kind, overrides)
+    rows = read_metrics(tmp_path / kind)
+    assert rows[0]["step"] == 0 and "eval_loss" in rows[0]
+    train = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    for row in train:
+        assert row["aux_loss"] > 0 and 1.0 <= row["moe/load_max_over_mean"] <= 4.0  # 4 experts
+        assert "moe/layer1/load_max_over_mean" in row and row["moe/router_entropy"] > 0
 
 
 def test_async_moe_routes_drift_and_replay_runs(assets, tmp_path):

@@ -46,6 +46,7 @@ from hpc_rlhf.models.precision import resolve_dtype
 from hpc_rlhf.planning.model_shape import check_moe_tensor_parallel, local_hf_config
 from hpc_rlhf.resilience.stall_guard import StallGuard
 from hpc_rlhf.trainers import run_skeleton
+from hpc_rlhf.trainers.offline.moe_terms import MoETerms, moe_summary
 from hpc_rlhf.trainers.run_skeleton import RunHooks, RunPlan
 from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine, gradient_accumulation_steps
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
@@ -109,6 +110,8 @@ class SupervisedTrainer(RunHooks):
                                          train_batch_size=tcfg.train_batch_size, micro_train_batch_size=self.micro,
                                          num_training_steps=self.num_steps, dp_group=self.dp_group,
                                          tp_group=self.tp_group)
+        # A mixture-of-experts model: its load-balancing loss (loss.aux_loss_coef) and routing statistics.
+        self.moe = MoETerms.of(self.engine.module, cfg.loss.aux_loss_coef)
         if self.uses_reference:
             self.ref = self.frozen_reference()
         self.ckpt = CheckpointManager(cfg.ckpt.path or self.output_dir / "ckpt", max_num=cfg.ckpt.max_num)
@@ -142,6 +145,15 @@ class SupervisedTrainer(RunHooks):
     def global_counts(self, batch: list) -> dict[str, int]:
         """Loss normalisers of the whole step batch (every rank sees the same batch)."""
         raise NotImplementedError
+
+    def input_tokens(self, items: list) -> int:
+        """Tokens the trained model's forward of ``items`` reads (throughput, and the MoE loss's weights)."""
+        raise NotImplementedError
+
+    def router_sink(self) -> list | None:
+        """What the trained model's forward of a train micro-batch passes as ``router`` (its router logits, for
+        an MoE model's load-balancing loss and statistics); None for a dense model, the reference and evals."""
+        return self.moe.sink() if self.moe is not None else None
 
     def train_micro(self, items: list, counts: dict[str, int]) -> tuple[torch.Tensor, dict[str, float]]:
         """(loss share to back-propagate, statistic sums) of one micro-batch."""
@@ -219,19 +231,28 @@ class SupervisedTrainer(RunHooks):
         per_rank = len(batch) // self.dp_size
         shard = batch[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
         counts = self.global_counts(batch)
+        global_tokens = self.input_tokens(batch)
         sums: dict[str, float] = defaultdict(float)
         info: dict[str, Any] = {}
         self.engine.train()
         with timer("train"):
             for begin in range(0, per_rank, self.micro):
-                loss, stats = self.train_micro(shard[begin:begin + self.micro], counts)
+                items = shard[begin:begin + self.micro]
+                tokens = self.input_tokens(items)
+                if self.moe is not None:
+                    self.moe.start_micro()
+                loss, stats = self.train_micro(items, counts)
+                stats["num_input_tokens"] = tokens
+                if self.moe is not None:
+                    loss, moe_stats = self.moe.finish_micro(loss, tokens, global_tokens, self.dp_size)
+                    stats.update(moe_stats)
                 # The share is already normalised by global counts; nothing divides it by the accumulation steps.
                 self.engine.backward(loss)
                 info = self.engine.step()
                 for key, value in stats.items():
                     sums[key] += value
         sums = all_reduce_sums(sums, self.dp_group)
-        row = self.summarize(sums)
+        row = {**self.summarize(sums), **moe_summary(sums)}
         row.update(lr=info.get("lr"), grad_norm=info.get("grad_norm"))
         return row, int(sums.get("num_input_tokens", 0))
 

@@ -24,11 +24,14 @@ class DPOTrainer(SupervisedTrainer):
     def global_counts(self, batch: list[PreferencePair]):
         return {"num_pairs": len(batch), "chosen_tokens": sum(p.chosen.num_targets for p in batch)}
 
-    def _forward(self, items: list[PreferencePair]):
+    def input_tokens(self, items: list[PreferencePair]) -> int:
+        return sum(len(p.chosen) + len(p.rejected) for p in items)
+
+    def _forward(self, items: list[PreferencePair], router: list | None = None):
         loss_cfg = self.cfg.loss
         n = len(items)
         batch = self.collate([p.chosen for p in items] + [p.rejected for p in items])
-        token_logps = causal_lm_forward(self.engine, batch, self.attn, self.dtype)
+        token_logps = causal_lm_forward(self.engine, batch, self.attn, self.dtype, router=router)
         policy = sequence_logprobs(token_logps, batch, mean=loss_cfg.ipo)
         with torch.no_grad():
             ref = sequence_logprobs(causal_lm_forward(self.ref, batch, self.attn, self.dtype), batch,
@@ -44,11 +47,10 @@ class DPOTrainer(SupervisedTrainer):
                 "correct": float((chosen_rewards > rejected_rewards).sum()),
                 "chosen_sum": float(chosen_rewards.sum()), "rejected_sum": float(rejected_rewards.sum()),
                 "chosen_nll_sum": float(-token_logps.detach()[chosen_mask].sum()),
-                "chosen_tokens": float(chosen_mask.sum()),
-                "num_input_tokens": float(sum(len(p.chosen) + len(p.rejected) for p in items))}
+                "chosen_tokens": float(chosen_mask.sum())}
 
     def train_micro(self, items, counts):
-        losses, cr, rr, token_logps, chosen_mask = self._forward(items)
+        losses, cr, rr, token_logps, chosen_mask = self._forward(items, self.router_sink())
         loss = global_mean(losses, counts["num_pairs"], self.dp_size)
         if self.cfg.loss.nll_loss_coef > 0:
             loss = loss + self.cfg.loss.nll_loss_coef * sft_loss(

@@ -27,8 +27,11 @@ class KTOTrainer(SupervisedTrainer):
     def global_counts(self, batch: list[KTOSample]):
         return {"num_samples": len(batch)}
 
-    def _logps(self, model, batch) -> torch.Tensor:
-        return sequence_logprobs(causal_lm_forward(model, batch, self.attn, self.dtype), batch)
+    def input_tokens(self, items: list[KTOSample]) -> int:
+        return sum(len(s.sample) for s in items)
+
+    def _logps(self, model, batch, router: list | None = None) -> torch.Tensor:
+        return sequence_logprobs(causal_lm_forward(model, batch, self.attn, self.dtype, router=router), batch)
 
     def _reference_point(self, items: list[KTOSample], policy: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -42,10 +45,10 @@ class KTOTrainer(SupervisedTrainer):
                 dist.all_reduce(totals, group=self.dp_group)  # every rank runs the same number of micro-batches
         return kto_reference_point(totals[0].float().cpu(), totals[1].float().cpu())
 
-    def _forward(self, items: list[KTOSample]):
+    def _forward(self, items: list[KTOSample], router: list | None = None):
         loss_cfg = self.cfg.loss
         batch = self.collate([s.sample for s in items])
-        policy = self._logps(self.engine, batch)
+        policy = self._logps(self.engine, batch, router)
         with torch.no_grad():
             ref = self._logps(self.ref, batch)
         z = self._reference_point(items, policy, ref)
@@ -61,11 +64,10 @@ class KTOTrainer(SupervisedTrainer):
         return {"loss_sum": float(losses.detach().sum()), "num_samples": float(len(items)),
                 "desirable_sum": float((rewards * good).sum()), "num_desirable": float(good.sum()),
                 "undesirable_sum": float((rewards * (1 - good)).sum()), "num_undesirable": float((1 - good).sum()),
-                "sign_correct": float(((rewards > 0) == desirable).sum()), "kl_sum": float(z) * len(items),
-                "num_input_tokens": float(sum(len(s.sample) for s in items))}
+                "sign_correct": float(((rewards > 0) == desirable).sum()), "kl_sum": float(z) * len(items)}
 
     def train_micro(self, items, counts):
-        losses, rewards, desirable, z = self._forward(items)
+        losses, rewards, desirable, z = self._forward(items, self.router_sink())
         return global_mean(losses, counts["num_samples"], self.dp_size), self._stats(items, losses, rewards,
                                                                                      desirable, z)
 

@@ -36,10 +36,14 @@ class RewardModelTrainer(SupervisedTrainer):
     def global_counts(self, batch):
         return {"num_pairs": len(batch)}
 
-    def _scores(self, items: list[PreferencePair]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def input_tokens(self, items: list[PreferencePair]) -> int:
+        return sum(len(p.chosen) + len(p.rejected) for p in items)
+
+    def _scores(self, items: list[PreferencePair],
+                router: list | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
         samples = [p.chosen for p in items] + [p.rejected for p in items]
         batch = self.collate(samples)
-        scores = value_model_forward(self.engine, batch, self.attn, self.dtype)
+        scores = value_model_forward(self.engine, batch, self.attn, self.dtype, router=router)
         n = len(items)
         return scores[:n], scores[n:], batch
 
@@ -49,8 +53,7 @@ class RewardModelTrainer(SupervisedTrainer):
         return {"loss_sum": float(losses.detach().sum()), "num_pairs": float(len(items)),
                 "correct": float((chosen > rejected).sum()), "margin_sum": float((chosen - rejected).sum()),
                 "chosen_sum": float(chosen.sum()), "rejected_sum": float(rejected.sum()),
-                "reward_sum": float(rewards.sum()), "reward_sq_sum": float((rewards ** 2).sum()),
-                "num_input_tokens": float(sum(len(p.chosen) + len(p.rejected) for p in items))}
+                "reward_sum": float(rewards.sum()), "reward_sq_sum": float((rewards ** 2).sum())}
 
     def _losses(self, items, chosen, rejected):
         margin = None
@@ -59,7 +62,7 @@ class RewardModelTrainer(SupervisedTrainer):
         return pairwise_reward_loss(chosen, rejected, margin, self.cfg.loss.loss)
 
     def train_micro(self, items, counts):
-        chosen, rejected, _ = self._scores(items)
+        chosen, rejected, _ = self._scores(items, self.router_sink())
         losses = self._losses(items, chosen, rejected)
         loss = global_mean(losses, counts["num_pairs"], self.dp_size)
         return loss, self._stats(items, chosen, rejected, losses)
