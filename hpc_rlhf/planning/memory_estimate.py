@@ -22,7 +22,11 @@ Activations (one micro-batch, what autograd saves, counted on transformers' Llam
 - per layer and token: ``6h`` replicated (two RMSNorms: input, normalised input, output) plus
   ``2 q_dim + 2 kv_dim + 4 i`` split by tensor parallelism (roped q and k, v, attention output; SwiGLU
   gate, activation, up, product), in the parameter dtype; eager attention adds ``heads x seq`` probabilities;
-- with gradient checkpointing only each layer's input (``h``) is kept, plus one layer recomputed;
+- mixture-of-experts layers (``moe_mlp_elements``): the dense MLP's ``4 i`` becomes, per token, ``2h + 4 moe_i`` for
+  each of its ``top_k`` experts, ``4 shared_i`` for the shared experts (``+ h + 1`` when gated), and the router's
+  fp32 probabilities (``E x 4`` bytes); a trained MoE model's forward also returns its router logits (``E`` a
+  sparse layer, activation dtype), kept until the loss;
+- with gradient checkpointing only each layer's input (``h``) is kept, plus one layer recomputed (the largest);
 - logits of the LM head, on the response positions only (``logits_to_keep``; every local token under
   ring attention), in fp32 (``logprobs_from_logits`` upcasts) are saved, and the backward of the
   log-softmax holds about three more logits-sized tensors at its peak; a no-grad forward (ref) holds
@@ -164,6 +168,28 @@ def model_state_bytes(num_params: float, *, param_bytes: int, zero_stage: int, d
     return out
 
 
+ROUTER_PROB_BYTES = 4  # transformers' routers softmax their logits in fp32 (Qwen2/3-MoE, Mixtral)
+
+
+def moe_mlp_elements(shape: ModelShape, act_bytes: int) -> float:
+    """Elements (of the activation dtype) autograd saves per token in the MLP of one sparse layer.
+
+    A token runs only its ``top_k`` routed experts, so those count, not all ``E``: for each, transformers'
+    default ``grouped_mm`` experts path (and its eager loop) keeps the gathered copy of the token's input (``h``),
+    the fused gate-up output (``2 moe_i``, gate and up), the activation and the SwiGLU product (``2 moe_i``) and the
+    expert's output, saved for the routing-weight multiply (``h``). The shared experts run on every token: a dense
+    SwiGLU MLP ``shared_i`` wide (``4 shared_i``; its input is the normalised hidden state, already counted), plus
+    for Qwen2-MoE's sigmoid gate the gate value and the shared output (``h + 1``). The router saves its
+    probabilities in fp32 (``E`` of them, ``ROUTER_PROB_BYTES`` each). Index tensors (about ``10 top_k`` int32
+    elements a token) are left out. Checked with ``torch.autograd.graph.saved_tensors_hooks`` on transformers'
+    Mixtral and Qwen2-MoE in ``tests/unit/test_plan_moe.py``.
+    """
+    h = shape.hidden_size
+    routed = shape.experts_per_token * (2 * h + 4 * shape.moe_intermediate_size)
+    shared = 4 * shape.shared_expert_intermediate_size + (h + 1 if shape.shared_expert_gate else 0)
+    return routed + shared + shape.num_experts * ROUTER_PROB_BYTES / act_bytes
+
+
 def activation_bytes(shape: ModelShape, *, tokens: int, logit_tokens: int, act_bytes: int, tp: int = 1,
                      gradient_checkpointing: bool = False, eager_seq_len: int | None = None,
                      trainable: bool = True, lora: LoraSpec | None = None, on_gpu: bool = True) -> float:
@@ -174,24 +200,36 @@ def activation_bytes(shape: ModelShape, *, tokens: int, logit_tokens: int, act_b
     is a no-grad forward: one layer's tensors and the logits, nothing saved. ``lora``: only LoRA adapters
     train (``lora_layer_elements`` per layer; the frozen final norm keeps its input only); ``on_gpu`` then
     sizes the dropout mask.
+
+    An MoE model's sparse layers save :func:`moe_mlp_elements` instead of the dense MLP's ``4 i``; trained, its
+    forward also returns the router logits of every sparse layer (``E`` a token each, in the activation dtype;
+    the trainers ask for them: routing metrics, load-balancing loss), kept until the loss whether or not the
+    layers are checkpointed. The load-balancing loss's own softmax over them (``algo.aux_loss_coef > 0``) is not
+    counted. Under LoRA the dense formula stands (the fused experts take no adapters).
     """
     h = shape.hidden_size
-    sharded = (2 * shape.q_dim + 2 * shape.kv_dim + 4 * shape.intermediate_size) / tp
-    layer = 6 * h + sharded
     eager = shape.num_heads / tp * eager_seq_len if eager_seq_len else 0
-    layer += eager
+    attention = 6 * h + (2 * shape.q_dim + 2 * shape.kv_dim) / tp + eager
+    dense_layer = attention + 4 * shape.intermediate_size / tp
+    sparse_layer = attention + moe_mlp_elements(shape, act_bytes) if shape.is_moe else dense_layer
+    sparse = shape.num_sparse_layers if shape.is_moe else 0
+    largest_layer = max(dense_layer if sparse < shape.num_layers else 0.0, sparse_layer if sparse else 0.0)
     if not trainable:
         logits = logit_tokens * shape.vocab_size * (act_bytes + 2 * LOGITS_BYTES)
-        return tokens * layer * act_bytes + logits
+        return tokens * largest_layer * act_bytes + logits
     final_norm = 3 * h
     head_input = 0.0
+    router_logits = sparse * shape.num_experts
+    layers = (shape.num_layers - sparse) * dense_layer + sparse * sparse_layer
     if lora is not None:
-        layer = lora_layer_elements(shape, lora, tp=tp, dropout_mask_elems=1 / act_bytes if on_gpu else 1.0) + eager
+        largest_layer = lora_layer_elements(shape, lora, tp=tp, dropout_mask_elems=1 / act_bytes if on_gpu else 1.0)
+        largest_layer += eager
+        layers = largest_layer * shape.num_layers
         final_norm = h
         if "lm_head" in lora.targets:  # the LM head's (kept positions') input and lora_A output
             head_input = logit_tokens * (h + lora.rank) * act_bytes
-    saved_per_token = h * shape.num_layers + layer if gradient_checkpointing else layer * shape.num_layers
-    saved_per_token += final_norm
+    saved_per_token = h * shape.num_layers + largest_layer if gradient_checkpointing else layers
+    saved_per_token += final_norm + router_logits
     upcast = LOGITS_BYTES + (act_bytes if act_bytes != LOGITS_BYTES else 0)
     logits = logit_tokens * shape.vocab_size * (upcast + LOGITS_BACKWARD_COPIES * LOGITS_BYTES)
     return tokens * saved_per_token * act_bytes + logits + head_input
