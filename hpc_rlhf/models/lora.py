@@ -36,6 +36,7 @@ from hpc_rlhf.models.quantization import dequantized, plain_copy
 VALUE_HEAD = "score"
 PEFT_PREFIX = "base_model.model."
 _MODULES_TO_SAVE = re.compile(r"\.modules_to_save\.[^.]+\.")
+_BASE_LAYERS = re.compile(r"(?:\.base_layer)+\.")
 _LORA_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector",
                "lora_dropout", "original_module")
 
@@ -107,20 +108,52 @@ def hf_name(name: str) -> str | None:
     if any(p in _LORA_PARTS for p in parts):
         return None
     name = _MODULES_TO_SAVE.sub(".", name)
-    return name.replace(".base_layer.", ".")
+    return _BASE_LAYERS.sub(".", name)  # nested under one base_layer per LoRA layer (ParamWrapper)
+
+
+def _is_param_wrapper(layer: torch.nn.Module) -> bool:
+    """peft's LoRA on a bare parameter (``ParamWrapper``): the fused 3-D experts and the router weight of
+    transformers 5's MoE blocks, which ``all-linear`` targets since peft 0.17."""
+    return type(layer).__name__ == "ParamWrapper" and hasattr(layer, "parameter_name")
+
+
+def _adapted_weight_name(path: str, layer: torch.nn.Module) -> str:
+    """The state-dict name of the base tensor a LoRA layer at ``path`` adapts.
+
+    A layer's own base sits under ``base_layer``; peft nests one ``ParamWrapper`` per adapted parameter of the same
+    module (``experts.base_layer.base_layer.gate_up_proj``), so the name descends through every LoRA layer below.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    name, inner = path, layer
+    while isinstance(inner, LoraLayer):
+        name, inner = f"{name}.base_layer", inner.base_layer
+    return f"{name}.{layer.parameter_name if _is_param_wrapper(layer) else 'weight'}"
+
+
+def _lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``{state-dict name of an adapted base tensor: its LoRA layer}``."""
+    from peft.tuners.lora import LoraLayer
+
+    return {_adapted_weight_name(n, m): m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
 @torch.no_grad()
-def _merged_weight(layer: torch.nn.Module) -> torch.Tensor:
-    """``W + sum_active scale * B @ A`` of one peft LoRA layer, computed in fp32 into a new tensor."""
+def _merged_weight(layer: torch.nn.Module, base: torch.Tensor) -> torch.Tensor:
+    """``W + sum_active delta`` of one peft LoRA layer (``base``: its adapted tensor ``W``), computed in fp32 into a
+    new tensor: ``scale * B @ A`` for Linear and Embedding, peft's own per-expert delta for a ``ParamWrapper``."""
     from peft.tuners.lora import Embedding
 
-    base = dequantized(layer.get_base_layer().weight)
+    base = dequantized(base)
     merged = base.to(torch.float32, copy=True)
     for adapter in layer.active_adapters:
+        if _is_param_wrapper(layer) and adapter in layer.lora_A:
+            if layer.use_dora.get(adapter) or layer.lora_bias.get(adapter):
+                raise NotImplementedError("merged weights support plain LoRA only (no DoRA, no lora_bias)")
+            merged += layer.get_delta_weight(adapter).float().reshape(merged.shape)
         # A 2-D base with factors in lora_A: peft's Linear and its bitsandbytes variants (lora.bnb.Linear4bit holds
         # its factors the same way without subclassing lora.Linear); conv layers have 3-5-D weights.
-        if adapter in getattr(layer, "lora_A", {}) and merged.dim() == 2:
+        elif adapter in getattr(layer, "lora_A", {}) and merged.dim() == 2:
             if layer.use_dora.get(adapter) or layer.lora_bias.get(adapter):
                 raise NotImplementedError("merged weights support plain LoRA only (no DoRA, no lora_bias)")
             delta = layer.lora_B[adapter].weight.float() @ layer.lora_A[adapter].weight.float()
@@ -130,16 +163,14 @@ def _merged_weight(layer: torch.nn.Module) -> torch.Tensor:
             merged += delta.T * layer.scaling[adapter]
         elif adapter in getattr(layer, "lora_A", {}) or adapter in getattr(layer, "lora_embedding_A", {}):
             raise NotImplementedError(f"merging LoRA into {type(layer).__name__} is not supported; "
-                                      "target Linear or Embedding modules only")
+                                      "target Linear or Embedding modules or parameters only")
     return merged.to(base.dtype)
 
 
 def lora_factors(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:
-    """``{"<layer>.base_layer.weight": [its LoRA parameters]}``: what a merge of that weight reads."""
-    from peft.tuners.lora import LoraLayer
-
-    return {f"{n}.base_layer.weight": [p for pn, p in m.named_parameters() if not pn.startswith("base_layer.")]
-            for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+    """``{state-dict name of an adapted base tensor: [its LoRA parameters]}``: what a merge of that tensor reads."""
+    return {name: [p for pn, p in m.named_parameters() if not pn.startswith("base_layer.")]
+            for name, m in _lora_layers(model).items()}
 
 
 def merge_lora_entries(model: torch.nn.Module,
@@ -148,15 +179,13 @@ def merge_lora_entries(model: torch.nn.Module,
 
     ``entries`` may be any subset of ``model.state_dict(keep_vars=True).items()`` (e.g. deduplicated, bucketed).
     """
-    from peft.tuners.lora import LoraLayer
-
-    layers = {f"{n}.base_layer.weight": m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+    layers = _lora_layers(model)
     for name, tensor in entries:
         target = hf_name(name)
         if target is None:
             continue
         layer = layers.get(name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name)
-        yield target, _merged_weight(layer) if layer is not None else plain_copy(tensor)
+        yield target, _merged_weight(layer, tensor) if layer is not None else plain_copy(tensor)
 
 
 def merged_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -32,10 +32,10 @@ def moe_spec(config: Any) -> MoESpec | None:
     """The routing of a transformers config (object or ``config.json`` dict); None for a dense model.
 
     Qwen3-MoE's ``num_experts`` is an alias of Mixtral's ``num_local_experts`` in transformers' config classes,
-    and a saved ``config.json`` holds either name.
+    and a saved ``config.json`` holds either name; DeepSeek-V2/V3 call it ``n_routed_experts``.
     """
     get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
-    experts = get("num_local_experts") or get("num_experts")
+    experts = get("num_local_experts") or get("num_experts") or get("n_routed_experts")
     top_k = get("num_experts_per_tok")
     if not experts or not top_k:
         return None

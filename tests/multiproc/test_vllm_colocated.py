@@ -125,18 +125,23 @@ def test_colocated_grpo_with_vllm_learns_and_every_sync_reaches_the_engine(tmp_p
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
 
 
-def test_moe_grpo_with_vllm_every_sync_reaches_the_experts(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_moe_grpo_with_vllm_every_sync_reaches_the_experts(tmp_path, lora):
     """A mixture-of-experts actor (tiny Qwen3-MoE): vLLM's CPU experts kernel packs its weights only at start-up,
     so without packing them again after each reload the engine sampled with garbage experts (k3 ~1e-4 from step
-    2 on); and the export has the per-expert checkpoint names, not transformers' fused live ones."""
+    2 on); and the export has the per-expert checkpoint names, not transformers' fused live ones. With LoRA, peft
+    also adapts the fused experts and the router: each sync must merge those adapters too, or the engine samples
+    from other experts than the trainer's (a learning rate high enough to move them)."""
     from safetensors import safe_open
 
     from hpc_rlhf.models.tiny import VLLM_CPU_SIZES, build_tiny_moe_model
 
     model = build_tiny_moe_model(tmp_path / "moe", "qwen3_moe", **VLLM_CPU_SIZES)
+    adapters = ("ds.lora.rank=8", "ds.lora.alpha=16", "actor.learning_rate=2e-2") if lora else ()
     rows = _torchrun("configs/grpo_moe_tiny_cpu.yaml", tmp_path / "run", f"actor.pretrain={model}",
                      "actor.build_tiny=false", "train.max_steps=3", f"data.prompt_data=[{tmp_path / 'arith.jsonl'}]",
-                     "algo.routing_replay=measure")  # vLLM on CPU returns no routes: replay is refused there
+                     "algo.routing_replay=measure",  # vLLM on CPU returns no routes: replay is refused there
+                     *adapters)
     assert [r["step"] for r in rows] == [1, 2, 3]
     _assert_engine_matches_trainer(rows)
     with safe_open(str(tmp_path / "run" / "model" / "model.safetensors"), "pt") as exported:

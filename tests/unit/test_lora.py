@@ -46,6 +46,8 @@ def test_hf_name_mapping():
     assert hf_name("model.layers.0.self_attn.q_proj.lora_A.default.weight") is None
     assert hf_name("score.modules_to_save.default.weight") == "score.weight"
     assert hf_name("score.original_module.weight") is None
+    # peft nests one ParamWrapper per adapted parameter of an MoE experts module
+    assert hf_name("model.layers.0.mlp.experts.base_layer.base_layer.down_proj") == "model.layers.0.mlp.experts.down_proj"
 
 
 def test_only_lora_trainable_and_model_type_kept(tiny_path):
@@ -139,3 +141,24 @@ def test_lora_merge_cli_matches_peft_logits(tiny_path, tmp_path):
         expected = model.eval()(input_ids=ids).logits
         torch.testing.assert_close(peft_model(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_lora_merges_the_expert_and_router_adapters(tmp_path, family):
+    """peft's all-linear also adapts an MoE block's fused 3-D experts and its router weight (``ParamWrapper``):
+    the merged plain weights must carry those deltas, or exports and weight sync drop them silently."""
+    from hpc_rlhf.models.tiny import build_tiny_moe_model
+
+    path = str(build_tiny_moe_model(tmp_path / family, family=family, seed=0))
+    model = _lora_actor(path)
+    adapted = [n for n, p in model.named_parameters() if p.requires_grad and ".mlp." in n]
+    assert any(".experts." in n for n in adapted) and any(".gate." in n for n in adapted), adapted
+    merged = dict(merged_named_tensors(model))
+    plain = _causal(path)
+    assert set(merged) == set(plain.state_dict())
+    base_experts = plain.state_dict()["model.layers.0.mlp.experts.gate_up_proj"]
+    assert not torch.equal(merged["model.layers.0.mlp.experts.gate_up_proj"], base_experts)
+    plain.load_state_dict(merged)
+    ids = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-5)
