@@ -22,6 +22,7 @@ from hpc_rlhf.models.forward import (
     sequence_scores,
 )
 from hpc_rlhf.models.logprobs import logprobs_from_logits
+from hpc_rlhf.models.moe import RouterLogits
 from hpc_rlhf.models.routing_replay import not_recorded, replay_routes
 from hpc_rlhf.models.sequence_parallel import (
     gather_from_sp,
@@ -56,9 +57,15 @@ class MicroForward:
         self.num_actions = rows["action_mask"].shape[1] if "action_mask" in rows else None  # None: RM scoring
         self.router_logits = None  # set by policy_logprobs(with_router=True): the forward's RouterLogits
         routes = rows.get("routed_experts")
-        # (N, L, k): the rollout's routes of the forward's N token positions, aligned with router_logits
-        self.recorded_routes = routes_in_forward_order(routes, self.sequences, self.attention_mask, self.num_actions,
-                                                       packed) if routes is not None and sp is None else None
+        # (N, L, k): the rollout's routes of the forward's N token positions (this rank's chunk under sequence
+        # parallelism), aligned with router_logits
+        self.recorded_routes = None
+        if routes is not None and sp is None:
+            self.recorded_routes = routes_in_forward_order(routes, self.sequences, self.attention_mask,
+                                                           self.num_actions, packed)
+        elif routes is not None:
+            chunk = shard.local(routes, pad_value=not_recorded(routes.dtype))  # (B, S_local, L, k) or (1, N_local..)
+            self.recorded_routes = chunk.reshape(-1, *routes.shape[2:])
 
     @property
     def loss_scale(self) -> float:
@@ -70,8 +77,8 @@ class MicroForward:
                         with_router: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, R) fp32 log-probs of the response tokens, and their entropy when asked (detached when
         ``entropy_grad`` is False: an entropy that is only logged costs no backward). ``with_router`` (MoE
-        models) also keeps the forward's router logits in ``self.router_logits`` (not under sequence
-        parallelism, where each rank routes only its chunk)."""
+        models) also keeps the forward's router logits in ``self.router_logits`` (under sequence parallelism,
+        those of this rank's chunk: reduce over ``self.sp.group``, ``hpc_rlhf.models.moe``)."""
         if self.sp is None:
             router = [] if with_router else None
             out = policy_logprobs(self.model, self.sequences, self.attention_mask, self.num_actions, temperature,
@@ -79,9 +86,10 @@ class MicroForward:
                                   router=router)
             self.router_logits = router[0] if router else None
             return out
-        if with_router:
-            raise ValueError("router logits under sequence parallelism (ds.ring_attn_size > 1) are not supported")
-        logits = sp_token_logits(self.model, self.shard)  # (B, S_local, V), or (1, N_local, V) packed
+        router = [] if with_router else None
+        logits = sp_token_logits(self.model, self.shard, router)  # (B, S_local, V), or (1, N_local, V) packed
+        if router:
+            self.router_logits = self._chunk_router(router[0])
         logprobs = self._gather(logprobs_from_logits(logits, self.shard.labels, temperature))
         entropy = None
         if with_entropy:
@@ -102,6 +110,15 @@ class MicroForward:
             return sequence_scores(self.model, self.sequences, self.attention_mask)
         values = gather_from_sp(sp_token_values(self.model, self.shard), self.shard, self.sp.group)  # (B, T)
         return score_at_last_token(values, self.attention_mask)
+
+    def _chunk_router(self, layers: tuple[torch.Tensor, ...]) -> RouterLogits:
+        """:class:`RouterLogits` of this rank's chunk: its real tokens, and the positions that predict a response
+        token (the full rows' ``_padded_router`` mask, cut like the chunk)."""
+        predicting = torch.zeros_like(self.attention_mask, dtype=torch.bool)
+        predicting[:, -self.num_actions - 1 : -1] = self.attention_mask[:, -self.num_actions:].bool()
+        device = layers[0].device
+        real = (self.shard.segment_ids >= 0).reshape(-1).to(device)
+        return RouterLogits(layers, real, self.shard.local(predicting, pad_value=False).reshape(-1).to(device))
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
         """Per-token outputs of this chunk -> (B, R) action columns of the full rows (differentiable)."""
@@ -146,8 +163,13 @@ def forward_scope(model: torch.nn.Module, rows: dict[str, torch.Tensor], *, pack
         with replay_routes(model, fwd.recorded_routes):
             yield fwd
         return
-    if replay:
-        raise ValueError("routing replay under sequence parallelism (ds.ring_attn_size > 1) is not supported")
     shard = shard_for_sp(rows["sequences"], rows["attention_mask"], sp_rank=sp.rank, sp_size=sp.size, pack=packed)
     with sequence_parallel_attention(model, sp.group, shard, head_stride=sp.head_stride):
-        yield MicroForward(model, rows, packed, sp, shard)
+        fwd = MicroForward(model, rows, packed, sp, shard)
+        if not replay:
+            yield fwd
+            return
+        if fwd.recorded_routes is None:
+            raise ValueError("routing replay: this micro-batch carries no recorded routes (rows['routed_experts'])")
+        with replay_routes(model, fwd.recorded_routes):  # each rank's routers see only its chunk's tokens
+            yield fwd

@@ -18,6 +18,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from hpc_rlhf.algos.moe import (
+    route_mismatch_from_sums,
+    route_mismatch_sums,
+    routing_stats_from_sums,
+    routing_sums,
+    switch_loss,
+    switch_loss_sums,
+)
 
 
 @dataclass(frozen=True)
@@ -97,16 +107,48 @@ def _load_balancing_loss_func(module: torch.nn.Module):
     return fn
 
 
-def load_balancing_loss(module: torch.nn.Module, router: RouterLogits) -> torch.Tensor:
+def load_balancing_loss(module: torch.nn.Module, router: RouterLogits, sp_group: Any = None) -> torch.Tensor:
     """The model's Switch-Transformer load-balancing loss over the real tokens of one forward: 0-dim fp32.
 
     transformers' ``load_balancing_loss_func`` (what the model's own ``aux_loss`` returns for this batch):
     ``E * sum_e f_e * P_e``, with ``f_e`` the fraction of top-k assignments that went to expert ``e`` and
     ``P_e`` the mean router probability of ``e``, both pooled over the MoE layers and the tokens of
     ``router.token_mask``. A mean over this forward's tokens.
+
+    ``sp_group``: the forward is one chunk of a sequence-parallel forward (``router`` holds this rank's tokens):
+    the loss is that of the whole forward, from the chunks' summed assignments and probabilities
+    (``hpc_rlhf.algos.moe.switch_loss``, the same formula), identical on every rank of the group; its gradient
+    reaches this rank's router logits only, so the group's gradients add up to the whole forward's.
     """
     spec = moe_spec(_transformers_model(module).config)
     if spec is None:
         raise TypeError(f"{type(module).__name__} is not a mixture-of-experts model")
-    fn = _load_balancing_loss_func(module)
-    return fn(tuple(router.layers), spec.num_experts, spec.top_k, router.token_mask.long().unsqueeze(0)).float()
+    if sp_group is None:
+        fn = _load_balancing_loss_func(module)
+        return fn(tuple(router.layers), spec.num_experts, spec.top_k, router.token_mask.long().unsqueeze(0)).float()
+    assigned, probability_sum, rows = switch_loss_sums(router.layers, router.token_mask, spec.top_k)
+    local = torch.cat([assigned, probability_sum.detach(), rows[None]])
+    total = local.clone()
+    dist.all_reduce(total, group=sp_group)
+    num_experts = assigned.shape[0]
+    others = (total - local)[num_experts:2 * num_experts]  # the other chunks' probability sums, no gradient here
+    return switch_loss(total[:num_experts], probability_sum + others, total[-1])
+
+
+def routing_statistics(router: RouterLogits, top_k: int, recorded: torch.Tensor | None = None,
+                       sp_group: Any = None) -> dict[str, float]:
+    """``hpc_rlhf.algos.moe.routing_stats`` of a forward's action positions (``router.action_mask``), and with
+    ``recorded`` (N, L, k) routes of the same positions, ``route_mismatch``. With ``sp_group``, those of the
+    whole sequence-parallel forward whose chunk ``router`` (and ``recorded``) hold: the same on every rank."""
+    load, entropy_sum, tokens = routing_sums(router.layers, router.action_mask, top_k)
+    parts = [load.flatten(), entropy_sum, tokens[None]]
+    if recorded is not None:
+        parts.append(route_mismatch_sums(router.layers, recorded, router.action_mask, top_k).to(load.device))
+    flat = torch.cat(parts)
+    if sp_group is not None:
+        dist.all_reduce(flat, group=sp_group)
+    end = load.numel() + entropy_sum.numel() + 1
+    stats = routing_stats_from_sums(flat[:load.numel()].view_as(load), flat[load.numel():end - 1], flat[end - 1])
+    if recorded is not None:
+        stats.update(route_mismatch_from_sums(flat[end:]))
+    return stats

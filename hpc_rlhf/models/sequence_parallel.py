@@ -347,9 +347,17 @@ def sequence_parallel_attention(model: torch.nn.Module, sp_group: dist.ProcessGr
 
 
 # ------------------------------------------------------------------------------------------ forwards
-def sp_token_logits(model: torch.nn.Module, shard: SPShard) -> torch.Tensor:
-    """Logits of this rank's chunk (inside ``sequence_parallel_attention``): (B, S_local, V)."""
-    out = model(input_ids=shard.input_ids, position_ids=shard.position_ids, attention_mask=None, use_cache=False)
+def sp_token_logits(model: torch.nn.Module, shard: SPShard, router: list | None = None) -> torch.Tensor:
+    """Logits of this rank's chunk (inside ``sequence_parallel_attention``): (B, S_local, V).
+
+    ``router``: a list to which an MoE model's router logits of the chunk are appended (a tuple of
+    (B * S_local, E) tensors, one per MoE layer, in the chunk's token order).
+    """
+    kwargs = {"output_router_logits": True} if router is not None else {}
+    out = model(input_ids=shard.input_ids, position_ids=shard.position_ids, attention_mask=None, use_cache=False,
+                **kwargs)
+    if router is not None:
+        router.append(out.router_logits)
     return out.logits
 
 

@@ -72,6 +72,18 @@ def test_grpo_moe_zero3_finishes(assets, tmp_path, family, packed, algo):
         assert all("critic_loss" in r and "kl" in r for r in rows)
 
 
+def test_grpo_moe_sequence_parallel_with_routing_replay(assets, tmp_path):
+    """Ring attention over both ranks (ds.ring_attn_size=2): each rank routes and replays its chunk of the
+    sequence; the load-balancing loss and the routing statistics are the whole forward's
+    (tests/multiproc/test_sequence_parallel.py checks them against the unsplit forward)."""
+    run_on_ranks(_fit, 2, _moe_overrides(assets, tmp_path, "qwen3_moe", "ds.ring_attn_size=2", "train.max_steps=3",
+                                         "algo.routing_replay=rollout"))
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    _check_moe_rows(rows)
+    assert rows[0]["moe/route_mismatch"] == 0.0
+
+
 def _sft(rank, world_size, overrides):
     from hpc_rlhf.config.supervised import load_supervised_config
     from hpc_rlhf.data.synthetic_preference import prepare_supervised_assets
@@ -99,11 +111,13 @@ def test_sft_moe_trains_with_the_aux_loss(assets, tmp_path, zero_stage, packing)
     assert len(rows) == 3 and all(r["aux_loss"] > 0 and "moe/router_entropy" in r for r in rows)
 
 
-@pytest.mark.parametrize("kind,packing", [("dpo", False), ("kto", True), ("rm", False)])
-def test_preference_trainers_train_an_moe_model_under_zero3(tmp_path, kind, packing):
-    """DPO and KTO build their reference after the policy, both under zero.Init: the reference's first forward
-    (the eval at step 0) runs, and every trainer adds the load-balancing loss and logs the routing statistics."""
-    overrides = _supervised_overrides(tmp_path, kind, "model.build_tiny=qwen3_moe", "ds.zero_stage=3",
+@pytest.mark.parametrize("kind,packing,zero_stage", [("dpo", False, 3), ("kto", True, 3), ("rm", False, 3),
+                                                     ("dpo", True, 0)])
+def test_preference_trainers_train_an_moe_model(tmp_path, kind, packing, zero_stage):
+    """Under ZeRO-3, DPO and KTO build their reference after the policy, both under zero.Init: the reference's
+    first forward (the eval at step 0) runs; every trainer adds the load-balancing loss and logs the routing
+    statistics."""
+    overrides = _supervised_overrides(tmp_path, kind, "model.build_tiny=qwen3_moe", f"ds.zero_stage={zero_stage}",
                                       "train.max_steps=3", "loss.aux_loss_coef=0.01",
                                       f"train.packing_samples={str(packing).lower()}")
     run_on_ranks(_fit_supervised, 2, kind, overrides)

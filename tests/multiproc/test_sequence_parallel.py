@@ -193,11 +193,71 @@ def _check_values(rank, world_size, group, ids, mask) -> None:
                 torch.testing.assert_close(fwd.sequence_scores(), expected, **TOL)
 
 
+def _check_moe_router(rank, world_size, group) -> None:
+    """An MoE actor under sequence parallelism: each rank routes its chunk. The load-balancing loss and the routing
+    statistics reduced over the group equal the unsplit forward's (transformers' own loss function there), and the
+    gradients summed over the group equal the unsplit gradients, padded and packed; with routing replay, each rank
+    replays its chunk's recorded routes: the log-probs, ``moe/route_mismatch`` and the gradients are the unsplit
+    replayed forward's."""
+    from hpc_rlhf.algos.moe import not_recorded
+    from hpc_rlhf.models.micro_forward import SequenceParallel, forward_scope
+    from hpc_rlhf.models.moe import load_balancing_loss, routing_statistics
+    from tests.unit.test_moe import _moe_model
+
+    model = _moe_model()
+    torch.manual_seed(3)
+    t, num_actions = 4 * world_size + 3, 4
+    ids = torch.randint(1, 32, (3, t))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[1, -2:] = 0
+    ids = ids * mask
+    action = mask[:, -num_actions:].bool()
+    # recorded routes: 2 distinct experts of 4 per (token, layer), unrecorded on padding
+    routes = torch.rand(3, t, 2, 4).argsort(dim=-1)[..., :2].to(torch.uint8)
+    routes[~mask.bool()] = not_recorded(torch.uint8)
+    for replay in (False, True):
+        rows = {"sequences": ids, "attention_mask": mask, "action_mask": action,
+                **({"routed_experts": routes} if replay else {})}
+        params = [p for p in model.parameters() if p.requires_grad]
+        model.zero_grad()
+        with forward_scope(model, rows, replay=replay) as fwd:
+            lp, _ = fwd.policy_logprobs(with_router=True)
+            expected = load_balancing_loss(model, fwd.router_logits)
+            expected_stats = routing_statistics(fwd.router_logits, 2, fwd.recorded_routes)
+            (expected + lp[action].sum()).backward()
+        expected_lp = lp.detach()
+        params = [p for p in params if p.grad is not None]
+        assert any(p.grad.abs().sum() > 0 for p in params)
+        expected_grads = [p.grad.clone() for p in params]
+        assert ("moe/route_mismatch" in expected_stats) == replay
+        for packed in (False, True):
+            model.zero_grad()
+            sp = SequenceParallel(group, rank, world_size)
+            with forward_scope(model, rows, packed=packed, sp=sp, replay=replay) as fwd:
+                lp, _ = fwd.policy_logprobs(with_router=True)
+                aux = load_balancing_loss(model, fwd.router_logits, sp_group=group)
+                stats = routing_statistics(fwd.router_logits, 2, fwd.recorded_routes, sp_group=group)
+                (aux + lp[action].sum()).backward()  # replicated: each rank back-propagates through its chunk
+            torch.testing.assert_close(aux.detach(), expected.detach(), **TOL)
+            torch.testing.assert_close(lp[action].detach(), expected_lp[action], **TOL)
+            assert stats.keys() == expected_stats.keys()
+            for key, value in expected_stats.items():
+                assert stats[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+            for p, ref in zip(params, expected_grads, strict=True):
+                dist.all_reduce(p.grad, group=group)
+                # sums of O(1) log-prob gradients over up to 4 chunks in another order: fp32 rounding ~1e-5
+                torch.testing.assert_close(p.grad, ref, rtol=1e-4, atol=1e-4)
+
+
 def _all_checks(rank: int, world_size: int) -> bool:
     # torch was imported before spawn.py set OMP_NUM_THREADS: without this, 4 ranks x 2 threads on 2 cores
     # spin against each other and the test is ~10x slower.
     torch.set_num_threads(1)
-    return _ring_attention_ranks(rank, world_size) and _llama_ranks(rank, world_size)
+    if not (_ring_attention_ranks(rank, world_size) and _llama_ranks(rank, world_size)):
+        return False
+    _check_moe_router(rank, world_size, dist.new_group(list(range(world_size))))
+    return True
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -150,3 +150,26 @@ def test_total_loss_weights_the_aux_loss_by_the_token_share():
 def test_aux_loss_coef_is_refused_for_a_dense_actor():
     with pytest.raises(ValueError, match="algo.aux_loss_coef=0.01.*not a mixture-of-experts"):
         _train(_model(), 0.01)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_switch_loss_from_sums_is_transformers_loss_and_chunks_add_up(family):
+    """Under sequence parallelism the load-balancing loss is built from sums the chunks add up
+    (``switch_loss_sums``): over a whole forward it equals the model family's own ``load_balancing_loss_func``,
+    and split into chunks it gives the same loss and statistics."""
+    import importlib
+
+    from hpc_rlhf.algos.moe import routing_stats_from_sums, routing_sums, switch_loss, switch_loss_sums
+
+    own = importlib.import_module(f"transformers.models.{family}.modeling_{family}").load_balancing_loss_func
+    gen = torch.Generator().manual_seed(0)
+    layers = tuple(torch.randn(11, 4, generator=gen) for _ in range(3))
+    mask = torch.tensor([True] * 8 + [False, True, False])
+    whole = switch_loss(*switch_loss_sums(layers, mask, 2))
+    assert float(whole) == pytest.approx(float(own(layers, 4, 2, mask.long()[None])), rel=1e-6)
+    halves = [switch_loss_sums(tuple(x[part] for x in layers), mask[part], 2) for part in (slice(0, 5), slice(5, 11))]
+    added = [a + b for a, b in zip(*halves)]
+    assert float(switch_loss(*added)) == pytest.approx(float(whole), rel=1e-6)
+    stats = [routing_sums(tuple(x[part] for x in layers), mask[part], 2) for part in (slice(0, 5), slice(5, 11))]
+    chunked = routing_stats_from_sums(*[a + b for a, b in zip(*stats)])
+    assert chunked == pytest.approx(routing_stats(layers, mask, 2), rel=1e-6)

@@ -84,9 +84,6 @@ def check_routing_replay(cfg: RunConfig) -> None:
                              "rollout.backend=transformers, or algo.routing_replay=none")
         log.warning("%s with rollout.backend=vllm: vLLM's routed experts (enable_return_routed_experts) feed the "
                     "replay; this path has not been exercised by the project's tests (no GPU there)", key)
-    if cfg.ds.ring_attn_size > 1:
-        raise SetupError(f"{key} with ds.ring_attn_size={cfg.ds.ring_attn_size}: each rank routes only its chunk of "
-                         "the sequence; routing replay under sequence parallelism is not supported")
 
 
 def records_routes(cfg: RunConfig) -> bool:

@@ -26,15 +26,13 @@ from hpc_rlhf.algos import (
     policy_loss,
     rollout_importance_weights,
     rollout_mismatch_kl,
-    route_mismatch,
-    routing_stats,
     token_share,
     total_loss,
     value_loss,
 )
 from hpc_rlhf.config.schema import AlgoConfig, DeepSpeedConfig, RolloutConfig, TrainConfig
 from hpc_rlhf.models.micro_forward import SequenceParallel, forward_scope
-from hpc_rlhf.models.moe import MoESpec, load_balancing_loss, moe_spec
+from hpc_rlhf.models.moe import MoESpec, load_balancing_loss, moe_spec, routing_statistics
 from hpc_rlhf.trainers.rl.row_layout import Batching, split_to_count
 from hpc_rlhf.trainers.rl.step_batch import StepBatch, TrainShard
 
@@ -174,12 +172,11 @@ def _moe_terms(engine: Any, fwd: Any, moe: MoESpec, mask: torch.Tensor, counts: 
     splitting a mini-batch into more micro-batches does not multiply its weight.
     """
     router = fwd.router_logits
-    aux = load_balancing_loss(engine.module, router)
+    sp_group = fwd.sp.group if fwd.sp is not None else None  # the chunks of one forward: reduced over the group
+    aux = load_balancing_loss(engine.module, router, sp_group)
     weight = token_share(mask.sum(), counts["global_num_tokens"], counts["dp_size"])
     stats["aux_loss_share"].append(float(aux.detach() * weight))
-    routing = routing_stats(router.layers, router.action_mask, moe.top_k)
-    if fwd.recorded_routes is not None:
-        routing.update(route_mismatch(router.layers, fwd.recorded_routes, router.action_mask, moe.top_k))
+    routing = routing_statistics(router, moe.top_k, fwd.recorded_routes, sp_group)
     for k, v in routing.items():
         stats[k].append(v)
     return aux, weight
@@ -237,21 +234,16 @@ def _actor_micro_step(engine: Any, fwd: Any, rows: StepBatch, counts: dict[str, 
     return step_info
 
 
-def actor_moe_spec(engine: Any, algo: AlgoConfig, sp: SequenceParallel | None) -> MoESpec | None:
-    """The actor's routing when its router logits are read (an MoE model, not sequence-parallel), else None.
+def actor_moe_spec(engine: Any, algo: AlgoConfig) -> MoESpec | None:
+    """The actor's routing when it is an MoE model (its router logits are then read), else None.
 
     Raises:
-        ValueError: ``algo.aux_loss_coef`` > 0 for a dense actor, or under sequence parallelism.
+        ValueError: ``algo.aux_loss_coef`` > 0 for a dense actor.
     """
     moe = moe_spec(engine.module.config)
     if algo.aux_loss_coef > 0 and moe is None:
         raise ValueError(f"algo.aux_loss_coef={algo.aux_loss_coef}: the actor ({type(engine.module).__name__}) is "
                          "not a mixture-of-experts model, so it has no load-balancing loss; set algo.aux_loss_coef=0")
-    if sp is not None:
-        if algo.aux_loss_coef > 0:
-            raise ValueError(f"algo.aux_loss_coef={algo.aux_loss_coef} with ds.ring_attn_size > 1: each rank routes "
-                             "only its chunk of the sequence; set algo.aux_loss_coef=0 or ds.ring_attn_size=1")
-        return None  # routing statistics are not logged under sequence parallelism
     return moe
 
 
@@ -268,7 +260,7 @@ def train_actor(engine: Any, shard: TrainShard, algo: AlgoConfig, settings: Upda
     """
     stats: dict[str, list[float]] = defaultdict(list)
     engine.train()
-    moe = actor_moe_spec(engine, algo, sp)
+    moe = actor_moe_spec(engine, algo)
     replay = moe is not None and algo.routing_replay == "rollout"
     for mb_index, rows, _num_micro, last in _updates(shard, settings, engine.dp_group):
         counts = {"global_num_tokens": shard.num_tokens[mb_index], "global_num_seqs": shard.num_seqs[mb_index],
