@@ -47,7 +47,8 @@ def test_hf_name_mapping():
     assert hf_name("score.modules_to_save.default.weight") == "score.weight"
     assert hf_name("score.original_module.weight") is None
     # peft nests one ParamWrapper per adapted parameter of an MoE experts module
-    assert hf_name("model.layers.0.mlp.experts.base_layer.base_layer.down_proj") == "model.layers.0.mlp.experts.down_proj"
+    nested = "model.layers.0.mlp.experts.base_layer.base_layer.down_proj"
+    assert hf_name(nested) == "model.layers.0.mlp.experts.down_proj"
 
 
 def test_only_lora_trainable_and_model_type_kept(tiny_path):

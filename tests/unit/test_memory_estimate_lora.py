@@ -26,6 +26,7 @@ from hpc_rlhf.planning.lora_memory import (
 from hpc_rlhf.planning.memory_estimate import GIB, activation_bytes, role_memory
 from hpc_rlhf.planning.model_shape import ModelShape
 from hpc_rlhf.world.placement import build_placement
+from tests.unit.saved_activations import saved_elements_per_layer
 
 ROOT = Path(__file__).resolve().parents[2]
 # h 64, q 64, kv 32, i 128, V 100: small enough to build with transformers in milliseconds.
@@ -155,33 +156,20 @@ def test_qlora_adds_one_dequantised_layer_to_the_working_set(tmp_path):
 
 
 def _saved_elements_per_layer(spec: LoraSpec | None) -> float:
-    """Elements autograd saves per token for one more decoder layer (3 vs 2 layers), fp32, training mode."""
+    """Elements autograd saves per token for one more decoder layer, fp32, training mode."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hpc_rlhf.models.lora import apply_lora
 
-    saved = []
-    for layers in (2, 3):  # from layer 1 on every input requires grad (layer 0 may keep less)
-        torch.manual_seed(0)
+    def build(layers: int) -> torch.nn.Module:
         config = LlamaConfig(**{**TINY, "num_hidden_layers": layers})
         config._attn_implementation = "sdpa"
         model = LlamaForCausalLM(config).float()
-        if spec is not None:
-            model = apply_lora(model, LoraConfig(rank=spec.rank, target_modules=sorted(spec.targets),
-                                                 dropout=spec.dropout))
-        model.train()
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        storages: dict[int, int] = {}
+        if spec is None:
+            return model
+        return apply_lora(model, LoraConfig(rank=spec.rank, target_modules=sorted(spec.targets), dropout=spec.dropout))
 
-        def pack(t, storages=storages, params=params):
-            if t.untyped_storage().data_ptr() not in params:
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(input_ids=torch.randint(0, 100, (1, 32)), use_cache=False, logits_to_keep=1)
-        saved.append(sum(storages.values()))
-    return (saved[1] - saved[0]) / 32 / 4
+    return saved_elements_per_layer(build)
 
 
 @pytest.mark.parametrize("targets,dropout", [

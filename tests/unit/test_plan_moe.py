@@ -13,6 +13,7 @@ from hpc_rlhf.cli.plan import plan
 from hpc_rlhf.planning.memory_estimate import activation_bytes, moe_mlp_elements
 from hpc_rlhf.planning.model_shape import ModelShape, ModelSizeError, check_moe_tensor_parallel
 from hpc_rlhf.planning.step_time import forward_flops
+from tests.unit.saved_activations import saved_elements_per_layer
 
 # Public config.json values (the keys that sizing reads).
 QWEN3_30B_A3B = {"hidden_size": 2048, "num_hidden_layers": 48, "intermediate_size": 6144, "vocab_size": 151936,
@@ -172,30 +173,19 @@ def test_unreadable_moe_configs_are_refused_naming_the_key():
 
 
 def _saved_elements_per_sparse_layer(family: str) -> float:
-    """Elements autograd saves per token for one more sparse decoder layer (3 vs 2 layers), fp32, training mode,
-    transformers' default ``grouped_mm`` experts, router logits not asked for (they are outputs, not saved)."""
+    """Elements autograd saves per token for one more sparse decoder layer, fp32, training mode, transformers'
+    default ``grouped_mm`` experts, router logits not asked for (they are outputs, not saved)."""
     import transformers
 
     class_name, kwargs = TINY_MOE[family]
-    saved = []
-    for layers in (2, 3):
-        torch.manual_seed(0)
+
+    def build(layers: int) -> torch.nn.Module:
         config = getattr(transformers, class_name)(**{**kwargs, "num_hidden_layers": layers})
         config._attn_implementation = "sdpa"
         config._experts_implementation = "grouped_mm"
-        model = transformers.AutoModelForCausalLM.from_config(config).float().train()
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        storages: dict[int, int] = {}
+        return transformers.AutoModelForCausalLM.from_config(config).float()
 
-        def pack(t, storages=storages, params=params):
-            if t.untyped_storage().data_ptr() not in params:
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(input_ids=torch.randint(0, 100, (1, 32)), use_cache=False, logits_to_keep=1)
-        saved.append(sum(storages.values()))
-    return (saved[1] - saved[0]) / 32 / 4
+    return saved_elements_per_layer(build)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe_no_bias"])
