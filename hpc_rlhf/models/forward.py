@@ -195,11 +195,17 @@ def action_logits(model: torch.nn.Module, sequences: torch.Tensor, attention_mas
     return out.logits[:, -num_actions - 1 : -1]
 
 
-def _padded_router(layers: tuple[torch.Tensor, ...], attention_mask: torch.Tensor, num_actions: int) -> RouterLogits:
-    """Router logits of a padded (B, P+R) forward: (B*(P+R), E) per layer, row-major like the router's input."""
+def predicting_actions(attention_mask: torch.Tensor, num_actions: int) -> torch.Tensor:
+    """(B, P+R) bool: the positions whose output predicts a real response (action) token of the row."""
     predicting = torch.zeros_like(attention_mask, dtype=torch.bool)
     predicting[:, -num_actions - 1 : -1] = attention_mask[:, -num_actions:].bool()
-    return RouterLogits(layers, attention_mask.bool().reshape(-1), predicting.reshape(-1))
+    return predicting
+
+
+def _padded_router(layers: tuple[torch.Tensor, ...], attention_mask: torch.Tensor, num_actions: int) -> RouterLogits:
+    """Router logits of a padded (B, P+R) forward: (B*(P+R), E) per layer, row-major like the router's input."""
+    return RouterLogits(layers, attention_mask.bool().reshape(-1),
+                        predicting_actions(attention_mask, num_actions).reshape(-1))
 
 
 def _packed_router(layers: tuple[torch.Tensor, ...], pack: PackedActions) -> RouterLogits:

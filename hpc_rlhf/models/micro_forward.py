@@ -18,6 +18,7 @@ from hpc_rlhf.models.forward import (
     logits_entropy,
     pack_actions,
     policy_logprobs,
+    predicting_actions,
     score_at_last_token,
     sequence_scores,
 )
@@ -113,9 +114,8 @@ class MicroForward:
 
     def _chunk_router(self, layers: tuple[torch.Tensor, ...]) -> RouterLogits:
         """:class:`RouterLogits` of this rank's chunk: its real tokens, and the positions that predict a response
-        token (the full rows' ``_padded_router`` mask, cut like the chunk)."""
-        predicting = torch.zeros_like(self.attention_mask, dtype=torch.bool)
-        predicting[:, -self.num_actions - 1 : -1] = self.attention_mask[:, -self.num_actions:].bool()
+        token (cut from the full rows like the chunk)."""
+        predicting = predicting_actions(self.attention_mask, self.num_actions)
         device = layers[0].device
         real = (self.shard.segment_ids >= 0).reshape(-1).to(device)
         return RouterLogits(layers, real, self.shard.local(predicting, pad_value=False).reshape(-1).to(device))
