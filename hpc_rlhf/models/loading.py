@@ -22,7 +22,7 @@ from transformers import (
 
 # resolve_attn_implementation is re-exported: the trainers import it from here.
 from hpc_rlhf.models.kernels import apply_liger_kernel, resolve_attn_implementation  # noqa: F401
-from hpc_rlhf.models.quantization import bnb_4bit_load_kwargs, keep_cpu_numerics_exact
+from hpc_rlhf.models.quantization import bnb_4bit_load_kwargs, keep_cpu_numerics_exact, warn_unquantized_weights
 from hpc_rlhf.models.value_head import check_value_head
 
 
@@ -102,6 +102,7 @@ def _from_pretrained(auto_class, path: str, dtype: torch.dtype, attn_implementat
     model = auto_class.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
     if load_in_4bit:
         keep_cpu_numerics_exact(model)
+        warn_unquantized_weights(model)
     if use_liger_kernel:
         apply_liger_kernel(model)
     return model

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
 from typing import Any
 
 import torch
 from transformers import BitsAndBytesConfig
 
+log = logging.getLogger(__name__)
 QUANTIZED_WEIGHT_TYPES = ("Params4bit",)
 
 
@@ -60,6 +62,26 @@ def keep_cpu_numerics_exact(model: torch.nn.Module) -> torch.nn.Module:
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
     return model
+
+
+def warn_unquantized_weights(model: torch.nn.Module, key: str = "ds.lora.load_in_4bit") -> int:
+    """Log how many of a 4-bit model's parameters bitsandbytes left unquantised beyond embeddings, norms and heads:
+    it quantises ``nn.Linear`` weights only, and transformers 5 holds a mixture-of-experts layer's experts (most of
+    an MoE model) and its router as plain parameters, which then stay in the compute dtype. Returns that count."""
+    quantized = {id(m.weight) for m in model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
+                 and is_quantized(m.weight)}
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    heads = {id(p) for name in ("lm_head", "score") for p in getattr(model, name, torch.nn.Module()).parameters()}
+    left = {n: p for n, p in model.named_parameters()
+            if p.dim() >= 2 and id(p) not in quantized | embeddings | heads}
+    count = sum(p.numel() for p in left.values())
+    if count:
+        total = sum(p.numel() for p in model.parameters() if not is_quantized(p)) + sum(
+            2 * p.numel() for p in model.parameters() if is_quantized(p))  # two 4-bit codes a byte
+        log.warning("%s: bitsandbytes quantises nn.Linear weights only; %d parameters (%.0f%% of the model; e.g. %s) "
+                    "stay in %s: size the memory for them (hpc-rlhf plan counts them)", key, count,
+                    100 * count / max(total, 1), next(iter(left)), next(iter(left.values())).dtype)
+    return count
 
 
 def is_quantized(tensor: torch.Tensor) -> bool:

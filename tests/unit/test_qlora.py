@@ -146,3 +146,22 @@ def test_gather_buckets_size_4bit_weights_as_dequantised(tiny_path):
     assert state_gather._numel_bytes(weight) == 128 * 64 * 4  # what plain_copy hands to the bucket
     plain = quantization.plain_copy(weight)
     assert plain.numel() * plain.element_size() == state_gather._numel_bytes(weight)
+
+
+@needs_bnb
+def test_a_4bit_moe_model_says_which_weights_stay_unquantised(tiny_path, tmp_path, caplog):
+    """bitsandbytes quantises nn.Linear weights only: an MoE model's fused experts and router stay in the compute
+    dtype, and loading says so (a dense model: nothing to say)."""
+    import logging
+
+    from hpc_rlhf.models.tiny import build_tiny_moe_model
+
+    with caplog.at_level(logging.WARNING, logger="hpc_rlhf.models.quantization"):
+        load_causal_lm(tiny_path, torch.float32, load_in_4bit=True)
+    assert "stay in" not in caplog.text
+    moe = build_tiny_moe_model(tmp_path / "moe", family="qwen3_moe")
+    with caplog.at_level(logging.WARNING, logger="hpc_rlhf.models.quantization"):
+        model = load_causal_lm(str(moe), torch.float32, load_in_4bit=True)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp." in n)  # experts and router
+    assert f"{experts} parameters" in caplog.text and "stay in torch.float32" in caplog.text
+    assert quantization.warn_unquantized_weights(model) == experts
