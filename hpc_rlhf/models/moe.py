@@ -42,10 +42,12 @@ def moe_spec(config: Any) -> MoESpec | None:
     """The routing of a transformers config (object or ``config.json`` dict); None for a dense model.
 
     Qwen3-MoE's ``num_experts`` is an alias of Mixtral's ``num_local_experts`` in transformers' config classes,
-    and a saved ``config.json`` holds either name; DeepSeek-V2/V3 call it ``n_routed_experts``.
+    and a saved ``config.json`` holds either name. DeepSeek-V2/V3's ``n_routed_experts`` is not read on purpose:
+    their sigmoid, group-limited routers have no ``load_balancing_loss_func`` in transformers, and the trainers'
+    softmax routing statistics and replay do not describe them (``plan`` sizes them through ``ModelShape``).
     """
     get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
-    experts = get("num_local_experts") or get("num_experts") or get("n_routed_experts")
+    experts = get("num_local_experts") or get("num_experts")
     top_k = get("num_experts_per_tok")
     if not experts or not top_k:
         return None
