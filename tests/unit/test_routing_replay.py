@@ -257,6 +257,11 @@ def test_routing_replay_setup_refusals(one_layer_path, tmp_path):
     with pytest.raises(SetupError, match="not a mixture-of-experts model"):
         check_routing_replay(load_config(None, [f"actor.pretrain={dense}", "algo.routing_replay=rollout"]))
     assert not records_routes(load_config(None, [f"actor.pretrain={dense}"]))
+    deepseek = tmp_path / "deepseek"
+    deepseek.mkdir()
+    (deepseek / "config.json").write_text('{"model_type": "deepseek_v3", "n_routed_experts": 8, "num_experts_per_tok": 2}')
+    with pytest.raises(SetupError, match="DeepSeek-style router"):
+        check_routing_replay(load_config(None, [f"actor.pretrain={deepseek}", "algo.routing_replay=rollout"]))
     with pytest.raises(SetupError, match="without a GPU: vLLM returns routed experts only from its V2 model runner"):
         check_routing_replay(load_config(None, [*moe, "rollout.backend=vllm"]))
     # OpenAI-client agents' rows carry no routes: refused once the agent file shows what it is.

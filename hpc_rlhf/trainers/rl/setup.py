@@ -74,6 +74,9 @@ def check_routing_replay(cfg: RunConfig) -> None:
     if cfg.algo.routing_replay != "rollout":
         return
     key = "algo.routing_replay=rollout"
+    if (local_hf_config(cfg.actor) or {}).get("n_routed_experts"):
+        raise SetupError(f"{key}: actor.pretrain={cfg.actor.pretrain} has a DeepSeek-style router (sigmoid scores, "
+                         "group-limited top-k), which routing replay does not support; set algo.routing_replay=none")
     if not actor_is_moe(cfg):
         raise SetupError(f"{key}: actor.pretrain={cfg.actor.pretrain} is not a mixture-of-experts model, so there "
                          "are no routes to replay; set algo.routing_replay=none")
