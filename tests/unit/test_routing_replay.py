@@ -259,7 +259,8 @@ def test_routing_replay_setup_refusals(one_layer_path, tmp_path):
     assert not records_routes(load_config(None, [f"actor.pretrain={dense}"]))
     deepseek = tmp_path / "deepseek"
     deepseek.mkdir()
-    (deepseek / "config.json").write_text('{"model_type": "deepseek_v3", "n_routed_experts": 8, "num_experts_per_tok": 2}')
+    (deepseek / "config.json").write_text(
+        '{"model_type": "deepseek_v3", "n_routed_experts": 8, "num_experts_per_tok": 2}')
     with pytest.raises(SetupError, match="DeepSeek-style router"):
         check_routing_replay(load_config(None, [f"actor.pretrain={deepseek}", "algo.routing_replay=rollout"]))
     with pytest.raises(SetupError, match="without a GPU: vLLM returns routed experts only from its V2 model runner"):
