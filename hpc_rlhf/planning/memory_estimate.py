@@ -55,16 +55,20 @@ from dataclasses import dataclass, field
 from hpc_rlhf.config.schema import DeepSpeedConfig, RunConfig, resolved_param_dtype
 from hpc_rlhf.config.supervised import SupervisedRunConfig
 from hpc_rlhf.planning.lora_memory import (
+    ROUTER_PROB_BYTES,
     LoraSpec,
     dequantize_transient_bytes,
+    expert_targets,
     largest_lora_tensor,
     lora_layer_elements,
+    lora_merged_elements,
     lora_params,
+    lora_sparse_layer_elements,
     nf4_bytes,
+    quantized_linear_count,
     quantized_linear_params,
 )
 from hpc_rlhf.planning.model_shape import (
-    LAYER_PROJECTIONS,
     ModelShape,
     ModelSizeError,
     local_hf_config,
@@ -168,9 +172,6 @@ def model_state_bytes(num_params: float, *, param_bytes: int, zero_stage: int, d
     return out
 
 
-ROUTER_PROB_BYTES = 4  # transformers' routers softmax their logits in fp32 (Qwen2/3-MoE, Mixtral)
-
-
 def moe_mlp_elements(shape: ModelShape, act_bytes: int) -> float:
     """Elements (of the activation dtype) autograd saves per token in the MLP of one sparse layer.
 
@@ -205,7 +206,9 @@ def activation_bytes(shape: ModelShape, *, tokens: int, logit_tokens: int, act_b
     forward also returns the router logits of every sparse layer (``E`` a token each, in the activation dtype;
     the trainers ask for them: routing metrics, load-balancing loss), kept until the loss whether or not the
     layers are checkpointed. The load-balancing loss's own softmax over them (``algo.aux_loss_coef > 0``) is not
-    counted. Under LoRA the dense formula stands (the fused experts take no adapters).
+    counted. Under LoRA the dense layers save :func:`lora_layer_elements`, the sparse ones
+    :func:`lora_sparse_layer_elements`, and the merged copies of adapted fused experts (peft's ``ParamWrapper``)
+    are saved per sparse layer whatever the token count, plus one of their gradients (:func:`lora_merged_elements`).
     """
     h = shape.hidden_size
     eager = shape.num_heads / tp * eager_seq_len if eager_seq_len else 0
@@ -221,18 +224,25 @@ def activation_bytes(shape: ModelShape, *, tokens: int, logit_tokens: int, act_b
     head_input = 0.0
     router_logits = sparse * shape.num_experts
     layers = (shape.num_layers - sparse) * dense_layer + sparse * sparse_layer
+    merged = 0.0
     if lora is not None:
-        largest_layer = lora_layer_elements(shape, lora, tp=tp, dropout_mask_elems=1 / act_bytes if on_gpu else 1.0)
-        largest_layer += eager
-        layers = largest_layer * shape.num_layers
+        mask = 1 / act_bytes if on_gpu else 1.0
+        dense_layer = lora_layer_elements(shape, lora, tp=tp, dropout_mask_elems=mask) + eager
+        if sparse:
+            sparse_layer = lora_sparse_layer_elements(shape, lora, act_bytes, dropout_mask_elems=mask) + eager
+        largest_layer = max(dense_layer if sparse < shape.num_layers else 0.0, sparse_layer if sparse else 0.0)
+        layers = (shape.num_layers - sparse) * dense_layer + sparse * sparse_layer
         final_norm = h
         if "lm_head" in lora.targets:  # the LM head's (kept positions') input and lora_A output
             head_input = logit_tokens * (h + lora.rank) * act_bytes
+        per_layer, largest_merged = lora_merged_elements(shape, lora)
+        if per_layer:  # merged expert weights: every sparse layer's, or the recomputed one's; one gradient
+            merged = (per_layer * (1 if gradient_checkpointing else sparse) + largest_merged) * act_bytes
     saved_per_token = h * shape.num_layers + largest_layer if gradient_checkpointing else layers
     saved_per_token += final_norm + router_logits
     upcast = LOGITS_BYTES + (act_bytes if act_bytes != LOGITS_BYTES else 0)
     logits = logit_tokens * shape.vocab_size * (upcast + LOGITS_BACKWARD_COPIES * LOGITS_BYTES)
-    return tokens * saved_per_token * act_bytes + logits + head_input
+    return tokens * saved_per_token * act_bytes + logits + head_input + merged
 
 
 def micro_batch_tokens(cfg: RunConfig, role: str) -> int:
@@ -283,7 +293,7 @@ def estimate_role(role: str, shape: ModelShape, num_params: int, ds: DeepSpeedCo
     states = model_state_bytes(params, param_bytes=p, zero_stage=stage, dp=zero_ranks, trainable=trainable,
                                adam_offload=ds.adam_offload, on_gpu=on_gpu, largest_tensor_params=largest,
                                lora_params=adapters, quantized_params=q_params,
-                               quantized_tensors=len(LAYER_PROJECTIONS) * shape.num_layers if quantized else 0)
+                               quantized_tensors=quantized_linear_count(shape) if quantized else 0)
     if not trainable and offload:
         states["weights"] = 0.0
     local_tokens = math.ceil(tokens / sp)
@@ -298,6 +308,9 @@ def estimate_role(role: str, shape: ModelShape, num_params: int, ds: DeepSpeedCo
         notes.append(f"LoRA r={lora.rank}: {_count(adapters)} trainable")
         if lora.ignored:
             notes.append(f"LoRA targets not counted: {', '.join(lora.ignored)}")
+        if lora.dropout > 0 and expert_targets(shape, lora):
+            # peft's ParamWrapper (the fused experts and router) raises for lora_dropout != 0.
+            notes.append("peft refuses ds.lora.dropout > 0 on the fused MoE experts: set ds.lora.dropout=0")
     if quantized:
         notes.append(f"4-bit base: {_count(q_params)} params NF4")
     if value_model and shape.lm_head_params:

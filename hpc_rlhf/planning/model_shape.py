@@ -29,6 +29,9 @@ from hpc_rlhf.config.schema import ModelRole, RunConfig
 
 # The projections of a Llama / Qwen / Mistral decoder layer, by module name (what peft's target_modules match).
 LAYER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_PROJECTIONS, MLP_PROJECTIONS = LAYER_PROJECTIONS[:4], LAYER_PROJECTIONS[4:]
+# DeepSeek's multi-head latent attention (``q_proj`` instead of the first two without a query rank).
+MLA_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 class ModelSizeError(ValueError):
@@ -76,6 +79,9 @@ class ModelShape:
     """MLA: the rotary part of ``head_dim`` (``head_dim`` = ``qk_nope_head_dim + qk_rope_head_dim``)."""
     v_head_dim: int = 0
     """MLA: value head size (``head_dim`` otherwise)."""
+    model_type: str = ""
+    """``config.json``'s ``model_type``: which MoE blocks peft adapts under LoRA depends on it
+    (``hpc_rlhf.planning.lora_memory``)."""
 
     @classmethod
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> ModelShape:
@@ -107,7 +113,7 @@ class ModelShape:
             attention = {**attention, **_mla_fields(cfg, heads)}
         return cls(hidden_size=hidden, num_layers=layers, intermediate_size=intermediate, vocab_size=vocab,
                    num_heads=heads, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), source=source,
-                   **attention, **moe)
+                   model_type=model_type, **attention, **moe)
 
     @property
     def is_moe(self) -> bool:
@@ -179,6 +185,18 @@ class ModelShape:
         h, q, kv, i = self.hidden_size, self.q_dim, self.kv_dim, self.intermediate_size
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def attention_projection_dims(self) -> dict[str, tuple[int, int]]:
+        """``{module name: (in_features, out_features)}`` of one layer's attention linears: q/k/v/o, or MLA's
+        ``q_a_proj`` / ``q_b_proj`` (``q_proj`` without a query rank), ``kv_a_proj_with_mqa``, ``kv_b_proj``,
+        ``o_proj`` (see :meth:`_mla_params`)."""
+        if not self.is_mla:
+            return {m: d for m, d in self.projection_dims().items() if m in ATTENTION_PROJECTIONS}
+        h, n, qk, rope, v = self.hidden_size, self.num_heads, self.head_dim, self.qk_rope_head_dim, self.v_head_dim
+        qr, kvr = self.q_lora_rank, self.kv_lora_rank
+        q = {"q_a_proj": (h, qr), "q_b_proj": (qr, n * qk)} if qr else {"q_proj": (h, n * qk)}
+        return {**q, "kv_a_proj_with_mqa": (h, kvr + rope), "kv_b_proj": (kvr, n * (qk - rope + v)),
+                "o_proj": (n * v, h)}
 
     @property
     def lm_head_params(self) -> int:

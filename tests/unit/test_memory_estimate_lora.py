@@ -41,8 +41,10 @@ def _spec(rank=16, targets=("all-linear",), dropout=0.0, load_in_4bit=False) -> 
 
 
 def test_target_names():
+    # all-linear: the Llama projections, MLA's, and the MoE router / shared-expert gate / Mixtral's v4 expert names
     assert lora_target_names(["all-linear"])[0] == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                     "down_proj"}
+                                                     "down_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                                                     "kv_b_proj", "gate", "shared_expert_gate", "w1", "w2", "w3"}
     assert lora_target_names(["q_proj", "self_attn.v_proj", "lm_head", "qkv"]) == (
         frozenset({"q_proj", "v_proj", "lm_head"}), ("qkv",))
     assert LoraSpec.from_config(LoraConfig(rank=0)) is None
