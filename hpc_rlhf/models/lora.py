@@ -77,7 +77,15 @@ def apply_lora(model: torch.nn.Module, lora_cfg: LoraSettings, task_type: str | 
     )
     # get_peft_model injects the LoRA layers into ``model`` itself; the wrapper is dropped on purpose (the
     # adapter config stays reachable as ``model.peft_config`` for save_adapter).
-    model = get_peft_model(model, peft_cfg).base_model.model
+    try:
+        model = get_peft_model(model, peft_cfg).base_model.model
+    except ValueError as err:
+        if "ParamWrapper" in str(err) and "dropout" in str(err):
+            raise ValueError(f"ds.lora.dropout={lora_cfg.dropout}: peft adapts this mixture-of-experts model's fused "
+                             "expert weights (ParamWrapper), which take no LoRA dropout; set ds.lora.dropout=0, or "
+                             "list ds.lora.target_modules without the experts (e.g. [q_proj, k_proj, v_proj, "
+                             "o_proj])") from err
+        raise
     _check_tied_output_not_adapted(model)
     return model
 

@@ -163,3 +163,13 @@ def test_moe_lora_merges_the_expert_and_router_adapters(tmp_path, family):
     ids = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(plain(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_moe_lora_with_dropout_names_the_key(tmp_path):
+    from hpc_rlhf.models.tiny import build_tiny_moe_model
+
+    path = str(build_tiny_moe_model(tmp_path / "moe", family="qwen3_moe", seed=0))
+    with pytest.raises(ValueError, match=r"ds.lora.dropout=0.1: peft adapts this mixture-of-experts model"):
+        apply_lora(_causal(path), LoraConfig(rank=4, dropout=0.1))
+    attention_only = apply_lora(_causal(path), LoraConfig(rank=4, dropout=0.1, target_modules=["q_proj", "v_proj"]))
+    assert not any(".mlp." in n for n, p in attention_only.named_parameters() if p.requires_grad)
