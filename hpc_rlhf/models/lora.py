@@ -155,21 +155,20 @@ def _merged_weight(layer: torch.nn.Module, base: torch.Tensor) -> torch.Tensor:
     base = dequantized(base)
     merged = base.to(torch.float32, copy=True)
     for adapter in layer.active_adapters:
-        if _is_param_wrapper(layer) and adapter in layer.lora_A:
-            if layer.use_dora.get(adapter) or layer.lora_bias.get(adapter):
-                raise NotImplementedError("merged weights support plain LoRA only (no DoRA, no lora_bias)")
-            merged += layer.get_delta_weight(adapter).float().reshape(merged.shape)
+        factored = adapter in getattr(layer, "lora_A", {})
+        if factored and (layer.use_dora.get(adapter) or layer.lora_bias.get(adapter)):
+            raise NotImplementedError("merged weights support plain LoRA only (no DoRA, no lora_bias)")
+        if factored and _is_param_wrapper(layer):
+            merged += layer.get_delta_weight(adapter).float()
         # A 2-D base with factors in lora_A: peft's Linear and its bitsandbytes variants (lora.bnb.Linear4bit holds
         # its factors the same way without subclassing lora.Linear); conv layers have 3-5-D weights.
-        elif adapter in getattr(layer, "lora_A", {}) and merged.dim() == 2:
-            if layer.use_dora.get(adapter) or layer.lora_bias.get(adapter):
-                raise NotImplementedError("merged weights support plain LoRA only (no DoRA, no lora_bias)")
+        elif factored and merged.dim() == 2:
             delta = layer.lora_B[adapter].weight.float() @ layer.lora_A[adapter].weight.float()
             merged += (delta.T if getattr(layer, "fan_in_fan_out", False) else delta) * layer.scaling[adapter]
         elif isinstance(layer, Embedding) and adapter in layer.lora_embedding_A:
             delta = layer.lora_embedding_B[adapter].float() @ layer.lora_embedding_A[adapter].float()
             merged += delta.T * layer.scaling[adapter]
-        elif adapter in getattr(layer, "lora_A", {}) or adapter in getattr(layer, "lora_embedding_A", {}):
+        elif factored or adapter in getattr(layer, "lora_embedding_A", {}):
             raise NotImplementedError(f"merging LoRA into {type(layer).__name__} is not supported; "
                                       "target Linear or Embedding modules or parameters only")
     return merged.to(base.dtype)

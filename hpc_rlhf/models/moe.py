@@ -54,6 +54,20 @@ def moe_spec(config: Any) -> MoESpec | None:
     return MoESpec(int(experts), int(top_k))
 
 
+def trained_moe_spec(module: torch.nn.Module, aux_loss_coef: float, key: str) -> MoESpec | None:
+    """The routing of a model being trained, whose router logits are then read for the load-balancing loss and the
+    routing statistics; None for a dense model.
+
+    Raises:
+        ValueError: ``aux_loss_coef`` (the config option ``key``) > 0 for a dense model.
+    """
+    spec = moe_spec(_transformers_model(module).config)
+    if spec is None and aux_loss_coef > 0:
+        raise ValueError(f"{key}={aux_loss_coef}: {type(module).__name__} is not a mixture-of-experts model, so it "
+                         f"has no load-balancing loss; set {key}=0")
+    return spec
+
+
 def _transformers_model(module: torch.nn.Module) -> torch.nn.Module:
     """The transformers model inside a peft wrapper (or ``module`` itself)."""
     get_base = getattr(module, "get_base_model", None)

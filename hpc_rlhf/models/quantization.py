@@ -68,12 +68,10 @@ def warn_unquantized_weights(model: torch.nn.Module, key: str = "ds.lora.load_in
     """Log how many of a 4-bit model's parameters bitsandbytes left unquantised beyond embeddings, norms and heads:
     it quantises ``nn.Linear`` weights only, and transformers 5 holds a mixture-of-experts layer's experts (most of
     an MoE model) and its router as plain parameters, which then stay in the compute dtype. Returns that count."""
-    quantized = {id(m.weight) for m in model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
-                 and is_quantized(m.weight)}
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     heads = {id(p) for name in ("lm_head", "score") for p in getattr(model, name, torch.nn.Module()).parameters()}
     left = {n: p for n, p in model.named_parameters()
-            if p.dim() >= 2 and id(p) not in quantized | embeddings | heads}
+            if p.dim() >= 2 and not is_quantized(p) and id(p) not in embeddings | heads}
     count = sum(p.numel() for p in left.values())
     if count:
         total = sum(p.numel() for p in model.parameters() if not is_quantized(p)) + sum(

@@ -10,6 +10,7 @@ deepspeed is imported lazily inside the functions that need it, so importing thi
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Iterator
 
@@ -160,12 +161,12 @@ def write_hf_folder(module: torch.nn.Module, buckets: Iterator[list[tuple[str, t
     """
     state_dict: dict[str, torch.Tensor] = {}
     first = is_first_rank_of_role(dp_group, tp_group)
-    entries = ((name, tensor.cpu()) for bucket in buckets for name, tensor in bucket)  # exhausted on every rank
-    if first:  # under the checkpoint names (split experts) that vLLM and other readers load
-        state_dict.update(to_checkpoint_names(module, entries))
+    if first:  # under the checkpoint names (split experts) that vLLM and other readers load; copied to the host
+        # inside each bucket's gather (under ZeRO-3 a gathered tensor is released when its bucket ends)
+        state_dict.update(to_checkpoint_names(module, ((name, tensor.cpu()) for bucket in buckets
+                                                       for name, tensor in bucket)))
     else:
-        for _ in entries:
-            pass
+        collections.deque(buckets, maxlen=0)  # exhausted on every rank: the gathers are collective
     if first:
         # Written without module.save_pretrained: under ZeRO-3 transformers would try to gather the
         # (already gathered) parameters collectively from this one rank and hang.

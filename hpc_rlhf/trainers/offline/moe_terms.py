@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from hpc_rlhf.algos import routing_stats, token_share
-from hpc_rlhf.models.moe import MoESpec, RouterLogits, load_balancing_loss, moe_spec
+from hpc_rlhf.models.moe import MoESpec, RouterLogits, load_balancing_loss, trained_moe_spec
 
 TOKENS = "moe_tokens"  # the statistics' weight: input tokens of the micro-batches that routed
 
@@ -36,13 +36,8 @@ class MoETerms:
         Raises:
             ValueError: ``loss.aux_loss_coef`` > 0 for a dense model.
         """
-        spec = moe_spec(getattr(module, "config", None) or {})
-        if spec is None:
-            if aux_loss_coef > 0:
-                raise ValueError(f"loss.aux_loss_coef={aux_loss_coef}: {type(module).__name__} is not a "
-                                 "mixture-of-experts model, so it has no load-balancing loss; set loss.aux_loss_coef=0")
-            return None
-        return cls(module, spec, aux_loss_coef)
+        spec = trained_moe_spec(module, aux_loss_coef, "loss.aux_loss_coef")
+        return cls(module, spec, aux_loss_coef) if spec is not None else None
 
     def start_micro(self) -> None:
         """A train micro-batch begins: the next :meth:`sink` collects its trained forward's router logits."""

@@ -32,7 +32,7 @@ from hpc_rlhf.algos import (
 )
 from hpc_rlhf.config.schema import AlgoConfig, DeepSpeedConfig, RolloutConfig, TrainConfig
 from hpc_rlhf.models.micro_forward import SequenceParallel, forward_scope
-from hpc_rlhf.models.moe import MoESpec, load_balancing_loss, moe_spec, routing_statistics
+from hpc_rlhf.models.moe import MoESpec, load_balancing_loss, routing_statistics, trained_moe_spec
 from hpc_rlhf.trainers.rl.row_layout import Batching, split_to_count
 from hpc_rlhf.trainers.rl.step_batch import StepBatch, TrainShard
 
@@ -234,19 +234,6 @@ def _actor_micro_step(engine: Any, fwd: Any, rows: StepBatch, counts: dict[str, 
     return step_info
 
 
-def actor_moe_spec(engine: Any, algo: AlgoConfig) -> MoESpec | None:
-    """The actor's routing when it is an MoE model (its router logits are then read), else None.
-
-    Raises:
-        ValueError: ``algo.aux_loss_coef`` > 0 for a dense actor.
-    """
-    moe = moe_spec(engine.module.config)
-    if algo.aux_loss_coef > 0 and moe is None:
-        raise ValueError(f"algo.aux_loss_coef={algo.aux_loss_coef}: the actor ({type(engine.module).__name__}) is "
-                         "not a mixture-of-experts model, so it has no load-balancing loss; set algo.aux_loss_coef=0")
-    return moe
-
-
 def train_actor(engine: Any, shard: TrainShard, algo: AlgoConfig, settings: UpdateSettings, dp_size: int,
                 sp: SequenceParallel | None = None) -> dict[str, float]:
     """PPO-family actor update on this rank's shard; returns mean stats over its micro-batches.
@@ -260,7 +247,7 @@ def train_actor(engine: Any, shard: TrainShard, algo: AlgoConfig, settings: Upda
     """
     stats: dict[str, list[float]] = defaultdict(list)
     engine.train()
-    moe = actor_moe_spec(engine, algo)
+    moe = trained_moe_spec(engine.module, algo.aux_loss_coef, "algo.aux_loss_coef")  # None: a dense actor
     replay = moe is not None and algo.routing_replay == "rollout"
     for mb_index, rows, _num_micro, last in _updates(shard, settings, engine.dp_group):
         counts = {"global_num_tokens": shard.num_tokens[mb_index], "global_num_seqs": shard.num_seqs[mb_index],
