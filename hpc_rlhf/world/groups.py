@@ -105,6 +105,7 @@ class RoleGroups:
     tp_group: dist.ProcessGroup | None = None
     sp_group: dist.ProcessGroup | None = None
     dp_sp_group: dist.ProcessGroup | None = None  # ZeRO's group: dp x sp ranks with this rank's tp index
+    replica_group: dist.ProcessGroup | None = None  # tp x sp ranks of this rank's dp replica (its leader first)
     dp_leaders: tuple[int, ...] = ()
     dp_rank_of: dict[int, int] = field(default_factory=dict)  # global rank -> dp rank in this role
 
@@ -135,11 +136,22 @@ def _new_group(ranks: tuple[int, ...], rank: int, cache: dict) -> dist.ProcessGr
     return cache[key] if rank in key else None
 
 
+def replica_groups(grid: RoleGrid) -> list[tuple[int, ...]]:
+    """The ranks of each data-parallel replica (tp x sp of them), where the controller channel broadcasts a shard
+    from the replica's leader. Where sp or tp is 1 they are the tp or sp groups (the same process groups:
+    ``_new_group`` makes one per set of ranks), so only layouts with both create new ones."""
+    by_dp: dict[int, list[int]] = {}
+    for rank in grid.ranks:
+        by_dp.setdefault(grid.dp_rank(rank), []).append(rank)
+    return [tuple(by_dp[dp]) for dp in sorted(by_dp)]
+
+
 def _grid_subgroups(grid: RoleGrid, rank: int, cache: dict) -> dict[str, dist.ProcessGroup]:
-    """This rank's dp / tp / sp / dp x sp groups of ``grid`` (collective: every rank creates every group)."""
+    """This rank's dp / tp / sp / dp x sp / replica groups of ``grid`` (collective: every rank creates every group)."""
     mine = {}
     for attr, subgroups in (("dp_group", grid.dp_groups), ("tp_group", grid.tp_groups),
-                            ("sp_group", grid.sp_groups), ("dp_sp_group", grid.dp_sp_groups)):
+                            ("sp_group", grid.sp_groups), ("dp_sp_group", grid.dp_sp_groups),
+                            ("replica_group", replica_groups(grid))):
         for members in subgroups:
             handle = _new_group(members, rank, cache)
             if handle is not None:
