@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device of the step-time model (docs/step_time.md; GPU numbers are assumptions with "
                         "sources, cpu is measured); default h100")
     p.add_argument("--interconnect-gbps", type=float,
-                   help="GB/s (bytes) per rank of collectives and the weight sync; default: the device's NVLink "
-                        "inside one node, its network across nodes")
+                   help="GB/s (bytes) per rank of collectives, the weight sync and rank 0's controller traffic (the "
+                        "step's batches it sends and receives); default: the device's NVLink inside one node, its "
+                        "network across nodes")
     p.add_argument("--fs-gbps", type=float, help="GB/s (bytes) of checkpoint writes and reads for the whole job; "
                                                  "default: the device's conservative figure")
     p.add_argument("--sbatch", help="an sbatch file whose #SBATCH --time and --signal=USR1@<grace> are checked")

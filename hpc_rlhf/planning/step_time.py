@@ -17,6 +17,11 @@ A roofline per phase on one rank, with the device's stated efficiencies (``hpc_r
 - weight sync: the actor's weights (parameter dtype) over the path used: in-process (colocated: a ZeRO-3
   gather over the interconnect, else a memory copy), or a broadcast to every rollout rank; colocated with
   sleep mode, the trained states that leave the GPU and vLLM's weights go to the host and back;
+- controller traffic: what rank 0 sends and receives to move the step's batches between the roles
+  (``hpc_rlhf.world.channel``): prompts out and trajectories back from the rollout engines, each scoring role's
+  forward inputs out and its outputs back, each trained role's shards out; the messages are the channel's own
+  (``hpc_rlhf.world.traffic``) for the placement's replicas, priced at rank 0's link (NVLink to its own node's
+  ranks, the network beyond);
 - checkpoint: trained roles' weights + Adam states (+ the HF export) over the filesystem bandwidth.
 
 Phases run one after the other (the controller's step does); calibrated against measured CPU phases and
@@ -46,6 +51,16 @@ from hpc_rlhf.planning.model_shape import (
     section_num_params,
 )
 from hpc_rlhf.world.placement import POLICY_ROLES, Placement
+from hpc_rlhf.world.traffic import (
+    CONTROLLER,
+    Message,
+    Payload,
+    ReplicaLayout,
+    gather_messages,
+    per_rank_gather_messages,
+    per_rank_scatter_messages,
+    scatter_messages,
+)
 
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4
@@ -139,6 +154,7 @@ class _Ctx:
     device: Device  # as one rank sees it
     nodes: int
     param_bytes: int
+    gpus_per_node: int = 8
 
     @property
     def samples(self) -> int:
@@ -275,6 +291,129 @@ def weight_sync_phase(ctx: _Ctx) -> Phase:
     return Phase("weight sync", seconds, f"{_bytes(sync)}, {path}")
 
 
+# ---- controller traffic: the step's batches through rank 0 ----------------------------------------------------
+# Bytes per row of the tensors a role receives (StepBatch fields; W = prompt + response columns, R = response).
+_FORWARD_ROW = {"sequences": ("W", 8), "attention_mask": ("W", 8), "action_mask": ("R", 1)}  # long, long, bool
+_TRAIN_EXTRA = {"critic": ("values", "returns")}  # fp32 (B, R) fields a trained role receives besides those
+# Estimates for what travels pickled (the channel sends its exact size; ``plan`` cannot know it):
+SKELETON_BYTES = 96  # the nest around the tensors, plus per tensor:
+SKELETON_BYTES_PER_TENSOR = 64  # its key, shape and dtype
+TEXT_BYTES_PER_TOKEN = 4  # a prompt travels as text: about 4 characters per token
+# A trajectory comes back as Python lists: a token id pickles to 5 bytes (ids above 65535) and a response token
+# brings its id, its action-mask int (2 bytes) and its float log-prob (9 bytes); its prompt comes back as text too.
+TRAJECTORY_BYTES_PER_PROMPT_TOKEN = 5 + TEXT_BYTES_PER_TOKEN
+TRAJECTORY_BYTES_PER_RESPONSE_TOKEN = 5 + 2 + 9
+STATS_BYTES = 512  # a trained role's statistics: a dict of floats
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One move of the step between rank 0 and a role: a shard out to each replica and a result back."""
+
+    name: str
+    layout: ReplicaLayout
+    out: tuple[Payload, ...]
+    back: tuple[Payload, ...]
+
+    def messages(self) -> list[Message]:
+        return scatter_messages(self.layout, self.out) + gather_messages(self.layout, self.back)
+
+    def per_rank_messages(self) -> list[Message]:
+        """The same move with a copy per rank and a message per tensor (the channel before the replica path)."""
+        return per_rank_scatter_messages(self.layout, self.out) + per_rank_gather_messages(self.layout, self.back)
+
+
+def _split_even(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def _tensors(rows: int, columns: dict[str, int], fields: dict[str, tuple[str, int]]) -> Payload:
+    sizes = tuple(rows * columns[axis] * itemsize for axis, itemsize in fields.values())
+    return Payload(SKELETON_BYTES + SKELETON_BYTES_PER_TENSOR * len(sizes), sizes)
+
+
+def train_fields(cfg: RunConfig, placement: Placement, role: str, need_old: bool) -> dict[str, tuple[str, int]]:
+    """The tensors a trained role's shard carries, as in ``trainers.rl.workers.TRAIN_FIELDS`` (forward inputs and
+    the fp32 (B, R) fields the update reads that the step sets)."""
+    if role == "critic":
+        extra = _TRAIN_EXTRA["critic"]
+    else:
+        extra = ("advantages", "rollout_logprobs", *(("old_logprobs",) if need_old else ()),
+                 *(("ref_logprobs",) if "ref" in placement.roles else ()))
+    return {**_FORWARD_ROW, **{name: ("R", 4) for name in extra}}
+
+
+def step_transfers(cfg: RunConfig, placement: Placement, need_old: bool) -> list[Transfer]:
+    """Every move of one RL step through rank 0, in the controller's order (``PPOTrainer.step``)."""
+    samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+    prompt, response = cfg.data.prompt_max_len, cfg.rollout.generate_max_len
+    columns = {"W": prompt + response, "R": response, "B": 1}
+    out = []
+
+    def layout(role: str) -> ReplicaLayout:
+        grid = placement.roles[role]
+        return ReplicaLayout.from_ranks({r: grid.dp_rank(r) for r in grid.ranks}, grid.dp_leaders())
+
+    rollout = layout("rollout")
+    engines = len(rollout.replicas)
+    prompts = _split_even(cfg.rollout.rollout_batch_size, engines)
+    trajectory = prompt * TRAJECTORY_BYTES_PER_PROMPT_TOKEN + response * TRAJECTORY_BYTES_PER_RESPONSE_TOKEN
+    out.append(Transfer("prompts / trajectories", rollout,
+                        tuple(Payload(SKELETON_BYTES + n * prompt * TEXT_BYTES_PER_TOKEN) for n in prompts),
+                        tuple(Payload(SKELETON_BYTES + n * cfg.rollout.n_samples_per_prompt * trajectory)
+                              for n in prompts)))
+    scorers = [("reward", ("B", 4)), ("actor", ("R", 4)), ("ref", ("R", 4)), ("teacher", ("R", 4)),
+               ("critic", ("R", 4))]
+    for role, result in scorers:
+        if role not in placement.roles or (role == "actor" and not need_old):
+            continue
+        roles = layout(role)
+        rows = _split_even(samples, len(roles.replicas))
+        out.append(Transfer(f"{role} forward", roles, tuple(_tensors(n, columns, _FORWARD_ROW) for n in rows),
+                            tuple(_tensors(n, columns, {"out": result}) for n in rows)))
+    for role in ("critic", "actor"):
+        if role in placement.roles:
+            roles = layout(role)
+            rows = _split_even(samples, len(roles.replicas))
+            fields = train_fields(cfg, placement, role, need_old)
+            out.append(Transfer(f"train {role}", roles, tuple(_tensors(n, columns, fields) for n in rows),
+                                tuple(Payload(STATS_BYTES) for _ in rows)))
+    return out
+
+
+def controller_seconds(messages: list[Message], device: Device, nodes: int, gpus_per_node: int) -> float:
+    """Seconds rank 0's link spends on ``messages`` (those it sends or receives): one after another, at NVLink
+    speed when every other end is on rank 0's node, else at the network's (rank 0's NIC)."""
+    seconds = 0.0
+    for m in messages:
+        if CONTROLLER not in (m.src, *m.dst):
+            continue  # between other ranks (a leader's broadcast inside its replica)
+        peers = [r for r in (m.src, *m.dst) if r != CONTROLLER]
+        local = nodes <= 1 or all(r < gpus_per_node for r in peers)
+        seconds += m.num_bytes / (device.intra_node_bw if local else device.inter_node_bw)
+    return seconds
+
+
+def controller_traffic_phase(ctx: _Ctx, need_old: bool) -> Phase:
+    transfers = step_transfers(ctx.cfg, ctx.placement, need_old)
+    now = [m for t in transfers for m in t.messages()]
+    before = [m for t in transfers for m in t.per_rank_messages()]
+
+    def summary(messages: list[Message]) -> tuple[float, float, int, float]:
+        sent = sum(m.num_bytes for m in messages if m.src == CONTROLLER)
+        received = sum(m.num_bytes for m in messages if m.dst == (CONTROLLER,))
+        calls = sum(1 for m in messages if CONTROLLER in (m.src, *m.dst))
+        return sent, received, calls, controller_seconds(messages, ctx.device, ctx.nodes, ctx.gpus_per_node)
+
+    sent, received, calls, seconds = summary(now)
+    old_sent, _, old_calls, old_seconds = summary(before)
+    return Phase("controller traffic", seconds,
+                 f"rank 0 sends {_bytes(sent)}, receives {_bytes(received)} in {calls} messages over "
+                 f"{len(transfers)} moves; a copy per rank and a message per tensor would be {_bytes(old_sent)} "
+                 f"sent, {old_calls} messages, {old_seconds:.2f} s")
+
+
 def checkpoint_bytes(cfg: RunConfig, placement: Placement, param_bytes: int) -> float:
     total = 0.0
     for role in ("actor", "critic"):
@@ -301,9 +440,10 @@ def rl_step_time(cfg: RunConfig, placement: Placement, device: Device, *, nodes:
                  gpus_per_node: int) -> StepTime:
     """Predicted phases of one RL step and the checkpoint's cost; ``device`` as described (not per rank)."""
     param_bytes = 2 if resolved_param_dtype(cfg.ds.param_dtype, device.gpu) == "bf16" else 4
-    ctx = _Ctx(cfg, placement, device.per_rank(gpus_per_node), nodes, param_bytes)
-    phases = [generation_phase(ctx), *scoring_phases(ctx, need_old_logprobs(cfg, placement)), *training_phases(ctx),
-              weight_sync_phase(ctx)]
+    ctx = _Ctx(cfg, placement, device.per_rank(gpus_per_node), nodes, param_bytes, gpus_per_node)
+    need_old = need_old_logprobs(cfg, placement)
+    phases = [generation_phase(ctx), *scoring_phases(ctx, need_old), *training_phases(ctx), weight_sync_phase(ctx),
+              controller_traffic_phase(ctx, need_old)]
     ckpt = checkpoint_bytes(cfg, placement, param_bytes)
     return StepTime(tuple(phases), ckpt, ckpt / device.fs_bw, ckpt / device.fs_bw)
 

@@ -13,7 +13,6 @@ from hpc_rlhf.world.traffic import (
     ReplicaLayout,
     broadcast_messages,
     gather_messages,
-    per_rank_scatter_messages,
     scatter_messages,
 )
 from tests.multiproc.spawn import run_on_ranks
@@ -118,20 +117,3 @@ def test_every_layout_delivers_and_sends_what_the_model_lists():
                     + gather_messages(layout, payloads["gather"]))
         sent = [m for rank in members for m in per_rank[rank][name]["messages"]]
         assert sorted(sent, key=repr) == sorted(expected, key=repr), name
-
-
-def test_rank_0_sends_each_shard_once_and_one_message_per_replica():
-    """The model's counts on a 64-rank TP 4 x SP 2 role: what the issue asks of the data path."""
-    grid = RoleGrid("actor", tuple(range(64)), tp_size=4, sp_size=2)
-    layout = ReplicaLayout.from_ranks({r: grid.dp_rank(r) for r in grid.ranks}, grid.dp_leaders())
-    from hpc_rlhf.world.traffic import Payload, count, total_bytes
-
-    shard = Payload(300, (8000, 8000, 1000, 4000, 4000, 4000))  # six tensors, about 29 kB
-    packed = scatter_messages(layout, [shard] * grid.dp_size)
-    baseline = per_rank_scatter_messages(layout, [shard] * grid.dp_size)
-    to_nic = [m for m in packed if m.src == 0 and m.op == "send"]
-    assert len(to_nic) == grid.dp_size - 1  # rank 0 leads replica 0: one buffer per other replica
-    # Rank 0's bytes: its replica's broadcast (NVLink) plus one copy per other replica, against 63 copies.
-    assert total_bytes(baseline) / total_bytes(packed) > 4 * 2 * 0.85
-    assert count(baseline) == 63 * (2 + shard.num_tensors)
-    assert count(packed) == 1 + (grid.dp_size - 1) + 1
