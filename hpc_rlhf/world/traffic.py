@@ -155,7 +155,7 @@ def broadcast_messages(layout: ReplicaLayout, payload: Payload) -> list[Message]
 
 # ---- the baseline: a copy per rank, a message per tensor ---------------------------------------------------
 # What the channel sent before it had the replica path and packed buffers; ``plan`` shows it next to the
-# current cost and ``benchmarks/controller_traffic.py`` checks it against a run of that channel.
+# current cost and ``benchmarks/controller_traffic.py`` checks its message count against a run of that channel.
 
 OBJECT_SIZE_BYTES = 8  # send_object_list sends the pickle's length (one int64), then the pickle
 
