@@ -37,6 +37,7 @@ imported and the default process group is initialised.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -286,7 +287,7 @@ class CheckpointManager:
             if problem != "is missing":
                 log.warning("checkpoint root %s: LATEST %s and no complete checkpoint exists", self.root, problem)
             return None
-        step, fallback = complete[-1]
+        _, fallback = complete[-1]
         log.warning("checkpoint root %s: LATEST %s; falling back to the newest complete checkpoint %s",
                     self.root, problem, fallback.name)
         return fallback
@@ -416,10 +417,9 @@ class CheckpointManager:
                 raise RuntimeError(
                     f"rank {self.rank}: checkpoint temp dir {tmp} created by rank 0 is not visible here after "
                     f"{self.visibility_timeout_s}s; the checkpoint root must be on a filesystem shared by all ranks")
-            try:  # a directory listing refreshes cached lookups on network filesystems
+            # a directory listing refreshes cached lookups on network filesystems
+            with contextlib.suppress(OSError):
                 os.listdir(self.root)
-            except OSError:
-                pass
             time.sleep(0.05)
 
     def _commit(self, step: int, tmp: Path) -> None:

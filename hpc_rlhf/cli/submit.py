@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.wait:
         try:
             job.results()
-        except Exception as err:  # submitit raises FailedJobError / UncompletedJobError with the log tail
+        except Exception as err:  # noqa: BLE001 - submitit raises FailedJobError / UncompletedJobError with the log tail
             print(f"submit: job {job.job_id} failed: {err}", file=sys.stderr)
             sys.exit(1)
         print(f"job {job.job_id} finished")

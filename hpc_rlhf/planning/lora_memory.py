@@ -5,8 +5,9 @@ LoRA (``ds.lora.rank > 0``, peft) on the trained roles (actor, critic; the offli
 
 - the base weights stay as they are (replicated at stages 0-2, partitioned only at stage 3) and are frozen;
   the LoRA factors (``rank x (in + out)`` per targeted linear, ``rank x E x (in + out)`` per fused expert
-  parameter, ``lora_params``) plus, for a value model, a trainable copy of its ``score`` head (peft ``modules_to_save``) are the only trainable parameters: only they
-  have gradients, Adam states, a master copy and DeepSpeed buffers; they are stored next to the base weights;
+  parameter, ``lora_params``) plus, for a value model, a trainable copy of its ``score`` head (peft
+  ``modules_to_save``) are the only trainable parameters: only they have gradients, Adam states, a master
+  copy and DeepSpeed buffers; they are stored next to the base weights;
 - activations: the frozen norms no longer save their normalised inputs (``-2h`` per layer and token), the
   input of a targeted projection is saved once for its ``lora_A``, each targeted projection adds ``rank``
   (the ``lora_A`` output), and with ``ds.lora.dropout > 0`` each targeted projection saves its dropped input

@@ -132,7 +132,7 @@ def results_from_vllm_outputs(outputs: Sequence[Any], requests: Sequence[Generat
     if len(outputs) != len(requests):
         raise ValueError(f"vLLM returned {len(outputs)} outputs for {len(requests)} requests")
     results = []
-    for request_index, (output, request) in enumerate(zip(outputs, requests)):
+    for request_index, (output, request) in enumerate(zip(outputs, requests, strict=True)):
         # vLLM's CompletionOutput.index; test doubles of one-sample outputs may leave it out
         completions = sorted(output.outputs, key=lambda c: getattr(c, "index", 0))
         if len(completions) != request.n:

@@ -21,7 +21,7 @@ refused (``tp_group_for``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,7 @@ class _RoleMpu:
     local synchronization: the other ranks need not call anything).
     """
 
-    _singletons: dict[int, ProcessGroup] = {}
+    _singletons: ClassVar[dict[int, ProcessGroup]] = {}  # one per process: each rank's own one-rank group
 
     def __init__(self, dp_group: ProcessGroup, tp_group: ProcessGroup | None = None):
         self._dp_group = dp_group

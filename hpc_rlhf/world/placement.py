@@ -277,8 +277,8 @@ def _check_vllm_mode(cfg: RunConfig, placement: Placement, rollout_on_subset: bo
     if rollout_on_subset and mode == "external_launcher":
         rollout = placement.roles["rollout"]
         raise PlacementError(
-            f"rollout.vllm_mode=external_launcher needs every rank of the world to host rollout, but the {placement.layout} "
-            f"layout puts rollout on {len(rollout.ranks)} of {placement.world_size} ranks; set "
+            "rollout.vllm_mode=external_launcher needs every rank of the world to host rollout, but the "
+            f"{placement.layout} layout puts rollout on {len(rollout.ranks)} of {placement.world_size} ranks; set "
             "rollout.vllm_mode=server_process (each engine's vLLM in its own processes) or train.colocate_all=true")
     if mode == "server_process" and cfg.rollout.tensor_parallel_size > 1:
         # Every rollout rank starts its own engine on its own GPU; an engine over several GPUs would need the

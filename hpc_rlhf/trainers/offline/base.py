@@ -66,7 +66,7 @@ def all_reduce_sums(sums: dict[str, float], group: Any = None) -> dict[str, floa
         return dict(sums)
     values = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=comm_device())
     dist.all_reduce(values, group=group)
-    return dict(zip(keys, values.tolist()))
+    return dict(zip(keys, values.tolist(), strict=True))
 
 
 def ratio(sums: dict[str, float], num: str, den: str) -> float:
