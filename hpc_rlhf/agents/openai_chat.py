@@ -51,7 +51,8 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
-def _normalise_tool_calls(calls: Any) -> list[tuple[str, Any]]:
+def _normalise_tool_calls(calls: Any) -> list[tuple[str | None, Any]]:
+    """``[(name, arguments)]`` of a message's tool calls, JSON arguments parsed, for comparing two messages."""
     out = []
     for call in calls or []:
         fn = (call or {}).get("function", call) or {}

@@ -177,7 +177,9 @@ def file_digest(path: str | Path) -> str:
     h = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as f:
         if size <= DIGEST_FULL_LIMIT:
-            return "blake2b:" + hashlib.file_digest(f, lambda: h).hexdigest()
+            while chunk := f.read(DIGEST_WINDOW):  # hashlib.file_digest is Python 3.11+
+                h.update(chunk)
+            return f"blake2b:{h.hexdigest()}"
         for offset in (0, (size - DIGEST_WINDOW) // 2, size - DIGEST_WINDOW):
             f.seek(offset)
             h.update(f.read(DIGEST_WINDOW))
@@ -386,7 +388,8 @@ class CheckpointManager:
         almost no space left counts too."""
         if not isinstance(exc, Exception):
             return
-        chain, seen = exc, set()
+        chain: BaseException | None = exc
+        seen: set[int] = set()
         errno_hit = None
         while chain is not None and id(chain) not in seen:
             seen.add(id(chain))

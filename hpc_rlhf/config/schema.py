@@ -33,6 +33,12 @@ class ModelRole(Section):
     )
     offload: bool = Field(False, description="keep parameters on CPU between uses (frozen roles)")
 
+    def pretrain_path(self, key: str) -> str:
+        """``pretrain`` where the run loads the model; ``key`` (``model.pretrain``, ``ref.pretrain``) names it."""
+        if not self.pretrain:
+            raise ValueError(f"{key} is required here: a local HF model folder")
+        return self.pretrain
+
 
 class TrainedRole(ModelRole):
     learning_rate: float = Field(1e-6, gt=0)

@@ -112,7 +112,7 @@ def merge_blocks(out_a: torch.Tensor | None, lse_a: torch.Tensor | None, out_b: 
     ``lse = log(exp(lse_a) + exp(lse_b))``; ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``.
     Shapes: out (B, H, S, D), lse (B, H, S). ``out_a=None`` starts the accumulation.
     """
-    if out_a is None:
+    if out_a is None or lse_a is None:
         return out_b, lse_b
     lse = torch.logaddexp(lse_a, lse_b)
     ref = _finite(lse)

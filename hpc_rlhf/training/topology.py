@@ -31,6 +31,13 @@ from hpc_rlhf.config.schema import DeepSpeedConfig
 from hpc_rlhf.world.groups import comm_device, new_group
 
 
+def _require_group(group: ProcessGroup | None, rank: int) -> ProcessGroup:
+    """``new_group``'s result on a member rank (None means this rank is not in the group)."""
+    if group is None:
+        raise RuntimeError(f"rank {rank}: new_group returned no group for a group containing this rank")
+    return group
+
+
 class _RoleMpu:
     """Megatron-style mpu telling DeepSpeed: data parallel over ``dp_group``, tensor parallel over ``tp_group``.
 
@@ -41,12 +48,12 @@ class _RoleMpu:
 
     _singletons: ClassVar[dict[int, ProcessGroup]] = {}  # one per process: each rank's own one-rank group
 
-    def __init__(self, dp_group: ProcessGroup, tp_group: ProcessGroup | None = None):
+    def __init__(self, dp_group: ProcessGroup | None, tp_group: ProcessGroup | None = None) -> None:  # None: world
         self._dp_group = dp_group
         if tp_group is None:
             rank = dist.get_rank()
             if rank not in self._singletons:
-                self._singletons[rank] = new_group([rank], use_local_synchronization=True)
+                self._singletons[rank] = _require_group(new_group([rank], use_local_synchronization=True), rank)
             tp_group = self._singletons[rank]
         self._mp_group = tp_group
 
