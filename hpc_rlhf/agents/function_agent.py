@@ -32,7 +32,7 @@ _NEXT_TEXT_KEYS = ("next_state", "next_observation")
 
 
 def is_function_style(module: ModuleType) -> bool:
-    return callable(getattr(module, "step", None)) and not inspect.isclass(getattr(module, "step"))
+    return callable(getattr(module, "step", None)) and not inspect.isclass(module.step)
 
 
 def _to_step_dict(output: Any, state: str, action: str) -> dict[str, Any]:

@@ -85,7 +85,9 @@ import inspect
 import logging
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, Trajectory, check_samples_per_prompt
@@ -103,7 +105,8 @@ logger = logging.getLogger(__name__)
 class AgentInstanceBase(ABC):
     """One environment episode. Subclass it and implement ``step`` (and usually ``reset``)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    # Not abstract: OpenRLHF agents call super().__init__(*args, **kwargs), which must accept and ignore them.
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: B027
         pass
 
     async def reset(self, states: dict, **kwargs: Any) -> dict:
@@ -189,7 +192,8 @@ class MultiTurnAgentExecutor(AgentExecutor):
     agent_instance_cls: type | None = None
     reward_mode: str = "last"  # or "sum"
     train_on_failed_episodes: bool = False
-    agent_kwargs: dict[str, Any] = {}  # train.agent_kwargs: given to AgentInstance(...) and reset(...)
+    # train.agent_kwargs: given to AgentInstance(...) and reset(...); read-only here, so no instance shares a dict
+    agent_kwargs: Mapping[str, Any] = MappingProxyType({})
 
     def __init__(self, agent_instance_cls: type | None = None, tokenizer: Any = None,
                  prompt_max_len: int | None = None, *, max_len: int | None = None, max_turns: int = 8,
@@ -206,7 +210,7 @@ class MultiTurnAgentExecutor(AgentExecutor):
 
     def configure(self, *, tokenizer: Any, prompt_max_len: int, max_len: int | None = None,
                   max_turns: int | None = None, num_concurrent: int | None = None,
-                  step_timeout_s: float | None | str = "unchanged",
+                  step_timeout_s: float | str | None = "unchanged",
                   agent_kwargs: dict[str, Any] | None = None) -> MultiTurnAgentExecutor:
         """Set the run settings after construction (user executors are built with no arguments)."""
         self.tokenizer, self.prompt_max_len, self.max_len = tokenizer, prompt_max_len, max_len
@@ -366,10 +370,11 @@ class MultiTurnAgentExecutor(AgentExecutor):
 
     async def _start(self, episode: _Episode, stats: _RunStats) -> None:
         try:
-            episode.agent = await self._agent_call(_construct_agent, self.agent_instance_cls, self.agent_kwargs)
+            episode.agent = await self._agent_call(
+                _construct_agent, self.agent_instance_cls, dict(self.agent_kwargs))
             states = {"observation": episode.prompt.text, "label": episode.prompt.label}
             reset = getattr(episode.agent, "reset", None)  # optional for duck-typed agents
-            extra = accepted_kwargs(reset, self.agent_kwargs) if reset is not None else {}
+            extra = accepted_kwargs(reset, dict(self.agent_kwargs)) if reset is not None else {}
             result = await self._agent_call(reset, states, **extra) if reset is not None else states
             if not isinstance(result, dict) or not isinstance(result.get("observation"), str):
                 raise AgentOutputError(f"reset must return a dict with a str 'observation', got {result!r:.200}")
@@ -412,13 +417,13 @@ class MultiTurnAgentExecutor(AgentExecutor):
                 requests.append(GenerationRequest(prompt_ids=sequence, params=params))
                 members.append([episode])
             episode.turn_params = params
-        for request, group in zip(requests, members):
+        for request, group in zip(requests, members, strict=True):
             request.n = len(group)
         stats.generate_calls += 1
         stats.num_requests += len(requests)
         results = _split_results(generate(requests), requests)
-        for group, group_results in zip(members, results):
-            for episode, result in zip(group, group_results):
+        for group, group_results in zip(members, results, strict=True):
+            for episode, result in zip(group, group_results, strict=True):
                 self._append_action(episode, result)
 
     def _append_action(self, episode: _Episode, result: GenerationResult) -> None:
@@ -592,7 +597,7 @@ def _split_results(results: list[GenerationResult], requests: list[GenerationReq
             raise RuntimeError(f"rollout engine returned request_index {result.request_index} "
                                f"outside [0, {len(requests)})")
         groups[result.request_index].append(result)
-    for index, (group, request) in enumerate(zip(groups, requests)):
+    for index, (group, request) in enumerate(zip(groups, requests, strict=True)):
         if len(group) != request.n:
             raise RuntimeError(f"rollout engine returned {len(group)} samples for request {index}, "
                                f"expected {request.n}")

@@ -25,6 +25,7 @@ Tool calls and reasoning are split out of the text by the family's parser (``too
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -42,7 +43,7 @@ def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: boo
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              **render_kwargs)
-    except Exception as err:  # noqa: BLE001 - template errors (jinja raise_exception) become a 400
+    except Exception as err:  # template errors (jinja raise_exception) become a 400
         raise ChatTemplateError(f"chat template failed: {type(err).__name__}: {err}") from err
 
 
@@ -50,16 +51,15 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
-def _normalise_tool_calls(calls: Any) -> list[tuple[str, Any]]:
+def _normalise_tool_calls(calls: Any) -> list[tuple[str | None, Any]]:
+    """``[(name, arguments)]`` of a message's tool calls, JSON arguments parsed, for comparing two messages."""
     out = []
     for call in calls or []:
         fn = (call or {}).get("function", call) or {}
         args = fn.get("arguments")
         if isinstance(args, str):
-            try:
+            with contextlib.suppress(ValueError):
                 args = json.loads(args)
-            except ValueError:
-                pass
         out.append((fn.get("name"), args))
     return out
 
@@ -83,10 +83,8 @@ def template_messages(messages: list[dict]) -> list[dict]:
                 call = dict(call)
                 fn = dict(call.get("function") or {})
                 if isinstance(fn.get("arguments"), str):
-                    try:
+                    with contextlib.suppress(ValueError):
                         fn["arguments"] = json.loads(fn["arguments"])
-                    except ValueError:
-                        pass
                 call["function"] = fn
                 calls.append(call)
             message["tool_calls"] = calls

@@ -16,6 +16,7 @@ import logging
 import sys
 import types
 from collections.abc import Iterator
+from typing import ClassVar
 
 from hpc_rlhf.agents.multi_turn import AgentExecutorBase, AgentInstanceBase, MultiTurnAgentExecutor
 
@@ -28,7 +29,7 @@ _logged = False
 class _AgentModule(types.ModuleType):
     """``openrlhf.utils.agent``'s stand-in; it notes that a name was read from it (to log the alias once)."""
 
-    _names = {"AgentInstanceBase": AgentInstanceBase, "AgentExecutorBase": AgentExecutorBase,
+    _names: ClassVar[dict[str, type]] = {"AgentInstanceBase": AgentInstanceBase, "AgentExecutorBase": AgentExecutorBase,
               "MultiTurnAgentExecutor": MultiTurnAgentExecutor}
     used = False
 
@@ -55,7 +56,7 @@ def _alias_modules() -> dict[str, types.ModuleType]:
     for module in (root, utils):
         module.__path__ = []  # packages, so `import openrlhf.utils.agent` resolves through sys.modules
     root.utils, utils.agent = utils, agent
-    return dict(zip(ALIASED_MODULES, (root, utils, agent)))
+    return dict(zip(ALIASED_MODULES, (root, utils, agent), strict=True))
 
 
 @contextlib.contextmanager

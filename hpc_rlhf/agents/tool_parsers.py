@@ -248,9 +248,11 @@ class OutputParser:
                                            BUILTIN_TOOL_CALL_PARSERS)
         self.reasoning_parser = self._pick("rollout.reasoning_parser", reasoning_name, vllm_reasoning,
                                            BUILTIN_REASONING_PARSERS)
-        self._tool_cls = managers[0].get_tool_parser(tool_name) if self.tool_call_parser[1] == "vllm" else None
+        # A "vllm" pick implies managers: its names came from them.
+        self._tool_cls = (managers[0].get_tool_parser(tool_name)
+                          if managers is not None and self.tool_call_parser[1] == "vllm" else None)
         self._reasoning_cls = (managers[1].get_reasoning_parser(reasoning_name)
-                               if self.reasoning_parser[1] == "vllm" else None)
+                               if managers is not None and self.reasoning_parser[1] == "vllm" else None)
         logger.info("OpenAI endpoint parsers: tool calls %s, reasoning %s", self.tool_call_parser,
                     self.reasoning_parser)
 

@@ -138,13 +138,13 @@ def discounted_returns(
     mask = as_bool_mask(action_mask)
     token_rewards = fill_masked(token_rewards.float(), mask)
     running = token_rewards.new_zeros(token_rewards.shape[0])
-    returns = [None] * token_rewards.shape[1]
+    returns: list[torch.Tensor] = []  # filled from the last position backwards
     for t in reversed(range(token_rewards.shape[1])):
         running = torch.where(mask[:, t], token_rewards[:, t] + gamma * running, running)
-        returns[t] = torch.where(mask[:, t], running, 0.0)
+        returns.append(torch.where(mask[:, t], running, 0.0))
     if not returns:
         return token_rewards
-    return torch.stack(returns, dim=1)
+    return torch.stack(returns[::-1], dim=1)
 
 
 def gae_advantages(
@@ -173,17 +173,17 @@ def gae_advantages(
     values = fill_masked(values.float(), mask)
     next_value = values.new_zeros(values.shape[0])
     next_advantage = values.new_zeros(values.shape[0])
-    advantages = [None] * values.shape[1]
+    advantages: list[torch.Tensor] = []  # filled from the last position backwards
     for t in reversed(range(values.shape[1])):
         m = mask[:, t]
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
         advantage = delta + gamma * lambd * next_advantage
         next_advantage = torch.where(m, advantage, next_advantage)
         next_value = torch.where(m, values[:, t], next_value)
-        advantages[t] = torch.where(m, advantage, 0.0)
+        advantages.append(torch.where(m, advantage, 0.0))
     if not advantages:
         return values, values
-    advantages_t = torch.stack(advantages, dim=1)
+    advantages_t = torch.stack(advantages[::-1], dim=1)
     returns = fill_masked(advantages_t + values, mask)
     return advantages_t, returns
 

@@ -37,6 +37,7 @@ imported and the default process group is initialised.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -176,7 +177,9 @@ def file_digest(path: str | Path) -> str:
     h = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as f:
         if size <= DIGEST_FULL_LIMIT:
-            return "blake2b:" + hashlib.file_digest(f, lambda: h).hexdigest()
+            while chunk := f.read(DIGEST_WINDOW):  # hashlib.file_digest is Python 3.11+
+                h.update(chunk)
+            return f"blake2b:{h.hexdigest()}"
         for offset in (0, (size - DIGEST_WINDOW) // 2, size - DIGEST_WINDOW):
             f.seek(offset)
             h.update(f.read(DIGEST_WINDOW))
@@ -286,7 +289,7 @@ class CheckpointManager:
             if problem != "is missing":
                 log.warning("checkpoint root %s: LATEST %s and no complete checkpoint exists", self.root, problem)
             return None
-        step, fallback = complete[-1]
+        _, fallback = complete[-1]
         log.warning("checkpoint root %s: LATEST %s; falling back to the newest complete checkpoint %s",
                     self.root, problem, fallback.name)
         return fallback
@@ -385,7 +388,8 @@ class CheckpointManager:
         almost no space left counts too."""
         if not isinstance(exc, Exception):
             return
-        chain, seen = exc, set()
+        chain: BaseException | None = exc
+        seen: set[int] = set()
         errno_hit = None
         while chain is not None and id(chain) not in seen:
             seen.add(id(chain))
@@ -416,10 +420,9 @@ class CheckpointManager:
                 raise RuntimeError(
                     f"rank {self.rank}: checkpoint temp dir {tmp} created by rank 0 is not visible here after "
                     f"{self.visibility_timeout_s}s; the checkpoint root must be on a filesystem shared by all ranks")
-            try:  # a directory listing refreshes cached lookups on network filesystems
+            # a directory listing refreshes cached lookups on network filesystems
+            with contextlib.suppress(OSError):
                 os.listdir(self.root)
-            except OSError:
-                pass
             time.sleep(0.05)
 
     def _commit(self, step: int, tmp: Path) -> None:

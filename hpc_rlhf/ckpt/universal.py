@@ -71,7 +71,7 @@ def load_resharded(engine, step_dir: str | Path, role: str, engine_dir: str | Pa
     raises everywhere instead of leaving the others waiting; then ``engine`` (a ``TrainEngine``, None on ranks that
     do not host the role) loads its partition of it."""
     out = universal_path(step_dir, role)
-    box = [None]
+    box: list[str | None] = [None]  # rank 0's conversion error, if any
     if dist.get_rank() == 0:
         try:
             convert_to_universal(engine_dir, tag, out)

@@ -30,7 +30,6 @@ import json
 import logging
 import math
 import os
-import re
 import shlex
 import signal
 import sys
@@ -42,6 +41,7 @@ from hpc_rlhf.cli.plan import plan
 from hpc_rlhf.cli.startup import prepare_local_assets
 from hpc_rlhf.config import ConfigError, RunConfig, load_config
 from hpc_rlhf.config.supervised import load_supervised_config
+from hpc_rlhf.planning.time_budget import slurm_time_seconds
 from hpc_rlhf.resilience.preemption import requeue_slurm_job
 
 log = logging.getLogger(__name__)
@@ -61,19 +61,10 @@ def parse_slurm_time(value: str) -> int:
 
     Accepts ``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``.
     """
-    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", value.strip())
-    if not match:
-        raise ValueError(f"--time {value!r} is not SLURM time syntax (e.g. 30, 04:00:00, 2-00:00:00)")
-    days, a, b, c = match.groups()
-    a, b, c = int(a), int(b) if b else None, int(c) if c else None
-    if days is not None:  # D-H[:M[:S]]
-        seconds = int(days) * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
-    elif c is not None:  # H:M:S
-        seconds = a * 3600 + b * 60 + c
-    elif b is not None:  # M:S
-        seconds = a * 60 + b
-    else:  # M
-        seconds = a * 60
+    try:
+        seconds = slurm_time_seconds(value)
+    except ValueError as err:
+        raise ValueError(f"--time: {err}") from err
     if seconds <= 0:
         raise ValueError(f"--time {value!r} must be positive")
     return math.ceil(seconds / 60)
@@ -320,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.wait:
         try:
             job.results()
-        except Exception as err:  # submitit raises FailedJobError / UncompletedJobError with the log tail
+        except Exception as err:  # noqa: BLE001 - submitit raises FailedJobError / UncompletedJobError with the log tail
             print(f"submit: job {job.job_id} failed: {err}", file=sys.stderr)
             sys.exit(1)
         print(f"job {job.job_id} finished")

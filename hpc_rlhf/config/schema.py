@@ -33,6 +33,12 @@ class ModelRole(Section):
     )
     offload: bool = Field(False, description="keep parameters on CPU between uses (frozen roles)")
 
+    def pretrain_path(self, key: str) -> str:
+        """``pretrain`` where the run loads the model; ``key`` (``model.pretrain``, ``ref.pretrain``) names it."""
+        if not self.pretrain:
+            raise ValueError(f"{key} is required here: a local HF model folder")
+        return self.pretrain
+
 
 class TrainedRole(ModelRole):
     learning_rate: float = Field(1e-6, gt=0)
@@ -248,7 +254,8 @@ class AlgoConfig(Section):
 
 
 class StallLimits(Section):
-    """Bounds on a hang, shared by the RL and offline trainers (``hpc_rlhf.resilience.stall_limits``, docs/reliability.md).
+    """Bounds on a hang, shared by the RL and offline trainers (``hpc_rlhf.resilience.stall_limits``,
+    docs/reliability.md).
 
     A step may take ``max(watchdog_timeout_s, watchdog_step_factor x`` the slowest step so far``)``; the first step
     (compilation, engine start-up) and checkpoint saves / loads have their own allowances. The same bound is the
@@ -261,7 +268,8 @@ class StallLimits(Section):
     watchdog_timeout_s: float | None = Field(
         60.0, ge=0, description="floor of a step's time limit; a rank silent for longer dumps its stacks to "
         "<output_dir>/hang/ and the job exits with status 124. 0 or null: no watchdog, fixed collective timeout")
-    watchdog_step_factor: float = Field(4.0, ge=1, description="a step may take this many times the slowest step so far")
+    watchdog_step_factor: float = Field(
+        4.0, ge=1, description="a step may take this many times the slowest step so far")
     watchdog_first_step_s: float = Field(
         1800.0, gt=0, description="limit of the first step after (re)start (compilation, engine warm-up) and of "
         "each evaluation")

@@ -124,6 +124,7 @@ class SupervisedRunConfig(Section):
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)  # each trainer's run config narrows it to its loss's
 
     @model_validator(mode="after")
     def _batches(self) -> SupervisedRunConfig:
@@ -145,14 +146,18 @@ class RMRunConfig(SupervisedRunConfig):
     loss: RMLossConfig = Field(default_factory=RMLossConfig)
 
 
-class DPORunConfig(SupervisedRunConfig):
+class ReferenceRunConfig(SupervisedRunConfig):
+    """A run whose loss compares the policy with a frozen reference model (DPO, KTO)."""
+
+    ref: RefConfig = Field(default_factory=RefConfig, description="pretrain defaults to model.pretrain")
+
+
+class DPORunConfig(ReferenceRunConfig):
     loss: DPOLossConfig = Field(default_factory=DPOLossConfig)
-    ref: RefConfig = Field(default_factory=RefConfig, description="pretrain defaults to model.pretrain")
 
 
-class KTORunConfig(SupervisedRunConfig):
+class KTORunConfig(ReferenceRunConfig):
     loss: KTOLossConfig = Field(default_factory=KTOLossConfig)
-    ref: RefConfig = Field(default_factory=RefConfig, description="pretrain defaults to model.pretrain")
 
 
 CONFIG_CLASSES: dict[str, type[SupervisedRunConfig]] = {

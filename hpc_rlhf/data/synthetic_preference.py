@@ -23,11 +23,11 @@ def _wrong_answer(rng: random.Random, a: int, b: int, max_operand: int) -> str:
             return str(wrong)
 
 
-def task_rows(task: str, num_samples: int, seed: int, max_operand: int = 9) -> list[dict]:
+def task_rows(task: str, num_samples: int, seed: int, max_operand: int = 9) -> list[dict[str, str | bool]]:
     if task not in TASKS:
         raise ValueError(f"unknown data.synthetic_task {task!r}; known: {', '.join(TASKS)}")
     rng = random.Random(seed)
-    rows = []
+    rows: list[dict[str, str | bool]] = []
     for i in range(num_samples):
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
         prompt, right = f"{a}+{b}=", str(a + b)

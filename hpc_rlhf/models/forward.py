@@ -263,8 +263,8 @@ def pack_actions(sequences: torch.Tensor, attention_mask: torch.Tensor, num_acti
     (left-padded prompt, right-padded response), so each sample is its real tokens in order."""
     prompt_cols = sequences.shape[1] - num_actions
     samples, prompt_lens = [], []
-    for ids, real in zip(sequences.tolist(), attention_mask.bool().tolist()):
-        tokens = [t for t, keep in zip(ids, real) if keep]
+    for ids, real in zip(sequences.tolist(), attention_mask.bool().tolist(), strict=True):
+        tokens = [t for t, keep in zip(ids, real, strict=True) if keep]
         prompt = sum(real[:prompt_cols])
         samples.append(TokenSample(tuple(tokens), (False,) * prompt + (True,) * (len(tokens) - prompt)))
         prompt_lens.append(prompt)

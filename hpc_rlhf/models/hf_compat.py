@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _forward_takes_cache(model_class: type) -> bool:
     return "cache" in inspect.signature(model_class.forward).parameters
 

@@ -89,7 +89,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         out (B, H, Sq, D) fp32 normalised within the block (zero for rows with no visible key) and
         lse (B, H, Sq) fp32, ``-inf`` for those rows.
     """
-    b, h, sq, d = q.shape
+    b, h, sq, _ = q.shape
     qg = _grouped(q.float(), k.shape[1])
     scores = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.float()) * scale
     if mask is not None:
@@ -112,7 +112,7 @@ def merge_blocks(out_a: torch.Tensor | None, lse_a: torch.Tensor | None, out_b: 
     ``lse = log(exp(lse_a) + exp(lse_b))``; ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``.
     Shapes: out (B, H, S, D), lse (B, H, S). ``out_a=None`` starts the accumulation.
     """
-    if out_a is None:
+    if out_a is None or lse_a is None:
         return out_b, lse_b
     lse = torch.logaddexp(lse_a, lse_b)
     ref = _finite(lse)
@@ -163,7 +163,7 @@ class _Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size) if group else (self.rank + 1) % self.size
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size) if group else (self.rank - 1) % self.size
 
-    def start(self, tensors: list[torch.Tensor], tag: int) -> "_Exchange":
+    def start(self, tensors: list[torch.Tensor], tag: int) -> _Exchange:
         """Post the sends of ``tensors`` to the next rank and receives of same-shaped ones from the previous."""
         sent = [t.contiguous() for t in tensors]
         received = [torch.empty_like(t) for t in sent]
@@ -192,7 +192,7 @@ _KV_TAG, _DKV_TAG = 100, 200
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, segment_ids, group, causal, scale):  # noqa: D102
+    def forward(ctx, q, k, v, segment_ids, group, causal, scale):
         ring = _Ring(group)
         seq = q.shape[2]
         out = lse = None
@@ -215,7 +215,7 @@ class _RingAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx, dout):  # noqa: D102
+    def backward(ctx, dout):
         q, k, v, out, lse, segment_ids = ctx.saved_tensors
         ring = _Ring(ctx.group)
         seq = q.shape[2]

@@ -153,7 +153,7 @@ class _GatherSequence(torch.autograd.Function):
     """all_gather along dim 1; backward keeps this rank's slice (the loss is replicated on the sp ranks)."""
 
     @staticmethod
-    def forward(ctx, local, group):  # noqa: D102
+    def forward(ctx, local, group):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         chunks = [torch.empty_like(local) for _ in range(size)]
         dist.all_gather(chunks, local.contiguous(), group=group)
@@ -161,7 +161,7 @@ class _GatherSequence(torch.autograd.Function):
         return torch.cat(chunks, dim=1)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: D102
+    def backward(ctx, grad):
         return grad.narrow(1, ctx.rank * ctx.local_len, ctx.local_len).contiguous(), None
 
 

@@ -5,8 +5,9 @@ LoRA (``ds.lora.rank > 0``, peft) on the trained roles (actor, critic; the offli
 
 - the base weights stay as they are (replicated at stages 0-2, partitioned only at stage 3) and are frozen;
   the LoRA factors (``rank x (in + out)`` per targeted linear, ``rank x E x (in + out)`` per fused expert
-  parameter, ``lora_params``) plus, for a value model, a trainable copy of its ``score`` head (peft ``modules_to_save``) are the only trainable parameters: only they
-  have gradients, Adam states, a master copy and DeepSpeed buffers; they are stored next to the base weights;
+  parameter, ``lora_params``) plus, for a value model, a trainable copy of its ``score`` head (peft
+  ``modules_to_save``) are the only trainable parameters: only they have gradients, Adam states, a master
+  copy and DeepSpeed buffers; they are stored next to the base weights;
 - activations: the frozen norms no longer save their normalised inputs (``-2h`` per layer and token), the
   input of a targeted projection is saved once for its ``lora_A``, each targeted projection adds ``rank``
   (the ``lora_A`` output), and with ``ds.lora.dropout > 0`` each targeted projection saves its dropped input
@@ -29,6 +30,8 @@ every forward and backward (bitsandbytes' ``gemm_4bit`` and ``MatMul4Bit.backwar
 
 from __future__ import annotations
 
+import functools
+import importlib
 from dataclasses import dataclass
 
 from hpc_rlhf.config.schema import LoraConfig
@@ -54,20 +57,47 @@ ROUTER_PROB_BYTES = 4  # transformers' routers softmax their logits in fp32 (Qwe
 # Module names of the MoE blocks besides the layer projections: the router (``gate``), Qwen2-MoE's shared-expert
 # gate, Mixtral's expert projections as transformers 4 named them (w1 gate, w3 up, w2 down).
 MOE_MODULES = ("gate", "shared_expert_gate", "w1", "w2", "w3")
-# peft (0.17+) under transformers 5 rewrites a LoRA config for the MoE families whose v4 expert Linears
-# transformers 5 fuses into 3-D parameters (``peft.utils.transformers_weight_conversion``: the model types
-# transformers converts like ``mixtral`` or ``qwen2_moe``): the v4 names of the router and the expert projections,
-# which ``"all-linear"`` also stands for, become ``target_parameters`` (``gate.weight``, ``gate_up_proj``,
-# ``down_proj``) and leave ``target_modules``. Value: the v4 names of the gate and up, and of the down projection.
-# qwen2_moe itself is not in peft's table: its experts and router take no adapters.
-_QWEN2_MOE_NAMES, _MIXTRAL_NAMES = (("gate_proj", "up_proj"), "down_proj"), (("w1", "w3"), "w2")
-PEFT_FUSED_MOE_TYPES = {
-    **dict.fromkeys(("mixtral", "minimax", "minimax_m2"), _MIXTRAL_NAMES),
-    **dict.fromkeys(("afmoe", "cohere2_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "ernie4_5_moe",
-                     "exaone_moe", "flex_olmo", "glm4_moe", "glm4_moe_lite", "glm4v_moe", "glm_moe_dsa",
-                     "hunyuan_v1_moe", "longcat_flash", "mellum", "olmoe", "qwen3_moe", "qwen3_next",
-                     "qwen3_omni_moe", "qwen3_omni_moe_thinker", "solar_open"), _QWEN2_MOE_NAMES),
-}
+# The v4 names (gate and up, down) of the expert projections in the families converted like Qwen2-MoE.
+_QWEN2_MOE_NAMES = (("gate_proj", "up_proj"), "down_proj")
+FusedMoeNames = tuple[tuple[str, str], str]
+
+
+@functools.cache
+def peft_fused_moe_types() -> dict[str, FusedMoeNames]:
+    """``{model_type: ((gate, up), down)}``: the MoE families whose LoRA config peft rewrites, read from peft.
+
+    peft (0.17+) under transformers 5 rewrites a LoRA config for the MoE families whose v4 expert Linears
+    transformers 5 fuses into 3-D parameters (``peft.utils.transformers_weight_conversion``: the model types
+    transformers converts like ``mixtral`` or ``qwen2_moe``): the v4 names of the router and the expert
+    projections, which ``"all-linear"`` also stands for, become ``target_parameters`` (``gate.weight``,
+    ``gate_up_proj``, ``down_proj``) and leave ``target_modules``. Value: the v4 names of the gate and up, and of
+    the down projection. qwen2_moe itself is not in peft's table: its experts and router take no adapters.
+
+    The table grows with transformers' conversion table, so it is read at run time, not copied. Without that
+    module (transformers 4, where experts are separate Linears, or a peft older than 0.17) nothing is fused: {}.
+    Raises RuntimeError when the module is there but no longer has the tables read here.
+    """
+    try:
+        conversion = importlib.import_module("peft.utils.transformers_weight_conversion")
+    except ImportError:
+        return {}
+    try:
+        patterns: dict[str, str] = conversion._MODEL_TO_CONVERSION_PATTERN
+        renames: dict[str, dict[str, str]] = conversion._MOE_TARGET_MODULE_MAPPING
+        fused: dict[str, dict[str, list[str]]] = conversion._MOE_FUSED_TARGETS
+    except AttributeError as err:
+        import peft
+
+        raise RuntimeError(f"peft {peft.__version__}: peft.utils.transformers_weight_conversion has no {err.name}; "
+                           "hpc-rlhf plan cannot tell which MoE families peft adapts as fused experts") from err
+    table: dict[str, FusedMoeNames] = {}
+    for model_type, pattern in patterns.items():
+        if pattern not in renames or pattern not in fused:
+            continue
+        gate, up = fused[pattern]["gate_up_proj"]
+        (down,) = (v4 for v4, v5 in renames[pattern].items() if v5 == "down_proj")
+        table[model_type] = ((gate, up), down)
+    return table
 
 
 def lora_target_names(target_modules: list[str]) -> tuple[frozenset[str], tuple[str, ...]]:
@@ -141,8 +171,9 @@ class ExpertTarget:
 
 
 def peft_fuses_experts(shape: ModelShape) -> bool:
-    """Whether peft maps LoRA targets onto this MoE model's fused experts and router (:data:`PEFT_FUSED_MOE_TYPES`)."""
-    return shape.is_moe and shape.model_type in PEFT_FUSED_MOE_TYPES
+    """Whether peft maps LoRA targets onto this MoE model's fused experts and router
+    (:func:`peft_fused_moe_types`)."""
+    return shape.is_moe and shape.model_type in peft_fused_moe_types()
 
 
 def expert_targets(shape: ModelShape, lora: LoraSpec) -> tuple[ExpertTarget, ...]:
@@ -151,7 +182,7 @@ def expert_targets(shape: ModelShape, lora: LoraSpec) -> tuple[ExpertTarget, ...
     a dense model or an MoE family peft does not convert (Qwen2-MoE)."""
     if not peft_fuses_experts(shape):
         return ()
-    (gate, up), down = PEFT_FUSED_MOE_TYPES[shape.model_type]
+    (gate, up), down = peft_fused_moe_types()[shape.model_type]
     e, h, i, r = shape.num_experts, shape.hidden_size, shape.moe_intermediate_size, lora.rank
     out = []
     if {gate, up} <= lora.targets:
@@ -173,7 +204,7 @@ def mlp_linear_targets(shape: ModelShape, lora: LoraSpec) -> tuple[str, ...]:
     conversion turns ``gate_proj`` / ``up_proj`` / ``down_proj`` into the fused experts' parameters, so in the
     families it converts like Qwen2-MoE (Qwen3-MoE, DeepSeek) the dense layers' MLPs and the shared experts take
     no adapters."""
-    if peft_fuses_experts(shape) and PEFT_FUSED_MOE_TYPES[shape.model_type] == _QWEN2_MOE_NAMES:
+    if peft_fuses_experts(shape) and peft_fused_moe_types()[shape.model_type] == _QWEN2_MOE_NAMES:
         return ()
     return tuple(m for m in MLP_PROJECTIONS if m in lora.targets)
 

@@ -53,7 +53,7 @@ import math
 from dataclasses import dataclass, field
 
 from hpc_rlhf.config.schema import DeepSpeedConfig, RunConfig, resolved_param_dtype
-from hpc_rlhf.config.supervised import SupervisedRunConfig
+from hpc_rlhf.config.supervised import ReferenceRunConfig, SupervisedRunConfig
 from hpc_rlhf.planning.lora_memory import (
     ROUTER_PROB_BYTES,
     LoraSpec,
@@ -259,8 +259,9 @@ def micro_batch_tokens(cfg: RunConfig, role: str) -> int:
         if cfg.train.use_dynamic_batch and cfg.train.max_tokens_per_gpu:
             return max(cfg.train.max_tokens_per_gpu * sp, seq_len)
         return cfg.train.micro_train_batch_size * seq_len
-    if cfg.train.use_dynamic_batch and (cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu):
-        return max((cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu) * sp, seq_len)
+    budget = cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu
+    if cfg.train.use_dynamic_batch and budget:
+        return max(budget * sp, seq_len)
     return cfg.rollout.micro_rollout_batch_size * seq_len
 
 
@@ -304,7 +305,7 @@ def estimate_role(role: str, shape: ModelShape, num_params: int, ds: DeepSpeedCo
     if quantized:
         act += dequantize_transient_bytes(shape, p)
     notes = [f"ZeRO-{stage} over {zero_ranks} ranks" if zero_ranks > 1 and stage > 0 else f"ZeRO-{stage}"]
-    if lora is not None:
+    if lora is not None and adapters is not None:
         notes.append(f"LoRA r={lora.rank}: {_count(adapters)} trainable")
         if lora.ignored:
             notes.append(f"LoRA targets not counted: {', '.join(lora.ignored)}")
@@ -376,7 +377,7 @@ def supervised_memory(cfg: SupervisedRunConfig, kind: str, world_size: int,
     out = {"model": estimate_role("model", shape, num_params, cfg.ds, trainable=True, tokens=tokens,
                                   logit_tokens=logits, seq_len=seq_len, dp=dp, tp=tp, on_gpu=on_gpu,
                                   lora=lora, quantized=q4, value_model=kind == "rm")}
-    if kind in ("dpo", "kto"):
+    if isinstance(cfg, ReferenceRunConfig):  # DPO, KTO
         out["ref"] = estimate_role("ref", shape, num_params, cfg.ds, trainable=False, tokens=tokens,
                                    logit_tokens=logits, seq_len=seq_len, dp=dp, tp=tp, on_gpu=on_gpu,
                                    offload=cfg.ref.offload, quantized=q4)

@@ -25,15 +25,15 @@ def slurm_time_seconds(value: str) -> int:
     match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", value.strip())
     if not match:
         raise ValueError(f"time limit {value!r} is not SLURM time syntax (e.g. 30, 04:00:00, 2-00:00:00)")
-    days, a, b, c = match.groups()
-    a, b, c = int(a), int(b) if b else None, int(c) if c else None
-    if days is not None:
-        return int(days) * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
-    if c is not None:
-        return a * 3600 + b * 60 + c
-    if b is not None:
-        return a * 60 + b
-    return a * 60
+    days, first, second, third = match.groups()
+    a = int(first)
+    if days is not None:  # D-H[:M[:S]]
+        return int(days) * 86400 + a * 3600 + int(second or 0) * 60 + int(third or 0)
+    if third is not None:  # H:M:S
+        return a * 3600 + int(second) * 60 + int(third)
+    if second is not None:  # M:S
+        return a * 60 + int(second)
+    return a * 60  # M
 
 
 _SIGNAL = re.compile(r"^(?:B:)?(?:SIG)?USR1(?:@(\d+))?$")

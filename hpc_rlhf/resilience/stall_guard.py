@@ -69,7 +69,7 @@ class StallGuard:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Run the block under ``name``'s limit, then return to the step limit."""
-        if self.limits is None:
+        if self.limits is None or self.watchdog is None:
             yield
             return
         previous = self.watchdog.phase
@@ -100,6 +100,8 @@ class StallGuard:
                       self.rank, type(exc).__name__, "; ".join(peers))
 
     def _enter(self, phase: str) -> None:
+        if self.limits is None or self.watchdog is None:  # both or neither: no watchdog configured
+            return
         limit = self.limits.for_phase(phase)
         self.watchdog.set_limit(limit, phase)
         set_collective_timeouts(limit + COLLECTIVE_MARGIN_S)

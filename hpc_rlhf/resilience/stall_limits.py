@@ -65,9 +65,10 @@ class StallLimits:
             return self.startup_s
         if phase == "checkpoint":
             return self.checkpoint_s
+        slowest = self.slowest_step_s
         # An evaluation's length is as unknown as the first step's (another data set, other sampling): same allowance.
-        if phase in ("first_step", "eval") or (phase == "step" and self.slowest_step_s is None):
+        if phase in ("first_step", "eval") or (phase == "step" and slowest is None):
             return max(self.first_step_s, self.floor_s)
-        if phase == "step":
-            return max(self.floor_s, self.step_factor * self.slowest_step_s)
+        if phase == "step" and slowest is not None:
+            return max(self.floor_s, self.step_factor * slowest)
         raise ValueError(f"unknown phase {phase!r}; one of {PHASES}")

@@ -52,7 +52,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
 STALL_EXIT_CODE = 124  # like coreutils `timeout`: "no progress within the limit"
 STALL_FILE_ENV = "HPC_RLHF_STALL_FILE"  # touched when a watchdog fires (slurm/launch.sh requeues on it)
@@ -72,6 +72,21 @@ def _has_fileno(stream: TextIO) -> bool:
     except (AttributeError, OSError, io.UnsupportedOperation, ValueError):
         return False
     return True
+
+
+class _Heartbeat(NamedTuple):
+    """One rank's heartbeat file: ``beats time [pid host]``."""
+
+    beats: int
+    time: float
+    pid: int | None = None
+    host: str | None = None
+
+    @classmethod
+    def parse(cls, fields: list[str]) -> _Heartbeat:
+        if len(fields) >= 4:
+            return cls(int(fields[0]), float(fields[1]), int(fields[2]), fields[3])
+        return cls(int(fields[0]), float(fields[1]))
 
 
 class Watchdog:
@@ -185,25 +200,26 @@ class Watchdog:
         """From the heartbeat files: one line per rank that stopped checking in or is behind in beats."""
         if self.heartbeat_dir is None or not self.world_size:
             return []
-        now, seen = time.time(), {}
+        now = time.time()
+        seen: dict[int, _Heartbeat | None] = {}
         for r in range(self.world_size):
             try:
                 fields = (self.heartbeat_dir / f"rank_{r}").read_text().split()
-                seen[r] = (int(fields[0]), float(fields[1]), *fields[2:4])
-            except (OSError, ValueError):
+                seen[r] = _Heartbeat.parse(fields)
+            except (OSError, ValueError, IndexError):
                 seen[r] = None
-        most = max((v[0] for v in seen.values() if v), default=0)
+        most = max((v.beats for v in seen.values() if v), default=0)
         lines = []
         for r, value in seen.items():
             if value is None:
                 lines.append(f"rank {r} never checked in")
-            elif len(value) == 4 and value[3] == socket.gethostname() and not _pid_alive(int(value[2])):
-                lines.append(f"rank {r} is dead: its process (pid {value[2]} on {value[3]}) no longer exists")
-            elif now - value[1] > self.STALE_AFTER_S:
-                lines.append(f"rank {r} stopped checking in {now - value[1]:.0f}s ago (after {value[0]} beats): "
+            elif value.pid is not None and value.host == socket.gethostname() and not _pid_alive(value.pid):
+                lines.append(f"rank {r} is dead: its process (pid {value.pid} on {value.host}) no longer exists")
+            elif now - value.time > self.STALE_AFTER_S:
+                lines.append(f"rank {r} stopped checking in {now - value.time:.0f}s ago (after {value.beats} beats): "
                              "its process is stopped or its node is unresponsive")
-            elif value[0] < most:
-                lines.append(f"rank {r} is behind: {value[0]} beats, others up to {most}")
+            elif value.beats < most:
+                lines.append(f"rank {r} is behind: {value.beats} beats, others up to {most}")
         return lines
 
     def _run(self) -> None:

@@ -145,7 +145,7 @@ def validate_reward_output(output: Any, batch_size: int, path: str = "<reward_fu
     if not isinstance(raw_logs, dict):
         raise RewardFunctionError(f"{path}: extra_logs must be a dict, got {type(raw_logs).__name__}", path=path)
     for name, value in raw_logs.items():
-        if isinstance(value, numbers.Real) and not isinstance(value, bool) or (
+        if (isinstance(value, numbers.Real) and not isinstance(value, bool)) or (
                 isinstance(value, torch.Tensor) and value.dim() == 0):
             value = [float(value)] * batch_size  # one number for the batch: broadcast
         extra_logs[str(name)] = _to_float_tensor(value, f"extra_logs[{name!r}]", batch_size, path)
@@ -210,7 +210,7 @@ class RewardFunction:
                     self._call([queries[i]], [prompts[i]], [labels[i]], **one)
                 except RewardFunctionError:
                     break  # a timeout while locating: report the batch failure
-                except Exception as sample_err:
+                except Exception as sample_err:  # noqa: BLE001 - a user reward function may raise anything
                     # chain=False: the batch failure is the context here, and it is reported above.
                     index, tb = i, "".join(traceback.format_exception(
                         type(sample_err), sample_err, sample_err.__traceback__, chain=False))

@@ -47,9 +47,12 @@ def score_trajectories(trajectories: Sequence[Trajectory], reward_fn: Callable[.
             for name, values in output.extra_logs.items():
                 trajectory.extra_logs[name] = float(values[row])
 
-    rewards = torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float32)
-    scores = torch.tensor([float(t.score if t.score is not None else t.reward) for t in trajectories],
-                          dtype=torch.float32)
+    # Every trajectory has a reward now: set above, or by its executor.
+    reward_values = [t.reward for t in trajectories if t.reward is not None]
+    assert len(reward_values) == len(trajectories)
+    rewards = torch.tensor(reward_values, dtype=torch.float32)
+    scores = torch.tensor([t.score if t.score is not None else r for t, r in zip(trajectories, reward_values,
+                                                                              strict=True)], dtype=torch.float32)
     # Only logs every trajectory has, so a per-name mean never mixes in missing samples.
     names = [name for name, v in trajectories[0].extra_logs.items() if _is_number(v)] if trajectories else []
     names = [name for name in names if all(_is_number(t.extra_logs.get(name)) for t in trajectories)]

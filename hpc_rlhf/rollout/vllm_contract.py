@@ -108,9 +108,11 @@ def _ast_lookup(path: str) -> tuple[ast.AST | None, str]:
     for attr in attrs:
         found = None
         for child in getattr(node, "body", []):
-            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and child.name == attr:
-                found = child
-            elif isinstance(child, ast.Assign) and any(isinstance(t, ast.Name) and t.id == attr for t in child.targets):
+            is_definition = (isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                             and child.name == attr)
+            is_assignment = isinstance(child, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == attr for t in child.targets)
+            if is_definition or is_assignment:
                 found = child
         if found is None:
             return None, f"{attr} not defined in {spec.origin}"
@@ -214,8 +216,8 @@ def derived_checks() -> list[Check]:
                            "vllm:AsyncEngineArgs"))
     sampling = vllm_sampling_kwargs(SamplingParams(max_new_tokens=4, top_k=5, stop_token_ids=[2], seed=1), n=2)
     sampling["output_kind"] = resolve("vllm.sampling_params:RequestOutputKind.FINAL_ONLY")
-    checks.append(_accepts("SamplingParams fields (vllm_external_launcher.vllm_sampling_kwargs + output_kind)", set(sampling),
-                           "vllm:SamplingParams", construct=sampling))
+    checks.append(_accepts("SamplingParams fields (vllm_external_launcher.vllm_sampling_kwargs + output_kind)",
+                           set(sampling), "vllm:SamplingParams", construct=sampling))
     checks.append(_accepts("TokensPrompt", {"prompt_token_ids"}, "vllm:TokensPrompt",
                            construct={"prompt_token_ids": [1, 2]}))
     init = worker_init_info("127.0.0.1", 29999, 2)
@@ -245,7 +247,7 @@ def _hint(annotation: Any, owner: Any) -> Any:
     """One annotation evaluated in its module (``from __future__ import annotations`` leaves strings;
     ``typing.get_type_hints`` would evaluate every other annotation of the class too)."""
     if isinstance(annotation, str):
-        return eval(annotation, vars(sys.modules[owner.__module__]))  # noqa: S307 - vLLM's own annotation
+        return eval(annotation, vars(sys.modules[owner.__module__]))  # vLLM's own annotation, not user input
     return annotation
 
 

@@ -132,7 +132,7 @@ def results_from_vllm_outputs(outputs: Sequence[Any], requests: Sequence[Generat
     if len(outputs) != len(requests):
         raise ValueError(f"vLLM returned {len(outputs)} outputs for {len(requests)} requests")
     results = []
-    for request_index, (output, request) in enumerate(zip(outputs, requests)):
+    for request_index, (output, request) in enumerate(zip(outputs, requests, strict=True)):
         # vLLM's CompletionOutput.index; test doubles of one-sample outputs may leave it out
         completions = sorted(output.outputs, key=lambda c: getattr(c, "index", 0))
         if len(completions) != request.n:
@@ -277,14 +277,19 @@ class VllmEngineSpec:
     vllm: VllmConfig  # the vllm section
     return_routed_experts: bool = False  # algo.routing_replay=rollout: vLLM reports each token's experts
 
+    def require_model_path(self) -> str:
+        """``model_path``, which every vLLM engine needs."""
+        if not self.model_path:
+            raise ValueError("rollout.backend=vllm needs actor.pretrain (a local HF model folder) to load vLLM from")
+        return self.model_path
+
 
 def spec_engine_kwargs(spec: VllmEngineSpec, on_gpu: bool) -> dict[str, Any]:
     """vLLM engine keywords both engines take from ``spec`` (checked first: a model vLLM's CPU attention cannot run
     fails here, naming the key, not after the engine has started)."""
-    if not spec.model_path:
-        raise ValueError("rollout.backend=vllm needs actor.pretrain (a local HF model folder) to load vLLM from")
+    model_path = spec.require_model_path()
     if not on_gpu:
-        check_cpu_head_dim(spec.model_path, resolve_cpu_attention_head_sizes())
+        check_cpu_head_dim(model_path, resolve_cpu_attention_head_sizes())
     kwargs: dict[str, Any] = {"dtype": engine_dtype(spec.param_dtype, on_gpu), "max_model_len": spec.max_model_len}
     if spec.vllm.kv_cache_memory_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(spec.vllm.kv_cache_memory_gib * (1 << 30))
@@ -369,7 +374,7 @@ class VllmRolloutEngine(RolloutEngine):
                            "engine keeps its weights and KV cache between phases (set vllm.enable_sleep=false to "
                            "silence this)")
         return cls(
-            spec.model_path,
+            spec.require_model_path(),
             tensor_parallel_size=spec.tensor_parallel_size,
             gpu_memory_utilization=vllm.gpu_memory_utilization,
             seed=spec.seed,

@@ -129,7 +129,8 @@ async def run_load(base_url: str, num_requests: int = 2000, concurrency: int = 3
                     errors[f"HTTP {response.status_code}"] += 1
                     return
                 rewards = response.json().get("rewards", [])
-                if len(rewards) != len(texts) or any(abs(r - expected[t]) > tolerance for r, t in zip(rewards, texts)):
+                if len(rewards) != len(texts) or any(
+                        abs(r - expected[t]) > tolerance for r, t in zip(rewards, texts, strict=True)):
                     report.num_wrong += 1
                     return
                 latencies.append(time.perf_counter() - start)

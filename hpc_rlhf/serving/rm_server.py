@@ -447,10 +447,9 @@ class BackgroundServer:
         self._thread = threading.Thread(target=self._serve, name=f"uvicorn-{self.port}", daemon=True)
 
     def _serve(self) -> None:
-        try:
+        # uvicorn raises SystemExit when the app's startup fails; it has logged why
+        with contextlib.suppress(SystemExit):
             self.server.run(sockets=[self._sock])
-        except SystemExit:  # uvicorn exits this way when the app's startup fails; logged by uvicorn
-            pass
 
     @property
     def url(self) -> str:

@@ -122,7 +122,7 @@ def build_ds_config(ds_cfg: DeepSpeedConfig, role_cfg: TrainedRole | None, *, tr
         config["bf16"] = {"enabled": True}
         if trainable:
             config["data_types"] = {"grad_accum_dtype": "fp32"}
-    if trainable:
+    if role_cfg is not None:  # trainable
         params: dict[str, Any] = {
             "lr": role_cfg.learning_rate, "betas": list(role_cfg.adam_betas), "eps": ADAM_EPS,
             "weight_decay": role_cfg.weight_decay,
@@ -139,7 +139,9 @@ def build_ds_config(ds_cfg: DeepSpeedConfig, role_cfg: TrainedRole | None, *, tr
         # model returns this rank's slice of the logits, but our losses take log-probs of full logits.
         config["tensor_parallel"] = {"autotp_size": tp_size, "vocab_parallel_lm_head": False}
     if extra:
-        config = OmegaConf.to_container(OmegaConf.merge(config, extra))
+        merged = OmegaConf.to_container(OmegaConf.merge(config, extra))
+        assert isinstance(merged, dict)  # a merge of two dicts
+        config = {str(k): v for k, v in merged.items()}
     return config
 
 
@@ -214,7 +216,8 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     trainable = [p for p in model.parameters() if p.requires_grad]
     if weight_decay == 0.0:
         return [{"params": trainable, "weight_decay": 0.0}]
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for param in trainable:
         shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3 params are flattened partitions
         (decay if len(shape) >= 2 else no_decay).append(param)
@@ -274,6 +277,8 @@ class _DeepSpeedRole:
                                  extra=extra_ds_config)
         init_group = zero_init_group(config, dp_group, tp_group)
         if tp_group is not None:
+            if dp_group is None:
+                raise ValueError("tensor parallelism needs the role's data-parallel group (dp_group)")
             install_tp_groups(tp_group, dp_group)
         model = _build_model(model_factory, config, init_group, mpu)
         copy_from_tp_leader(model, tp_group, config["zero_optimization"]["stage"])

@@ -21,7 +21,7 @@ refused (``tp_group_for``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,13 @@ from torch.distributed import ProcessGroup
 
 from hpc_rlhf.config.schema import DeepSpeedConfig
 from hpc_rlhf.world.groups import comm_device, new_group
+
+
+def _require_group(group: ProcessGroup | None, rank: int) -> ProcessGroup:
+    """``new_group``'s result on a member rank (None means this rank is not in the group)."""
+    if group is None:
+        raise RuntimeError(f"rank {rank}: new_group returned no group for a group containing this rank")
+    return group
 
 
 class _RoleMpu:
@@ -39,14 +46,14 @@ class _RoleMpu:
     local synchronization: the other ranks need not call anything).
     """
 
-    _singletons: dict[int, ProcessGroup] = {}
+    _singletons: ClassVar[dict[int, ProcessGroup]] = {}  # one per process: each rank's own one-rank group
 
-    def __init__(self, dp_group: ProcessGroup, tp_group: ProcessGroup | None = None):
+    def __init__(self, dp_group: ProcessGroup | None, tp_group: ProcessGroup | None = None) -> None:  # None: world
         self._dp_group = dp_group
         if tp_group is None:
             rank = dist.get_rank()
             if rank not in self._singletons:
-                self._singletons[rank] = new_group([rank], use_local_synchronization=True)
+                self._singletons[rank] = _require_group(new_group([rank], use_local_synchronization=True), rank)
             tp_group = self._singletons[rank]
         self._mp_group = tp_group
 

@@ -106,8 +106,8 @@ class UserCallRunner:
                 return
             if inner.cancelled():
                 future.cancel()
-            elif inner.exception() is not None:
-                future.set_exception(inner.exception())
+            elif (error := inner.exception()) is not None:
+                future.set_exception(error)
             else:
                 future.set_result(inner.result())
 

@@ -233,6 +233,8 @@ class EngineChannelWeightSync:
         return names
 
     def _open_sender(self, engines: list[int]) -> None:
+        if self.bucket_names is None:
+            raise RuntimeError(f"rank {self.world.rank}: opens weight channels before planning its buckets")
         address = host_address()
         ports = {engine: free_port() for engine in engines}  # may be taken before the store binds it: rare
         self._broadcast({"address": address, "ports": ports, "num_buckets": len(self.bucket_names)},
@@ -247,13 +249,13 @@ class EngineChannelWeightSync:
         if self.num_buckets is None:
             info = self._broadcast(None, sender)
             engine.open_weight_channel(info["address"], info["ports"][self.world.rank])
-            self.num_buckets = info["num_buckets"]
-        engine.receive_weights(self._bucket_descriptions(sender))
+            self.num_buckets = int(info["num_buckets"])
+        engine.receive_weights(self._bucket_descriptions(sender, self.num_buckets))
 
-    def _bucket_descriptions(self, sender: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def _bucket_descriptions(self, sender: int, num_buckets: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Each bucket as ``(name, meta tensor)`` pairs, in send order (the first sync waits for each one's
         description from the sender; the data itself comes over the engine's channel)."""
-        for index in range(self.num_buckets):
+        for index in range(num_buckets):
             if index == len(self.descriptions):
                 self.descriptions.append(self._broadcast(None, sender))
             yield [(name, torch.empty(shape, dtype=dtype, device="meta"))

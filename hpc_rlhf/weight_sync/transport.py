@@ -122,6 +122,8 @@ class GroupBroadcastTransport(WeightTransport):
         if bucket.index not in self._headers:
             box = [header]
             dist.broadcast_object_list(box, src=bucket.sender, group=self.groups[bucket.sender], device=self.device)
+            if box[0] is None:
+                raise RuntimeError(f"bucket {bucket.index}: its sender, rank {bucket.sender}, broadcast no header")
             self._headers[bucket.index] = box[0]
         return self._headers[bucket.index]
 

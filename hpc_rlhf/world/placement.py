@@ -219,16 +219,15 @@ def build_placement(cfg: RunConfig, world_size: int) -> Placement:
     if len(missing) > 1:
         keys = ", ".join("rollout.num_engines" if r == "rollout" else f"{r}.num_ranks" for r in missing)
         raise PlacementError(f"disaggregated layout: set the rank counts of all but one role (missing: {keys})")
-    if missing:
-        left = world_size - fixed
-        if left < 1:
-            raise PlacementError(
-                f"the roles with fixed sizes use {fixed} of {world_size} ranks, leaving none for {missing[0]}"
-            )
-        sizes[missing[0]] = left
-    total = sum(sizes.values())
+    left = world_size - fixed  # the size of the one role without a fixed size
+    if missing and left < 1:
+        raise PlacementError(
+            f"the roles with fixed sizes use {fixed} of {world_size} ranks, leaving none for {missing[0]}"
+        )
+    resolved = {r: left if s is None else s for r, s in sizes.items()}
+    total = sum(resolved.values())
     if total != world_size:
-        detail = ", ".join(f"{r}={s}" for r, s in sizes.items())
+        detail = ", ".join(f"{r}={s}" for r, s in resolved.items())
         raise PlacementError(
             f"disaggregated layout needs {total} ranks ({detail}) but the world has {world_size}; "
             "change the role sizes or the number of tasks"
@@ -236,9 +235,9 @@ def build_placement(cfg: RunConfig, world_size: int) -> Placement:
     grids: dict[str, RoleGrid] = {}
     start = 0
     for role in owners:
-        ranks = tuple(range(start, start + sizes[role]))
+        ranks = tuple(range(start, start + resolved[role]))
         grids[role] = _grid(cfg, role, ranks)
-        start += sizes[role]
+        start += resolved[role]
     for role, owner in shares.items():
         own_size = _role_size(cfg, role)
         if own_size is not None and own_size != len(grids[owner].ranks):
@@ -277,8 +276,8 @@ def _check_vllm_mode(cfg: RunConfig, placement: Placement, rollout_on_subset: bo
     if rollout_on_subset and mode == "external_launcher":
         rollout = placement.roles["rollout"]
         raise PlacementError(
-            f"rollout.vllm_mode=external_launcher needs every rank of the world to host rollout, but the {placement.layout} "
-            f"layout puts rollout on {len(rollout.ranks)} of {placement.world_size} ranks; set "
+            "rollout.vllm_mode=external_launcher needs every rank of the world to host rollout, but the "
+            f"{placement.layout} layout puts rollout on {len(rollout.ranks)} of {placement.world_size} ranks; set "
             "rollout.vllm_mode=server_process (each engine's vLLM in its own processes) or train.colocate_all=true")
     if mode == "server_process" and cfg.rollout.tensor_parallel_size > 1:
         # Every rollout rank starts its own engine on its own GPU; an engine over several GPUs would need the

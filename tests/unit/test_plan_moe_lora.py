@@ -6,6 +6,7 @@ router stay in the parameter dtype) and what autograd saves. Checked against pef
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -13,7 +14,6 @@ import torch
 from hpc_rlhf.config import load_config
 from hpc_rlhf.config.schema import LoraConfig
 from hpc_rlhf.planning.lora_memory import (
-    PEFT_FUSED_MOE_TYPES,
     LoraSpec,
     expert_targets,
     largest_lora_tensor,
@@ -21,6 +21,7 @@ from hpc_rlhf.planning.lora_memory import (
     lora_params,
     lora_sparse_layer_elements,
     nf4_bytes,
+    peft_fused_moe_types,
     quantized_linear_count,
     quantized_linear_params,
 )
@@ -55,16 +56,41 @@ def _lora(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
     return apply_lora(model, LoraConfig(rank=spec.rank, target_modules=targets, dropout=spec.dropout))
 
 
-def test_peft_table_matches_peft():
-    """The MoE families peft converts, and which v4 names stand for the fused experts, as peft 0.17+ has them."""
+def test_peft_table_is_read_from_peft():
+    """The MoE families peft converts, and which v4 names stand for the fused experts, come from peft 0.17+."""
     conversion = pytest.importorskip("peft.utils.transformers_weight_conversion")
     names = conversion._MOE_TARGET_MODULE_MAPPING
     expected = {t: base for t, base in conversion._MODEL_TO_CONVERSION_PATTERN.items() if base in names}
-    assert set(PEFT_FUSED_MOE_TYPES) == set(expected) and "qwen2_moe" not in PEFT_FUSED_MOE_TYPES
-    for model_type, ((gate, up), down) in PEFT_FUSED_MOE_TYPES.items():
+    table = peft_fused_moe_types()
+    assert set(table) == set(expected) and "qwen2_moe" not in table
+    assert table["mixtral"] == (("w1", "w3"), "w2")
+    assert table["qwen3_moe"] == table["deepseek_v3"] == (("gate_proj", "up_proj"), "down_proj")
+    for model_type, ((gate, up), down) in table.items():
         mapping = names[expected[model_type]]
         assert mapping[gate] == mapping[up] == "gate_up_proj" and mapping[down] == "down_proj"
         assert mapping["gate"] == "gate.weight"
+
+
+def test_peft_table_without_the_conversion_module_is_empty(monkeypatch):
+    """transformers 4 (or a peft before 0.17): no conversion module, so no family's experts are fused."""
+    monkeypatch.setitem(sys.modules, "peft.utils.transformers_weight_conversion", None)  # import raises
+    peft_fused_moe_types.cache_clear()
+    try:
+        assert peft_fused_moe_types() == {}
+    finally:
+        peft_fused_moe_types.cache_clear()
+
+
+def test_peft_table_renamed_in_peft_is_a_clear_error(monkeypatch):
+    conversion = pytest.importorskip("peft.utils.transformers_weight_conversion")
+    monkeypatch.delattr(conversion, "_MOE_FUSED_TARGETS")
+    peft_fused_moe_types.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="has no _MOE_FUSED_TARGETS"):
+            peft_fused_moe_types()
+    finally:
+        monkeypatch.undo()
+        peft_fused_moe_types.cache_clear()
 
 
 CASES = [("qwen3_moe", ["all-linear"]), ("qwen3_moe", ["q_proj", "v_proj"]),

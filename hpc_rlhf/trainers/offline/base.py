@@ -28,7 +28,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,8 @@ from hpc_rlhf.ckpt.layout import compare_layouts, read_layout, supervised_layout
 from hpc_rlhf.ckpt.resume import agreed_checkpoint, warn_if_starting_over
 from hpc_rlhf.ckpt.universal import load_resharded
 from hpc_rlhf.config import save_resolved_config
-from hpc_rlhf.config.supervised import SupervisedRunConfig
+from hpc_rlhf.config.schema import RefConfig
+from hpc_rlhf.config.supervised import ReferenceRunConfig, SupervisedRunConfig
 from hpc_rlhf.data.packing import TokenSample, collate
 from hpc_rlhf.data.prompts import PromptStream
 from hpc_rlhf.models.loading import import_model_code, load_causal_lm, load_tokenizer, resolve_attn_implementation
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
 ENGINE_TAG = "engine"
 RM_STATS_SAMPLES = 256  # train pairs scored for reward_mean / reward_std when there is no eval set
+RunConfigT = TypeVar("RunConfigT", bound=SupervisedRunConfig)
 
 
 def all_reduce_sums(sums: dict[str, float], group: Any = None) -> dict[str, float]:
@@ -66,21 +68,21 @@ def all_reduce_sums(sums: dict[str, float], group: Any = None) -> dict[str, floa
         return dict(sums)
     values = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=comm_device())
     dist.all_reduce(values, group=group)
-    return dict(zip(keys, values.tolist()))
+    return dict(zip(keys, values.tolist(), strict=True))
 
 
 def ratio(sums: dict[str, float], num: str, den: str) -> float:
     return sums[num] / sums[den] if sums.get(den) else float("nan")
 
 
-class SupervisedTrainer(RunHooks):
+class SupervisedTrainer(RunHooks, Generic[RunConfigT]):
     """Base of the offline trainers. Subclasses implement the methods that raise NotImplementedError; the
     run hooks (``run_step``, ``run_eval``, ``metrics_row``, ...) plug the loop into the shared run skeleton."""
 
     kind = "supervised"
     uses_reference = False  # DPO / KTO: a frozen reference model (``self.ref``), built after the trained engine
 
-    def __init__(self, cfg: SupervisedRunConfig) -> None:
+    def __init__(self, cfg: RunConfigT) -> None:
         self.cfg = cfg
         self.rank = dist.get_rank()
         self.tp_group, self.dp_group = tensor_data_parallel_groups(cfg.ds.tensor_parallel_size)
@@ -105,7 +107,7 @@ class SupervisedTrainer(RunHooks):
         if self.num_steps < 1:
             raise ValueError(f"{len(self.train_set)} train samples cannot fill one batch of train.train_batch_size="
                              f"{tcfg.train_batch_size}")
-        import_model_code(cfg.model.pretrain, cfg.ref.pretrain if self.uses_reference else None)
+        import_model_code(cfg.model.pretrain, self.reference_config().pretrain if self.uses_reference else None)
         self.engine = TrainEngine.create(self.model_factory, cfg.ds, cfg.model,
                                          train_batch_size=tcfg.train_batch_size, micro_train_batch_size=self.micro,
                                          num_training_steps=self.num_steps, dp_group=self.dp_group,
@@ -139,8 +141,8 @@ class SupervisedTrainer(RunHooks):
 
     def model_factory(self) -> torch.nn.Module:
         ds = self.cfg.ds
-        return load_causal_lm(self.cfg.model.pretrain, self.dtype, self.attn, ds.use_liger_kernel,
-                              ds.lora.load_in_4bit)
+        return load_causal_lm(self.cfg.model.pretrain_path("model.pretrain"), self.dtype, self.attn,
+                              ds.use_liger_kernel, ds.lora.load_in_4bit)
 
     def global_counts(self, batch: list) -> dict[str, int]:
         """Loss normalisers of the whole step batch (every rank sees the same batch)."""
@@ -174,13 +176,20 @@ class SupervisedTrainer(RunHooks):
         return collate(samples, self.tokenizer.pad_token_id, packing=tcfg.packing_samples,
                        max_tokens_per_row=tcfg.packing_max_tokens or self.cfg.data.max_len)
 
+    def reference_config(self) -> RefConfig:
+        """``ref`` of a trainer with a frozen reference (``uses_reference``)."""
+        if not isinstance(self.cfg, ReferenceRunConfig):
+            raise TypeError(f"{type(self).__name__} uses a reference model, but its config "
+                            f"{type(self.cfg).__name__} has no ref section")
+        return self.cfg.ref
+
     def frozen_reference(self) -> FrozenEngine:
-        cfg = self.cfg
-        path = cfg.ref.pretrain or cfg.model.pretrain
+        cfg, ref = self.cfg, self.reference_config()
+        path = ref.pretrain or cfg.model.pretrain_path("model.pretrain")
         # Under QLoRA the reference loads the same 4-bit base as the policy, so both start equal.
         return FrozenEngine.create(lambda: load_causal_lm(path, self.dtype, self.attn, cfg.ds.use_liger_kernel,
                                                           cfg.ds.lora.load_in_4bit),
-                                   cfg.ds, cfg.ref, micro_batch_size=self.micro, dp_group=self.dp_group,
+                                   cfg.ds, ref, micro_batch_size=self.micro, dp_group=self.dp_group,
                                    tp_group=self.tp_group)
 
     # ------------------------------------------------------------------ the run (hpc_rlhf.trainers.run_skeleton)
@@ -252,7 +261,7 @@ class SupervisedTrainer(RunHooks):
                 for key, value in stats.items():
                     sums[key] += value
         sums = all_reduce_sums(sums, self.dp_group)
-        row = {**self.summarize(sums), **moe_summary(sums)}
+        row: dict[str, float | None] = {**self.summarize(sums), **moe_summary(sums)}
         row.update(lr=info.get("lr"), grad_norm=info.get("grad_norm"))
         return row, int(sums.get("num_input_tokens", 0))
 
@@ -312,5 +321,6 @@ class SupervisedTrainer(RunHooks):
         self.engine.save_hf(str(model_dir), tokenizer=self.tokenizer)
         if self.rank == 0:
             self.after_export(model_dir)
-            self.metrics.close()
+            if self.metrics is not None:
+                self.metrics.close()
         dist.barrier()

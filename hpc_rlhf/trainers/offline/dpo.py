@@ -9,12 +9,13 @@ from __future__ import annotations
 import torch
 
 from hpc_rlhf.algos.preference import dpo_loss, global_mean, sft_loss
+from hpc_rlhf.config.supervised import DPORunConfig
 from hpc_rlhf.data.preference import PreferencePair, build_preference_datasets
 from hpc_rlhf.models.forward import causal_lm_forward, sequence_logprobs
 from hpc_rlhf.trainers.offline.base import SupervisedTrainer, ratio
 
 
-class DPOTrainer(SupervisedTrainer):
+class DPOTrainer(SupervisedTrainer[DPORunConfig]):
     kind = "dpo"
     uses_reference = True
 

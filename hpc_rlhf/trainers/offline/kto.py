@@ -11,13 +11,14 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.algos.preference import global_mean, kto_loss, kto_reference_point
+from hpc_rlhf.config.supervised import KTORunConfig
 from hpc_rlhf.data.preference import KTOSample, build_kto_datasets, mismatched_samples
 from hpc_rlhf.models.forward import causal_lm_forward, sequence_logprobs
 from hpc_rlhf.trainers.offline.base import SupervisedTrainer, ratio
 from hpc_rlhf.world.groups import comm_device
 
 
-class KTOTrainer(SupervisedTrainer):
+class KTOTrainer(SupervisedTrainer[KTORunConfig]):
     kind = "kto"
     uses_reference = True
 

@@ -14,13 +14,14 @@ from pathlib import Path
 import torch
 
 from hpc_rlhf.algos.preference import global_mean, pairwise_reward_loss
+from hpc_rlhf.config.supervised import RMRunConfig
 from hpc_rlhf.data.preference import PreferencePair, build_preference_datasets
 from hpc_rlhf.models.forward import value_model_forward
 from hpc_rlhf.models.loading import load_value_model
 from hpc_rlhf.trainers.offline.base import RM_STATS_SAMPLES, SupervisedTrainer, ratio
 
 
-class RewardModelTrainer(SupervisedTrainer):
+class RewardModelTrainer(SupervisedTrainer[RMRunConfig]):
     kind = "rm"
 
     def build_datasets(self):
@@ -28,8 +29,8 @@ class RewardModelTrainer(SupervisedTrainer):
 
     def model_factory(self) -> torch.nn.Module:
         ds = self.cfg.ds
-        model = load_value_model(self.cfg.model.pretrain, self.dtype, self.attn, ds.use_liger_kernel,
-                                 ds.lora.load_in_4bit)
+        model = load_value_model(self.cfg.model.pretrain_path("model.pretrain"), self.dtype, self.attn,
+                                 ds.use_liger_kernel, ds.lora.load_in_4bit)
         model.config.pad_token_id = self.tokenizer.pad_token_id
         return model
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import torch
 
 from hpc_rlhf.algos.preference import sft_loss
+from hpc_rlhf.config.supervised import SFTRunConfig
 from hpc_rlhf.data.packing import TokenSample
 from hpc_rlhf.data.sft import build_sft_datasets
 from hpc_rlhf.models.forward import causal_lm_forward
 from hpc_rlhf.trainers.offline.base import SupervisedTrainer, ratio
 
 
-class SFTTrainer(SupervisedTrainer):
+class SFTTrainer(SupervisedTrainer[SFTRunConfig]):
     kind = "sft"
 
     def build_datasets(self) -> tuple[list[TokenSample], list[TokenSample]]:
