@@ -265,14 +265,14 @@ def _loopback_address(host: str, port: int) -> tuple[socket.AddressFamily, str] 
 def listen_on_master_port(env: LaunchEnv) -> socket.socket:
     """Rank 0's listening socket for the rendezvous store on ``env.master_port``.
 
-    A master address that resolves to a loopback address (a run on one machine) is listened on alone, so that other
-    machines cannot reach the store at all; otherwise every interface is, as torch does (the address other nodes
-    use to reach this one is not known here).
+    A job on one node whose master address resolves to a loopback address listens on that address alone, so that
+    other machines cannot reach the store at all; otherwise every interface is, as torch does (the address other
+    nodes use to reach this one is not known here, and a node name may resolve to 127.0.1.1 on the node itself).
 
     Raises:
         MasterPortInUseError: the port is taken, naming it, where it came from and how to choose another.
     """
-    loopback = _loopback_address(env.master_addr, env.master_port)
+    loopback = _loopback_address(env.master_addr, env.master_port) if env.num_nodes == 1 else None
     try:
         if loopback is not None:
             return socket.create_server((loopback[1], env.master_port), family=loopback[0])

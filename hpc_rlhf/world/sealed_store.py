@@ -24,6 +24,7 @@ import hashlib
 import hmac
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 from cryptography.exceptions import InvalidTag
@@ -68,7 +69,9 @@ class SealedStore(dist.Store):
 
     def __init__(self, store: dist.Store, secret: str, namespace: str, where: str = "the rendezvous store"):
         super().__init__()
-        self._store, self._secret, self._namespace, self._where = store, secret, namespace, where
+        # Any: torch's stubs type store values as str, where its stores take and return bytes (and lack clone).
+        self._store: Any = store
+        self._secret, self._namespace, self._where = secret, namespace, where
         keys = _derive(secret, namespace)
         self._name_key = keys.names
         self._aead = AESGCM(keys.values)
@@ -189,11 +192,13 @@ def sealed_tcp_store(host: str, port: int, *, rank: int, world_size: int, secret
     """A ``TCPStore`` on ``host:port`` (hosted by rank 0 unless ``is_master`` says otherwise, on ``listen_fd``
     when given), sealed with ``secret`` and the secret check passed. Collective over the ``world_size`` ranks."""
     master = rank == 0 if is_master is None else is_master
-    kwargs = {"master_listen_fd": listen_fd} if listen_fd is not None else {}
     # wait_for_workers=False: its worker count is an unsealed counter that any client may bump; the sealed
     # rendezvous on top waits for the job's own ranks.
-    store = dist.TCPStore(host, port, world_size, is_master=master, timeout=timeout, wait_for_workers=False,
-                          **kwargs)
+    if listen_fd is None:
+        store = dist.TCPStore(host, port, world_size, is_master=master, timeout=timeout, wait_for_workers=False)
+    else:
+        store = dist.TCPStore(host, port, world_size, is_master=master, timeout=timeout, wait_for_workers=False,
+                              master_listen_fd=listen_fd)
     where = f"the {namespace} store at {host}:{port}"
     check_job_secret(store, secret, namespace, publisher=rank == 0, where=where)
     return SealedStore(store, secret, namespace, where)

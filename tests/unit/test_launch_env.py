@@ -1,6 +1,8 @@
 import os
+import re
 import socket
 import stat
+import subprocess
 
 import pytest
 from hypothesis import given
@@ -210,6 +212,12 @@ def test_a_local_run_listens_on_loopback_only():
     env = detect_launch_env({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": str(port)})
     with listen_on_master_port(env) as listener:
         assert socket.getaddrinfo("localhost", port)[0][4][0] == listener.getsockname()[0]
+    # A job on several nodes listens everywhere: a node name may resolve to loopback on the node itself only.
+    multi = detect_launch_env({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "localhost",
+                               "MASTER_PORT": str(port)})
+    with listen_on_master_port(multi) as listener:
+        assert listener.getsockname()[0] in ("0.0.0.0", "::")
+    with listen_on_master_port(env) as listener:
         # Another address of this machine is not listened on (where it has one besides loopback).
         others = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, family=socket.AF_INET)}
         for address in others - {"127.0.0.1", "127.0.1.1"}:
@@ -258,3 +266,15 @@ def test_a_key_file_others_can_read_is_refused(tmp_path):
     os.chmod(key_file, 0o644)
     with pytest.raises(JobSecretError, match=r"mode -rw-r--r--.*chmod 600"):
         job_secret(_torchrun(), {USER_KEY_FILE_ENV: str(key_file)})
+
+
+def test_a_submitted_job_generates_a_fresh_secret_in_its_batch_script():
+    """The line ``hpc-rlhf submit`` adds to the sbatch script before srun: 64 hex characters, new at every run."""
+    from hpc_rlhf.cli.submit import JOB_SECRET_SETUP
+
+    def run() -> str:
+        return subprocess.run(["bash", "-c", f"{JOB_SECRET_SETUP}; printf %s \"${JOB_SECRET_ENV}\""],
+                              capture_output=True, text=True, check=True).stdout
+
+    first, second = run(), run()
+    assert re.fullmatch(r"[0-9a-f]{64}", first) and first != second
