@@ -57,15 +57,12 @@ def init_world(timeout_s: int = 1800, env: LaunchEnv | None = None, backend: str
     secret = job_secret(env)  # also exported, for the processes this rank starts (vLLM's)
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     hosts = env.rank == 0 and not agent_hosts
-    listener = listen_on_master_port(env) if hosts else None
-    try:
-        _world_store = sealed_tcp_store(
-            env.master_addr, env.master_port, rank=env.rank, world_size=env.world_size, secret=secret,
-            namespace="world", timeout=_collective_timeout, is_master=hosts,
-            listen_fd=listener.detach() if listener is not None else None)
-    finally:
-        if listener is not None:
-            listener.close()  # a no-op once detached; closes it if the store failed before taking it
+    # Rank 0 binds the port itself: a port in use is then named with the way out, and a one-node job listens on
+    # loopback alone (listen_on_master_port). The store's server takes the socket over.
+    listen_fd = listen_on_master_port(env).detach() if hosts else None
+    _world_store = sealed_tcp_store(env.master_addr, env.master_port, rank=env.rank, world_size=env.world_size,
+                                    secret=secret, namespace="world", timeout=_collective_timeout, is_master=hosts,
+                                    listen_fd=listen_fd)
     dist.init_process_group(
         backend=backend,
         store=_world_store,

@@ -26,7 +26,13 @@ from hpc_rlhf.utils.metrics import read_metrics
 from hpc_rlhf.weight_sync.vllm_gloo_transfer import GlooGroup, GlooSenderChannel
 from hpc_rlhf.world.job_secret import JOB_SECRET_ENV, JobSecretError
 from hpc_rlhf.world.launch_env import free_port
-from hpc_rlhf.world.sealed_store import SEALED_KEY_PREFIX, SECRET_CHECK_PREFIX, StoreTamperedError, sealed_tcp_store
+from hpc_rlhf.world.sealed_store import (
+    SEALED_KEY_PREFIX,
+    SECRET_CHECK_PREFIX,
+    SealedStore,
+    StoreTamperedError,
+    sealed_tcp_store,
+)
 from tests.multiproc.rl_fixtures import grpo_overrides, make_assets, run_trainer
 from tests.multiproc.spawn import run_on_ranks
 
@@ -239,3 +245,28 @@ def test_a_job_trains_while_a_stranger_reads_and_writes_its_store(tmp_path):
     assert [row["step"] for row in read_metrics(tmp_path / "run")] == [1, 2]
     assert report["rounds"] > 0 and report["values_read"] > 0, dict(report)  # it was there, reading
     assert report["plain_names"] == [], "the stranger saw names torch uses"
+
+
+# ------------------------------------------------------------------ counters over sealed values
+def test_counters_and_compare_set_work_over_sealed_values_and_refuse_a_forged_one():
+    """torch's store-based barriers count with ``add``; over sealed values it is a compare-and-swap loop. Two of the
+    job's clients count together; a counter the stranger overwrote is refused, not added to."""
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+    first, second = (SealedStore(_stranger(port), "c" * 64, "world") for _ in range(2))
+    threads = [threading.Thread(target=lambda s=s: [s.add("barrier", 1) for _ in range(50)]) for s in (first, second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert first.add("barrier", 0) == 100 and int(second.get("barrier")) == 100
+    assert first.compare_set("flag", b"", b"up") == b"up" and second.compare_set("flag", b"down", b"x") == b"up"
+    first.append("log", b"a")
+    second.append("log", b"b")
+    assert first.get("log") == b"ab"
+    stranger = _stranger(port)
+    for key in stranger.list_keys():
+        stranger.set(key, b"999")
+    with pytest.raises(StoreTamperedError, match="'barrier'"):
+        first.add("barrier", 1)
+    assert host.num_keys() > 0
