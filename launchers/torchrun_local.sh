@@ -27,5 +27,9 @@ PY
 # shellcheck disable=SC2086
 "$PYTHON" -m hpc_rlhf.cli.plan --config "$CONFIG" --nodes 1 --gpus-per-node "$NPROC" ${PLAN_ARGS:-} "$@" >/dev/null \
     || { echo "torchrun_local.sh: plan rejected $NPROC ranks for $CONFIG (reason above)" >&2; exit 1; }
+# The run's secret: the ranks seal their rendezvous store with it (docs/reliability.md, "Shared clusters"); torchrun
+# hands it to each rank in the environment.
+HPC_RLHF_JOB_SECRET="$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')"
+export HPC_RLHF_JOB_SECRET
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
     -m "hpc_rlhf.cli.$ENTRY" --config "$CONFIG" "$@"

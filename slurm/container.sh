@@ -23,8 +23,8 @@
 # source).
 # GPUs: pyxis gives the step's GPUs to the container itself; apptainer gets --nv on GPU recipes.
 # Environment: both runtimes pass the job's environment in, but a variable the image also sets keeps the image's
-# value; the variables launch.sh exports, the user's NCCL_* / TORCH_NCCL_* / HF_* and MASTER_ADDR / MASTER_PORT are
-# therefore forced (pyxis --container-env, apptainer APPTAINERENV_*). PYTHONPATH is the repository, so that the
+# value; the variables launch.sh exports (the job's secret HPC_RLHF_JOB_SECRET among them, passed by name, never on a
+# command line), the user's NCCL_* / TORCH_NCCL_* / HF_* and MASTER_ADDR / MASTER_PORT are therefore forced (pyxis --container-env, apptainer APPTAINERENV_*). PYTHONPATH is the repository, so that the
 # checkout, not the copy installed in the image, is what runs; the host's own PYTHONPATH (host packages) is not
 # carried in, and PYTHONNOUSERSITE=1 keeps packages pip-installed into ~/.local on the host (a mounted home) out of
 # the image's Python.
@@ -82,7 +82,7 @@ container_bind() {
 container_flags() {
     local names=() name
     for name in PYTHONUNBUFFERED OMP_NUM_THREADS TOKENIZERS_PARALLELISM PYTHONPATH PYTHONNOUSERSITE \
-                HPC_RLHF_STALL_FILE MASTER_ADDR MASTER_PORT; do
+                HPC_RLHF_STALL_FILE HPC_RLHF_JOB_SECRET MASTER_ADDR MASTER_PORT; do
         if [ -n "${!name+x}" ]; then names+=("$name"); fi
     done
     while read -r name; do

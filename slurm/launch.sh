@@ -48,6 +48,14 @@ if [ "$GPU_JOB" = 1 ]; then
     # export NCCL_IB_TIMEOUT=22             # large clusters: tolerate slow fabric recovery
 fi
 
+# The job's secret (docs/reliability.md, "Shared clusters"): the ranks seal their rendezvous stores with it, so that
+# another user who reaches the master port can neither read nor change what they exchange there. Fresh at every
+# start of the job, generated here and handed to the ranks by srun in their environment (readable by this user and
+# root only); it is written to no file and to no job record, and a value set before sbatch is replaced.
+HPC_RLHF_JOB_SECRET="$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')"
+[ "${#HPC_RLHF_JOB_SECRET}" -eq 64 ] || { echo "$RECIPE: could not read 32 random bytes from /dev/urandom" >&2; exit 1; }
+export HPC_RLHF_JOB_SECRET
+
 # A requeued run (preemption, time limit, node failure) resumes from the checkpoint LATEST.
 RESUME=()
 if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(ckpt.load=true); fi
@@ -140,8 +148,9 @@ ${CONTAINER_ONCE[@]+"${CONTAINER_ONCE[@]}"} "$PYTHON" -m hpc_rlhf.cli.plan --con
 
 # One rank per task (per GPU on GPU recipes), rank order = node order: rank 0, on the first node, logs,
 # writes the HF export and, in RL, is the controller. The master address is the first host of SLURM_JOB_NODELIST
-# and the port is derived from the job id (hpc_rlhf.world.launch_env): no torchrun, no Ray, no waiting for
-# services. --kill-on-bad-exit: one failing rank ends the whole step at once, with its error in this log.
+# and the port is derived from the job id, outside the node's ephemeral port range (hpc_rlhf.world.launch_env; a
+# port in use stops rank 0 with an error naming it: export MASTER_PORT=<free port> before sbatch then): no
+# torchrun, no Ray, no waiting for services. --kill-on-bad-exit: one failing rank ends the whole step at once, with its error in this log.
 # --cpus-per-task is repeated because not every SLURM version passes the job's value on to srun.
 #
 # A hang: the trainers' watchdog (train.watchdog_timeout_s, on by default) dumps every rank's stacks to

@@ -7,7 +7,8 @@
 One job, one ``srun`` step, one task per GPU (``--tasks-per-node`` tasks on CPU). Every task runs the
 training entry (``hpc_rlhf.cli.<entry>.main``) in-process, so it is the same program as under
 ``sbatch slurm/*.sbatch``: ``hpc_rlhf.world.launch_env`` reads the rank from the srun step and derives
-the master port from the job id. (We do not call submitit's ``TorchDistributedEnvironment().export()``:
+the master port from the job id; the sbatch script generates the job's secret, which seals the rendezvous
+(docs/reliability.md, "Shared clusters"). (We do not call submitit's ``TorchDistributedEnvironment().export()``:
 it would set ``CUDA_VISIBLE_DEVICES`` to one GPU per task and use a second port formula.)
 
 Preemption belongs to the trainer, not to submitit: ``--signal=USR1@<grace>`` reaches every rank, the
@@ -46,6 +47,9 @@ from hpc_rlhf.resilience.preemption import requeue_slurm_job
 
 log = logging.getLogger(__name__)
 ENTRIES = ("train_ppo", "train_sft", "train_rm", "train_dpo", "train_kto")
+# The job's secret (hpc_rlhf.world.job_secret): generated in the sbatch script on the job's first node at each start,
+# then passed by srun to every rank in its environment. Neither the submitit folder nor the pickled task holds it.
+JOB_SECRET_SETUP = "export HPC_RLHF_JOB_SECRET=\"$(od -An -N32 -tx1 /dev/urandom | tr -d ' \\n')\""
 
 
 # --------------------------------------------------------------------------------------- parsing
@@ -170,7 +174,7 @@ def resolve(args: argparse.Namespace, cfg) -> Submission:
     run_dir = out_dir if out_dir.is_absolute() else Path(chdir) / out_dir
     folder = Path(args.folder) if args.folder else run_dir / "submitit"
     setup = ["export PYTHONUNBUFFERED=1", f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{cpus}}}",
-             "export TOKENIZERS_PARALLELISM=false"]
+             "export TOKENIZERS_PARALLELISM=false", JOB_SECRET_SETUP]
     if gpus > 0:
         setup += ["export TORCH_NCCL_ASYNC_ERROR_HANDLING=1", "export NCCL_DEBUG=${NCCL_DEBUG:-WARN}"]
     return Submission(

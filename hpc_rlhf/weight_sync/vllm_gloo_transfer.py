@@ -9,7 +9,10 @@ owner); only the transport differs from the ``nccl`` backend.
 
 The group: the sending actor rank is rank 0 and hosts the rendezvous ``TCPStore`` on ``master_port``; the engine's
 workers are ranks ``rank_offset .. rank_offset + tp - 1``. Both ends build a ``ProcessGroupGloo`` straight on that
-store (under a ``PrefixStore``), so neither side's default process group, nor vLLM's own groups, are touched.
+store, so neither side's default process group, nor vLLM's own groups, are touched. The store is sealed with the
+job's secret (:mod:`hpc_rlhf.world.sealed_store`), which vLLM's processes inherit from the rank that started them
+(``HPC_RLHF_JOB_SECRET``, set by ``init_world``): another user who reaches the port can neither read the group's
+rendezvous nor join it.
 
 One bucket on the wire: the engine's owner sends ``update_info`` (names, dtype names, shapes; the same fields as
 vLLM's NCCL update info, so ``vllm_server.bucket_update_info`` serves both backends) through vLLM's control plane;
@@ -44,12 +47,14 @@ import torch.distributed as dist
 
 from hpc_rlhf.rollout.vllm_api import resolve
 from hpc_rlhf.rollout.vllm_external_launcher import refresh_after_reload  # imports no vLLM
+from hpc_rlhf.world.job_secret import inherited_job_secret
+from hpc_rlhf.world.sealed_store import sealed_tcp_store
 
 GLOO_BACKEND = "gloo"
 # A broadcast waits this long for its peer. The sender's peer is a worker that may still be pausing the engine or
 # processing the previous bucket; a worker's peer is an actor rank that may still be gathering a bucket (ZeRO).
 DEFAULT_TIMEOUT_S = 1800.0
-_STORE_PREFIX = "hpc_rlhf_weight_transfer"
+_STORE_NAMESPACE = "weight_transfer"
 
 
 # ---------------------------------------------------------------------------- payloads (vLLM's dict <-> ours)
@@ -172,17 +177,21 @@ class GlooGroup:
     """A gloo group of its own: ``world_size`` ranks meeting at a ``TCPStore`` that rank 0 hosts.
 
     Built without ``torch.distributed.init_process_group``, so it lives beside any default process group (the
-    trainer's world on the sender, vLLM's on the workers). The constructor returns once every rank has joined."""
+    trainer's world on the sender, vLLM's on the workers). The constructor returns once every rank has joined.
+
+    Raises:
+        JobSecretError: this process holds no job secret (``HPC_RLHF_JOB_SECRET``), or not the sender's.
+    """
 
     def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float):
         if not 0 <= rank < world_size:
             raise ValueError(f"gloo weight transfer: rank {rank} outside a group of {world_size}")
         timeout = timedelta(seconds=timeout_s)
         # Rank 0 hosts the store and does not wait for the others here: the group's own connection does.
-        self.store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
-                                   wait_for_workers=False)
+        self.store = sealed_tcp_store(master_address, master_port, rank=rank, world_size=world_size,
+                                      secret=inherited_job_secret(), namespace=_STORE_NAMESPACE, timeout=timeout)
         self.rank, self.world_size = rank, world_size
-        self.backend = dist.ProcessGroupGloo(dist.PrefixStore(_STORE_PREFIX, self.store), rank, world_size, timeout)
+        self.backend = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """In place on every rank but ``src``; returns once this rank's part is done."""

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from hpc_rlhf.world.launch_env import LaunchEnv, detect_launch_env
+from hpc_rlhf.world.job_secret import job_secret
+from hpc_rlhf.world.launch_env import LaunchEnv, detect_launch_env, listen_on_master_port
 from hpc_rlhf.world.placement import Placement, RoleGrid
+from hpc_rlhf.world.sealed_store import sealed_tcp_store
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +24,9 @@ log = logging.getLogger(__name__)
 # torch gives every ``dist.new_group`` its own 30-minute default instead of the default group's timeout, so a
 # hang on any other group would outlive the configured limit.
 _collective_timeout: datetime.timedelta | None = None
+# The world's sealed store, referenced here for the life of the process: torch holds it only through C++ (a Python
+# subclass of dist.Store), and on rank 0 it owns the store's server.
+_world_store: dist.Store | None = None
 
 
 def default_backend() -> str:
@@ -30,9 +36,16 @@ def default_backend() -> str:
 def init_world(timeout_s: int = 1800, env: LaunchEnv | None = None, backend: str | None = None) -> LaunchEnv:
     """Initialise torch.distributed from the launcher's variables (idempotent).
 
-    NCCL with one GPU per rank (``cuda:local_rank``) when CUDA is present, gloo otherwise.
+    NCCL with one GPU per rank (``cuda:local_rank``) when CUDA is present, gloo otherwise. The rendezvous store is
+    sealed with the job's secret (``hpc_rlhf.world.job_secret``, ``hpc_rlhf.world.sealed_store``): another user who
+    reaches the master port can neither read nor change what the ranks exchange there, nor join the job's groups.
+    Rank 0 hosts the store (under torchrun with ``TORCHELASTIC_USE_AGENT_STORE=True``, torchrun's agent does).
+
+    Raises:
+        MasterPortInUseError: rank 0 cannot listen on the master port (naming it and how to choose another).
+        JobSecretError: no usable secret, or the ranks do not agree on it.
     """
-    global _collective_timeout
+    global _collective_timeout, _world_store
     env = env or detect_launch_env()
     if dist.is_initialized():
         return env
@@ -41,15 +54,24 @@ def init_world(timeout_s: int = 1800, env: LaunchEnv | None = None, backend: str
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    secret = job_secret(env)  # also exported, for the processes this rank starts (vLLM's)
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    hosts = env.rank == 0 and not agent_hosts
+    # Rank 0 binds the port itself: a port in use is then named with the way out, and a one-node job listens on
+    # loopback alone (listen_on_master_port). The store's server takes the socket over.
+    listen_fd = listen_on_master_port(env).detach() if hosts else None
+    _world_store = sealed_tcp_store(env.master_addr, env.master_port, rank=env.rank, world_size=env.world_size,
+                                    secret=secret, namespace="world", timeout=_collective_timeout, is_master=hosts,
+                                    listen_fd=listen_fd)
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        store=_world_store,
         rank=env.rank,
         world_size=env.world_size,
         timeout=_collective_timeout,
     )
-    log.info("rank %d/%d up (%s, %s, master %s:%d)", env.rank, env.world_size, env.launcher, backend,
-             env.master_addr, env.master_port)
+    log.info("rank %d/%d up (%s, %s, master %s:%d, sealed store)", env.rank, env.world_size, env.launcher,
+             backend, env.master_addr, env.master_port)
     return env
 
 

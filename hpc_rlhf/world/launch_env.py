@@ -2,7 +2,9 @@
 
 One table maps each launcher's variables to the same fields (submitit's
 ``JobEnvironment`` does the same). The master port is derived from the job id
-so every rank computes the same value without talking to the others.
+so every rank computes the same value without talking to the others, and it is kept out of the node's
+ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``), from which the kernel hands out the local
+ports of outgoing connections: a port in it may be taken by any process's connection at any moment.
 
 Precedence: torchrun (also when torchrun runs inside an srun step), then a SLURM
 step started by ``srun``, then OpenMPI, then a plain single process.
@@ -10,15 +12,24 @@ step started by ``srun``, then OpenMPI, then a plain single process.
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import hostlist
 
-PORT_BASE = 20000
-PORT_SPAN = 20000
+# Derived master ports lie in [PORT_FLOOR, PORT_CEILING] minus the node's ephemeral range. The floor keeps
+# them above the ports services commonly listen on (web UIs, databases, Jupyter: mostly below 20000).
+PORT_FLOOR = 20000
+PORT_CEILING = 65535
+# Fewer candidate ports than this (an ephemeral range covering nearly all of them) makes job collisions likely.
+MIN_JOB_PORTS = 1000
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+LINUX_DEFAULT_EPHEMERAL_RANGE = (32768, 60999)
 
 
 class LaunchEnvError(RuntimeError):
@@ -38,6 +49,8 @@ class LaunchEnv:
     master_port: int
     job_id: str | None = None
     nodes: tuple[str, ...] = ()
+    # Where master_port came from, for the error when it is in use: "MASTER_PORT", "job id <id>" or "a free port".
+    master_port_from: str = "MASTER_PORT"
 
     def export(self, environ: dict[str, str] | None = None) -> None:
         """Set the torch.distributed ``env://`` variables (MASTER_ADDR, RANK, ...)."""
@@ -63,12 +76,45 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
-def port_from_job_id(job_id: str) -> int:
-    """A port in [20000, 40000) that every rank of the job derives identically."""
+def ephemeral_port_range(path: str | Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """The node's ephemeral port range ``(first, last)``, both included; Linux's default where the file is
+    missing or unreadable (not Linux, a restricted container)."""
+    try:
+        first, last = (int(field) for field in Path(path).read_text().split())
+    except (OSError, ValueError):
+        return LINUX_DEFAULT_EPHEMERAL_RANGE
+    if not 0 < first <= last <= PORT_CEILING:
+        return LINUX_DEFAULT_EPHEMERAL_RANGE
+    return first, last
+
+
+def job_ports(ephemeral: tuple[int, int]) -> tuple[range, range]:
+    """The ports a job id may map to: ``[PORT_FLOOR, first)`` and ``(last, PORT_CEILING]`` around the ephemeral
+    range ``(first, last)`` (either may be empty)."""
+    first, last = ephemeral
+    below = range(PORT_FLOOR, max(PORT_FLOOR, min(first, PORT_CEILING + 1)))
+    above = range(max(PORT_FLOOR, last + 1), PORT_CEILING + 1)
+    return below, above
+
+
+def port_from_job_id(job_id: str, ephemeral: tuple[int, int] | None = None) -> int:
+    """A port every rank of the job derives identically, outside the ephemeral range (default: this node's).
+
+    With Linux's default range that is one of the 17304 ports in [20000, 32768) and [61000, 65535]. The nodes of
+    one job must share the ephemeral range (a uniformly configured cluster does); else set MASTER_PORT.
+    """
     digits = "".join(ch for ch in job_id if ch.isdigit())
     if not digits:
         raise LaunchEnvError(f"job id {job_id!r} has no digits to derive a port from; set MASTER_PORT")
-    return PORT_BASE + int(digits) % PORT_SPAN
+    first, last = ephemeral or ephemeral_port_range()
+    below, above = job_ports((first, last))
+    count = len(below) + len(above)
+    if count < MIN_JOB_PORTS:
+        raise LaunchEnvError(f"this node's ephemeral port range {first}-{last} ({EPHEMERAL_RANGE_FILE}) leaves only "
+                             f"{count} ports in [{PORT_FLOOR}, {PORT_CEILING}] for master ports; set MASTER_PORT "
+                             "to a port outside it")
+    index = int(digits) % count
+    return below[index] if index < len(below) else above[index - len(below)]
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -139,10 +185,11 @@ def _from_slurm(env: Mapping[str, str]) -> LaunchEnv:
     if node_id >= len(nodes):
         raise LaunchEnvError(f"SLURM_NODEID={node_id} but the node list {nodelist!r} has {len(nodes)} hosts")
     job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    port_from = "MASTER_PORT"
     if "MASTER_PORT" in env:
         port = _int(env, "MASTER_PORT")
     elif job_id:
-        port = port_from_job_id(job_id)
+        port, port_from = port_from_job_id(job_id), f"job id {job_id}"
     else:
         raise LaunchEnvError("SLURM_JOB_ID is not set, so no master port can be derived; set MASTER_PORT")
     return LaunchEnv(
@@ -157,6 +204,7 @@ def _from_slurm(env: Mapping[str, str]) -> LaunchEnv:
         master_port=port,
         job_id=job_id,
         nodes=tuple(nodes),
+        master_port_from=port_from,
     )
 
 
@@ -172,7 +220,12 @@ def _from_mpi(env: Mapping[str, str]) -> LaunchEnv:
     else:
         raise LaunchEnvError("mpirun over several nodes: export MASTER_ADDR=<first host> (e.g. with mpirun -x)")
     job_id = env.get("OMPI_MCA_ess_base_jobid") or env.get("SLURM_JOB_ID")
-    port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else (port_from_job_id(job_id) if job_id else 29500)
+    if "MASTER_PORT" in env:
+        port, port_from = _int(env, "MASTER_PORT"), "MASTER_PORT"
+    elif job_id:
+        port, port_from = port_from_job_id(job_id), f"job id {job_id}"
+    else:
+        port, port_from = 29500, "torch's default port 29500"
     return LaunchEnv(
         launcher="mpi",
         rank=rank,
@@ -184,6 +237,7 @@ def _from_mpi(env: Mapping[str, str]) -> LaunchEnv:
         master_addr=master,
         master_port=port,
         job_id=job_id,
+        master_port_from=port_from,
     )
 
 
@@ -192,6 +246,49 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class MasterPortInUseError(LaunchEnvError):
+    """Rank 0 cannot listen on the master port: another process holds it."""
+
+
+def _loopback_address(host: str, port: int) -> tuple[socket.AddressFamily, str] | None:
+    """``host``'s address when it resolves to a loopback address (every rank is on this node), else None."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, IndexError):
+        return None
+    address = str(sockaddr[0])
+    return (socket.AddressFamily(family), address) if ipaddress.ip_address(address).is_loopback else None
+
+
+def listen_on_master_port(env: LaunchEnv) -> socket.socket:
+    """Rank 0's listening socket for the rendezvous store on ``env.master_port``.
+
+    A job on one node whose master address resolves to a loopback address listens on that address alone, so that
+    other machines cannot reach the store at all; otherwise every interface is, as torch does (the address other
+    nodes use to reach this one is not known here, and a node name may resolve to 127.0.1.1 on the node itself).
+
+    Raises:
+        MasterPortInUseError: the port is taken, naming it, where it came from and how to choose another.
+    """
+    loopback = _loopback_address(env.master_addr, env.master_port) if env.num_nodes == 1 else None
+    try:
+        if loopback is not None:
+            return socket.create_server((loopback[1], env.master_port), family=loopback[0])
+        if socket.has_dualstack_ipv6():
+            return socket.create_server(("", env.master_port), family=socket.AF_INET6, dualstack_ipv6=True)
+        return socket.create_server(("", env.master_port))
+    except OSError as err:
+        if err.errno != errno.EADDRINUSE:
+            raise
+        first, last = ephemeral_port_range()
+        raise MasterPortInUseError(
+            f"master port {env.master_port} (from {env.master_port_from}) is already in use on {socket.gethostname()},"
+            f" so rank 0 cannot host the job's rendezvous there (EADDRINUSE; `ss -ltnp 'sport = :{env.master_port}'`"
+            f" shows who holds it). Way out: export MASTER_PORT=<a free port in [{PORT_FLOOR}, {first}) or "
+            f"({last}, {PORT_CEILING}], outside this node's ephemeral range {first}-{last}> before sbatch, srun or "
+            "torchrun (every rank must see the same value)") from None
 
 
 def host_address() -> str:
@@ -223,4 +320,5 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         num_nodes=1,
         master_addr="127.0.0.1",
         master_port=int(env["MASTER_PORT"]) if "MASTER_PORT" in env else free_port(),
+        master_port_from="MASTER_PORT" if "MASTER_PORT" in env else "a free port",
     )

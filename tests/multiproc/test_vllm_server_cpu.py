@@ -57,7 +57,12 @@ def linked_engine(tiny_model):
     worker, sending from this process as an actor rank would."""
     from hpc_rlhf.rollout.vllm_server import VllmServerEngine
     from hpc_rlhf.weight_sync.vllm_gloo_transfer import GlooSenderChannel
+    from hpc_rlhf.world.job_secret import JOB_SECRET_ENV, new_job_secret
 
+    # The job's secret, which init_world would export: the channel's store is sealed with it on both ends (this
+    # process and vLLM's worker, which inherits it).
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv(JOB_SECRET_ENV, new_job_secret())
     engine = VllmServerEngine(tiny_model, dtype="float32", enforce_eager=True, max_model_len=LONG + 64,
                               kv_cache_memory_bytes=64 << 20, seed=0)
     port = free_port()
@@ -70,6 +75,7 @@ def linked_engine(tiny_model):
         yield engine, sender
     finally:
         engine.close()
+        monkeypatch.undo()
 
 
 def perturbed_copy(model_path: str, seed: int, silence_eos: bool = False) -> torch.nn.Module:

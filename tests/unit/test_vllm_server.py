@@ -362,8 +362,10 @@ def test_the_gloo_module_imports_no_vllm_until_vllm_asks_for_its_engine():
         vllm_gloo_transfer.Missing  # noqa: B018 - the access is the test
 
 
-def test_a_bucket_crosses_a_gloo_group_between_sender_and_worker():
-    """Both ends of the wire in one process (two threads); no default process group exists or is needed."""
+def test_a_bucket_crosses_a_gloo_group_between_sender_and_worker(monkeypatch):
+    """Both ends of the wire in one process (two threads); no default process group exists or is needed (the job's
+    secret, which init_world would export, is set by hand)."""
+    monkeypatch.setenv("HPC_RLHF_JOB_SECRET", "a" * 64)
     port = free_port()
     bucket = _mixed_bucket()
     info = GlooWeightTransferUpdateInfo(**bucket_update_info(bucket))
