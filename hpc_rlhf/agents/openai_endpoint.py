@@ -156,6 +156,9 @@ def run_batch(batch: list[PendingRequest], generate: Any) -> None:
             _fail(batch, err)
             return
         batch_error = err
+    except BaseException as err:  # an interrupt: every waiting request learns of it, then it propagates
+        _fail(batch, err)
+        raise
     failures: list[BaseException] = []
     for pending in batch:
         try:

@@ -95,7 +95,7 @@ def served(tiny_tokenizer_and_engine):
     tokenizer, _ = tiny_tokenizer_and_engine
     endpoint = OpenAIEndpoint(tokenizer, max_len=96).start()
     endpoint.set_defaults(SamplingParams(max_new_tokens=8, stop_token_ids=[tokenizer.eos_token_id]))
-    engine = CheckingEngine(len(tokenizer), endpoint.max_n, 96)
+    engine = CheckingEngine(len(tokenizer), getattr(endpoint, "max_n", 64), 96)
     stop = threading.Event()
 
     def pump():
@@ -105,7 +105,7 @@ def served(tiny_tokenizer_and_engine):
     thread = threading.Thread(target=pump, daemon=True)
     thread.start()
     endpoint.recorder.open("ep-fuzz")
-    with httpx.Client(base_url=endpoint.base_url, headers={"Authorization": "Bearer ep-fuzz"}, timeout=60) as client:
+    with httpx.Client(base_url=endpoint.base_url, headers={"Authorization": "Bearer ep-fuzz"}, timeout=20) as client:
         yield client
     stop.set()
     thread.join(5)
