@@ -189,7 +189,7 @@ class OpenAIAgentExecutor(AgentExecutor):
     def _drive(self, episodes: list[_Episode], endpoint: OpenAIEndpoint, generate: GenerateFn) -> None:
         """The engine thread: start episodes (``num_concurrent`` at a time), end those past their time, and batch
         queued requests into ``generate`` until every episode ended or timed out."""
-        waiting, running = deque(episodes), []
+        waiting, running = deque(episodes), list[_Episode]()
         while waiting or running:
             now = time.monotonic()
             for episode in running:

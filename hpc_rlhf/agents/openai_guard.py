@@ -17,13 +17,16 @@ process holds for one request is bounded by the cap, not by what the client send
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-# ASGI's callables and messages are plain dicts and coroutines; Starlette types them the same way.
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+# ASGI's messages are string-keyed mappings of any values; these are starlette.types' definitions, repeated so
+# that importing the endpoint needs no starlette (the optional agents extra).
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # a long chat with tools is well under 1 MiB; token ids ~6 bytes each
 
@@ -67,7 +70,7 @@ class EndpointGuard:
         max_body_bytes: the largest request body accepted.
     """
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]],
+    def __init__(self, app: ASGIApp,
                  is_authorized: Callable[[str], bool], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
@@ -112,7 +115,7 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     """A ``receive`` that gives the buffered body once, then waits on the real one (for the disconnect)."""
     sent = False
 
-    async def replay() -> dict[str, Any]:
+    async def replay() -> Message:
         nonlocal sent
         if not sent:
             sent = True

@@ -124,7 +124,9 @@ def proxy_for(url: str) -> str | None:
     parts = urlsplit(url)
     proxies = urllib.request.getproxies_environment()
     proxy = proxies.get(parts.scheme) or proxies.get("all")
-    if not proxy or urllib.request.proxy_bypass_environment(parts.hostname or "", proxies):
+    # proxy_bypass_environment: in urllib on every platform, missing from typeshed.
+    bypass = urllib.request.proxy_bypass_environment  # type: ignore[attr-defined]
+    if not proxy or bypass(parts.hostname or "", proxies):
         return None
     return mask_url_credentials(proxy)
 
