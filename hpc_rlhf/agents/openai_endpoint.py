@@ -8,15 +8,23 @@ into one batched ``generate`` call (:meth:`GenerationQueue.take`), then hands ea
 
 Episode id: the API key. The executor gives each episode a client built with ``api_key=<episode id>``, so
 every request of the episode carries ``Authorization: Bearer <episode id>`` whatever framework wraps the
-client; a request with an unknown key is refused (401) and nothing unattributed is generated.
+client; a request with an unknown key is refused (401) and nothing unattributed is generated. The key and the
+body size (``max_body_bytes``, 413 above it) are checked before the body is read, for every path
+(``openai_guard``); there is no ``/docs`` or ``/openapi.json``.
+
+Each request is checked before it reaches the engine (``openai_requests``): token ids within the vocabulary,
+``1 <= n <= max_n``, finite numbers, 64-bit seeds, the messages' shape; a bad request is its own 400 naming the
+field. If the engine still fails on a batch, the batch's requests are run again one by one, so only the
+request that fails alone gets the error (500), and its episode ends as failed (``EpisodeRecorder.fail``); when
+every request of a batch fails alone too, the engine itself is broken and the error ends the step.
 
 Request fields honoured: ``messages`` / ``prompt`` (text or token ids), ``n``, ``temperature``, ``top_p``,
 ``max_tokens`` / ``max_completion_tokens`` (default ``rollout.generate_max_len``; capped so prompt + output fit
-``data.max_len``), ``stop`` (strings; see ``openai_chat``), ``seed``, ``logprobs`` (chat: ``true``; completions:
-an int, only the sampled token's logprob is reported), ``tools`` (passed to the chat template; ``tool_choice:
-"none"`` leaves them out), ``stream`` / ``stream_options.include_usage`` (see ``openai_stream``). Reported
-logprobs are the engine's (temperature-scaled, see ``rollout.base``). Not supported (400): ``top_logprobs`` > 0,
-``echo``, ``best_of`` > ``n``.
+``data.max_len``, or at ``rollout.generate_max_len`` when ``data.max_len`` is unset), ``stop`` (strings; see
+``openai_chat``), ``seed``, ``logprobs`` (chat: ``true``; completions: an int, only the sampled token's logprob is
+reported), ``tools`` (passed to the chat template; ``tool_choice: "none"`` leaves them out), ``stream`` /
+``stream_options.include_usage`` (see ``openai_stream``). Reported logprobs are the engine's (temperature-scaled,
+see ``rollout.base``). Not supported (400): ``top_logprobs`` > 0, ``echo``, ``best_of`` other than ``n``.
 
 Chat replies: the family's parsers (``tool_parsers``: ``rollout.tool_call_parser`` / ``rollout.reasoning_parser``)
 split the output text, decoded with its special tokens (``<|python_tag|>``, ``[TOOL_CALLS]`` may be special
@@ -29,6 +37,7 @@ request offered ``tools``). The recorded ids are the engine's output whatever th
 import asyncio
 import concurrent.futures
 import hashlib
+import json
 import logging
 import queue
 import socket
@@ -39,20 +48,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpc_rlhf.agents.openai_chat import ChatTemplateError, apply_stop_strings, chat_prompt_ids, completion_prompt_ids
+from hpc_rlhf.agents.openai_guard import DEFAULT_MAX_BODY_BYTES, EndpointGuard
 from hpc_rlhf.agents.openai_recording import CompletionRecord, EpisodeRecorder
+from hpc_rlhf.agents.openai_requests import (
+    EndpointRequestError,
+    check_messages,
+    check_token_ids,
+    check_tools,
+    number,
+    sample_count,
+    seed_of,
+    stop_list,
+)
 from hpc_rlhf.agents.openai_stream import sse_events
 from hpc_rlhf.agents.tool_parsers import OutputParser
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EndpointRequestError(ValueError):
-    """A request the endpoint refuses; ``status`` is the HTTP status, ``param`` the field at fault."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
-        super().__init__(message)
-        self.status, self.param = status, param
+DEFAULT_MAX_N = 64
+__all__ = ["EndpointRequestError", "GenerationQueue", "OpenAIEndpoint", "run_batch"]
 
 
 # ---------------------------------------------------------------------- batching
@@ -109,27 +123,59 @@ class GenerationQueue:
                 pending.future.set_exception(error)
 
 
-def run_batch(batch: list[PendingRequest], generate: Any) -> None:
-    """One ``generate`` call for ``batch``; each pending request gets its ``n`` results (or the error)."""
-    if not batch:
-        return
-    try:
-        results: list[GenerationResult] = generate([p.request for p in batch])
-        grouped: list[list[GenerationResult]] = [[] for _ in batch]
-        for result in results:
-            grouped[result.request_index].append(result)
-        for pending, group in zip(batch, grouped):
-            if len(group) != pending.request.n:
-                raise RuntimeError(f"rollout engine returned {len(group)} samples for a request with "
-                                   f"n={pending.request.n}")
-    except BaseException as err:  # noqa: BLE001 - every waiting request learns of the failure, then it propagates
-        for pending in batch:
-            if not pending.future.done():
-                pending.future.set_exception(err)
-        raise
+def _deliver(batch: list[PendingRequest], results: list[GenerationResult]) -> None:
+    """Each pending request's ``n`` results; an engine that returns a wrong count is broken (raises)."""
+    grouped: list[list[GenerationResult]] = [[] for _ in batch]
+    for result in results:
+        grouped[result.request_index].append(result)
+    for pending, group in zip(batch, grouped):
+        if len(group) != pending.request.n:
+            raise RuntimeError(f"rollout engine returned {len(group)} samples for a request with "
+                               f"n={pending.request.n}")
     for pending, group in zip(batch, grouped):
         if not pending.future.done():
             pending.future.set_result(group)
+
+
+def run_batch(batch: list[PendingRequest], generate: Any) -> None:
+    """One ``generate`` call for ``batch``; each pending request gets its ``n`` results.
+
+    When the call fails, each request is generated again alone, so a request the engine cannot serve fails
+    only itself (its future gets the error). When every request of a batch of several fails alone too, the
+    engine is broken, not a request: every future gets the error and it propagates.
+    """
+    if not batch:
+        return
+    try:
+        _deliver(batch, generate([p.request for p in batch]))
+        return
+    except Exception as err:  # noqa: BLE001 - isolated below; a broken engine re-raises
+        if len(batch) == 1:
+            logger.warning("rollout engine failed on the request of episode %s: %s: %s", batch[0].episode_id,
+                           type(err).__name__, err)
+            _fail(batch, err)
+            return
+        batch_error = err
+    except BaseException as err:  # an interrupt: every waiting request learns of it, then it propagates
+        _fail(batch, err)
+        raise
+    failures: list[BaseException] = []
+    for pending in batch:
+        try:
+            _deliver([pending], generate([pending.request]))
+        except Exception as err:  # noqa: BLE001 - this request's own failure
+            logger.warning("rollout engine failed on the request of episode %s: %s: %s", pending.episode_id,
+                           type(err).__name__, err)
+            _fail([pending], err)
+            failures.append(err)
+    if len(failures) == len(batch):
+        raise batch_error
+
+
+def _fail(batch: list[PendingRequest], error: BaseException) -> None:
+    for pending in batch:
+        if not pending.future.done():
+            pending.future.set_exception(error)
 
 
 # ---------------------------------------------------------------------- request handling
@@ -138,27 +184,6 @@ def run_batch(batch: list[PendingRequest], generate: Any) -> None:
 def _derive_seed(seed: int, episode_id: str, call_index: int) -> int:
     digest = hashlib.sha256(f"{seed}:{episode_id}:{call_index}".encode()).digest()
     return int.from_bytes(digest[:4], "little") >> 1
-
-
-def _number(body: dict, key: str, kind: type, default: Any) -> Any:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise EndpointRequestError(f"'{key}' must be {'an integer' if kind is int else 'a number'}, got {value!r}",
-                                   param=key)
-    return kind(value)
-
-
-def _stop_list(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return stop
-    raise EndpointRequestError(f"'stop' must be a string or a list of strings, got {stop!r:.100}", param="stop")
 
 
 class OpenAIEndpoint:
@@ -170,11 +195,16 @@ class OpenAIEndpoint:
         model_name: the name ``/v1/models`` reports (any ``model`` value is accepted).
         batch_wait_s: how long a batch waits for running episodes that have no request queued yet.
         parser: splits chat output into reasoning, content and tool calls (default: both parsers ``auto``).
+        max_body_bytes: the largest request body accepted (413 above it).
+        max_n: the largest ``n`` of one request.
     """
 
     def __init__(self, tokenizer: Any, max_len: int | None = None, model_name: str = "policy",
-                 batch_wait_s: float = 0.05, parser: OutputParser | None = None) -> None:
+                 batch_wait_s: float = 0.05, parser: OutputParser | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int = DEFAULT_MAX_N) -> None:
         self.tokenizer, self.max_len, self.model_name = tokenizer, max_len, model_name
+        self.vocab_size = len(tokenizer)  # added tokens included; ids past it cannot be decoded
+        self.max_body_bytes, self.max_n = max_body_bytes, max_n
         self.parser = parser if parser is not None else OutputParser(tokenizer)
         self.batch_wait_s = batch_wait_s
         self.recorder = EpisodeRecorder()
@@ -239,9 +269,9 @@ class OpenAIEndpoint:
 
     def _sampling(self, body: dict, prompt_len: int, episode_id: str, call_index: int, max_key: str) -> SamplingParams:
         d = self.defaults
-        max_tokens = _number(body, max_key, int, None)
+        max_tokens = number(body, max_key, int, None)
         if max_key == "max_completion_tokens" and max_tokens is None:
-            max_tokens = _number(body, "max_tokens", int, None)
+            max_tokens = number(body, "max_tokens", int, None)
         if max_tokens is not None and max_tokens < 1:
             raise EndpointRequestError(f"'{max_key}' must be >= 1, got {max_tokens}", param=max_key)
         limit = d.max_new_tokens if max_tokens is None else max_tokens
@@ -252,15 +282,18 @@ class OpenAIEndpoint:
                     f"the prompt has {prompt_len} tokens, which leaves no room in the context of {self.max_len} "
                     "tokens (data.max_len)", param="messages", status=400)
             limit = min(limit, room)
-        seed = _number(body, "seed", int, None)
+        else:  # no context budget: the run's generate_max_len bounds what one request may ask for
+            limit = min(limit, d.max_new_tokens)
+        seed = seed_of(body)
         if seed is None and d.seed is not None:
             seed = _derive_seed(d.seed, episode_id, call_index)
         try:
-            return SamplingParams(max_new_tokens=limit, temperature=_number(body, "temperature", float, d.temperature),
-                                  top_p=_number(body, "top_p", float, d.top_p), top_k=d.top_k,
+            return SamplingParams(max_new_tokens=limit, temperature=number(body, "temperature", float, d.temperature),
+                                  top_p=number(body, "top_p", float, d.top_p), top_k=d.top_k,
                                   stop_token_ids=list(self.stop_token_ids), seed=seed)
         except ValueError as err:
-            raise EndpointRequestError(str(err)) from None
+            param = "temperature" if "temperature" in str(err) else "top_p"
+            raise EndpointRequestError(str(err), param=param) from None
 
     def _episode(self, authorization: str | None) -> str:
         key = (authorization or "").removeprefix("Bearer ").strip()
@@ -269,35 +302,35 @@ class OpenAIEndpoint:
                                        "client (requests outside a running episode are refused)", status=401)
         return key
 
-    @staticmethod
-    def _check_unsupported(body: dict, is_chat: bool) -> int:
+    def _check_unsupported(self, body: dict, is_chat: bool) -> int:
         options = body.get("stream_options")
         if options is not None and not (body.get("stream") and isinstance(options, dict)):
             raise EndpointRequestError("'stream_options' needs stream=true and must be an object",
                                        param="stream_options")
-        if _number(body, "top_logprobs", int, 0) > 0 or (not is_chat and _number(body, "logprobs", int, 0) > 1):
+        if number(body, "top_logprobs", int, 0) > 0 or (not is_chat and number(body, "logprobs", int, 0) > 1):
             raise EndpointRequestError("only the sampled token's logprob is reported: top_logprobs / logprobs > 1 "
                                        "are not supported", param="top_logprobs")
         if body.get("echo"):
             raise EndpointRequestError("echo is not supported", param="echo")
-        n = _number(body, "n", int, 1)
-        if n < 1 or _number(body, "best_of", int, n) != n:
-            raise EndpointRequestError(f"'n' must be >= 1 (and best_of, if given, equal to n), got n={n}", param="n")
-        return n
+        return sample_count(body, self.max_n)
 
     async def _generate(self, episode_id: str, prompt_ids: list[int], params: SamplingParams,
                         n: int) -> list[GenerationResult]:
         request = GenerationRequest(prompt_ids=prompt_ids, params=params, n=n)
-        return await asyncio.wrap_future(self.queue.submit(episode_id, request))
+        try:
+            return await asyncio.wrap_future(self.queue.submit(episode_id, request))
+        except Exception as err:
+            # The engine failed on this request alone (run_batch): the episode ends, failed, with that cause.
+            self.recorder.fail(episode_id, f"the rollout engine failed on this episode's request: "
+                                           f"{type(err).__name__}: {str(err)[:300]}")
+            raise
 
     async def chat(self, body: dict, authorization: str | None) -> dict:
         episode_id = self._episode(authorization)
         n = self._check_unsupported(body, is_chat=True)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise EndpointRequestError("'messages' must be a non-empty list of message objects", param="messages")
+        messages = check_messages(body.get("messages"))
         render_kwargs: dict[str, Any] = {}
-        tools = body["tools"] if body.get("tools") and body.get("tool_choice") != "none" else None
+        tools = check_tools(body.get("tools")) if body.get("tools") and body.get("tool_choice") != "none" else None
         if tools:  # as OpenAI sends them ({"type": "function", "function": {...}}), as vLLM gives templates
             render_kwargs["tools"] = tools
         try:
@@ -309,7 +342,7 @@ class OpenAIEndpoint:
             raise EndpointRequestError("the chat template rendered an empty prompt", param="messages")
         call_index = self.recorder.next_call_index(episode_id)
         params = self._sampling(body, len(prompt_ids), episode_id, call_index, "max_completion_tokens")
-        stop = _stop_list(body)
+        stop = stop_list(body)
         results = await self._generate(episode_id, prompt_ids, params, n)
         choices, completion_tokens = [], 0
         for index, (ids, logprobs, text, finish) in enumerate(self._stopped(results, stop)):
@@ -369,13 +402,13 @@ class OpenAIEndpoint:
             prompt_ids = completion_prompt_ids(self.tokenizer, prompt, self.recorder.records(episode_id))
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in prompt):
-            prompt_text, prompt_ids = None, list(prompt)
+            prompt_text, prompt_ids = None, check_token_ids(prompt, self.vocab_size)
         else:
             raise EndpointRequestError("'prompt' must be a non-empty string or list of token ids (one prompt per "
                                        "request)", param="prompt")
         call_index = self.recorder.next_call_index(episode_id)
         params = self._sampling(body, len(prompt_ids), episode_id, call_index, "max_tokens")
-        stop = _stop_list(body)
+        stop = stop_list(body)
         results = await self._generate(episode_id, prompt_ids, params, n)
         choices, completion_tokens = [], 0
         for index, (ids, logprobs, text, finish) in enumerate(self._stopped(results, stop)):
@@ -413,16 +446,19 @@ def _error(status: int, message: str, param: str | None = None) -> Any:
 
 
 def create_app(endpoint: OpenAIEndpoint) -> Any:
-    """The FastAPI app of ``endpoint``; errors use OpenAI's ``{"error": {...}}`` shape."""
+    """The FastAPI app of ``endpoint`` behind its guard (``openai_guard``: key, then body size); errors use
+    OpenAI's ``{"error": {...}}`` shape. No ``/docs`` / ``/openapi.json``: nothing is served but the API."""
     from fastapi import FastAPI, Request  # the optional agents extra (see start)
     from fastapi.responses import StreamingResponse
 
-    app = FastAPI(title="hpc-rlhf rollout (OpenAI-compatible)")
+    app = FastAPI(title="hpc-rlhf rollout (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
 
     async def handle(request: Request, method: Any) -> Any:
         try:
-            body = await request.json()
-        except ValueError:
+            body = json.loads(await request.body())
+        except RecursionError:
+            return _error(400, "the request body nests too deeply")
+        except ValueError:  # UnicodeDecodeError included
             return _error(400, "the request body is not JSON")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
@@ -452,5 +488,5 @@ def create_app(endpoint: OpenAIEndpoint) -> Any:
         return {"object": "list", "data": [{"id": endpoint.model_name, "object": "model", "created": 0,
                                             "owned_by": "hpc-rlhf"}]}
 
-    return app
+    return EndpointGuard(app, endpoint.recorder.is_open, endpoint.max_body_bytes)
 

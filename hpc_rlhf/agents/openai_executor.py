@@ -21,8 +21,13 @@ the reward (a number), a dict ``{"reward": float, "score": float, "extra_logs": 
 let the configured reward function / reward model score the trajectory.
 
 Each of the step's ``len(prompts) * n_samples_per_prompt`` episodes runs once; at most ``num_concurrent`` at a
-time on one private event loop (a daemon thread), while the calling thread - the one that owns the engine -
-batches their requests into ``generate`` calls. When an episode ends, its recorded calls become its
+time, each on its own event loop in its own daemon thread, while the calling thread - the one that owns the
+engine - batches their requests into ``generate`` calls. An episode that blocks its thread (``time.sleep`` or a
+blocking HTTP call inside ``async def``) so delays only itself: the engine thread keeps serving the others and
+ends it at ``episode_timeout_s`` as that episode's timeout; a thread that never returns is abandoned (it is a
+daemon, so it never keeps the process alive). Objects an agent creates are bound to its episode's loop: a
+workflow object shared by all episodes must not keep loop-bound state (an ``asyncio.Lock``, an aiohttp session)
+from one episode to the next. When an episode ends, its recorded calls become its
 training rows (``openai_recording.episode_sequences``): one per linear chain of calls (branch), with the
 model's tokens at ``action_mask`` 1 and everything between calls at 0. A linear chat is one row; an ``n > 1``
 call whose choices are continued, or a call that does not extend an earlier prompt + output, starts another
@@ -30,7 +35,8 @@ branch. The rows of an episode are consecutive, numbered by ``Trajectory.branch_
 episode's reward and extra logs (as AReaL does); group statistics count the episode once
 (``hpc_rlhf.algos.episodes``).
 
-Failures (an exception, no model call at all, or running past ``episode_timeout_s``) end only that episode:
+Failures (an exception, no model call at all, a request the engine failed on (``openai_endpoint``), or running
+past ``episode_timeout_s``) end only that episode:
 reward 0.0, ``finish_reason`` ``"agent_error"`` / ``"agent_timeout"``, the tokens kept with ``action_mask`` 0, and
 ``Trajectory.failure`` set, so the trainer's failure bound (``train.max_agent_failure_fraction``) applies. A
 timed-out episode is abandoned, never joined, and its later requests are refused.
@@ -38,7 +44,6 @@ timed-out episode is abandoned, never joined, and its later requests are refused
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import inspect
 import logging
@@ -46,6 +51,7 @@ import math
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +61,7 @@ from hpc_rlhf.agents.openai_recording import CompletionRecord, TokenSequence, ep
 from hpc_rlhf.agents.tool_parsers import OutputParser
 from hpc_rlhf.data.prompts import Prompt, source_name
 from hpc_rlhf.rollout.base import SamplingParams
-from hpc_rlhf.utils.user_calls import UserCallRunner
+from hpc_rlhf.utils.user_calls import run_to_completion
 from hpc_rlhf.utils.user_code import accepted_kwargs
 
 logger = logging.getLogger(__name__)
@@ -83,6 +89,7 @@ class _Episode:
     result: Any = None
     error: BaseException | None = None
     timed_out: bool = False
+    engine_failure: str | None = None  # the engine failed on one of its requests (EpisodeRecorder.fail)
     records: list[CompletionRecord] = field(default_factory=list)
 
 
@@ -168,55 +175,61 @@ class OpenAIAgentExecutor(AgentExecutor):
                     for g, prompt in enumerate(prompts) for s in range(n_samples_per_prompt)]
         for episode in episodes:
             endpoint.recorder.open(episode.episode_id)
-        agents = UserCallRunner()  # the episodes run on its private loop, so this thread can drive the engine
-        agents.start(self._run_all(episodes, endpoint.base_url))
         try:
             self._drive(episodes, endpoint, generate)
         finally:
-            agents.close()  # a loop blocked by agent code is abandoned (daemon thread)
             for episode in episodes:
                 if not episode.timed_out:
+                    episode.engine_failure = endpoint.recorder.failure(episode.episode_id)
                     episode.records = endpoint.recorder.close(episode.episode_id)
         trajectories = [row for episode in episodes for row in self._trajectories(episode)]
         self._stats(episodes, trajectories)
         return trajectories
 
     def _drive(self, episodes: list[_Episode], endpoint: OpenAIEndpoint, generate: GenerateFn) -> None:
-        """The engine thread: batch queued requests into ``generate`` until every episode ended or timed out."""
-        open_episodes = list(episodes)
-        while open_episodes:
+        """The engine thread: start episodes (``num_concurrent`` at a time), end those past their time, and batch
+        queued requests into ``generate`` until every episode ended or timed out."""
+        waiting, running = deque(episodes), list[_Episode]()
+        while waiting or running:
             now = time.monotonic()
-            for episode in open_episodes:
+            for episode in running:
                 if (not episode.done.is_set() and episode.started is not None and self.episode_timeout_s
                         and now - episode.started > self.episode_timeout_s):
                     episode.timed_out = True  # its later requests get 401: nothing more is generated for it
                     episode.records = endpoint.recorder.close(episode.episode_id)
-            open_episodes = [e for e in open_episodes if not (e.done.is_set() or e.timed_out)]
-            running = {e.episode_id for e in open_episodes if e.started is not None}
-            run_batch(endpoint.queue.take(running, _POLL_S, self.batch_wait_s), generate)
+            running = [e for e in running if not (e.done.is_set() or e.timed_out)]
+            while waiting and len(running) < self.num_concurrent:
+                episode = waiting.popleft()
+                self._start(episode, endpoint.base_url)
+                running.append(episode)
+            run_batch(endpoint.queue.take({e.episode_id for e in running}, _POLL_S, self.batch_wait_s), generate)
 
-    async def _run_all(self, episodes: list[_Episode], base_url: str) -> None:
-        openai = import_openai()
-        slots = asyncio.Semaphore(self.num_concurrent)
+    def _start(self, episode: _Episode, base_url: str) -> None:
+        """Run ``episode`` on a fresh event loop in a daemon thread of its own (module docstring)."""
+        episode.started = time.monotonic()
+        threading.Thread(target=run_to_completion, args=(lambda: self._run_episode(episode, base_url),),
+                         name=f"hpc_rlhf_agent:{episode.index}", daemon=True).start()
 
-        async def one(episode: _Episode) -> None:
-            async with slots:
-                episode.started = time.monotonic()
-                # No client retries: a retried request would generate (and record) a second time.
-                client = openai.AsyncOpenAI(base_url=base_url, api_key=episode.episode_id, max_retries=0,
-                                            timeout=self.episode_timeout_s)
-                try:
-                    episode.result = await self._run_one(client, episode.prompt)
-                except BaseException as err:  # noqa: BLE001 - any agent failure ends only this episode
-                    episode.error = err
-                finally:
-                    episode.done.set()
-                    try:
-                        await client.close()
-                    except Exception:  # noqa: BLE001 - closing a client must not turn a result into a failure
-                        pass
-
-        await asyncio.gather(*(one(e) for e in episodes), return_exceptions=True)
+    async def _run_episode(self, episode: _Episode, base_url: str) -> None:
+        try:
+            openai = import_openai()
+            # No client retries: a retried request would generate (and record) a second time.
+            client = openai.AsyncOpenAI(base_url=base_url, api_key=episode.episode_id, max_retries=0,
+                                        timeout=self.episode_timeout_s)
+        except BaseException as err:  # noqa: BLE001 - reported as this episode's failure
+            episode.error = err
+            episode.done.set()
+            return
+        try:
+            episode.result = await self._run_one(client, episode.prompt)
+        except BaseException as err:  # noqa: BLE001 - any agent failure ends only this episode
+            episode.error = err
+        finally:
+            episode.done.set()
+            try:
+                await client.close()
+            except Exception:  # noqa: BLE001 - closing a client must not turn a result into a failure
+                pass
 
     def _run_one(self, client: Any, prompt: Prompt) -> Any:
         """The agent's coroutine for one episode, whichever shape it has."""
@@ -230,6 +243,8 @@ class OpenAIAgentExecutor(AgentExecutor):
         """(reward, score, extra_logs, failure message) from what ``run_episode`` returned."""
         if episode.timed_out:
             return 0.0, 0.0, {}, f"episode: did not finish within episode_timeout_s={self.episode_timeout_s}"
+        if episode.engine_failure is not None:
+            return 0.0, 0.0, {}, episode.engine_failure
         if episode.error is not None:
             err = episode.error
             return 0.0, 0.0, {}, f"run_episode: {type(err).__name__}: {str(err)[:300]}"

@@ -104,6 +104,7 @@ class EpisodeRecorder:
         self._lock = threading.Lock()
         self._records: dict[str, list[CompletionRecord]] = {}
         self._next_call: dict[str, int] = {}
+        self._failures: dict[str, str] = {}
 
     def open(self, episode_id: str) -> None:
         with self._lock:
@@ -111,8 +112,20 @@ class EpisodeRecorder:
             self._next_call[episode_id] = 0
 
     def is_open(self, episode_id: str) -> bool:
+        """Whether ``episode_id`` is recording and has not failed (its requests are served)."""
         with self._lock:
-            return episode_id in self._records
+            return episode_id in self._records and episode_id not in self._failures
+
+    def fail(self, episode_id: str, reason: str) -> None:
+        """End ``episode_id`` as failed (the engine could not serve one of its requests): later requests are
+        refused, and the executor reports ``reason`` as the episode's failure."""
+        with self._lock:
+            if episode_id in self._records:
+                self._failures.setdefault(episode_id, reason)
+
+    def failure(self, episode_id: str) -> str | None:
+        with self._lock:
+            return self._failures.get(episode_id)
 
     def next_call_index(self, episode_id: str) -> int:
         with self._lock:
@@ -133,6 +146,7 @@ class EpisodeRecorder:
         """Stop recording ``episode_id``; its records in call order."""
         with self._lock:
             self._next_call.pop(episode_id, None)
+            self._failures.pop(episode_id, None)
             return sorted(self._records.pop(episode_id, []), key=lambda r: r.call_index)
 
 

@@ -15,6 +15,7 @@ import yaml
 from omegaconf import OmegaConf
 from pydantic import BaseModel, ValidationError
 
+from hpc_rlhf.config.redact import ENV_SOURCES, env_interpolations, public_config
 from hpc_rlhf.config.schema import RunConfig
 
 RESOLVED_CONFIG_NAME = "config.resolved.yaml"
@@ -47,9 +48,13 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text: {err}") from err
+    except RecursionError:
+        raise ConfigError(f"config file {path} nests too deeply") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
     return data
@@ -97,8 +102,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
     try:
         merged = OmegaConf.merge(OmegaConf.create(base), OmegaConf.from_dotlist(dotlist))
         data = OmegaConf.to_container(merged, resolve=True)
-    except Exception as err:  # omegaconf raises several types for malformed input
-        raise ConfigError(f"cannot merge overrides {dotlist} into {path}: {err}") from err
+        unresolved = OmegaConf.to_container(merged, resolve=False)
+    except Exception as err:  # omegaconf raises several types for malformed input (RecursionError included)
+        raise ConfigError(f"cannot merge overrides {dotlist} into {path}: {str(err)[:2000]}") from err
+    # Saved and logged configs keep ${oc.env:NAME} instead of the secret it resolved to (config.redact).
+    ENV_SOURCES.update(env_interpolations(unresolved, data))
     source = f"{path or 'defaults'}" + (f" + overrides {dotlist}" if dotlist else "")
     try:
         return root.model_validate(data)
@@ -107,11 +115,13 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
 
 
 def save_resolved_config(cfg: BaseModel, output_dir: str | Path) -> Path:
-    """Write the fully resolved config next to the run's outputs, for reproducibility."""
+    """Write the fully resolved config next to the run's outputs, for reproducibility; values given as
+    ``${oc.env:NAME}`` keep that form and URL credentials are masked (``config.redact``), so no secret is
+    written."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     target = out / RESOLVED_CONFIG_NAME
     tmp = target.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    tmp.write_text(yaml.safe_dump(public_config(cfg.model_dump(mode="json")), sort_keys=False))
     tmp.replace(target)
     return target

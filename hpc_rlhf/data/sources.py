@@ -79,36 +79,67 @@ def make_row(make, rows: Rows, path: str, index: int):
         raise located from err.__cause__
 
 
-def _read_jsonl(path: str, text: str | None = None) -> Rows:
+def _invalid_line(path: str, row: int, line_number: int, reason: str) -> InvalidRow:
+    return InvalidRow(row_error(path, row, None, reason, line=line_number))
+
+
+def _parse_line(raw: bytes, path: str, row: int, line_number: int) -> Any:
+    """One JSON lines row, or an ``InvalidRow`` naming the line: not UTF-8, not JSON, or nested too deeply."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return _invalid_line(path, row, line_number, f"not UTF-8 text: byte 0x{raw[err.start]:02x} at column "
+                                                     f"{err.start + 1}")
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        return _invalid_line(path, row, line_number, f"invalid JSON: {err.msg} at column {err.colno}")
+    except RecursionError:
+        return _invalid_line(path, row, line_number, "JSON nested too deeply to read")
+
+
+def _read_jsonl(path: str, data: bytes | None = None) -> Rows:
+    """Rows of a JSON lines file. Lines end at ``\n`` only (``\r\n`` too): a JSON string may hold U+2028 or
+    other characters that ``str.splitlines`` would split a row at."""
+    if data is None:
+        with open(path, "rb") as f:
+            data = f.read()
     rows, lines = Rows(), []
-    text_lines = text.splitlines() if text is not None else open(path, encoding="utf-8").read().splitlines()
-    for line_number, line in enumerate(text_lines, start=1):
-        if not line.strip():
+    for line_number, raw in enumerate(data.split(b"\n"), start=1):
+        raw = raw.removesuffix(b"\r")
+        if not raw.strip():
             continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            rows.append(InvalidRow(row_error(path, len(rows), None, f"invalid JSON: {err.msg} at column {err.colno}",
-                                             line=line_number)))
+        if line_number == 1:
+            raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark
+        rows.append(_parse_line(raw, path, len(rows), line_number))
         lines.append(line_number)
     rows.lines = lines
     return rows
 
 
 def _read_json(path: str) -> list[Any]:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        data = f.read()
     try:
-        data = json.loads(text)
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        raise DataError(f"{path}: line {line}: not UTF-8 text: byte 0x{data[err.start]:02x} at column {column}",
+                        path=path, line=line, reason="not UTF-8 text") from None
+    try:
+        parsed = json.loads(text)
     except json.JSONDecodeError:
-        return _read_jsonl(path, text)  # JSON lines saved with a .json suffix
-    if isinstance(data, dict) and isinstance(data.get("data"), list):
-        data = data["data"]
-    if isinstance(data, dict):  # a single object is treated as one row (a one-line jsonl)
-        data = [data]
-    if not isinstance(data, list):
-        raise DataError(f"{path}: expected a JSON list of objects, got {type(data).__name__}", path=path)
-    return data
+        return _read_jsonl(path, data)  # JSON lines saved with a .json suffix
+    except RecursionError:
+        raise DataError(f"{path}: JSON nested too deeply to read", path=path) from None
+    if isinstance(parsed, dict) and isinstance(parsed.get("data"), list):
+        parsed = parsed["data"]
+    if isinstance(parsed, dict):  # a single object is treated as one row (a one-line jsonl)
+        parsed = [parsed]
+    if not isinstance(parsed, list):
+        raise DataError(f"{path}: expected a JSON list of objects, got {type(parsed).__name__}", path=path)
+    return parsed
 
 
 def _read_parquet(path: str) -> list[Any]:

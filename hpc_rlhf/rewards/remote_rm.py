@@ -22,7 +22,9 @@ once from a thread pool and the answers are put back in the input order.
 
 Failures
 --------
-Each request has a timeout (``timeout_s``, per connect / read / write). Transient failures (timeouts,
+Each attempt has a deadline of ``timeout_s`` for the whole exchange - connect, send, and the answer to its last
+byte - so a server that trickles its answer a byte at a time cannot stretch it; an answer larger than
+``max_response_bytes`` is refused (not retried) without being read further. Transient failures (timeouts,
 connection errors, HTTP 408 / 429 / 5xx, e.g. a busy server's 503) are retried up to ``max_retries`` times (so
 at most ``max_retries + 1`` attempts) with exponential backoff ``backoff_s * 2**k`` plus up to ``backoff_s`` of
 jitter (so clients turned away together do not return together), or the server's ``Retry-After`` when that is
@@ -34,7 +36,12 @@ a body excerpt, a timeout, a bad field), so a broken server never hangs or silen
 Authentication
 --------------
 ``api_key`` (the trainer reads it from ``$HPC_RLHF_RM_API_KEY``, see ``reward.remote_api_key_env``) is sent as
-``Authorization: Bearer <key>`` to every URL; it appears in no message, log line or ``repr``.
+``Authorization: Bearer <key>`` to every URL; it appears in no message, log line or ``repr``, and neither do
+credentials written inside a URL (``http://user:pw@host`` is shown as ``http://***@host``).
+
+Proxies: like every httpx client this one honours ``HTTP_PROXY`` / ``HTTPS_PROXY`` / ``ALL_PROXY`` /
+``NO_PROXY``. A URL that would go through a proxy - with the API key - is named in a warning when the client
+is built; set ``NO_PROXY=<host>`` to reach such a server directly.
 
 Keyword arguments other than queries / prompts / labels (e.g. ``responses``) are not part of the
 protocol and are not sent.
@@ -44,6 +51,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -60,13 +69,16 @@ from tenacity import (
     wait_random,
 )
 
+from hpc_rlhf.config.redact import mask_url_credentials
 from hpc_rlhf.rewards.functions import RewardFunctionError, RewardOutput, validate_reward_output
+from hpc_rlhf.utils.user_calls import UserCallTimeout, call_in_thread
 
 log = logging.getLogger(__name__)
 
 _BODY_CHARS_IN_ERROR = 500
 _MAX_BACKOFF_S = 30.0
 _RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024  # rewards + extra logs of a large batch are a few MiB at most
 
 
 class RemoteRewardError(RuntimeError):
@@ -106,6 +118,19 @@ def normalize_url(url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, parts.fragment))
 
 
+def proxy_for(url: str) -> str | None:
+    """The proxy the environment (``*_PROXY`` / ``NO_PROXY``) routes ``url`` through, credentials masked; None
+    when it goes direct (the rules httpx applies with ``trust_env``)."""
+    parts = urlsplit(url)
+    proxies = urllib.request.getproxies_environment()
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
+    # proxy_bypass_environment: in urllib on every platform, missing from typeshed.
+    bypass = urllib.request.proxy_bypass_environment  # type: ignore[attr-defined]
+    if not proxy or bypass(parts.hostname or "", proxies):
+        return None
+    return mask_url_credentials(proxy)
+
+
 def _excerpt(text: str) -> str:
     text = text.strip()
     if len(text) <= _BODY_CHARS_IN_ERROR:
@@ -141,7 +166,8 @@ class RemoteRewardModel:
     """Reward function backed by one or more ``/get_reward`` servers; see the module docstring."""
 
     def __init__(self, urls: Sequence[str] | str, timeout_s: float = 60, max_retries: int = 3,
-                 backoff_s: float = 1.0, batch_size: int | None = None, api_key: str | None = None):
+                 backoff_s: float = 1.0, batch_size: int | None = None, api_key: str | None = None,
+                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES):
         if isinstance(urls, str):
             urls = [urls]
         if not urls:
@@ -154,7 +180,10 @@ class RemoteRewardModel:
             raise ValueError(f"backoff_s must be >= 0, got {backoff_s}")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
+        if max_response_bytes < 1:
+            raise ValueError(f"max_response_bytes must be >= 1, got {max_response_bytes}")
         self.urls = [normalize_url(u) for u in urls]
+        self.max_response_bytes = max_response_bytes
         self.timeout_s = float(timeout_s)
         self.max_retries = int(max_retries)
         self.backoff_s = float(backoff_s)
@@ -165,9 +194,15 @@ class RemoteRewardModel:
         if api_key and api_key.strip():
             headers["Authorization"] = f"Bearer {api_key.strip()}"  # as the server strips its own
         self._client = httpx.Client(timeout=httpx.Timeout(self.timeout_s), headers=headers)
+        for url in self.urls:
+            proxy = proxy_for(url)
+            if proxy is not None:
+                log.warning("remote reward server %s is reached through the proxy %s (from the *_PROXY environment "
+                            "variables), and the API key with it; set NO_PROXY=%s to reach it directly",
+                            mask_url_credentials(url), proxy, urlsplit(url).hostname)
 
     def __repr__(self) -> str:
-        return f"RemoteRewardModel({self.urls!r})"
+        return f"RemoteRewardModel({[mask_url_credentials(u) for u in self.urls]!r})"
 
     def close(self) -> None:
         self._client.close()
@@ -208,11 +243,12 @@ class RemoteRewardModel:
         """One chunk to one server, with retries; returns its validated output or raises."""
         body = json.dumps({"query": queries, "prompts": prompts, "labels": labels}, default=_jsonable)
         attempts = self.max_retries + 1
+        shown = mask_url_credentials(url)
         retrying = Retrying(
             stop=stop_after_attempt(attempts),
             wait=self._wait,
             retry=retry_if_exception(lambda err: isinstance(err, _TransientError)),
-            before_sleep=lambda state: _log_retry(url, attempts, state),
+            before_sleep=lambda state: _log_retry(shown, attempts, state),
             reraise=True,
         )
         try:
@@ -220,17 +256,17 @@ class RemoteRewardModel:
         except _TransientError as err:
             made = retrying.statistics.get("attempt_number", attempts)
             raise RemoteRewardError(
-                f"remote reward server {url} failed after {made} attempt(s) "
-                f"(timeout {self.timeout_s:g}s each); last cause: {err.cause}",
-                url=url, attempts=made) from err
+                f"remote reward server {shown} failed after {made} attempt(s) "
+                f"(deadline {self.timeout_s:g}s each); last cause: {err.cause}",
+                url=shown, attempts=made) from err
         except _PermanentError as err:
             made = retrying.statistics.get("attempt_number", 1)
-            raise RemoteRewardError(f"remote reward server {url} failed on attempt {made} "
-                                    f"(not retried): {err}", url=url, attempts=made) from err
+            raise RemoteRewardError(f"remote reward server {shown} failed on attempt {made} "
+                                    f"(not retried): {err}", url=shown, attempts=made) from err
         try:
-            return validate_reward_output(payload, len(queries), path=f"remote reward server {url}")
+            return validate_reward_output(payload, len(queries), path=f"remote reward server {shown}")
         except RewardFunctionError as err:
-            raise RemoteRewardError(f"{err} (malformed answer, not retried)", url=url, attempts=1) from err
+            raise RemoteRewardError(f"{err} (malformed answer, not retried)", url=shown, attempts=1) from err
 
     def _wait(self, state: RetryCallState) -> float:
         """Seconds before the next attempt: jittered exponential backoff, or the server's Retry-After if longer."""
@@ -241,24 +277,54 @@ class RemoteRewardModel:
         return min(max(backoff, hint), _MAX_BACKOFF_S)
 
     def _post_once(self, url: str, body: str) -> Any:
+        """One attempt, held to its deadline even while a read is waiting: it runs in a daemon thread that is
+        abandoned at ``timeout_s`` (that thread stops at its next chunk, or at httpx's read timeout)."""
+        deadline = time.monotonic() + self.timeout_s
         try:
-            response = self._client.post(url, content=body)
+            return call_in_thread(self._attempt, url, body, deadline, timeout_s=self.timeout_s,
+                                  what=f"remote reward request to {mask_url_credentials(url)}")
+        except UserCallTimeout:
+            raise _TransientError(f"timed out: no complete answer within the {self.timeout_s:g}s deadline") from None
+
+    def _attempt(self, url: str, body: str, deadline: float) -> Any:
+        try:
+            with self._client.stream("POST", url, content=body) as response:
+                raw = self._read_capped(response, deadline)
         except httpx.TimeoutException as err:
             raise _TransientError(f"timed out after {self.timeout_s:g}s ({type(err).__name__})") from err
         except httpx.TransportError as err:
-            raise _TransientError(f"{type(err).__name__}: {err}") from err
+            raise _TransientError(f"{type(err).__name__}: {mask_url_credentials(str(err))}") from err
+        text = raw.decode("utf-8", errors="replace")
         if response.status_code != 200:
-            cause = f"HTTP {response.status_code}: {_excerpt(response.text)}"
+            cause = f"HTTP {response.status_code}: {_excerpt(text)}"
             if response.status_code in _RETRYABLE_STATUS:
                 raise _TransientError(cause, _retry_after_s(response))
             raise _PermanentError(cause)
         try:
-            payload = response.json()
+            payload = json.loads(raw)
+        except RecursionError:
+            raise _PermanentError("answer nests too deeply to be a reward answer") from None
         except ValueError as err:
-            raise _PermanentError(f"answer is not JSON: {_excerpt(response.text)!r}") from err
+            raise _PermanentError(f"answer is not JSON: {_excerpt(text)!r}") from err
         if not isinstance(payload, dict):
-            raise _PermanentError(f"answer must be a JSON object with 'rewards', got {_excerpt(response.text)!r}")
+            raise _PermanentError(f"answer must be a JSON object with 'rewards', got {_excerpt(text)!r}")
         return payload
+
+    def _read_capped(self, response: httpx.Response, deadline: float) -> bytes:
+        """The answer's bytes, at most ``max_response_bytes``, all of them before ``deadline``."""
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_response_bytes:
+            raise _PermanentError(f"answer of {declared} bytes is larger than max_response_bytes="
+                                  f"{self.max_response_bytes}")
+        raw = bytearray()
+        for chunk in response.iter_bytes():
+            raw += chunk
+            if len(raw) > self.max_response_bytes:
+                raise _PermanentError(f"answer larger than max_response_bytes={self.max_response_bytes}")
+            if time.monotonic() > deadline:
+                raise _TransientError(f"timed out: no complete answer within the {self.timeout_s:g}s deadline "
+                                      f"({len(raw)} bytes so far)")
+        return bytes(raw)
 
 
 def _retry_after_s(response: httpx.Response) -> float | None:

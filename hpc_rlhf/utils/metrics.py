@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from hpc_rlhf.config.redact import public_config
 from hpc_rlhf.config.schema import LoggerConfig
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,9 @@ class MetricsLogger:
                 import wandb  # optional, and slow to import
             except ImportError as err:
                 raise ImportError("logger.use_wandb=true needs `pip install wandb`") from err
-            self._wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=run_config,
+            # The run's config as saved (config.redact): ${oc.env:NAME} secrets and URL credentials stay out.
+            public = public_config(run_config) if run_config is not None else None
+            self._wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=public,
                                      dir=str(self.dir), resume="allow")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
