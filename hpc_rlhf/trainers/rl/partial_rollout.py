@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hpc_rlhf.agents.executor import Trajectory
 from hpc_rlhf.models.routing_replay import continue_routes
-from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
+from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams, Trajectory
 
 
 def stamp_versions(trajectories: list[Trajectory], version: int) -> None:
