@@ -90,10 +90,10 @@ def select_samples(trajectories: list, cfg: RunConfig) -> list:
         trajectories = [t for t, k in zip(trajectories, expand_to_rows(keep, index).tolist(), strict=True) if k]
     if not trajectories:
         return []
-    index = episode_index_of(trajectories).tolist()
-    usable = min(index[-1] + 1, cfg.rollout.rollout_batch_size * n)
+    episodes: list[int] = episode_index_of(trajectories).tolist()
+    usable = min(episodes[-1] + 1, cfg.rollout.rollout_batch_size * n)
     usable -= usable % cfg.train.train_batch_size
-    return [t for t, episode in zip(trajectories, index, strict=True) if episode < usable]
+    return [t for t, episode in zip(trajectories, episodes, strict=True) if episode < usable]
 
 
 def make_advantages(batch: StepBatch, cfg: RunConfig, rewards: torch.Tensor, kl_coef: float) -> StepBatch:

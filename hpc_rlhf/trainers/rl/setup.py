@@ -19,7 +19,7 @@ from hpc_rlhf.agents.executor import AgentExecutor, SingleTurnExecutor
 from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor  # imports no openai / fastapi by itself
 from hpc_rlhf.algos import AdaptiveKLController, FixedKLController, RunningRewardNormalizer
 from hpc_rlhf.config.schema import RolloutConfig, RunConfig, resolved_vllm_mode
-from hpc_rlhf.data.prompts import PromptDataset, PromptStream
+from hpc_rlhf.data.prompts import Prompt, PromptDataset, PromptStream
 from hpc_rlhf.data.reasoning_gym import reasoning_gym_reward, write_prompt_file  # reasoning-gym itself: lazily
 from hpc_rlhf.models.loading import (
     check_same_tokenizer,
@@ -39,6 +39,8 @@ from hpc_rlhf.rollout.base import RolloutEngine, SamplingParams
 from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine
 from hpc_rlhf.rollout.vllm_external_launcher import VllmEngineSpec, VllmRolloutEngine  # vLLM itself: lazily
 from hpc_rlhf.rollout.vllm_server import VllmServerEngine
+from hpc_rlhf.trainers.rl.rollout_health import RolloutHealth
+from hpc_rlhf.trainers.run_skeleton import RunPlan
 from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine  # deepspeed itself: lazily
 from hpc_rlhf.utils.seeding import seed_rank
 from hpc_rlhf.weight_sync.sharded import WeightSync, build_weight_sync
@@ -149,11 +151,13 @@ class ControllerState:
         self.kl_controller = (AdaptiveKLController(kl.init_coef, kl.target, kl.horizon) if kl.target
                               else FixedKLController(kl.init_coef))
         self.reward_normalizer = RunningRewardNormalizer()
+        self.health = RolloutHealth(cfg.train.max_agent_failure_fraction, cfg.train.agent_failure_window_steps,
+                                    cfg.data.max_len)
 
-    def next_prompts(self) -> list:
+    def next_prompts(self) -> list[Prompt]:
         return self.stream.next_batch()
 
-    def refill_prompts(self) -> list:
+    def refill_prompts(self) -> list[Prompt]:
         """Prompts for a dynamic-filtering refill round (``rollout.dynamic_filtering_max_rounds``)."""
         return self.refill_stream.next_batch()
 
@@ -165,9 +169,33 @@ class ControllerState:
         self.reward_normalizer.update(rewards)
         return self.reward_normalizer.normalize(rewards)
 
-    def after_step(self, row: dict[str, float]) -> None:
+    def after_step(self, row: dict[str, Any]) -> None:
         if "kl" in row:
             self.kl_controller.update(row["kl"], int(row["num_samples"]))
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this state (JSON): the prompt streams' positions, the KL controller and the
+        reward statistics."""
+        return {"stream": self.stream.state_dict(), "kl": self.kl_controller.state_dict(),
+                "reward_norm": self.reward_normalizer.state_dict(), "refill_stream": self.refill_stream.state_dict()}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`checkpoint_state`."""
+        self.stream.load_state_dict(state["stream"])
+        self.kl_controller.load_state_dict(state["kl"])
+        self.reward_normalizer.load_state_dict(state["reward_norm"])
+        if "refill_stream" in state:  # checkpoints written before refill existed lack it
+            self.refill_stream.load_state_dict(state["refill_stream"])
+
+
+def run_plan(cfg: RunConfig, num_steps: int, rank: int, is_controller: bool) -> RunPlan:
+    """The run skeleton's schedules from the run config: saves every ``ckpt.save_steps`` and at the last step, evals
+    (with ``eval.data``) every ``eval.steps`` and at start with ``eval.at_start``, rows every
+    ``logger.logging_steps``; the progress bar on the controller."""
+    return RunPlan(num_steps=num_steps, rank=rank, logging_steps=cfg.logger.logging_steps,
+                   save_steps=cfg.ckpt.save_steps, save_last_step=True, evaluates=bool(cfg.eval.data),
+                   eval_every=cfg.eval.steps, eval_at_start=bool(cfg.eval.data) and cfg.eval.at_start,
+                   resume=cfg.ckpt.load, requeue=cfg.slurm.requeue, progress_bar=is_controller)
 
 
 def reasoning_gym_prompts(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
@@ -229,6 +257,10 @@ class Roles:
     reward: RewardModelRole | None = None
     rollout: RolloutSide | None = None
     need_old_logprobs: bool = True
+
+    def trained_engines(self) -> dict[str, TrainEngine | None]:
+        """The trained roles' engines by role name (``placement.TRAINED_ROLES``), for checkpoints."""
+        return {"actor": self.actor, "critic": self.critic}
 
 
 def rollout_shares_actor(cfg: RunConfig, world: WorldGroups) -> bool:

@@ -57,6 +57,13 @@ def _routes_in_rows(trajectories: Sequence[Any], max_prompt: int, max_resp: int)
     return routes
 
 
+def required(value: torch.Tensor | None, name: str) -> torch.Tensor:
+    """A step-batch field that must be set where it is read; a missing one is named."""
+    if value is None:
+        raise ValueError(f"the step batch has no {name}: the role or phase that sets it did not run")
+    return value
+
+
 @dataclass
 class StepBatch:
     """The rows of one RL step (B rows, prompts padded to P columns, responses to R), or a part of them.
@@ -132,11 +139,22 @@ class StepBatch:
         return self.sequences.shape[0]
 
     @property
+    def scored_rewards(self) -> torch.Tensor:
+        """(B,) fp32 ``rewards``, which a batch built from scored trajectories always has."""
+        return required(self.rewards, "rewards")
+
+    @property
+    def episodes(self) -> torch.Tensor:
+        """(B,) long ``episode_index``, which a batch built from trajectories always has."""
+        return required(self.episode_index, "episode_index")
+
+    @property
     def student_logprobs(self) -> torch.Tensor:
         """(B, R) fp32: the policy's log-probs of its sampled tokens: the actor's before the update when that
         forward ran, else the rollout engine's (the same weights in synchronous layouts: an exactly on-policy
         step skips the actor forward; in asynchronous ones the policy that sampled)."""
-        return self.old_logprobs if self.old_logprobs is not None else self.rollout_logprobs
+        return self.old_logprobs if self.old_logprobs is not None else required(self.rollout_logprobs,
+                                                                                 "rollout_logprobs")
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The fields that are set, by name."""
