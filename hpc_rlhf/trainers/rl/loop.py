@@ -30,7 +30,7 @@ import torch.distributed as dist
 from hpc_rlhf.ckpt.hf_exports import HFExports
 from hpc_rlhf.ckpt.layout import rl_layout
 from hpc_rlhf.config import RunConfig, save_resolved_config
-from hpc_rlhf.data.prompts import Prompt
+from hpc_rlhf.data.prompts import Prompt, source_name
 from hpc_rlhf.models.loading import load_tokenizer
 from hpc_rlhf.resilience.fault_injection import fault_point
 from hpc_rlhf.resilience.stall_guard import StallGuard
@@ -46,7 +46,7 @@ from hpc_rlhf.trainers.rl.controller_steps import (
     rollout_metrics,
     select_samples,
 )
-from hpc_rlhf.trainers.rl.evaluation import eval_metrics, eval_sampling, group_by_prompt, load_eval_prompts, source_name
+from hpc_rlhf.trainers.rl.evaluation import eval_metrics, eval_sampling, group_by_prompt, load_eval_prompts
 from hpc_rlhf.trainers.rl.roles import Generated, RoleHandles
 from hpc_rlhf.trainers.rl.rollout_dump import is_dump_step, rollout_records, write_rollouts
 from hpc_rlhf.trainers.rl.rollout_health import AgentFailureLimitError

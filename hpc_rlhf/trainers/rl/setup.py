@@ -8,11 +8,13 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from transformers import PreTrainedModel
 
 from hpc_rlhf.agents.agent_loader import AgentLoadError, load_agent_executor
 from hpc_rlhf.agents.executor import AgentExecutor, SingleTurnExecutor
@@ -21,13 +23,13 @@ from hpc_rlhf.algos import AdaptiveKLController, FixedKLController, RunningRewar
 from hpc_rlhf.config.schema import RolloutConfig, RunConfig, resolved_vllm_mode
 from hpc_rlhf.data.prompts import Prompt, PromptDataset, PromptStream
 from hpc_rlhf.data.reasoning_gym import reasoning_gym_reward, write_prompt_file  # reasoning-gym itself: lazily
+from hpc_rlhf.models.kernels import resolve_attn_implementation
 from hpc_rlhf.models.loading import (
     check_same_tokenizer,
     import_model_code,
     load_causal_lm,
     load_value_model,
     require_local_model,
-    resolve_attn_implementation,
 )
 from hpc_rlhf.models.moe import moe_spec
 from hpc_rlhf.models.precision import resolve_dtype
@@ -103,6 +105,13 @@ def actor_is_moe(cfg: RunConfig) -> bool:
     return moe_spec(local_hf_config(cfg.actor) or {}) is not None
 
 
+def model_path(path: str | None, key: str) -> str:
+    """``path`` of a role that needs a model, or a SetupError naming ``key``."""
+    if path is None:
+        raise SetupError(f"{key} is not set: give the model folder")
+    return path
+
+
 def check_model_paths(cfg: RunConfig) -> None:
     """Every role's model folder exists, before minutes of start-up (errors name the key)."""
     paths = {"actor.pretrain": cfg.actor.pretrain, "critic.pretrain": cfg.critic.pretrain,
@@ -116,7 +125,8 @@ def check_model_paths(cfg: RunConfig) -> None:
 def check_teacher_tokenizer(cfg: RunConfig, tokenizer: Any) -> None:
     """On-policy distillation: the teacher must read the student's token ids as the student does."""
     if cfg.needs_teacher:
-        check_same_tokenizer(tokenizer, "actor.pretrain", cfg.teacher.pretrain, "teacher.pretrain")
+        check_same_tokenizer(tokenizer, "actor.pretrain", model_path(cfg.teacher.pretrain, "teacher.pretrain"),
+                             "teacher.pretrain")
 
 
 def optimizer_steps(cfg: RunConfig, num_steps: int) -> int:
@@ -203,6 +213,8 @@ def reasoning_gym_prompts(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
     any prompt file (``data.input_template``, ``apply_chat_template``, ``max_samples`` apply)."""
     data, gym = cfg.data, cfg.data.reasoning_gym
     seed = cfg.train.seed if gym.seed is None else gym.seed
+    if gym.task is None:
+        raise SetupError("data.reasoning_gym.task is not set")
     path = write_prompt_file(gym.task, gym.size, seed, Path(cfg.train.output_dir) / "data")
     return PromptDataset([str(path)], input_key="question", label_key="label", input_template=data.input_template,
                          apply_chat_template=data.apply_chat_template, tokenizer=tokenizer,
@@ -298,11 +310,15 @@ def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool, actor: TrainEn
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     record = records_routes(cfg)
     if actor is not None:
-        return TransformersRolloutEngine(actor.module, eos_token_id=tokenizer.eos_token_id,
+        # rollout_shares_actor: a plain HF model (no LoRA, no Liger) is what DeepSpeed wraps.
+        return TransformersRolloutEngine(cast(PreTrainedModel, actor.module), eos_token_id=tokenizer.eos_token_id,
                                          pad_token_id=tokenizer.pad_token_id, device=device, shares_trained_model=True,
                                          record_routes=record)
-    model = load_causal_lm(cfg.actor.pretrain, dtype, resolve_attn_implementation(cfg.ds.attn_implementation, on_gpu))
-    return TransformersRolloutEngine(model.to(device).eval(), eos_token_id=tokenizer.eos_token_id,
+    model = load_causal_lm(model_path(cfg.actor.pretrain, "actor.pretrain"), dtype,
+                           resolve_attn_implementation(cfg.ds.attn_implementation, on_gpu))
+    # transformers types its decorated ``PreTrainedModel.to`` as taking the model itself.
+    model = model.to(device).eval()  # type: ignore[arg-type]
+    return TransformersRolloutEngine(model, eos_token_id=tokenizer.eos_token_id,
                                      pad_token_id=tokenizer.pad_token_id, device=device, record_routes=record)
 
 
@@ -406,7 +422,10 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
                 micro_train_batch_size=cfg.train.micro_train_batch_size,
                 num_training_steps=optimizer_steps(cfg, num_steps), dp_group=world.roles[role].dp_sp_group,
                 tp_group=world.roles[role].tp_group, on_gpu=on_gpu)
-            setattr(roles, role, engine)
+            if role == "actor":
+                roles.actor = engine
+            else:
+                roles.critic = engine
     if share_actor:
         roles.rollout = _rollout_side(cfg, world, tokenizer, on_gpu, actor=roles.actor)
     for role, section in (("ref", cfg.ref), ("teacher", cfg.teacher)):
@@ -416,11 +435,15 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
         # model, kept in full precision.
         path, quantized = (cfg.ref.pretrain or cfg.actor.pretrain, q4) if role == "ref" else (cfg.teacher.pretrain,
                                                                                              False)
-        engine = FrozenEngine.create(lambda p=path, q=quantized: load_causal_lm(p, dtype, attn, liger, q), cfg.ds,
+        frozen = FrozenEngine.create(partial(load_causal_lm, model_path(path, f"{role}.pretrain"), dtype, attn, liger,
+                                             quantized), cfg.ds,
                                      section, micro_batch_size=cfg.rollout.micro_rollout_batch_size,
                                      dp_group=world.roles[role].dp_sp_group, tp_group=world.roles[role].tp_group,
                                      on_gpu=on_gpu)
-        setattr(roles, role, engine)
+        if role == "ref":
+            roles.ref = frozen
+        else:
+            roles.teacher = frozen
     if world.has_role("reward"):  # full precision under QLoRA too
         roles.reward = build_reward_model_role(cfg.reward, cfg.ds,
                                                micro_batch_size=cfg.rollout.micro_rollout_batch_size,

@@ -29,6 +29,7 @@ import torch
 
 from hpc_rlhf.algos import episode_index_from_branches
 from hpc_rlhf.algos.moe import not_recorded
+from hpc_rlhf.rollout.base import Trajectory
 
 # Always set: what every forward reads.
 _FORWARD_FIELDS = ("sequences", "attention_mask", "action_mask")
@@ -36,13 +37,13 @@ _FORWARD_FIELDS = ("sequences", "attention_mask", "action_mask")
 _FULL_ROW_FIELDS = ("sequences", "attention_mask", "routed_experts")
 
 
-def episode_index_of(trajectories: Sequence[Any]) -> torch.Tensor:
+def episode_index_of(trajectories: Sequence[Trajectory]) -> torch.Tensor:
     """(B,) long: episode of each row. An agent episode that branched has several consecutive rows, the first
     with ``branch_index`` 0 (``hpc_rlhf.algos.episodes``); otherwise row ``i`` is episode ``i``."""
     return episode_index_from_branches(torch.tensor([t.branch_index for t in trajectories], dtype=torch.long))
 
 
-def _routes_in_rows(trajectories: Sequence[Any], max_prompt: int, max_resp: int) -> torch.Tensor | None:
+def _routes_in_rows(trajectories: Sequence[Trajectory], max_prompt: int, max_resp: int) -> torch.Tensor | None:
     """The trajectories' recorded routes (P+R, L, k) in the batch layout (B, max_prompt + max_resp, L, k), or None
     when none carries routes; rows and positions without routes are marked not recorded."""
     recorded = [t.routed_experts for t in trajectories if t.routed_experts is not None]
@@ -106,7 +107,7 @@ class StepBatch:
     not-recorded marker."""
 
     @classmethod
-    def from_trajectories(cls, trajectories: Sequence[Any], pad_token_id: int, *, scored: bool = True) -> StepBatch:
+    def from_trajectories(cls, trajectories: Sequence[Trajectory], pad_token_id: int, *, scored: bool = True) -> StepBatch:
         """Trajectories -> padded rows (the layout above), in trajectory order.
 
         Sets every field up to ``episode_index``; ``rewards`` only when ``scored`` (the reward model's input is

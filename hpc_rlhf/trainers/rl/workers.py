@@ -13,7 +13,7 @@ micro-batch losses equal the full mini-batch mean however the batch is split (``
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,7 +77,8 @@ def _micro_batches(batching: Batching, attention_mask: torch.Tensor, dp_group: A
     return [torch.tensor(rows, dtype=torch.long) for rows in plan]
 
 
-def _per_row_forward(shard: StepBatch, batching: Batching, dp_group: Any, fn) -> torch.Tensor:
+def _per_row_forward(shard: StepBatch, batching: Batching, dp_group: Any,
+                     fn: Callable[[StepBatch], torch.Tensor]) -> torch.Tensor:
     """Run ``fn(micro_rows) -> (b, r)`` over micro-batches; reassemble (B, R) fp32 in row order."""
     out = torch.zeros(shard.action_mask.shape, dtype=torch.float32)
     for index in _micro_batches(batching, shard.attention_mask, dp_group):
@@ -184,7 +185,7 @@ def _moe_terms(engine: Any, fwd: Any, moe: MoESpec, mask: torch.Tensor, counts: 
 
 def _actor_micro_step(engine: Any, fwd: Any, rows: StepBatch, counts: dict[str, Any], kl_coef: float,
                       last: bool, algo: AlgoConfig, temperature: float, stats: dict[str, list[float]],
-                      moe: MoESpec | None = None) -> dict:
+                      moe: MoESpec | None = None) -> dict[str, Any]:
     """Loss of one micro-batch (``rows``, forwards in ``fwd``), its backward and the engine step.
 
     ``counts``: the global normalisers of its mini-batch (``aggregate_loss`` keyword arguments). ``moe``: the
@@ -228,7 +229,7 @@ def _actor_micro_step(engine: Any, fwd: Any, rows: StepBatch, counts: dict[str, 
                       entropy_coef=algo.entropy_loss_coef, aux_loss=aux, aux_loss_coef=algo.aux_loss_coef,
                       aux_weight=aux_weight)
     engine.backward(loss * fwd.loss_scale, boundary=last)
-    step_info = engine.step()
+    step_info: dict[str, Any] = engine.step()
     stats["policy_loss_share"].append(float(pg_loss.detach()))
     for k, v in pg_stats.items():
         stats[k].append(float(v))
