@@ -17,81 +17,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from hpc_rlhf.data.prompts import Prompt, source_name, tokenize_prompts
-from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams
+from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams, Trajectory
 
 GenerateFn = Callable[[list[GenerationRequest]], list[GenerationResult]]
 
 # The source name of a trajectory whose executor did not set ``Trajectory.data_source``.
 UNKNOWN_SOURCE = "unknown"
 
-
-@dataclass
-class Trajectory:
-    """One sample: a prompt and everything after it, token-level.
-
-    ``response_ids`` holds every token after the prompt: generated tokens and (multi-turn)
-    environment feedback. ``action_mask[i]`` is 1 where the model generated token i (trained) and
-    0 for feedback. ``rollout_logprobs[i]`` is the engine's sampling logprob of token i (0.0 where
-    the mask is 0), used for importance-sampling corrections.
-    """
-
-    prompt: str
-    label: Any
-    prompt_ids: list[int]
-    response_ids: list[int]
-    action_mask: list[int]
-    rollout_logprobs: list[float]
-    reward: float | None = None
-    score: float | None = None
-    truncated: bool = False
-    finish_reason: str = ""
-    extra_logs: dict = field(default_factory=dict)
-    group_index: int = 0  # the prompt's index within the step; samples of one prompt share it
-    policy_version: int = 0  # weight syncs the rollout engine had received when this sample started
-    token_versions: list[int] | None = None  # per response token, when generation spanned a weight update
-    failure: str | None = None  # why user code ended the episode ("step: ValueError: ..."), None if it did not
-    # An episode may give several rows (the branches of an OpenAI-client agent's calls): they are consecutive,
-    # share the episode's reward and group, and are numbered 0, 1, ... here. Group statistics, filtering and
-    # metrics count episodes (``hpc_rlhf.algos.episodes``); every row trains.
-    branch_index: int = 0
-    # The prompt's data source as evaluation names it (``hpc_rlhf.data.prompts.source_name``: the row's
-    # ``data_source`` column, else its file's stem), for the per-source training metrics (``reward/<source>``).
-    # Executors set it from the prompt; None (an executor that does not) is reported as ``UNKNOWN_SOURCE``.
-    data_source: str | None = None
-    # (P + R, L, k) integer tensor: the experts the rollout engine routed each token position to in each MoE layer,
-    # when it recorded them (``hpc_rlhf.models.routing_replay``); None otherwise.
-    routed_experts: Any = None
-
-    @property
-    def num_response_tokens(self) -> int:
-        return len(self.response_ids)
-
-    @property
-    def num_action_tokens(self) -> int:
-        return sum(self.action_mask)
-
-    @property
-    def sequence_ids(self) -> list[int]:
-        return self.prompt_ids + self.response_ids
-
-    def check(self) -> None:
-        """Raise ``ValueError`` if the token-level fields disagree (for executor implementers)."""
-        n = len(self.response_ids)
-        if len(self.action_mask) != n or len(self.rollout_logprobs) != n:
-            raise ValueError(
-                f"trajectory of group {self.group_index}: response_ids has {n} tokens but action_mask has "
-                f"{len(self.action_mask)} and rollout_logprobs {len(self.rollout_logprobs)}")
-        if any(m not in (0, 1) for m in self.action_mask):
-            raise ValueError(f"trajectory of group {self.group_index}: action_mask must hold only 0 and 1")
-        if not self.prompt_ids:
-            raise ValueError(f"trajectory of group {self.group_index}: empty prompt_ids")
-        if self.routed_experts is not None and len(self.routed_experts) != len(self.prompt_ids) + n:
-            raise ValueError(f"trajectory of group {self.group_index}: routed_experts covers "
-                             f"{len(self.routed_experts)} positions, the sequence has {len(self.prompt_ids) + n}")
+# ``Trajectory`` lives with the rollout protocol (``hpc_rlhf.rollout.base``); agent files written before it moved
+# import it from here.
+__all__ = ["UNKNOWN_SOURCE", "AgentExecutor", "GenerateFn", "SingleTurnExecutor", "Trajectory",
+           "check_samples_per_prompt", "group_results"]
 
 
 class AgentExecutor(ABC):

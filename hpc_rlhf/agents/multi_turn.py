@@ -90,11 +90,11 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, Trajectory, check_samples_per_prompt
+from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, check_samples_per_prompt
 from hpc_rlhf.agents.step_output import AgentOutputError, apply_sampling, numeric_logs, parse_step_output, to_float
 from hpc_rlhf.data.prompts import Prompt, source_name, tokenize_prompts
 from hpc_rlhf.models.routing_replay import continue_routes, pad_routes
-from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams
+from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams, Trajectory
 from hpc_rlhf.utils.user_calls import UserCallRunner, UserCallTimeout, run_to_completion
 from hpc_rlhf.utils.user_code import accepted_kwargs
 

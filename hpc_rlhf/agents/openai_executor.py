@@ -55,12 +55,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, Trajectory, check_samples_per_prompt
+from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, check_samples_per_prompt
 from hpc_rlhf.agents.openai_endpoint import OpenAIEndpoint, run_batch
 from hpc_rlhf.agents.openai_recording import CompletionRecord, TokenSequence, episode_sequences
 from hpc_rlhf.agents.tool_parsers import OutputParser
 from hpc_rlhf.data.prompts import Prompt, source_name
-from hpc_rlhf.rollout.base import SamplingParams
+from hpc_rlhf.rollout.base import SamplingParams, Trajectory
 from hpc_rlhf.utils.user_calls import run_to_completion
 from hpc_rlhf.utils.user_code import accepted_kwargs
 

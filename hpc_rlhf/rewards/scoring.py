@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from hpc_rlhf.agents.executor import Trajectory
 from hpc_rlhf.rewards.functions import RewardFunction, RewardOutput, validate_reward_output
+from hpc_rlhf.rollout.base import Trajectory
 from hpc_rlhf.utils.user_code import accepted_kwargs
 
 

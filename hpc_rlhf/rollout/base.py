@@ -2,8 +2,9 @@
 
 Every rollout backend (vLLM on GPU, the hand-written transformers engine anywhere) implements
 :class:`RolloutEngine`. The controller and agent executors only ever see these types; no backend
-object leaks out. This module imports no torch at runtime so that the controller can build requests
-on a process that never loads a model.
+object leaks out. What an agent executor makes of the results, one :class:`Trajectory` per sample, is
+defined here too: it is what the trainer consumes. This module imports no torch at runtime so that the
+controller can build requests on a process that never loads a model.
 
 Conventions shared by all engines (tests hold both engines to them):
 
@@ -26,7 +27,7 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -160,6 +161,72 @@ class RolloutEngine(ABC):
     def close(self) -> None:
         """Release what the engine started (processes, executors); the engine is not used afterwards. No-op for
         engines that started nothing."""
+
+
+@dataclass
+class Trajectory:
+    """One sample: a prompt and everything after it, token-level.
+
+    ``response_ids`` holds every token after the prompt: generated tokens and (multi-turn)
+    environment feedback. ``action_mask[i]`` is 1 where the model generated token i (trained) and
+    0 for feedback. ``rollout_logprobs[i]`` is the engine's sampling logprob of token i (0.0 where
+    the mask is 0), used for importance-sampling corrections.
+    """
+
+    prompt: str
+    label: Any  # the prompt row's label, whatever the data file holds (the reward function reads it)
+    prompt_ids: list[int]
+    response_ids: list[int]
+    action_mask: list[int]
+    rollout_logprobs: list[float]
+    reward: float | None = None
+    score: float | None = None
+    truncated: bool = False
+    finish_reason: str = ""
+    extra_logs: dict[str, Any] = field(default_factory=dict)
+    group_index: int = 0  # the prompt's index within the step; samples of one prompt share it
+    policy_version: int = 0  # weight syncs the rollout engine had received when this sample started
+    token_versions: list[int] | None = None  # per response token, when generation spanned a weight update
+    failure: str | None = None  # why user code ended the episode ("step: ValueError: ..."), None if it did not
+    # An episode may give several rows (the branches of an OpenAI-client agent's calls): they are consecutive,
+    # share the episode's reward and group, and are numbered 0, 1, ... here. Group statistics, filtering and
+    # metrics count episodes (``hpc_rlhf.algos.episodes``); every row trains.
+    branch_index: int = 0
+    # The prompt's data source as evaluation names it (``hpc_rlhf.data.prompts.source_name``: the row's
+    # ``data_source`` column, else its file's stem), for the per-source training metrics (``reward/<source>``).
+    # Executors set it from the prompt; None (an executor that does not) is reported as
+    # ``hpc_rlhf.agents.executor.UNKNOWN_SOURCE``.
+    data_source: str | None = None
+    # (P + R, L, k) integer tensor: the experts the rollout engine routed each token position to in each MoE layer,
+    # when it recorded them (``hpc_rlhf.models.routing_replay``); None otherwise.
+    routed_experts: torch.Tensor | None = None
+
+    @property
+    def num_response_tokens(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def num_action_tokens(self) -> int:
+        return sum(self.action_mask)
+
+    @property
+    def sequence_ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def check(self) -> None:
+        """Raise ``ValueError`` if the token-level fields disagree (for executor implementers)."""
+        n = len(self.response_ids)
+        if len(self.action_mask) != n or len(self.rollout_logprobs) != n:
+            raise ValueError(
+                f"trajectory of group {self.group_index}: response_ids has {n} tokens but action_mask has "
+                f"{len(self.action_mask)} and rollout_logprobs {len(self.rollout_logprobs)}")
+        if any(m not in (0, 1) for m in self.action_mask):
+            raise ValueError(f"trajectory of group {self.group_index}: action_mask must hold only 0 and 1")
+        if not self.prompt_ids:
+            raise ValueError(f"trajectory of group {self.group_index}: empty prompt_ids")
+        if self.routed_experts is not None and len(self.routed_experts) != len(self.prompt_ids) + n:
+            raise ValueError(f"trajectory of group {self.group_index}: routed_experts covers "
+                             f"{len(self.routed_experts)} positions, the sequence has {len(self.prompt_ids) + n}")
 
 
 def num_results(requests: list[GenerationRequest]) -> int:

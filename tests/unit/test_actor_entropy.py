@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hpc_rlhf.agents.executor import Trajectory
 from hpc_rlhf.config import load_config
 from hpc_rlhf.models.forward import policy_logprobs
+from hpc_rlhf.rollout.base import Trajectory
 from hpc_rlhf.trainers.rl.step_batch import StepBatch, TrainShard
 from hpc_rlhf.trainers.rl.workers import TRAIN_FIELDS, UpdateSettings, train_actor
 

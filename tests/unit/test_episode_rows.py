@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpc_rlhf.agents.executor import Trajectory
 from hpc_rlhf.algos import (
     compute_advantages,
     episode_index_from_branches,
@@ -13,6 +12,7 @@ from hpc_rlhf.algos import (
     expand_to_rows,
 )
 from hpc_rlhf.config import load_config
+from hpc_rlhf.rollout.base import Trajectory
 from hpc_rlhf.trainers.rl.controller_steps import kept_by_dynamic_filtering, rollout_metrics, select_samples
 from hpc_rlhf.trainers.rl.row_layout import (
     balanced_order,

@@ -73,3 +73,22 @@ def test_eval_metrics_threshold_and_group_size():
 def test_eval_schedule_every_n_and_last():
     assert [s for s in range(1, 8) if is_eval_step(s, 7, 3)] == [3, 6, 7]
     assert [s for s in range(1, 8) if is_eval_step(s, 7, None)] == [7]
+
+
+def test_eval_samples_go_back_to_their_prompts_across_engines():
+    """Engines number their share's prompts from 0; a branching episode counts once (its first row)."""
+    from hpc_rlhf.trainers.rl.evaluation import group_by_prompt
+    from hpc_rlhf.trainers.rl.roles import split_even
+
+    prompts = ["p0", "p1", "p2", "p3", "p4"]
+    shares = split_even(prompts, 2)
+    assert shares == [["p0", "p1"], ["p2", "p3", "p4"]]  # contiguous, sizes differ by at most one
+
+    def row(prompt, group, branch=0):
+        return SimpleNamespace(prompt=prompt, group_index=group, branch_index=branch)
+
+    engine0 = [row("p0", 0), row("p1", 1), row("p1", 1, branch=1)]
+    engine1 = [row("p2", 0), row("p3", 1), row("p4", 2)]
+    per_prompt, rows = group_by_prompt(shares, [(engine0, 1.0), (engine1, 2.0)])
+    assert [[t.prompt for t in group] for group in per_prompt] == [["p0"], ["p1"], ["p2"], ["p3"], ["p4"]]
+    assert rows == engine0 + engine1

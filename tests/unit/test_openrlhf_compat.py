@@ -16,14 +16,13 @@ import pytest
 from pydantic import BaseModel
 
 from hpc_rlhf.agents.agent_loader import AgentLoadError, load_agent_executor
-from hpc_rlhf.agents.executor import Trajectory
 from hpc_rlhf.cli.serve_rm import translate_openrlhf_flags
 from hpc_rlhf.config import RunConfig, load_config
 from hpc_rlhf.config.supervised import CONFIG_CLASSES
 from hpc_rlhf.data.prompts import Prompt
 from hpc_rlhf.models.tiny import build_char_tokenizer
 from hpc_rlhf.rewards.functions import RewardFunction, RewardFunctionError
-from hpc_rlhf.rollout.base import SamplingParams
+from hpc_rlhf.rollout.base import SamplingParams, Trajectory
 from hpc_rlhf.trainers.rl.controller_steps import append_groups, kept_by_dynamic_filtering, select_samples
 from hpc_rlhf.trainers.rl.rollout_health import RolloutHealth, extra_log_metrics
 from hpc_rlhf.trainers.rl.setup import SetupError, reward_function

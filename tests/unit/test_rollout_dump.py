@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from hpc_rlhf.agents.executor import Trajectory
+from hpc_rlhf.rollout.base import Trajectory
 from hpc_rlhf.trainers.rl.rollout_dump import (
     is_dump_step,
     rollout_records,

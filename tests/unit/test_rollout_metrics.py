@@ -2,8 +2,9 @@
 
 import pytest
 
-from hpc_rlhf.agents.executor import UNKNOWN_SOURCE, Trajectory
+from hpc_rlhf.agents.executor import UNKNOWN_SOURCE
 from hpc_rlhf.data.prompts import Prompt, source_name
+from hpc_rlhf.rollout.base import Trajectory
 from hpc_rlhf.trainers.rl.controller_steps import LENGTH_FINISH_REASONS, rollout_metrics
 
 

@@ -264,17 +264,14 @@ def test_a_rank_that_keeps_no_rows_still_runs_every_collective(stop_at):
 
 
 def test_the_rl_plan_reads_the_run_config():
-    from types import SimpleNamespace
-
     from hpc_rlhf.config import load_config
-    from hpc_rlhf.trainers.rl.run_hooks import rl_run_plan
+    from hpc_rlhf.trainers.rl.setup import run_plan
 
     cfg = load_config(None, ["ckpt.save_steps=3", "ckpt.load=true", "eval.steps=2", "eval.at_start=true",
                              "logger.logging_steps=4", "slurm.requeue=false"])
-    trainer = SimpleNamespace(cfg=cfg, num_steps=9, rank=1, world=SimpleNamespace(is_controller=False))
-    plan = rl_run_plan(trainer)
+    plan = run_plan(cfg, num_steps=9, rank=1, is_controller=False)
     assert (plan.num_steps, plan.rank, plan.save_steps, plan.logging_steps, plan.eval_every) == (9, 1, 3, 4, 2)
     assert plan.resume and plan.save_last_step and not plan.requeue and not plan.progress_bar
     assert not plan.evaluates and not plan.eval_at_start  # no eval.data: nothing to evaluate
-    with_data = rl_run_plan(SimpleNamespace(**{**vars(trainer), "cfg": load_config(None, ["eval.data=[x.jsonl]"])}))
+    with_data = run_plan(load_config(None, ["eval.data=[x.jsonl]"]), num_steps=9, rank=1, is_controller=False)
     assert with_data.evaluates and not with_data.eval_at_start and with_data.save_steps is None

@@ -6,11 +6,11 @@ import random
 import pytest
 import torch
 
-from hpc_rlhf.agents.executor import SingleTurnExecutor, Trajectory
+from hpc_rlhf.agents.executor import SingleTurnExecutor
 from hpc_rlhf.data.prompts import Prompt, tokenize_prompts
 from hpc_rlhf.rewards.functions import RewardFunction
 from hpc_rlhf.rewards.scoring import score_trajectories
-from hpc_rlhf.rollout.base import GenerationResult, SamplingParams
+from hpc_rlhf.rollout.base import GenerationResult, SamplingParams, Trajectory
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "reward_funcs")
 WORDS = ["What", "is", "2", "+", "3", "?", "5", "6", "7", "the", "answer"] + [f"w{i}" for i in range(30)]

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from hpc_rlhf.agents.executor import Trajectory
 from hpc_rlhf.config import load_config
+from hpc_rlhf.rollout.base import Trajectory
 from hpc_rlhf.trainers.rl.row_layout import forward_shards, in_batch_order, train_shards
 from hpc_rlhf.trainers.rl.step_batch import StepBatch, TrainShard
 from hpc_rlhf.trainers.rl.workers import TRAIN_FIELDS, UpdateSettings, _updates

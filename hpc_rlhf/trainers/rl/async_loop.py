@@ -20,21 +20,26 @@ import logging
 import time
 from collections import Counter, deque
 from dataclasses import replace
-from typing import Any
 
 import torch.distributed as dist
 
+from hpc_rlhf.config import RunConfig
+from hpc_rlhf.data.prompts import Prompt
+from hpc_rlhf.rollout.base import Trajectory
 from hpc_rlhf.trainers.rl.controller_steps import rollout_metrics
-from hpc_rlhf.trainers.rl.loop import PPOTrainer, sampling_seed
+from hpc_rlhf.trainers.rl.loop import Buffers, PPOTrainer, sampling_seed
 from hpc_rlhf.trainers.rl.partial_rollout import continue_generation, stamp_versions
+from hpc_rlhf.trainers.rl.roles import Generated
+from hpc_rlhf.trainers.run_skeleton import Row
 from hpc_rlhf.utils.metrics import PhaseTimer
+from hpc_rlhf.world.groups import WorldGroups
 
 log = logging.getLogger(__name__)
 
 
 class AsyncPPOTrainer(PPOTrainer):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, cfg: RunConfig, world: WorldGroups) -> None:
+        super().__init__(cfg, world)
         train = self.cfg.train
         if train.colocate_all:
             raise ValueError("train.async_train=true needs train.colocate_all=false (rollout on its own ranks)")
@@ -56,13 +61,13 @@ class AsyncPPOTrainer(PPOTrainer):
             log.warning("train.async_queue_size=%d exceeds train.max_staleness=%d: generating %d batches ahead",
                         self.depth, train.max_staleness, train.max_staleness - extra)
             self.depth = train.max_staleness - extra
-        self.ready: deque[tuple[list, float]] = deque()  # rank 0: generated, not yet trained (+ seconds)
+        self.ready: deque[Generated] = deque()  # rank 0: generated, not yet trained (+ seconds)
         self.generated = 0  # batches generated so far (every rank counts: it seeds the sampling)
-        self.in_flight: list | None = None  # rollout ranks, partial mode: the batch cut at chunk_tokens
+        self.in_flight: list[Trajectory] | None = None  # rollout ranks, partial mode: the batch cut at chunk_tokens
         self.partial_in_flight = False  # every rank: whether a cut-short batch waits to be finished
 
     # ------------------------------------------------------------------ queue
-    def _start_generation(self, wanted: bool) -> tuple[bool, Any]:
+    def _start_generation(self, wanted: bool) -> tuple[bool, Generated | None]:
         """One generation round, if rank 0 wants it and one is needed (decision broadcast to all).
 
         Returns (ran, this rank's pending result); rollout ranks have finished generating when it
@@ -73,29 +78,29 @@ class AsyncPPOTrainer(PPOTrainer):
         needed = more or self.partial_in_flight
         if not self._broadcast_flag(self.rank == 0 and wanted and needed):
             return False, None
-        prompts = None
+        prompts: list[Prompt] | None = None
         if more:
             self.generated += 1
-            prompts = self.data.next_prompts() if self.rank == 0 else None
+            prompts = self.controller.next_prompts() if self.rank == 0 else None
         elif self.rank == 0:
             prompts = []  # last partial round: only finish the batch in flight
         self.partial_in_flight = self.cfg.train.partial_rollout and more
         return True, self.run_rollouts(self.dispatch_prompts(prompts), self.generated)
 
-    def _finish_generation(self, pending: Any) -> None:
+    def _finish_generation(self, pending: Generated | None) -> None:
         trajectories, seconds = self.collect_trajectories(pending)
         if self.rank == 0 and trajectories:
             self.ready.append((trajectories, seconds))
 
-    def run_rollouts(self, prompts: list | None, step: int) -> tuple[list, float] | None:
+    def run_rollouts(self, prompts: list[Prompt] | None, step: int) -> Generated | None:
         """Partial mode: finish the batch in flight with the current weights, then start the next one
         and stop it after ``rollout.partial_chunk_tokens`` tokens (it finishes after the next sync)."""
-        if not self.cfg.train.partial_rollout or self.roles.rollout is None:
+        if not self.cfg.train.partial_rollout or self.handles.rollout.side is None:
             return super().run_rollouts(prompts, step)
         start = time.perf_counter()
-        rollout, groups = self.roles.rollout, self.world.roles["rollout"]
-        sampling = rollout.sampling(sampling_seed(self.cfg.train.seed, step, groups.dp_rank_of[self.rank]))
-        finished = []
+        rollout = self.handles.rollout.side
+        sampling = rollout.sampling(sampling_seed(self.cfg.train.seed, step, self.handles.rollout.engine_index))
+        finished: list[Trajectory] = []
         if self.in_flight:
             finished = continue_generation(self.in_flight, rollout.engine.generate, sampling, self.policy_version,
                                            self.cfg.rollout.generate_max_len)
@@ -120,7 +125,7 @@ class AsyncPPOTrainer(PPOTrainer):
             self._finish_generation(pending)
 
     # ------------------------------------------------------------------ one step
-    def step(self, step: int, timer: PhaseTimer) -> dict[str, Any] | None:
+    def step(self, step: int, timer: PhaseTimer) -> Row | None:
         # Rollout ranks generate inside this call; the training ranks only send the prompts and go on,
         # as they share no collective with the rollout ranks until the collect below.
         more, pending = self._start_generation(True)
@@ -128,7 +133,7 @@ class AsyncPPOTrainer(PPOTrainer):
         train_start = time.perf_counter()
         with timer("reward"):
             popped = self.score(popped)
-        trajectories, staleness, dropped = self._drop_stale(popped) if self.rank == 0 else (None, [], 0)
+        trajectories, staleness, dropped = self._drop_stale(popped) if popped is not None else (None, [], 0)
         with timer("make_experience"):
             trains, batch = self.make_experience(trajectories)
         self.dump_rollouts(step, popped)
@@ -140,15 +145,15 @@ class AsyncPPOTrainer(PPOTrainer):
                 self._finish_generation(pending)
         with timer("weight_sync"):
             self.sync_weights()
-        if self.rank != 0:
+        if popped is None:  # not the controller
             return None
-        self.health.observe(popped, step)
+        self.controller.health.observe(popped, step)
         row = {**rollout_metrics(popped, batch, gen_seconds), **train_stats}
         mixed = sum(len(set(t.token_versions or [])) > 1 for t in popped)
         row.update(self._async_metrics(staleness, dropped, gen_seconds, train_seconds, timer, mixed))
         return row
 
-    def _drop_stale(self, trajectories: list) -> tuple[list, list[int], int]:
+    def _drop_stale(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], list[int], int]:
         """(kept trajectories, their staleness, number dropped).
 
         Staleness = policy versions the actor is ahead of the sample's generator when it trains on it
@@ -184,16 +189,16 @@ class AsyncPPOTrainer(PPOTrainer):
         return out
 
     # ------------------------------------------------------------------ checkpoints
-    def checkpoint_buffers(self) -> Any:
+    def checkpoint_buffers(self) -> Buffers | None:
         return {"ready": list(self.ready), "generated": self.generated, "partial_in_flight": self.partial_in_flight}
 
-    def checkpoint_rank_buffers(self) -> Any:
+    def checkpoint_rank_buffers(self) -> Buffers | None:
         return {"in_flight": self.in_flight} if self.in_flight else None
 
-    def restore_rank_buffers(self, buffers: Any) -> None:
+    def restore_rank_buffers(self, buffers: Buffers) -> None:
         self.in_flight = buffers["in_flight"]
 
-    def restore_buffers(self, buffers: Any, same_world: bool = True) -> None:
+    def restore_buffers(self, buffers: Buffers | None, same_world: bool = True) -> None:
         if buffers:
             self.ready = deque(buffers["ready"])
             self.generated = buffers["generated"]
@@ -201,5 +206,5 @@ class AsyncPPOTrainer(PPOTrainer):
             self.partial_in_flight = buffers["partial_in_flight"] and same_world
 
 
-def trainer_class(cfg: Any) -> type[PPOTrainer]:
+def trainer_class(cfg: RunConfig) -> type[PPOTrainer]:
     return AsyncPPOTrainer if cfg.train.async_train else PPOTrainer

@@ -25,7 +25,9 @@ from hpc_rlhf.ckpt.resume import agreed_checkpoint, warn_if_starting_over
 from hpc_rlhf.ckpt.universal import load_resharded
 from hpc_rlhf.config import RunConfig
 from hpc_rlhf.resilience.fault_injection import fault_point
+from hpc_rlhf.trainers.rl.setup import Roles
 from hpc_rlhf.training.deepspeed_engine import TrainEngine
+from hpc_rlhf.world.groups import WorldGroups
 from hpc_rlhf.world.placement import TRAINED_ROLES
 
 log = logging.getLogger(__name__)
@@ -45,8 +47,9 @@ def make_manager(cfg: RunConfig) -> CheckpointManager:
     return manager
 
 
-def save(manager: CheckpointManager, step: int, roles: Any, world: Any, controller_state: dict | None,
-         buffers: Any = None, rank_buffers: Any = None, layout: CheckpointLayout | None = None) -> None:
+def save(manager: CheckpointManager, step: int, roles: Roles, world: WorldGroups,
+         controller_state: dict[str, Any] | None, buffers: dict[str, Any] | None = None,
+         rank_buffers: dict[str, Any] | None = None, layout: CheckpointLayout | None = None) -> None:
     """Collective over the world: every rank calls it at the same step. ``layout`` (rank 0): this run's layout,
     recorded so that a run laid out differently knows how to load it.
 
@@ -54,11 +57,12 @@ def save(manager: CheckpointManager, step: int, roles: Any, world: Any, controll
     trajectories of an asynchronous run; pickled with ``torch.save``. ``rank_buffers`` (any rank):
     the same for state that lives on that rank (a rollout rank's in-flight partial rollouts).
     """
+    engines = roles.trained_engines()
     with manager.saving(step) as tmp:
         for role in TRAINED_ROLES:
             if role not in world.roles:
                 continue
-            engine = getattr(roles, role)
+            engine = engines[role]
             if engine is not None:
                 engine.save_checkpoint(str(tmp / role), tag=DS_TAG)
             else:
@@ -76,7 +80,8 @@ def save(manager: CheckpointManager, step: int, roles: Any, world: Any, controll
     log.info("checkpoint step %d saved to %s", step, manager.step_dir(step))
 
 
-def restore(manager: CheckpointManager, roles: Any, world: Any, layout: CheckpointLayout) -> tuple[int, dict | None]:
+def restore(manager: CheckpointManager, roles: Roles, world: WorldGroups,
+            layout: CheckpointLayout) -> tuple[int, dict[str, Any] | None]:
     """Load ``LATEST`` into this rank's engines and RNG. Returns (step, state or None): the controller
     state on rank 0, plus ``rank_buffers`` on any rank that saved some (only when the world is the same).
 
@@ -94,11 +99,12 @@ def restore(manager: CheckpointManager, roles: Any, world: Any, layout: Checkpoi
     if change is not None and not change.exact and world.rank == 0:
         log.warning("checkpoint %s was saved with another layout: %s", latest, "; ".join(change.notes))
     resharded = change.resharded if change is not None else ()
+    engines = roles.trained_engines()
     for role in TRAINED_ROLES:
+        engine = engines[role]
         if role in resharded:
-            load_resharded(getattr(roles, role), latest, role, latest / role, DS_TAG)
+            load_resharded(engine, latest, role, latest / role, DS_TAG)
             continue
-        engine = getattr(roles, role)
         if engine is not None:
             engine.load_checkpoint(str(latest / role), tag=DS_TAG)
     same_world = change is None or change.same_world
@@ -119,4 +125,4 @@ def restore(manager: CheckpointManager, roles: Any, world: Any, layout: Checkpoi
         state = {**(state or {}), "rank_buffers": rank_buffers}
     if state is not None:
         state["same_world"] = same_world
-    return int(step_box[0]), state
+    return int(step_box[0] or 0), state

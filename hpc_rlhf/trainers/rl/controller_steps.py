@@ -28,11 +28,12 @@ from hpc_rlhf.algos import (
 )
 from hpc_rlhf.config.schema import RunConfig
 from hpc_rlhf.rewards.scoring import score_trajectories
+from hpc_rlhf.rollout.base import Trajectory
 from hpc_rlhf.trainers.rl.rollout_health import extra_log_metrics, first_rows
 from hpc_rlhf.trainers.rl.step_batch import StepBatch, episode_index_of
 
 
-def attach_rewards(trajectories: list, reward_fn: Any, tokenizer: Any, model_scores: torch.Tensor | None) -> list:
+def attach_rewards(trajectories: list[Trajectory], reward_fn: Any, tokenizer: Any, model_scores: torch.Tensor | None) -> list[Trajectory]:
     """Set ``reward`` / ``score`` on every trajectory (and return them) from the reward-model role's
     ``model_scores`` (B,) when there is one, else from ``reward_fn`` (a reward function or remote server;
     ``None`` when the agent's environment set the rewards)."""
@@ -44,7 +45,7 @@ def attach_rewards(trajectories: list, reward_fn: Any, tokenizer: Any, model_sco
     return trajectories
 
 
-def _episode_filter(trajectories: list, cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _episode_filter(trajectories: list[Trajectory], cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """DAPO's dynamic filter over episodes: ``(keep (E,) bool, episode_index (B,))``. An episode's score is
     the mean of its rows' (they share the agent's reward)."""
     index = episode_index_of(trajectories)
@@ -53,14 +54,14 @@ def _episode_filter(trajectories: list, cfg: RunConfig) -> tuple[torch.Tensor, t
     return dynamic_filter_mask(episode_means(scores, index), cfg.rollout.n_samples_per_prompt, low, high), index
 
 
-def kept_by_dynamic_filtering(trajectories: list, cfg: RunConfig) -> int:
+def kept_by_dynamic_filtering(trajectories: list[Trajectory], cfg: RunConfig) -> int:
     """Episodes that DAPO's dynamic filtering would keep (whole groups whose scores are not all alike)."""
     if not trajectories:
         return 0
     return int(_episode_filter(trajectories, cfg)[0].sum())
 
 
-def append_groups(trajectories: list, more: list) -> list:
+def append_groups(trajectories: list[Trajectory], more: list[Trajectory]) -> list[Trajectory]:
     """``trajectories`` then ``more`` (a refill round), with ``more``'s group indices continuing the numbering."""
     offset = max((t.group_index for t in trajectories), default=-1) + 1
     for t in more:
@@ -68,7 +69,7 @@ def append_groups(trajectories: list, more: list) -> list:
     return trajectories + more
 
 
-def select_samples(trajectories: list, cfg: RunConfig) -> list:
+def select_samples(trajectories: list[Trajectory], cfg: RunConfig) -> list[Trajectory]:
     """Overlong penalty, DAPO dynamic filtering, then trim to whole training batches; returns the kept
     trajectories (the overlong penalty is added to their ``reward`` and logged in ``extra_logs``).
 
@@ -90,10 +91,10 @@ def select_samples(trajectories: list, cfg: RunConfig) -> list:
         trajectories = [t for t, k in zip(trajectories, expand_to_rows(keep, index).tolist(), strict=True) if k]
     if not trajectories:
         return []
-    index = episode_index_of(trajectories).tolist()
-    usable = min(index[-1] + 1, cfg.rollout.rollout_batch_size * n)
+    episodes: list[int] = episode_index_of(trajectories).tolist()
+    usable = min(episodes[-1] + 1, cfg.rollout.rollout_batch_size * n)
     usable -= usable % cfg.train.train_batch_size
-    return [t for t, episode in zip(trajectories, index, strict=True) if episode < usable]
+    return [t for t, episode in zip(trajectories, episodes, strict=True) if episode < usable]
 
 
 def make_advantages(batch: StepBatch, cfg: RunConfig, rewards: torch.Tensor, kl_coef: float) -> StepBatch:
@@ -149,7 +150,7 @@ def distillation_metrics(batch: StepBatch | None) -> dict[str, float]:
 LENGTH_FINISH_REASONS = ("length", "max_len")
 
 
-def response_length_metrics(trajectories: list) -> dict[str, float]:
+def response_length_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     """``response_length`` (mean), ``/max``, ``/min`` of the rows' response tokens (generated plus agent feedback),
     ``response_length/clip_fraction``: the fraction of rows whose ``finish_reason`` is in
     :data:`LENGTH_FINISH_REASONS` (a multi-turn episode ended by ``max_turns`` does not count), and
@@ -165,7 +166,7 @@ def response_length_metrics(trajectories: list) -> dict[str, float]:
     }
 
 
-def reward_by_source(trajectories: list, episode_rewards: torch.Tensor) -> dict[str, float]:
+def reward_by_source(trajectories: list[Trajectory], episode_rewards: torch.Tensor) -> dict[str, float]:
     """``reward/<source>``: the mean reward of each data source's episodes.
 
     Args:
@@ -185,7 +186,14 @@ def reward_by_source(trajectories: list, episode_rewards: torch.Tensor) -> dict[
     return {f"reward/{source}": sums[source] / counts[source] for source in sorted(sums)}
 
 
-def rollout_metrics(trajectories: list, batch: StepBatch | None, generation_s: float) -> dict[str, float]:
+def _reward(trajectory: Trajectory) -> float:
+    if trajectory.reward is None:
+        raise ValueError(f"a trajectory of group {trajectory.group_index} has no reward: the step's reward source "
+                         "scored none")
+    return float(trajectory.reward)
+
+
+def rollout_metrics(trajectories: list[Trajectory], batch: StepBatch | None, generation_s: float) -> dict[str, float]:
     """Reward, length and throughput of the step's rollouts (before filtering for the reward mean), and the
     episode means of their ``extra_logs`` (``agent/...``, ``extra/...``). ``reward`` / ``score`` and
     ``reward/<source>`` (:func:`reward_by_source`) are means over episodes (an episode's rows averaged first);
@@ -193,9 +201,8 @@ def rollout_metrics(trajectories: list, batch: StepBatch | None, generation_s: f
     distillation teacher, :func:`distillation_metrics` of the trained rows."""
     generated = sum(sum(t.action_mask) for t in trajectories)
     index = episode_index_of(trajectories)
-    rewards = episode_means(torch.tensor([float(t.reward) for t in trajectories]), index)
-    scores = episode_means(torch.tensor([float(t.score if t.score is not None else t.reward) for t in trajectories]),
-                           index)
+    rewards = episode_means(torch.tensor([_reward(t) for t in trajectories]), index)
+    scores = episode_means(torch.tensor([_reward(t) if t.score is None else t.score for t in trajectories]), index)
     row: dict[str, float] = {
         "reward": float(rewards.mean()),
         "score": float(scores.mean()),

@@ -13,7 +13,7 @@ from typing import Any
 from hpc_rlhf.algos.pass_at_k import pass_at_k, powers_of_two_up_to
 from hpc_rlhf.config.schema import RunConfig
 from hpc_rlhf.data.prompts import Prompt, PromptDataset, source_name
-from hpc_rlhf.rollout.base import SamplingParams
+from hpc_rlhf.rollout.base import SamplingParams, Trajectory
 
 ALL_SOURCES = "all"
 
@@ -49,7 +49,26 @@ def eval_sampling(cfg: RunConfig, stop_token_ids: list[int], engine_index: int) 
                           seed=(cfg.train.seed + 1) * 7_919 + engine_index)
 
 
-def eval_metrics(samples: list[tuple[str, list[Any]]], n: int, pass_threshold: float) -> dict[str, float]:
+def group_by_prompt(shares: list[list[Prompt]], gathered: list[tuple[list[Trajectory], float]],
+                    ) -> tuple[list[list[Trajectory]], list[Trajectory]]:
+    """Each engine's eval samples back to their prompts: ``(per prompt, every row)``.
+
+    ``shares``: the prompts each engine got, in engine order; ``gathered``: each engine's (trajectories, seconds).
+    Executors number a share's prompts from 0 (``group_index``); an episode counts once (its first row,
+    ``branch_index`` 0: pass@k counts episodes, and an episode's rows share its reward)."""
+    per_prompt: list[list[Trajectory]] = [[] for share in shares for _ in share]
+    rows: list[Trajectory] = []
+    offset = 0
+    for share, (part, _) in zip(shares, gathered, strict=True):
+        for t in part:
+            if t.branch_index == 0:
+                per_prompt[offset + t.group_index].append(t)
+        rows.extend(part)
+        offset += len(share)
+    return per_prompt, rows
+
+
+def eval_metrics(samples: list[tuple[str, list[Trajectory]]], n: int, pass_threshold: float) -> dict[str, float]:
     """Per-source and overall metrics of one evaluation.
 
     ``samples``: one ``(source, trajectories)`` per prompt, ``n`` scored trajectories each. Returns
@@ -57,7 +76,7 @@ def eval_metrics(samples: list[tuple[str, list[Any]]], n: int, pass_threshold: f
     estimator averaged over prompts; correct: score >= ``pass_threshold``), ``response_length`` (tokens),
     ``truncated_fraction`` and ``num_prompts``; ``<source>`` = ``all`` pools every prompt.
     """
-    by_source: dict[str, list[list[Any]]] = defaultdict(list)
+    by_source: dict[str, list[list[Trajectory]]] = defaultdict(list)
     for source, group in samples:
         if len(group) != n:
             raise ValueError(f"eval: a prompt of data source {source!r} has {len(group)} samples, expected "
@@ -79,5 +98,9 @@ def eval_metrics(samples: list[tuple[str, list[Any]]], n: int, pass_threshold: f
     return row
 
 
-def _score(trajectory: Any) -> float:
-    return float(trajectory.score if trajectory.score is not None else trajectory.reward)
+def _score(trajectory: Trajectory) -> float:
+    score = trajectory.score if trajectory.score is not None else trajectory.reward
+    if score is None:
+        raise ValueError(f"eval: a sample of group {trajectory.group_index} has no reward (the reward source set "
+                         "none)")
+    return float(score)

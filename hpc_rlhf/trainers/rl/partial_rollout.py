@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hpc_rlhf.agents.executor import Trajectory
+from hpc_rlhf.agents.executor import GenerateFn
 from hpc_rlhf.models.routing_replay import continue_routes
-from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
+from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams, Trajectory
 
 
 def stamp_versions(trajectories: list[Trajectory], version: int) -> None:
@@ -27,7 +27,7 @@ def unfinished(t: Trajectory, max_new_tokens: int) -> bool:
     return t.finish_reason == "length" and len(t.response_ids) < max_new_tokens
 
 
-def continue_generation(trajectories: list[Trajectory], generate, sampling: SamplingParams, version: int,
+def continue_generation(trajectories: list[Trajectory], generate: GenerateFn, sampling: SamplingParams, version: int,
                         max_new_tokens: int) -> list[Trajectory]:
     """Finish the samples a chunk limit cut off, with the current weights; the others pass through.
 

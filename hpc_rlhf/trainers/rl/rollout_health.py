@@ -11,6 +11,8 @@ import logging
 from collections import Counter, deque
 from typing import Any
 
+from hpc_rlhf.rollout.base import Trajectory
+
 log = logging.getLogger(__name__)
 
 # Per-episode numbers the multi-turn and OpenAI-agent executors themselves write into ``extra_logs``
@@ -27,12 +29,12 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def first_rows(trajectories: list) -> list:
+def first_rows(trajectories: list[Trajectory]) -> list[Trajectory]:
     """One row per episode: its first (``branch_index`` 0); the rows of an episode share its ``extra_logs``."""
     return [t for t in trajectories if t.branch_index == 0]
 
 
-def extra_log_metrics(trajectories: list) -> dict[str, float]:
+def extra_log_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     """Episode means of every numeric ``extra_logs`` name: the executor's counts as ``agent/<name>``, the reward
     function's and agent's own as ``extra/<name>`` (so they can never overwrite a core metric), plus the
     fractions of episodes ended by error, timeout and length, and the training rows per episode."""
@@ -62,11 +64,11 @@ class RolloutHealth:
 
     def __init__(self, max_failure_fraction: float, window_steps: int, max_len: int | None) -> None:
         self.max_failure_fraction = max_failure_fraction
-        self.window: deque[tuple[int, int, Counter, dict[str, str]]] = deque(maxlen=window_steps)
+        self.window: deque[tuple[int, int, Counter[str], dict[str, str]]] = deque(maxlen=window_steps)
         self.max_len = max_len
         self.worst_truncation = 0.0
 
-    def observe(self, trajectories: list, step: int) -> None:
+    def observe(self, trajectories: list[Trajectory], step: int) -> None:
         trajectories = first_rows(trajectories)
         failures: Counter[str] = Counter()
         example: dict[str, str] = {}
@@ -77,7 +79,7 @@ class RolloutHealth:
         self.window.append((sum(failures.values()), len(trajectories), failures, example))
         self._warn_truncation(trajectories, step)
 
-    def _warn_truncation(self, trajectories: list, step: int) -> None:
+    def _warn_truncation(self, trajectories: list[Trajectory], step: int) -> None:
         cut = sum(t.finish_reason == "max_len" for t in trajectories)
         fraction = cut / max(len(trajectories), 1)
         if fraction > self.worst_truncation:  # warn the first time, then only when it gets worse

@@ -152,10 +152,10 @@ def plan_micro_batches(lengths: Sequence[int], *, micro_size: int | None = None,
     longer than the budget gets a micro-batch of its own (a budget never truncates). Exactly one of the
     two must be given.
     """
-    if (micro_size is None) == (max_tokens is None):
-        raise ValueError("give exactly one of micro_size and max_tokens")
-    if micro_size is not None:
+    if micro_size is not None and max_tokens is None:
         return [list(range(i, min(i + micro_size, len(lengths)))) for i in range(0, len(lengths), micro_size)]
+    if micro_size is not None or max_tokens is None:
+        raise ValueError("give exactly one of micro_size and max_tokens")
     bins: list[list[int]] = []
     for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
         for rows in bins:
@@ -185,6 +185,12 @@ def split_to_count(plan: list[list[int]], count: int, lengths: Sequence[int]) ->
     return plan
 
 
+def _token_budget(max_tokens_per_gpu: int | None) -> int:
+    if max_tokens_per_gpu is None:  # the config refuses this; here for a Batching built by hand
+        raise ValueError("train.use_dynamic_batch=true needs train.max_tokens_per_gpu")
+    return max_tokens_per_gpu
+
+
 @dataclass(frozen=True)
 class Batching:
     """How one rank cuts its rows into micro-batches: ``micro_size`` rows each, or as many as fit
@@ -198,13 +204,13 @@ class Batching:
     def for_training(cls, train: TrainConfig, ds: DeepSpeedConfig) -> Batching:
         if train.use_dynamic_batch:
             # The budget is per GPU; ring attention spreads one micro-batch over ds.ring_attn_size GPUs.
-            return cls(train.packing_samples, None, train.max_tokens_per_gpu * ds.ring_attn_size)
+            return cls(train.packing_samples, None, _token_budget(train.max_tokens_per_gpu) * ds.ring_attn_size)
         return cls(train.packing_samples, train.micro_train_batch_size, None)
 
     @classmethod
     def for_experience(cls, train: TrainConfig, rollout: RolloutConfig, ds: DeepSpeedConfig) -> Batching:
         if train.use_dynamic_batch:
-            budget = rollout.max_tokens_per_gpu or train.max_tokens_per_gpu
+            budget = _token_budget(rollout.max_tokens_per_gpu or train.max_tokens_per_gpu)
             return cls(train.packing_samples, None, budget * ds.ring_attn_size)
         return cls(train.packing_samples, rollout.micro_rollout_batch_size, None)
 

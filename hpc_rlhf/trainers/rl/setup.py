@@ -8,26 +8,28 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from transformers import PreTrainedModel
 
 from hpc_rlhf.agents.agent_loader import AgentLoadError, load_agent_executor
 from hpc_rlhf.agents.executor import AgentExecutor, SingleTurnExecutor
 from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor  # imports no openai / fastapi by itself
 from hpc_rlhf.algos import AdaptiveKLController, FixedKLController, RunningRewardNormalizer
 from hpc_rlhf.config.schema import RolloutConfig, RunConfig, resolved_vllm_mode
-from hpc_rlhf.data.prompts import PromptDataset, PromptStream
+from hpc_rlhf.data.prompts import Prompt, PromptDataset, PromptStream
 from hpc_rlhf.data.reasoning_gym import reasoning_gym_reward, write_prompt_file  # reasoning-gym itself: lazily
+from hpc_rlhf.models.kernels import resolve_attn_implementation
 from hpc_rlhf.models.loading import (
     check_same_tokenizer,
     import_model_code,
     load_causal_lm,
     load_value_model,
     require_local_model,
-    resolve_attn_implementation,
 )
 from hpc_rlhf.models.moe import moe_spec
 from hpc_rlhf.models.precision import resolve_dtype
@@ -39,6 +41,8 @@ from hpc_rlhf.rollout.base import RolloutEngine, SamplingParams
 from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine
 from hpc_rlhf.rollout.vllm_external_launcher import VllmEngineSpec, VllmRolloutEngine  # vLLM itself: lazily
 from hpc_rlhf.rollout.vllm_server import VllmServerEngine
+from hpc_rlhf.trainers.rl.rollout_health import RolloutHealth
+from hpc_rlhf.trainers.run_skeleton import RunPlan
 from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine  # deepspeed itself: lazily
 from hpc_rlhf.utils.seeding import seed_rank
 from hpc_rlhf.weight_sync.sharded import WeightSync, build_weight_sync
@@ -101,6 +105,13 @@ def actor_is_moe(cfg: RunConfig) -> bool:
     return moe_spec(local_hf_config(cfg.actor) or {}) is not None
 
 
+def model_path(path: str | None, key: str) -> str:
+    """``path`` of a role that needs a model, or a SetupError naming ``key``."""
+    if path is None:
+        raise SetupError(f"{key} is not set: give the model folder")
+    return path
+
+
 def check_model_paths(cfg: RunConfig) -> None:
     """Every role's model folder exists, before minutes of start-up (errors name the key)."""
     paths = {"actor.pretrain": cfg.actor.pretrain, "critic.pretrain": cfg.critic.pretrain,
@@ -114,7 +125,8 @@ def check_model_paths(cfg: RunConfig) -> None:
 def check_teacher_tokenizer(cfg: RunConfig, tokenizer: Any) -> None:
     """On-policy distillation: the teacher must read the student's token ids as the student does."""
     if cfg.needs_teacher:
-        check_same_tokenizer(tokenizer, "actor.pretrain", cfg.teacher.pretrain, "teacher.pretrain")
+        check_same_tokenizer(tokenizer, "actor.pretrain", model_path(cfg.teacher.pretrain, "teacher.pretrain"),
+                             "teacher.pretrain")
 
 
 def optimizer_steps(cfg: RunConfig, num_steps: int) -> int:
@@ -149,11 +161,13 @@ class ControllerState:
         self.kl_controller = (AdaptiveKLController(kl.init_coef, kl.target, kl.horizon) if kl.target
                               else FixedKLController(kl.init_coef))
         self.reward_normalizer = RunningRewardNormalizer()
+        self.health = RolloutHealth(cfg.train.max_agent_failure_fraction, cfg.train.agent_failure_window_steps,
+                                    cfg.data.max_len)
 
-    def next_prompts(self) -> list:
+    def next_prompts(self) -> list[Prompt]:
         return self.stream.next_batch()
 
-    def refill_prompts(self) -> list:
+    def refill_prompts(self) -> list[Prompt]:
         """Prompts for a dynamic-filtering refill round (``rollout.dynamic_filtering_max_rounds``)."""
         return self.refill_stream.next_batch()
 
@@ -165,9 +179,33 @@ class ControllerState:
         self.reward_normalizer.update(rewards)
         return self.reward_normalizer.normalize(rewards)
 
-    def after_step(self, row: dict[str, float]) -> None:
+    def after_step(self, row: dict[str, Any]) -> None:
         if "kl" in row:
             self.kl_controller.update(row["kl"], int(row["num_samples"]))
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this state (JSON): the prompt streams' positions, the KL controller and the
+        reward statistics."""
+        return {"stream": self.stream.state_dict(), "kl": self.kl_controller.state_dict(),
+                "reward_norm": self.reward_normalizer.state_dict(), "refill_stream": self.refill_stream.state_dict()}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`checkpoint_state`."""
+        self.stream.load_state_dict(state["stream"])
+        self.kl_controller.load_state_dict(state["kl"])
+        self.reward_normalizer.load_state_dict(state["reward_norm"])
+        if "refill_stream" in state:  # checkpoints written before refill existed lack it
+            self.refill_stream.load_state_dict(state["refill_stream"])
+
+
+def run_plan(cfg: RunConfig, num_steps: int, rank: int, is_controller: bool) -> RunPlan:
+    """The run skeleton's schedules from the run config: saves every ``ckpt.save_steps`` and at the last step, evals
+    (with ``eval.data``) every ``eval.steps`` and at start with ``eval.at_start``, rows every
+    ``logger.logging_steps``; the progress bar on the controller."""
+    return RunPlan(num_steps=num_steps, rank=rank, logging_steps=cfg.logger.logging_steps,
+                   save_steps=cfg.ckpt.save_steps, save_last_step=True, evaluates=bool(cfg.eval.data),
+                   eval_every=cfg.eval.steps, eval_at_start=bool(cfg.eval.data) and cfg.eval.at_start,
+                   resume=cfg.ckpt.load, requeue=cfg.slurm.requeue, progress_bar=is_controller)
 
 
 def reasoning_gym_prompts(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
@@ -175,6 +213,8 @@ def reasoning_gym_prompts(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
     any prompt file (``data.input_template``, ``apply_chat_template``, ``max_samples`` apply)."""
     data, gym = cfg.data, cfg.data.reasoning_gym
     seed = cfg.train.seed if gym.seed is None else gym.seed
+    if gym.task is None:
+        raise SetupError("data.reasoning_gym.task is not set")
     path = write_prompt_file(gym.task, gym.size, seed, Path(cfg.train.output_dir) / "data")
     return PromptDataset([str(path)], input_key="question", label_key="label", input_template=data.input_template,
                          apply_chat_template=data.apply_chat_template, tokenizer=tokenizer,
@@ -230,6 +270,10 @@ class Roles:
     rollout: RolloutSide | None = None
     need_old_logprobs: bool = True
 
+    def trained_engines(self) -> dict[str, TrainEngine | None]:
+        """The trained roles' engines by role name (``placement.TRAINED_ROLES``), for checkpoints."""
+        return {"actor": self.actor, "critic": self.critic}
+
 
 def rollout_shares_actor(cfg: RunConfig, world: WorldGroups) -> bool:
     """Whether this rank's rollout engine generates with the actor's own module instead of a copy.
@@ -266,11 +310,15 @@ def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool, actor: TrainEn
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     record = records_routes(cfg)
     if actor is not None:
-        return TransformersRolloutEngine(actor.module, eos_token_id=tokenizer.eos_token_id,
+        # rollout_shares_actor: a plain HF model (no LoRA, no Liger) is what DeepSpeed wraps.
+        return TransformersRolloutEngine(cast(PreTrainedModel, actor.module), eos_token_id=tokenizer.eos_token_id,
                                          pad_token_id=tokenizer.pad_token_id, device=device, shares_trained_model=True,
                                          record_routes=record)
-    model = load_causal_lm(cfg.actor.pretrain, dtype, resolve_attn_implementation(cfg.ds.attn_implementation, on_gpu))
-    return TransformersRolloutEngine(model.to(device).eval(), eos_token_id=tokenizer.eos_token_id,
+    model = load_causal_lm(model_path(cfg.actor.pretrain, "actor.pretrain"), dtype,
+                           resolve_attn_implementation(cfg.ds.attn_implementation, on_gpu))
+    # transformers types its decorated ``PreTrainedModel.to`` as taking the model itself.
+    model = model.to(device).eval()  # type: ignore[arg-type]
+    return TransformersRolloutEngine(model, eos_token_id=tokenizer.eos_token_id,
                                      pad_token_id=tokenizer.pad_token_id, device=device, record_routes=record)
 
 
@@ -374,7 +422,10 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
                 micro_train_batch_size=cfg.train.micro_train_batch_size,
                 num_training_steps=optimizer_steps(cfg, num_steps), dp_group=world.roles[role].dp_sp_group,
                 tp_group=world.roles[role].tp_group, on_gpu=on_gpu)
-            setattr(roles, role, engine)
+            if role == "actor":
+                roles.actor = engine
+            else:
+                roles.critic = engine
     if share_actor:
         roles.rollout = _rollout_side(cfg, world, tokenizer, on_gpu, actor=roles.actor)
     for role, section in (("ref", cfg.ref), ("teacher", cfg.teacher)):
@@ -384,11 +435,15 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
         # model, kept in full precision.
         path, quantized = (cfg.ref.pretrain or cfg.actor.pretrain, q4) if role == "ref" else (cfg.teacher.pretrain,
                                                                                              False)
-        engine = FrozenEngine.create(lambda p=path, q=quantized: load_causal_lm(p, dtype, attn, liger, q), cfg.ds,
+        frozen = FrozenEngine.create(partial(load_causal_lm, model_path(path, f"{role}.pretrain"), dtype, attn, liger,
+                                             quantized), cfg.ds,
                                      section, micro_batch_size=cfg.rollout.micro_rollout_batch_size,
                                      dp_group=world.roles[role].dp_sp_group, tp_group=world.roles[role].tp_group,
                                      on_gpu=on_gpu)
-        setattr(roles, role, engine)
+        if role == "ref":
+            roles.ref = frozen
+        else:
+            roles.teacher = frozen
     if world.has_role("reward"):  # full precision under QLoRA too
         roles.reward = build_reward_model_role(cfg.reward, cfg.ds,
                                                micro_batch_size=cfg.rollout.micro_rollout_batch_size,

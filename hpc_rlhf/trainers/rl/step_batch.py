@@ -29,6 +29,7 @@ import torch
 
 from hpc_rlhf.algos import episode_index_from_branches
 from hpc_rlhf.algos.moe import not_recorded
+from hpc_rlhf.rollout.base import Trajectory
 
 # Always set: what every forward reads.
 _FORWARD_FIELDS = ("sequences", "attention_mask", "action_mask")
@@ -36,13 +37,13 @@ _FORWARD_FIELDS = ("sequences", "attention_mask", "action_mask")
 _FULL_ROW_FIELDS = ("sequences", "attention_mask", "routed_experts")
 
 
-def episode_index_of(trajectories: Sequence[Any]) -> torch.Tensor:
+def episode_index_of(trajectories: Sequence[Trajectory]) -> torch.Tensor:
     """(B,) long: episode of each row. An agent episode that branched has several consecutive rows, the first
     with ``branch_index`` 0 (``hpc_rlhf.algos.episodes``); otherwise row ``i`` is episode ``i``."""
     return episode_index_from_branches(torch.tensor([t.branch_index for t in trajectories], dtype=torch.long))
 
 
-def _routes_in_rows(trajectories: Sequence[Any], max_prompt: int, max_resp: int) -> torch.Tensor | None:
+def _routes_in_rows(trajectories: Sequence[Trajectory], max_prompt: int, max_resp: int) -> torch.Tensor | None:
     """The trajectories' recorded routes (P+R, L, k) in the batch layout (B, max_prompt + max_resp, L, k), or None
     when none carries routes; rows and positions without routes are marked not recorded."""
     recorded = [t.routed_experts for t in trajectories if t.routed_experts is not None]
@@ -55,6 +56,13 @@ def _routes_in_rows(trajectories: Sequence[Any], max_prompt: int, max_resp: int)
             start = max_prompt - len(t.prompt_ids)
             routes[i, start : start + len(t.routed_experts)] = t.routed_experts
     return routes
+
+
+def required(value: torch.Tensor | None, name: str) -> torch.Tensor:
+    """A step-batch field that must be set where it is read; a missing one is named."""
+    if value is None:
+        raise ValueError(f"the step batch has no {name}: the role or phase that sets it did not run")
+    return value
 
 
 @dataclass
@@ -99,7 +107,7 @@ class StepBatch:
     not-recorded marker."""
 
     @classmethod
-    def from_trajectories(cls, trajectories: Sequence[Any], pad_token_id: int, *, scored: bool = True) -> StepBatch:
+    def from_trajectories(cls, trajectories: Sequence[Trajectory], pad_token_id: int, *, scored: bool = True) -> StepBatch:
         """Trajectories -> padded rows (the layout above), in trajectory order.
 
         Sets every field up to ``episode_index``; ``rewards`` only when ``scored`` (the reward model's input is
@@ -132,11 +140,22 @@ class StepBatch:
         return self.sequences.shape[0]
 
     @property
+    def scored_rewards(self) -> torch.Tensor:
+        """(B,) fp32 ``rewards``, which a batch built from scored trajectories always has."""
+        return required(self.rewards, "rewards")
+
+    @property
+    def episodes(self) -> torch.Tensor:
+        """(B,) long ``episode_index``, which a batch built from trajectories always has."""
+        return required(self.episode_index, "episode_index")
+
+    @property
     def student_logprobs(self) -> torch.Tensor:
         """(B, R) fp32: the policy's log-probs of its sampled tokens: the actor's before the update when that
         forward ran, else the rollout engine's (the same weights in synchronous layouts: an exactly on-policy
         step skips the actor forward; in asynchronous ones the policy that sampled)."""
-        return self.old_logprobs if self.old_logprobs is not None else self.rollout_logprobs
+        return self.old_logprobs if self.old_logprobs is not None else required(self.rollout_logprobs,
+                                                                                 "rollout_logprobs")
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The fields that are set, by name."""

@@ -13,7 +13,7 @@ micro-batch losses equal the full mini-batch mean however the batch is split (``
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,7 @@ from hpc_rlhf.config.schema import AlgoConfig, DeepSpeedConfig, RolloutConfig, T
 from hpc_rlhf.models.micro_forward import SequenceParallel, forward_scope
 from hpc_rlhf.models.moe import MoESpec, load_balancing_loss, routing_statistics, trained_moe_spec
 from hpc_rlhf.trainers.rl.row_layout import Batching, split_to_count
-from hpc_rlhf.trainers.rl.step_batch import StepBatch, TrainShard
+from hpc_rlhf.trainers.rl.step_batch import StepBatch, TrainShard, required
 
 # The step-batch fields each training role reads (the controller sends only these; the optional ones travel
 # when set: old log-probs are absent on-policy, reference log-probs without a ``ref`` role).
@@ -77,7 +77,8 @@ def _micro_batches(batching: Batching, attention_mask: torch.Tensor, dp_group: A
     return [torch.tensor(rows, dtype=torch.long) for rows in plan]
 
 
-def _per_row_forward(shard: StepBatch, batching: Batching, dp_group: Any, fn) -> torch.Tensor:
+def _per_row_forward(shard: StepBatch, batching: Batching, dp_group: Any,
+                     fn: Callable[[StepBatch], torch.Tensor]) -> torch.Tensor:
     """Run ``fn(micro_rows) -> (b, r)`` over micro-batches; reassemble (B, R) fp32 in row order."""
     out = torch.zeros(shard.action_mask.shape, dtype=torch.float32)
     for index in _micro_batches(batching, shard.attention_mask, dp_group):
@@ -184,7 +185,7 @@ def _moe_terms(engine: Any, fwd: Any, moe: MoESpec, mask: torch.Tensor, counts: 
 
 def _actor_micro_step(engine: Any, fwd: Any, rows: StepBatch, counts: dict[str, Any], kl_coef: float,
                       last: bool, algo: AlgoConfig, temperature: float, stats: dict[str, list[float]],
-                      moe: MoESpec | None = None) -> dict:
+                      moe: MoESpec | None = None) -> dict[str, Any]:
     """Loss of one micro-batch (``rows``, forwards in ``fwd``), its backward and the engine step.
 
     ``counts``: the global normalisers of its mini-batch (``aggregate_loss`` keyword arguments). ``moe``: the
@@ -197,17 +198,18 @@ def _actor_micro_step(engine: Any, fwd: Any, rows: StepBatch, counts: dict[str, 
                                                       with_router=moe is not None)
     aux, aux_weight = _moe_terms(engine, fwd, moe, mask, counts, stats) if moe else (None, 1.0)
     old = rows.old_logprobs if rows.old_logprobs is not None else logprobs.detach()
+    rollout_logprobs = required(rows.rollout_logprobs, "rollout_logprobs")
     is_weights = None
     if algo.is_correction != "none":
         low, high = algo.is_truncation
         is_weights, is_stats = rollout_importance_weights(
-            old, rows.rollout_logprobs, mask, algo.is_correction, low, high)
+            old, rollout_logprobs, mask, algo.is_correction, low, high)
     else:  # the engine-vs-trainer mismatch is logged every step: it is what shows that weight sync is right
-        is_stats = rollout_mismatch_kl(old, rows.rollout_logprobs, mask)
+        is_stats = rollout_mismatch_kl(old, rollout_logprobs, mask)
     for k, v in is_stats.items():
         stats[f"is/{k}"].append(float(v))
     pg, pg_stats = policy_loss(
-        logprobs, old, rows.advantages, mask, loss_type=algo.policy_loss_type,
+        logprobs, old, required(rows.advantages, "advantages"), mask, loss_type=algo.policy_loss_type,
         clip_eps_low=algo.eps_clip_low, clip_eps_high=algo.eps_clip_high,
         dual_clip=algo.dual_clip, importance_weights=is_weights)
     pg_loss = aggregate_loss(pg, mask, algo.loss_agg_mode, **counts)
@@ -227,7 +229,7 @@ def _actor_micro_step(engine: Any, fwd: Any, rows: StepBatch, counts: dict[str, 
                       entropy_coef=algo.entropy_loss_coef, aux_loss=aux, aux_loss_coef=algo.aux_loss_coef,
                       aux_weight=aux_weight)
     engine.backward(loss * fwd.loss_scale, boundary=last)
-    step_info = engine.step()
+    step_info: dict[str, Any] = engine.step()
     stats["policy_loss_share"].append(float(pg_loss.detach()))
     for k, v in pg_stats.items():
         stats[k].append(float(v))
@@ -272,7 +274,8 @@ def train_critic(engine: Any, shard: TrainShard, algo: AlgoConfig, settings: Upd
     for mb_index, rows, _num_micro, last in _updates(shard, settings, engine.dp_group):
         mask = rows.action_mask
         with forward_scope(engine, rows.forward_inputs(), packed=settings.batching.packed, sp=sp) as fwd:
-            per_token, v_stats = value_loss(fwd.critic_values(), rows.values, rows.returns, mask, algo.value_clip)
+            per_token, v_stats = value_loss(fwd.critic_values(), required(rows.values, "values"),
+                                            required(rows.returns, "returns"), mask, algo.value_clip)
             loss = aggregate_loss(per_token, mask, "token_mean", global_num_tokens=shard.num_tokens[mb_index],
                                   dp_size=dp_size)
             engine.backward(loss * fwd.loss_scale, boundary=last)

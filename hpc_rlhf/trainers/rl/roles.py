@@ -1,0 +1,355 @@
+"""Typed role handles: each role of the placement as this rank sees it, and the moves the loop makes with it.
+
+A handle holds the role's process groups, this rank's engine (``None`` where the rank does not host the role),
+its sequence-parallel peers and its data-parallel layout (one replica per ``groups.dp_leaders`` entry). The two
+moves of the controller over a model role are its methods:
+
+* a forward over a step batch's rows (:meth:`ModelRole.forward`): rank 0 deals the rows to the replicas
+  (``row_layout.forward_shards``), each replica computes a per-row result, and rank 0 gets the results back as
+  (B, ...) in the batch's row order;
+* an update over train shards (:meth:`TrainedRole.update`): rank 0 cuts the batch into one
+  ``row_layout.train_shards`` shard per replica, each replica trains on its shard, and rank 0 gets the metrics
+  averaged over the replicas.
+
+Both are collective over the role's controller ranks (rank 0 plus the role's ranks) and return None at once on
+every other rank, so every rank may call them; only rank 0 passes a batch and gets a result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hpc_rlhf.config.schema import AlgoConfig, RunConfig
+from hpc_rlhf.data.prompts import Prompt
+from hpc_rlhf.models.micro_forward import SequenceParallel
+from hpc_rlhf.resilience.fault_injection import fault_point
+from hpc_rlhf.rewards.reward_model import RewardModelRole
+from hpc_rlhf.rollout.base import Trajectory
+from hpc_rlhf.trainers.rl.row_layout import Batching, forward_shards, in_batch_order, train_shards
+from hpc_rlhf.trainers.rl.setup import Roles, RolloutSide
+from hpc_rlhf.trainers.rl.step_batch import StepBatch, TrainShard
+from hpc_rlhf.trainers.rl.workers import (
+    TRAIN_FIELDS,
+    UpdateSettings,
+    forward_logprobs,
+    forward_values,
+    train_actor,
+    train_critic,
+)
+from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine
+from hpc_rlhf.world.channel import gather_from_role, scatter_to_role
+from hpc_rlhf.world.groups import RoleGroups, WorldGroups
+
+CONTROLLER = 0  # the rank that owns the batch (``hpc_rlhf.world.channel``)
+Metrics = dict[str, float]
+Wire = dict[str, Any]  # a shard as it travels (``StepBatch.to_wire`` / ``TrainShard.to_wire``)
+Generated = tuple[list[Trajectory], float]  # one engine's trajectories and its generation seconds
+
+
+class HoldsStates(Protocol):
+    """An engine whose training states can leave the device between phases (colocated runs)."""
+
+    def reload_states(self) -> None: ...
+
+    def offload_states(self) -> None: ...
+
+
+E = TypeVar("E")  # a role's engine type
+S = TypeVar("S", bound=HoldsStates)
+R = TypeVar("R")  # what a replica returns
+T = TypeVar("T")
+
+
+def split_even(items: Sequence[T], parts: int) -> list[list[T]]:
+    """Split ``items`` into ``parts`` contiguous chunks whose sizes differ by at most one."""
+    bounds = np.linspace(0, len(items), parts + 1).round().astype(int)
+    return [list(items[bounds[i] : bounds[i + 1]]) for i in range(parts)]
+
+
+def sequence_parallel(cfg: RunConfig, world: WorldGroups, role: str) -> SequenceParallel | None:
+    """This rank's sequence-parallel peers in ``role`` (``ds.ring_attn_size`` > 1), else None."""
+    if cfg.ds.ring_attn_size == 1 or not world.has_role(role):
+        return None
+    group = world.roles[role].sp_group
+    return SequenceParallel(group, dist.get_rank(group), cfg.ds.ring_attn_size, cfg.ds.ring_head_stride)
+
+
+@dataclass(frozen=True)
+class MoveSettings:
+    """What the forwards and updates read from the run config (the same at every step)."""
+
+    experience: Batching
+    """Micro-batching of the experience forwards (``Batching.for_experience``)."""
+    temperature: float
+    """``rollout.temperature``: log-probs of the sampling distribution."""
+    replay_routes: bool
+    """``algo.routing_replay=rollout``: the actor's forwards route tokens to the experts the rollout recorded."""
+    balance_tokens: bool
+    """``train.use_dynamic_batch``: rows dealt to replicas by tokens, not by count."""
+    update: UpdateSettings
+    algo: AlgoConfig
+    train_batch_size: int
+    """``train.train_batch_size``: episodes per optimizer step over all replicas."""
+    offload_after_update: bool
+    """Whether an update offloads the training states after it (colocated runs do it after the weight sync)."""
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> MoveSettings:
+        return cls(Batching.for_experience(cfg.train, cfg.rollout, cfg.ds), cfg.rollout.temperature,
+                   cfg.algo.routing_replay == "rollout", cfg.train.use_dynamic_batch,
+                   UpdateSettings.from_sections(cfg.train, cfg.rollout, cfg.ds), cfg.algo, cfg.train.train_batch_size,
+                   not cfg.train.colocate_all)
+
+
+def _controller_batch(batch: StepBatch | None, role: str) -> StepBatch:
+    if batch is None:
+        raise ValueError(f"rank 0 must pass the step batch to role {role!r}")
+    return batch
+
+
+class RoleHandle(Generic[E]):
+    """One role as this rank sees it: its groups, this rank's engine (None if it hosts none) and sp peers."""
+
+    def __init__(self, name: str, groups: RoleGroups, rank: int, engine: E | None, sp: SequenceParallel | None,
+                 settings: MoveSettings) -> None:
+        self.name, self.groups, self.rank, self.engine, self.sp = name, groups, rank, engine, sp
+        self.settings = settings
+
+    @property
+    def num_replicas(self) -> int:
+        """Data-parallel replicas of the role (each gets one shard of a move)."""
+        return len(self.groups.dp_leaders)
+
+    @property
+    def takes_part(self) -> bool:
+        """Whether this rank takes part in the role's moves (rank 0 and the role's ranks)."""
+        return self.rank in self.groups.controller_ranks
+
+    @property
+    def hosts(self) -> bool:
+        """Whether this rank hosts the role (holds its engine)."""
+        return self.rank in self.groups.ranks
+
+    def require_engine(self) -> E:
+        if self.engine is None:
+            raise RuntimeError(f"rank {self.rank} hosts no {self.name} engine (role ranks {self.groups.ranks})")
+        return self.engine
+
+    def _reload(self, engine: E) -> None:
+        """Bring the engine's states back before a move (none by default: the reward model keeps none)."""
+
+    def _offload(self, engine: E) -> None:
+        """Let the engine's states leave the device after an update (none by default)."""
+
+    def _run_on_replicas(self, shards: Sequence[StepBatch] | Sequence[TrainShard] | None,
+                         receive: Callable[[Wire], T], run: Callable[[E, T], R], *, offload: bool = False,
+                         ) -> list[R] | None:
+        """Rank 0's ``shards`` (one per replica) to the role's ranks, which reload their states, run
+        ``run(engine, shard)`` and (``offload``) offload them again; the results come back to rank 0 in replica
+        order (None elsewhere). Collective over the role's controller ranks."""
+        wire = scatter_to_role(None if shards is None else [s.to_wire() for s in shards], self.groups)
+        result = None
+        if self.hosts:
+            engine = self.require_engine()
+            self._reload(engine)
+            result = run(engine, receive(wire))
+            if offload:
+                self._offload(engine)
+        gathered = gather_from_role(result, self.groups)
+        return gathered if self.rank == CONTROLLER else None
+
+    def _forward(self, batch: StepBatch | None, compute: Callable[[E, StepBatch], torch.Tensor],
+                 fields: tuple[str, ...] = ()) -> torch.Tensor | None:
+        """The batch's forward inputs (and ``fields``) over the replicas, ``compute(engine, rows) -> (b, ...)`` on
+        each, and the outputs on rank 0 as (B, ...) in the batch's row order; None on other ranks."""
+        if not self.takes_part:
+            return None
+        if self.rank != CONTROLLER:
+            self._run_on_replicas(None, StepBatch.from_wire, compute)
+            return None
+        batch = _controller_batch(batch, self.name)
+        shards, layout = forward_shards(batch, self.num_replicas, self.settings.balance_tokens, fields)
+        outputs = self._run_on_replicas(shards, StepBatch.from_wire, compute)
+        assert outputs is not None  # rank 0 gathers one output per replica
+        return in_batch_order(outputs, layout, batch.num_rows)
+
+
+class ModelRole(RoleHandle[S]):
+    """A role whose engine is a DeepSpeed facade: colocated runs move its states off the device between phases."""
+
+    def _reload(self, engine: S) -> None:
+        engine.reload_states()
+
+    def _offload(self, engine: S) -> None:
+        engine.offload_states()
+
+
+class FrozenPolicyRole(ModelRole[FrozenEngine]):
+    """The reference model or the distillation teacher: scores the sampled tokens, never trains."""
+
+    def logprobs(self, batch: StepBatch | None) -> torch.Tensor | None:
+        """(B, R) fp32 log-probs of the batch's response tokens on rank 0."""
+        s = self.settings
+        return self._forward(batch, lambda engine, rows: forward_logprobs(engine, rows, s.experience, s.temperature,
+                                                                         self.sp))
+
+
+class TrainedRole(ModelRole[TrainEngine]):
+    """A role trained by the loop (actor, critic): its update over the step's train shards."""
+
+    def __init__(self, name: str, groups: RoleGroups, rank: int, engine: TrainEngine | None,
+                 sp: SequenceParallel | None, settings: MoveSettings,
+                 train: Callable[[TrainEngine, TrainShard, AlgoConfig, UpdateSettings, int, SequenceParallel | None],
+                                 Metrics]) -> None:
+        super().__init__(name, groups, rank, engine, sp, settings)
+        self._train = train
+
+    def update(self, batch: StepBatch | None, version: int, kl_coef: float = 0.0) -> Metrics | None:
+        """Train on ``batch`` (rank 0's; the fields ``workers.TRAIN_FIELDS`` lists travel) cut into one shard of
+        whole mini-batches per replica; returns the replicas' metrics averaged on rank 0 (None elsewhere).
+        ``version``: the policy version this update makes (fault injection counts it); ``kl_coef``: the KL loss
+        coefficient the shards carry (actor)."""
+        if not self.takes_part:
+            return None
+        s, dp = self.settings, self.num_replicas
+        shards = None
+        if self.rank == CONTROLLER:
+            batch = _controller_batch(batch, self.name)
+            # train.train_batch_size counts episodes; a branching agent's episode brings all its rows.
+            shards = train_shards(batch.select(*TRAIN_FIELDS[self.name]), batch.episodes, s.train_batch_size,
+                                  dp, s.balance_tokens, kl_coef)
+
+        def run(engine: TrainEngine, shard: TrainShard) -> Metrics:
+            fault_point("train", version, self.rank)
+            return self._train(engine, shard, s.algo, s.update, dp, self.sp)
+
+        gathered = self._run_on_replicas(shards, TrainShard.from_wire, run, offload=s.offload_after_update)
+        if gathered is None:
+            return None
+        return {k: float(np.mean([g[k] for g in gathered])) for k in gathered[0]}
+
+
+class ActorRole(TrainedRole):
+    """The trained policy."""
+
+    def logprobs(self, batch: StepBatch | None) -> torch.Tensor | None:
+        """(B, R) fp32 log-probs of the response tokens before the update (the old log-probs) on rank 0; with
+        ``algo.routing_replay=rollout`` the recorded routes travel along and are replayed."""
+        s = self.settings
+        return self._forward(batch, lambda engine, rows: forward_logprobs(engine, rows, s.experience, s.temperature,
+                                                                         self.sp, s.replay_routes),
+                             fields=("routed_experts",) if s.replay_routes else ())
+
+
+class CriticRole(TrainedRole):
+    """The value model."""
+
+    def values(self, batch: StepBatch | None) -> torch.Tensor | None:
+        """(B, R) fp32 values before each response token on rank 0."""
+        s = self.settings
+        return self._forward(batch, lambda engine, rows: forward_values(engine, rows, s.experience, self.sp))
+
+
+class RewardRole(RoleHandle[RewardModelRole]):
+    """The reward model: one score per row. It holds no states to reload (they never leave the device)."""
+
+    def scores(self, batch: StepBatch | None) -> torch.Tensor | None:
+        """(B,) scores of the batch's rows on rank 0."""
+        return self._forward(batch, lambda engine, rows: engine.scores(rows.forward_inputs(), self.sp))
+
+
+class RolloutRole:
+    """The rollout engines: prompts out to each engine (data-parallel replica), trajectories back."""
+
+    def __init__(self, groups: RoleGroups, rank: int, side: RolloutSide | None) -> None:
+        self.groups, self.rank, self.side = groups, rank, side
+
+    @property
+    def takes_part(self) -> bool:
+        return self.rank in self.groups.controller_ranks
+
+    @property
+    def hosts(self) -> bool:
+        """Whether this rank hosts a rollout engine."""
+        return self.rank in self.groups.ranks
+
+    @property
+    def engine_index(self) -> int:
+        """This rank's engine: its data-parallel rank in the role (sampling seeds differ per engine)."""
+        return self.groups.dp_rank_of[self.rank]
+
+    def require_side(self) -> RolloutSide:
+        if self.side is None:
+            raise RuntimeError(f"rank {self.rank} hosts no rollout engine (rollout ranks {self.groups.ranks})")
+        return self.side
+
+    def shares(self, prompts: Sequence[Prompt]) -> list[list[Prompt]]:
+        """Each engine's share of ``prompts``, in engine order."""
+        return split_even(prompts, len(self.groups.dp_leaders))
+
+    def dispatch(self, prompts: Sequence[Prompt] | None) -> list[Prompt] | None:
+        """Rank 0's ``prompts`` -> this engine's share on every rollout rank (None elsewhere). Collective over the
+        role's controller ranks."""
+        if not self.takes_part:
+            return None
+        shares = None
+        if self.rank == CONTROLLER:
+            if prompts is None:
+                raise ValueError("rank 0 must pass the prompts to the rollout role")
+            shares = self.shares(prompts)
+        mine: list[Prompt] | None = scatter_to_role(shares, self.groups)
+        return mine
+
+    def collect(self, result: Generated | None) -> list[Generated] | None:
+        """Each engine's ``result`` -> rank 0, in engine order (None elsewhere)."""
+        if not self.takes_part:
+            return None
+        gathered: list[Generated] | None = gather_from_role(result, self.groups)
+        return gathered if self.rank == CONTROLLER else None
+
+
+@dataclass
+class RoleHandles:
+    """A handle per role of the placement (None: the placement has no such role)."""
+
+    actor: ActorRole
+    rollout: RolloutRole
+    critic: CriticRole | None = None
+    ref: FrozenPolicyRole | None = None
+    teacher: FrozenPolicyRole | None = None
+    reward: RewardRole | None = None
+
+    @property
+    def frozen_policies(self) -> list[FrozenPolicyRole]:
+        """The reference and the teacher, in the order their forwards run."""
+        return [role for role in (self.ref, self.teacher) if role is not None]
+
+    @classmethod
+    def build(cls, cfg: RunConfig, world: WorldGroups, engines: Roles) -> RoleHandles:
+        """Handles over ``engines`` (this rank's, :func:`setup.build_roles`). No collective."""
+        settings = MoveSettings.from_config(cfg)
+        rank, groups = world.rank, world.roles
+
+        def frozen(name: str, engine: FrozenEngine | None) -> FrozenPolicyRole | None:
+            if name not in groups:
+                return None
+            return FrozenPolicyRole(name, groups[name], rank, engine, sequence_parallel(cfg, world, name), settings)
+
+        critic = None
+        if "critic" in groups:
+            critic = CriticRole("critic", groups["critic"], rank, engines.critic,
+                                sequence_parallel(cfg, world, "critic"), settings, train_critic)
+        reward = None
+        if "reward" in groups:
+            reward = RewardRole("reward", groups["reward"], rank, engines.reward,
+                                sequence_parallel(cfg, world, "reward"), settings)
+        return cls(ActorRole("actor", groups["actor"], rank, engines.actor, sequence_parallel(cfg, world, "actor"),
+                             settings, train_actor),
+                   RolloutRole(groups["rollout"], rank, engines.rollout), critic, frozen("ref", engines.ref),
+                   frozen("teacher", engines.teacher), reward)
