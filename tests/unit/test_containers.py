@@ -103,11 +103,12 @@ def test_pyxis(name, tmp_path, stubs):
     assert out.returncode == 0, out.stderr
     config, overrides = _default_config(name), " ".join([*local, "logger.logging_steps=2"])
     gpu = name != "cpu_debug"
-    forced = FORCED + (f",{GPU_FORCED}" if gpu else "")
+    # launch.sh exports the job's secret before the first srun, so every container step gets it by name.
+    forced = FORCED + ",HPC_RLHF_JOB_SECRET" + (f",{GPU_FORCED}" if gpu else "")
     once = (f"SRUN --nodes=1 --ntasks=1 --container-image={image} --container-mounts={ROOT}:{ROOT} "
             f"--container-workdir={ROOT} --container-env={forced}")
     ranks = (f"--container-image={image} --container-mounts={ROOT}:{ROOT} --container-workdir={ROOT} "
-             f"--container-env={FORCED},HPC_RLHF_STALL_FILE{f',{GPU_FORCED}' if gpu else ''}")
+             f"--container-env={FORCED},HPC_RLHF_STALL_FILE,HPC_RLHF_JOB_SECRET{f',{GPU_FORCED}' if gpu else ''}")
     plan = (f"{PY} -m hpc_rlhf.cli.plan --config {config} --kind rl --nodes 1 --gpus-per-node {tasks} "
             f"--sbatch {_path(name)}{'' if gpu else ' --gpu cpu'} --resume auto {overrides}")  # a restart
     expected = ([] if gpu else [f"{once} {PY} - rl {config} {overrides}"]) + [
