@@ -59,3 +59,14 @@ def base_model(model: ModelOrEngine) -> torch.nn.Module:
     (``model`` for Llama / Qwen), without the LM head or the value head."""
     module = hf_model(model)
     return child_module(module, module.base_model_prefix)
+
+
+def to_device(model: PreTrainedModel, device: torch.device | str) -> None:
+    """``model.to(device)``, in place.
+
+    transformers declares ``PreTrainedModel.to`` with ``functools.wraps(nn.Module.to)``, which typeshed types as
+    the unbound ``nn.Module.to`` (wanting the model as first argument). Through an ``nn.Module`` reference the
+    call is checked against ``nn.Module.to``, and Python still runs transformers' override.
+    """
+    module: torch.nn.Module = model
+    module.to(device)

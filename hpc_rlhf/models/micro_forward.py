@@ -22,6 +22,7 @@ from hpc_rlhf.models.forward import (
     score_at_last_token,
     sequence_scores,
 )
+from hpc_rlhf.models.hf_module import ModelOrEngine
 from hpc_rlhf.models.logprobs import logprobs_from_logits
 from hpc_rlhf.models.moe import RouterLogits
 from hpc_rlhf.models.routing_replay import not_recorded, replay_routes
@@ -51,7 +52,7 @@ class MicroForward:
     sequence parallelism, ring attention must also run when checkpointed layers are recomputed.
     """
 
-    def __init__(self, model: torch.nn.Module, rows: dict[str, torch.Tensor], packed: bool,
+    def __init__(self, model: ModelOrEngine, rows: dict[str, torch.Tensor], packed: bool,
                  sp: SequenceParallel | None = None, shard: Any = None) -> None:
         self.model, self.packed, self.sp, self.shard = model, packed, sp, shard
         self.sequences, self.attention_mask = rows["sequences"], rows["attention_mask"]
@@ -155,7 +156,7 @@ def routes_in_forward_order(routes: torch.Tensor, sequences: torch.Tensor, atten
 
 
 @contextlib.contextmanager
-def forward_scope(model: torch.nn.Module, rows: dict[str, torch.Tensor], *, packed: bool = False,
+def forward_scope(model: ModelOrEngine, rows: dict[str, torch.Tensor], *, packed: bool = False,
                   sp: SequenceParallel | None = None, replay: bool = False) -> Iterator[MicroForward]:
     """Forwards of one micro-batch; under ``sp`` the model's attention is ring attention in the block.
 
