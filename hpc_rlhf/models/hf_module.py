@@ -36,7 +36,8 @@ def hf_model(model: ModelOrEngine) -> PreTrainedModel:
     """The transformers model in ``model``: its ``.module`` for a training-engine wrapper, else ``model`` itself.
 
     A cast, not an ``isinstance`` check, at the transformers boundary: a LoRA-adapted model is peft's
-    ``PeftModel``, which is no ``PreTrainedModel`` subclass but forwards every attribute to the one it wraps.
+    ``PeftModel``, which is no ``PreTrainedModel`` subclass but forwards every attribute to the one it wraps (and
+    tests pass plain modules that have the attributes a forward reads).
     """
     return cast("PreTrainedModel", getattr(model, "module", model))
 
