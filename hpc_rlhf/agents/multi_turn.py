@@ -88,7 +88,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, Trajectory, check_samples_per_prompt
 from hpc_rlhf.agents.step_output import AgentOutputError, apply_sampling, numeric_logs, parse_step_output, to_float
@@ -211,7 +211,7 @@ class MultiTurnAgentExecutor(AgentExecutor):
 
     def configure(self, *, tokenizer: Any, prompt_max_len: int, max_len: int | None = None,
                   max_turns: int | None = None, num_concurrent: int | None = None,
-                  step_timeout_s: float | str | None = "unchanged",
+                  step_timeout_s: float | Literal["unchanged"] | None = "unchanged",
                   agent_kwargs: dict[str, Any] | None = None) -> MultiTurnAgentExecutor:
         """Set the run settings after construction (user executors are built with no arguments)."""
         self.tokenizer, self.prompt_max_len, self.max_len = tokenizer, prompt_max_len, max_len
@@ -222,7 +222,7 @@ class MultiTurnAgentExecutor(AgentExecutor):
         if num_concurrent is not None:
             self.num_concurrent = num_concurrent
         if step_timeout_s != "unchanged":
-            self.step_timeout_s = step_timeout_s  # type: ignore[assignment]
+            self.step_timeout_s = step_timeout_s
         self._validate()
         return self
 
