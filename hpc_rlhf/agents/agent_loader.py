@@ -82,7 +82,7 @@ def _check_instance_cls(cls: Any, path: str) -> None:
                              f"subclass AgentInstanceBase ({_IMPORT_HINT})", path=path)
 
 
-def _constructor_args(cls: type, supplied: dict[str, Any], path: str) -> dict[str, Any]:
+def _constructor_args(cls: type[MultiTurnAgentExecutor], supplied: dict[str, Any], path: str) -> dict[str, Any]:
     """The arguments ``cls.__init__`` names, from ``supplied``; an error for any other required one."""
     if cls.__init__ is object.__init__:
         return {}
@@ -104,7 +104,7 @@ def _constructor_args(cls: type, supplied: dict[str, Any], path: str) -> dict[st
     return kwargs
 
 
-def _check_execute_override(cls: type, path: str) -> None:
+def _check_execute_override(cls: type[MultiTurnAgentExecutor], path: str) -> None:
     """An ``execute`` override must wrap ``super().execute``: generation is the executor's, not the file's."""
     if cls.execute is MultiTurnAgentExecutor.execute:
         return
@@ -122,8 +122,9 @@ def _check_execute_override(cls: type, path: str) -> None:
             "hpc_rlhf.agents.executor.AgentExecutor and implement run()", path=path)
 
 
-def _workflow_classes(module: Any) -> list[type]:
-    """Classes defined in the agent file (not imported into it) with an ``async def arun_episode``."""
+def _workflow_classes(module: Any) -> list[type[Any]]:
+    """Classes defined in the agent file (not imported into it) with an ``async def arun_episode`` (``Any``: user
+    classes, built with whatever ``train.agent_kwargs`` their ``__init__`` accepts)."""
     return [obj for obj in vars(module).values()
             if inspect.isclass(obj) and obj.__module__ == module.__name__ and is_workflow(obj)]
 
@@ -157,7 +158,7 @@ def _openai_agent(module: Any, path: str, agent_kwargs: dict[str, Any]) -> Any:
 
 def _openai_executor(agent: Any, path: str, tokenizer: Any, prompt_max_len: int, max_len: int | None,
                      num_concurrent: int, episode_timeout_s: float | None, agent_kwargs: dict[str, Any],
-                     parsers: dict[str, str]) -> AgentExecutor:
+                     tool_call_parser: str, reasoning_parser: str) -> AgentExecutor:
     try:
         import_openai()
     except ImportError as err:
@@ -165,7 +166,8 @@ def _openai_executor(agent: Any, path: str, tokenizer: Any, prompt_max_len: int,
     try:
         return OpenAIAgentExecutor(agent, tokenizer, prompt_max_len, max_len=max_len,
                                    num_concurrent=num_concurrent, episode_timeout_s=episode_timeout_s,
-                                   agent_kwargs=agent_kwargs, **parsers)
+                                   agent_kwargs=agent_kwargs, tool_call_parser=tool_call_parser,
+                                   reasoning_parser=reasoning_parser)
     except ParserConfigError as err:
         raise AgentLoadError(f"{path} defines an OpenAI-client agent: {err}", path=path) from err
 
@@ -186,8 +188,7 @@ def load_agent_executor(path: str, tokenizer: Any, prompt_max_len: int, max_len:
     openai_agent = _openai_agent(module, path, agent_kwargs) if executor_cls is None and instance_cls is None else None
     if openai_agent is not None:
         return _openai_executor(openai_agent, path, tokenizer, prompt_max_len, max_len, num_concurrent,
-                                episode_timeout_s, agent_kwargs, {"tool_call_parser": tool_call_parser,
-                                                                  "reasoning_parser": reasoning_parser})
+                                episode_timeout_s, agent_kwargs, tool_call_parser, reasoning_parser)
     if executor_cls is None and instance_cls is None:
         if not is_function_style(module):
             raise AgentLoadError(
@@ -239,7 +240,8 @@ def load_agent_executor(path: str, tokenizer: Any, prompt_max_len: int, max_len:
     _check_instance_cls(executor.agent_instance_cls, path)
     try:
         executor.configure(tokenizer=tokenizer, prompt_max_len=prompt_max_len, agent_kwargs=agent_kwargs,
-                           **settings)
+                           max_len=max_len, max_turns=max_turns, num_concurrent=num_concurrent,
+                           step_timeout_s=step_timeout_s)
     except ValueError as err:
         raise AgentLoadError(f"{path}: {err}", path=path) from err
     return executor

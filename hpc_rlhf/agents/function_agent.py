@@ -87,27 +87,34 @@ def function_agent_class(module: ModuleType) -> type:
             return {"observation": states["observation"]}
         return value
 
-    class FunctionAgent(AgentInstanceBase):
-        def __init__(self, **kwargs: Any) -> None:
-            self.kwargs = kwargs  # train.agent_kwargs, handed to every step / reset call
+    # Methods picked per user function (async exactly when it is): the class is built from them, as a class
+    # statement could only define them conditionally.
+    async def async_step(self: _FunctionAgent, states: dict, **kwargs: Any) -> dict:
+        args, kw = step_args(states, {**self.kwargs, **kwargs})
+        return _to_step_dict(await step_fn(*args, **kw), args[0], args[1])
 
-        if inspect.iscoroutinefunction(step_fn):
-            async def step(self, states: dict, **kwargs: Any) -> dict:
-                args, kw = step_args(states, {**self.kwargs, **kwargs})
-                return _to_step_dict(await step_fn(*args, **kw), args[0], args[1])
-        else:
-            def step(self, states: dict, **kwargs: Any) -> dict:  # type: ignore[override]
-                args, kw = step_args(states, {**self.kwargs, **kwargs})
-                return _to_step_dict(step_fn(*args, **kw), args[0], args[1])
+    def sync_step(self: _FunctionAgent, states: dict, **kwargs: Any) -> dict:
+        args, kw = step_args(states, {**self.kwargs, **kwargs})
+        return _to_step_dict(step_fn(*args, **kw), args[0], args[1])
 
-        if reset_fn is not None and inspect.iscoroutinefunction(reset_fn):
-            async def reset(self, states: dict, **kwargs: Any) -> dict:
-                kw = accepted_kwargs(reset_fn, {**self.kwargs, **kwargs})
-                return reset_result(await reset_fn(states, **kw), states)
-        elif reset_fn is not None:
-            def reset(self, states: dict, **kwargs: Any) -> dict:  # type: ignore[override]
-                kw = accepted_kwargs(reset_fn, {**self.kwargs, **kwargs})
-                return reset_result(reset_fn(states, **kw), states)
+    name = f"FunctionAgent[{module.__name__}]"
+    methods: dict[str, Any] = {"__qualname__": name,
+                               "step": async_step if inspect.iscoroutinefunction(step_fn) else sync_step}
+    if reset_fn is not None:
+        async def async_reset(self: _FunctionAgent, states: dict, **kwargs: Any) -> dict:
+            kw = accepted_kwargs(reset_fn, {**self.kwargs, **kwargs})
+            return reset_result(await reset_fn(states, **kw), states)
 
-    FunctionAgent.__qualname__ = FunctionAgent.__name__ = f"FunctionAgent[{module.__name__}]"
-    return FunctionAgent
+        def sync_reset(self: _FunctionAgent, states: dict, **kwargs: Any) -> dict:
+            kw = accepted_kwargs(reset_fn, {**self.kwargs, **kwargs})
+            return reset_result(reset_fn(states, **kw), states)
+
+        methods["reset"] = async_reset if inspect.iscoroutinefunction(reset_fn) else sync_reset
+    return type(name, (_FunctionAgent,), methods)
+
+
+class _FunctionAgent(AgentInstanceBase):
+    """What every function-style agent class shares: ``train.agent_kwargs``, handed to every step / reset call."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs

@@ -88,7 +88,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, check_samples_per_prompt
 from hpc_rlhf.agents.step_output import AgentOutputError, apply_sampling, numeric_logs, parse_step_output, to_float
@@ -151,7 +151,8 @@ class _Episode:
     failure: str | None = None  # "agent_error" / "agent_timeout"
     error: str | None = None  # the failure's phase and message, for the failure limit's report
     entered: asyncio.Future | None = None  # execute overrides: set when the override reached super().execute
-    done_signal: Any = None  # execute overrides: concurrent.futures.Future set when the episode ends
+    # execute overrides: set when the episode ends
+    done_signal: concurrent.futures.Future[None] | None = None
 
     def end(self, finish_reason: str, truncated: bool = False) -> None:
         self.finished, self.finish_reason, self.truncated = True, finish_reason, truncated
@@ -210,7 +211,7 @@ class MultiTurnAgentExecutor(AgentExecutor):
 
     def configure(self, *, tokenizer: Any, prompt_max_len: int, max_len: int | None = None,
                   max_turns: int | None = None, num_concurrent: int | None = None,
-                  step_timeout_s: float | str | None = "unchanged",
+                  step_timeout_s: float | Literal["unchanged"] | None = "unchanged",
                   agent_kwargs: dict[str, Any] | None = None) -> MultiTurnAgentExecutor:
         """Set the run settings after construction (user executors are built with no arguments)."""
         self.tokenizer, self.prompt_max_len, self.max_len = tokenizer, prompt_max_len, max_len
@@ -221,7 +222,7 @@ class MultiTurnAgentExecutor(AgentExecutor):
         if num_concurrent is not None:
             self.num_concurrent = num_concurrent
         if step_timeout_s != "unchanged":
-            self.step_timeout_s = step_timeout_s  # type: ignore[assignment]
+            self.step_timeout_s = step_timeout_s
         self._validate()
         return self
 
@@ -275,13 +276,14 @@ class MultiTurnAgentExecutor(AgentExecutor):
         ``scores`` and ``extra_logs`` your override returns in a dict becomes the episode's.
         """
         episode = _CURRENT_EPISODE.get()
-        if episode is None or episode.done_signal is None:
+        if episode is None or episode.done_signal is None or episode.entered is None:
             raise RuntimeError("execute() is called by the executor once per episode; do not call it yourself")
         if prompt != episode.prompt.text or label != episode.prompt.label:
             episode.prompt = dataclasses.replace(episode.prompt, text=str(prompt), label=label)
         if isinstance(sampling_params, SamplingParams):
             episode.params = sampling_params
-        episode.entered.get_loop().call_soon_threadsafe(_set_if_pending, episode.entered)
+        entered = episode.entered
+        entered.get_loop().call_soon_threadsafe(_set_if_pending, entered)
         await asyncio.wrap_future(episode.done_signal)
         return {"prompt": episode.prompt_text, "label": episode.prompt.label, "reward": episode.reward,
                 "scores": episode.score, "extra_logs": dict(episode.extra_logs)}
@@ -290,7 +292,8 @@ class MultiTurnAgentExecutor(AgentExecutor):
         return type(self).execute is not MultiTurnAgentExecutor.execute
 
     async def _run_episodes(self, episodes: list[_Episode], generate: GenerateFn, stats: _RunStats) -> None:
-        waiting, active = deque(episodes), []
+        waiting = deque(episodes)
+        active: list[_Episode] = []
         self._runner = UserCallRunner()
         overrides: dict[int, asyncio.Future] = {}
         try:
@@ -322,7 +325,7 @@ class MultiTurnAgentExecutor(AgentExecutor):
             _CURRENT_EPISODE.set(episode)
             return await self.execute(episode.prompt.text, episode.prompt.label, episode.params)
 
-        task = self._runner.submit(drive())
+        task = self._user_calls().submit(drive())
         overrides[episode.index] = task
         done, _ = await asyncio.wait({episode.entered, task}, timeout=self.step_timeout_s,
                                      return_when=asyncio.FIRST_COMPLETED)
@@ -480,10 +483,16 @@ class MultiTurnAgentExecutor(AgentExecutor):
         episode.action_mask += [0] * len(feedback_ids)
         episode.logprobs += [0.0] * len(feedback_ids)
 
+    def _user_calls(self) -> UserCallRunner:
+        """The runner of user code of the ``run`` in progress."""
+        if self._runner is None:
+            raise RuntimeError("agent code runs only inside MultiTurnAgentExecutor.run")
+        return self._runner
+
     async def _agent_call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args)`` off this loop (see ``utils.user_calls``) under ``step_timeout_s``; abandoned on timeout."""
         try:
-            return await self._runner.call(fn, *args, timeout_s=self.step_timeout_s, **kwargs)
+            return await self._user_calls().call(fn, *args, timeout_s=self.step_timeout_s, **kwargs)
         except UserCallTimeout:
             raise AgentTimeoutError(f"{getattr(fn, '__qualname__', fn)} did not return within "
                                     f"step_timeout_s={self.step_timeout_s}") from None
@@ -555,10 +564,11 @@ class AgentExecutorBase(MultiTurnAgentExecutor):
 # ---------------------------------------------------------------------- helpers
 
 
-def _construct_agent(cls: type, agent_kwargs: dict[str, Any]) -> Any:
+def _construct_agent(cls: Any, agent_kwargs: dict[str, Any]) -> Any:
     """``cls(**agent_kwargs it accepts)``; for ``async def __init__`` (seen in OpenRLHF examples) a coroutine
-    that builds it, which the caller awaits on the user loop."""
-    init = getattr(cls, "__init__", None)
+    that builds it, which the caller awaits on the user loop. ``cls``: the user's agent class (``Any``: user code
+    whose ``__new__`` / ``__init__`` are called as it defines them)."""
+    init = cls.__init__
     kwargs = accepted_kwargs(init, agent_kwargs)
     if inspect.iscoroutinefunction(init):
         async def build() -> Any:

@@ -36,6 +36,7 @@ request offered ``tools``). The recorded ids are the engine's output whatever th
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import logging
@@ -128,11 +129,11 @@ def _deliver(batch: list[PendingRequest], results: list[GenerationResult]) -> No
     grouped: list[list[GenerationResult]] = [[] for _ in batch]
     for result in results:
         grouped[result.request_index].append(result)
-    for pending, group in zip(batch, grouped):
+    for pending, group in zip(batch, grouped, strict=True):
         if len(group) != pending.request.n:
             raise RuntimeError(f"rollout engine returned {len(group)} samples for a request with "
                                f"n={pending.request.n}")
-    for pending, group in zip(batch, grouped):
+    for pending, group in zip(batch, grouped, strict=True):
         if not pending.future.done():
             pending.future.set_result(group)
 
@@ -244,10 +245,8 @@ class OpenAIEndpoint:
         return self
 
     def _serve(self) -> None:
-        try:
+        with contextlib.suppress(SystemExit):  # uvicorn exits this way when startup fails; it logged why
             self._server.run(sockets=[self._sock])
-        except SystemExit:  # uvicorn exits this way when startup fails; it logged why
-            pass
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop serving (requests still waiting for the engine fail) and release the port."""
@@ -359,7 +358,7 @@ class OpenAIEndpoint:
                 choice["logprobs"] = {"content": [
                     {"token": self.tokenizer.decode([t]), "logprob": lp,
                      "bytes": list(self.tokenizer.decode([t]).encode()), "top_logprobs": []}
-                    for t, lp in zip(ids, logprobs)]}
+                    for t, lp in zip(ids, logprobs, strict=True)]}
             choices.append(choice)
         return self._response(body, "chatcmpl", "chat.completion", len(prompt_ids), choices, completion_tokens)
 
@@ -471,7 +470,7 @@ def create_app(endpoint: OpenAIEndpoint) -> Any:
             return StreamingResponse(sse_events(response, include_usage), media_type="text/event-stream")
         except EndpointRequestError as err:
             return _error(err.status, str(err), err.param)
-        except Exception as err:  # noqa: BLE001 - an engine failure is the client's 500, logged here
+        except Exception as err:  # an engine failure is the client's 500, logged here
             logger.exception("OpenAI endpoint request failed")
             return _error(500, f"{type(err).__name__}: {err}")
 

@@ -45,6 +45,7 @@ timed-out episode is abandoned, never joined, and its later requests are refused
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 import logging
 import math
@@ -226,10 +227,8 @@ class OpenAIAgentExecutor(AgentExecutor):
             episode.error = err
         finally:
             episode.done.set()
-            try:
+            with contextlib.suppress(Exception):  # closing a client must not turn a result into a failure
                 await client.close()
-            except Exception:  # noqa: BLE001 - closing a client must not turn a result into a failure
-                pass
 
     def _run_one(self, client: Any, prompt: Prompt) -> Any:
         """The agent's coroutine for one episode, whichever shape it has."""

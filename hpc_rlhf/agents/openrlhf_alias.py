@@ -55,7 +55,8 @@ def _alias_modules() -> dict[str, types.ModuleType]:
     agent = _AgentModule("openrlhf.utils.agent", "hpc_rlhf's counterparts of openrlhf.utils.agent (an alias).")
     for module in (root, utils):
         module.__path__ = []  # packages, so `import openrlhf.utils.agent` resolves through sys.modules
-    root.utils, utils.agent = utils, agent
+    # each submodule an attribute of its package, as the import system sets it (ModuleType declares no such names)
+    vars(root)["utils"], vars(utils)["agent"] = utils, agent
     return dict(zip(ALIASED_MODULES, (root, utils, agent), strict=True))
 
 

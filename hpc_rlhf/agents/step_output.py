@@ -75,7 +75,8 @@ def apply_sampling(current: SamplingParams, overrides: Any) -> SamplingParams:
     if not all(isinstance(key, str) for key in overrides):
         raise AgentOutputError("step output 'sampling_params' keys must be strings, got "
                                f"{sorted(map(repr, overrides))}")
-    changes: dict[str, Any] = {_SAMPLING_ALIASES.get(key, key): value for key, value in overrides.items()}
+    named: dict[str, Any] = overrides  # keys checked above
+    changes = {_SAMPLING_ALIASES.get(key, key): value for key, value in named.items()}
     unknown = sorted(set(changes) - _SAMPLING_FIELDS)
     if unknown:
         raise AgentOutputError(f"step output 'sampling_params' has unknown keys {unknown}; "

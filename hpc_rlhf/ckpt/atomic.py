@@ -312,7 +312,7 @@ class CheckpointManager:
                     "ckpt.load=false to start fresh over it")
             return None
         candidates = [first, *(d for _, d in reversed(self.list_complete()) if d != first)]
-        rejected = []
+        rejected: list[str] = []
         for candidate in candidates:
             problems = verify_checkpoint(candidate)
             if not problems:

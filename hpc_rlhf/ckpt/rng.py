@@ -25,7 +25,11 @@ log = logging.getLogger(__name__)
 
 def capture_rng_state() -> dict[str, Any]:
     """The current state of python ``random``, numpy's global RNG, torch CPU and (if present) all CUDA devices."""
-    np_kind, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state(legacy=True)
+    np_state = np.random.get_state(legacy=True)
+    if isinstance(np_state, dict):  # the legacy tuple exists for an MT19937 global generator only
+        raise RuntimeError(f"numpy's global RNG uses {np_state.get('bit_generator')}, not MT19937: its state cannot "
+                           "be checkpointed")
+    np_kind, np_keys, np_pos, np_has_gauss, np_cached = np_state
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {"kind": str(np_kind), "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),

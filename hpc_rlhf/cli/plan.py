@@ -12,7 +12,7 @@ import argparse
 import contextlib
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import yaml
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
+def _table(rows: Sequence[Sequence[object]], header: list[str]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
@@ -290,8 +290,8 @@ def plan(argv: list[str] | None = None) -> int:
         tp = placement.roles[name].tp_size
         split = f"; tp {tp}: layer projections and their activations split {tp} ways" if tp > 1 else ""
         print(f"  {name}: {'; '.join(mem.notes)}{split}; shape {shapes[name].describe()}")
-    zero_ranks = {r: placement.roles[r].dp_size * placement.roles[r].sp_size for r in ("actor", "critic")
-                  if r in roles_mem}
+    zero_ranks: dict[str, int] = {r: placement.roles[r].dp_size * placement.roles[r].sp_size
+                                  for r in ("actor", "critic") if r in roles_mem}
     print("\n".join(optimizer_lines(cfg.ds, zero_ranks)))
 
     if placement.layout != "colocated":

@@ -18,7 +18,9 @@ import random
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -33,8 +35,31 @@ EXACT_REWARD = ROOT / "examples/reward_funcs/arithmetic.py"
 MAX_OPERAND = 19
 NUM_HELDOUT_PAIRS = 60
 HELDOUT_METRIC = "eval/heldout_prompts/pass@1"  # greedy, one sample per prompt: the accuracy
-MODEL_SIZES = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
-               "num_key_value_heads": 2}
+
+
+class ModelSizes(TypedDict):
+    """The tiny model's sizes (``build_tiny_model`` keywords)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+
+
+MODEL_SIZES = ModelSizes(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2)
+
+
+@dataclass(frozen=True)
+class TaskFiles:
+    """The addition task's data files (paths as strings, for ``key=value`` overrides) and held-out pairs."""
+
+    sft: str
+    sft_eval: str
+    rl: str
+    heldout_prompts: str
+    heldout: list[tuple[int, int]]
 
 
 def split_pairs(seed: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -50,21 +75,21 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
     return str(path)
 
 
-def write_task(data_dir: Path, seed: int, num_sft: int, num_rl: int) -> dict[str, str]:
+def write_task(data_dir: Path, seed: int, num_sft: int, num_rl: int) -> TaskFiles:
     train_pairs, heldout = split_pairs(seed)
     rng = random.Random(seed + 1)
     sft = [rng.choice(train_pairs) for _ in range(num_sft)]
     rl = [rng.choice(train_pairs) for _ in range(num_rl)]
-    return {
-        "sft": write_jsonl(data_dir / "sft_train.jsonl",
-                           [{"input": f"{a}+{b}=", "output": str(a + b)} for a, b in sft]),
-        "sft_eval": write_jsonl(data_dir / "sft_eval.jsonl",
-                                [{"input": f"{a}+{b}=", "output": str(a + b)} for a, b in heldout]),
-        "rl": write_jsonl(data_dir / "rl_prompts.jsonl", [{"input": f"{a}+{b}=", "label": str(a + b)} for a, b in rl]),
-        "heldout": [(a, b) for a, b in heldout],
-        "heldout_prompts": write_jsonl(data_dir / "heldout_prompts.jsonl",
-                                       [{"input": f"{a}+{b}=", "label": str(a + b)} for a, b in heldout]),
-    }
+    return TaskFiles(
+        sft=write_jsonl(data_dir / "sft_train.jsonl",
+                        [{"input": f"{a}+{b}=", "output": str(a + b)} for a, b in sft]),
+        sft_eval=write_jsonl(data_dir / "sft_eval.jsonl",
+                             [{"input": f"{a}+{b}=", "output": str(a + b)} for a, b in heldout]),
+        rl=write_jsonl(data_dir / "rl_prompts.jsonl", [{"input": f"{a}+{b}=", "label": str(a + b)} for a, b in rl]),
+        heldout_prompts=write_jsonl(data_dir / "heldout_prompts.jsonl",
+                                    [{"input": f"{a}+{b}=", "label": str(a + b)} for a, b in heldout]),
+        heldout=[(a, b) for a, b in heldout],
+    )
 
 
 def heldout_accuracy(model_dir: str | Path, pairs: list[tuple[int, int]]) -> float:
@@ -75,8 +100,9 @@ def heldout_accuracy(model_dir: str | Path, pairs: list[tuple[int, int]]) -> flo
     greedy = SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=[tok.eos_token_id])
     requests = [GenerationRequest(tok(f"{a}+{b}=")["input_ids"], greedy) for a, b in pairs]
     outputs = engine.generate(requests)
-    correct = [tok.decode(o.output_ids, skip_special_tokens=True).strip() == str(a + b)
-               for o, (a, b) in zip(outputs, pairs, strict=True)]
+    answers = [tok.decode(o.output_ids, skip_special_tokens=True) for o in outputs]  # one string per id list
+    correct = [isinstance(text, str) and text.strip() == str(a + b)
+               for text, (a, b) in zip(answers, pairs, strict=True)]
     return sum(correct) / len(correct)
 
 
@@ -128,21 +154,21 @@ def main(argv: list[str] | None = None) -> None:
     run = (ROOT / args.output_dir).resolve()
     base = build_tiny_model(run / "base_model", seed=args.seed, **MODEL_SIZES)
     data = write_task(run / "data", args.seed, args.sft_samples, num_rl=4096)
-    acc = {"base": heldout_accuracy(base, data["heldout"])}
+    acc = {"base": heldout_accuracy(base, data.heldout)}
     print(f"held-out accuracy of the base model: {acc['base']:.3f}", flush=True)
 
     torchrun(args.nproc, "hpc_rlhf.cli.train_sft", [
         "--config", "configs/sft_tiny_cpu.yaml", f"model.pretrain={base}", "model.build_tiny=false",
-        f"data.train_data=[{data['sft']}]", f"data.eval_data=[{data['sft_eval']}]", "data.synthetic_task=null",
+        f"data.train_data=[{data.sft}]", f"data.eval_data=[{data.sft_eval}]", "data.synthetic_task=null",
         "model.learning_rate=2e-3", f"train.output_dir={run / 'sft'}", "ckpt.save_steps=null", "train.eval_steps=48"])
 
     torchrun(args.nproc, "hpc_rlhf.cli.train_ppo", [
         "--config", "configs/grpo_tiny_cpu.yaml", f"actor.pretrain={run / 'sft' / 'model'}", "actor.build_tiny=false",
-        "actor.learning_rate=3e-4", f"reward.reward_func_path={EXACT_REWARD}", f"data.prompt_data=[{data['rl']}]",
+        "actor.learning_rate=3e-4", f"reward.reward_func_path={EXACT_REWARD}", f"data.prompt_data=[{data.rl}]",
         "data.synthetic_task=null", f"train.max_steps={args.rl_steps}", "train.num_episodes=8",
         f"train.output_dir={run / 'grpo'}", "rollout.temperature=1.0", "rollout.n_samples_per_prompt=8",
         "rollout.rollout_batch_size=32", "train.train_batch_size=256", "train.micro_train_batch_size=128",
-        "rollout.micro_rollout_batch_size=128", f"eval.data=[{data['heldout_prompts']}]", "eval.steps=100",
+        "rollout.micro_rollout_batch_size=128", f"eval.data=[{data.heldout_prompts}]", "eval.steps=100",
         "eval.at_start=true", "eval.temperature=0", "eval.n_samples_per_prompt=1"])
     evals = [r for r in read_metrics(run / "grpo") if HELDOUT_METRIC in r]
     acc["after SFT"], acc["after GRPO"] = evals[0][HELDOUT_METRIC], evals[-1][HELDOUT_METRIC]
@@ -151,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     plot(run / "grpo" / "metrics.jsonl", acc, run / "quickstart.png")
     minutes = (time.time() - started) / 60
     print(f"""
-held-out accuracy on {len(data['heldout'])} unseen operand pairs:
+held-out accuracy on {len(data.heldout)} unseen operand pairs:
   base model   {acc['base']:.3f}
   after SFT    {acc['after SFT']:.3f}
   after GRPO   {acc['after GRPO']:.3f}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar, get_args
+from typing import Any, TypeVar, get_args, overload
 
 import yaml
 from omegaconf import OmegaConf
@@ -90,8 +90,16 @@ def _format_validation_error(root: type[BaseModel], err: ValidationError, source
     return "\n".join(lines)
 
 
+@overload
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig: ...
+
+
+@overload
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *, root: type[T]) -> T: ...
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
-                root: type[T] = RunConfig) -> T:
+                root: type[BaseModel] = RunConfig) -> BaseModel:
     """Build a config tree (``root``: the RL ``RunConfig`` by default) from YAML and ``key=value`` overrides.
 
     Raises:

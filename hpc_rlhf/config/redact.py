@@ -16,9 +16,11 @@ from typing import Any
 
 _URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/@\s]+)@")
 ENV_RESOLVER = "oc.env"
+# The keys and list indices from a config's root to one of its leaves.
+ConfigPath = tuple[str | int, ...]
 # Where the configs loaded in this process read the environment: {path: (the ${oc.env:...} text, its value)}.
 # Module-wide rather than on the config object, so copies of the config (model_copy, pickling) keep it.
-ENV_SOURCES: dict[tuple, tuple[str, str]] = {}
+ENV_SOURCES: dict[ConfigPath, tuple[str, str]] = {}
 
 
 def mask_url_credentials(text: str) -> str:
@@ -26,10 +28,10 @@ def mask_url_credentials(text: str) -> str:
     return _URL_CREDENTIALS.sub(lambda m: f"{m['scheme']}***@", text)
 
 
-def env_interpolations(unresolved: Any, resolved: Any, path: tuple = ()) -> dict[tuple, tuple[str, str]]:
+def env_interpolations(unresolved: Any, resolved: Any, path: ConfigPath = ()) -> dict[ConfigPath, tuple[str, str]]:
     """``{path: (text, resolved value)}`` of every string leaf of an unresolved OmegaConf container that reads
     the environment (``${oc.env:...}``); ``path`` is the tuple of keys / list indices to the leaf."""
-    found: dict[tuple, tuple[str, str]] = {}
+    found: dict[ConfigPath, tuple[str, str]] = {}
     if isinstance(unresolved, dict) and isinstance(resolved, dict):
         for key, value in unresolved.items():
             found.update(env_interpolations(value, resolved.get(key), (*path, key)))
@@ -51,10 +53,11 @@ def _mask_strings(value: Any) -> Any:
     return value
 
 
-def public_config(data: dict, env_sources: dict[tuple, tuple[str, str]] | None = None) -> dict:
+def public_config(data: dict[str, Any],
+                  env_sources: dict[ConfigPath, tuple[str, str]] | None = None) -> dict[str, Any]:
     """A copy of a config dump (``model_dump(mode="json")``) fit to save or log: every leaf that came from
     ``${oc.env:...}`` (and still holds the value it resolved to) back in that form, and URL credentials masked."""
-    out = _mask_strings(data)
+    out: dict[str, Any] = _mask_strings(data)
     for path, (text, resolved) in (ENV_SOURCES if env_sources is None else env_sources).items():
         node: Any = out
         try:

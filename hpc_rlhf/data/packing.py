@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
@@ -50,6 +51,19 @@ class TokenSample:
         return sum(self.loss_mask[1:])
 
 
+class CollatedBatch(TypedDict):
+    """A micro-batch laid out by :func:`collate` (R rows, T columns, S samples)."""
+
+    input_ids: torch.Tensor  # (R, T) long
+    position_ids: torch.Tensor  # (R, T) long, restarting at 0 for every sample
+    segment_ids: torch.Tensor  # (R, T) long: sample index, -1 on padding
+    target_ids: torch.Tensor  # (R, T) long: the next token of the same sample
+    target_mask: torch.Tensor  # (R, T) bool: that next token is trained on
+    last_pos: torch.Tensor  # (S, 2) long: row and column of each sample's last token
+    packed: bool
+    num_samples: int
+
+
 def pack_rows(lengths: Sequence[int], max_tokens_per_row: int) -> list[list[int]]:
     """First-fit decreasing: sample indices per row, every row holding at most ``max_tokens_per_row``.
 
@@ -72,14 +86,13 @@ def pack_rows(lengths: Sequence[int], max_tokens_per_row: int) -> list[list[int]
 
 
 def collate(samples: Sequence[TokenSample], pad_token_id: int, *, packing: bool = False,
-            max_tokens_per_row: int | None = None) -> dict[str, torch.Tensor | bool | int]:
+            max_tokens_per_row: int | None = None) -> CollatedBatch:
     """Lay out a micro-batch.
 
-    Returns a dict with (R rows, T columns, S samples):
-        ``input_ids`` (R, T) long, ``position_ids`` (R, T) long, ``segment_ids`` (R, T) long (sample index,
-        -1 on padding), ``target_ids`` (R, T) long (the next token of the same sample), ``target_mask``
-        (R, T) bool (that next token is trained on), ``last_pos`` (S, 2) long, ``packed`` bool,
-        ``num_samples`` int.
+    Returns a :class:`CollatedBatch` (R rows, T columns, S samples): ``input_ids``, ``position_ids``,
+    ``segment_ids`` (sample index, -1 on padding), ``target_ids`` (the next token of the same sample),
+    ``target_mask`` (that next token is trained on), all (R, T); ``last_pos`` (S, 2); ``packed``;
+    ``num_samples``.
     """
     if not samples:
         raise ValueError("cannot collate an empty micro-batch")
@@ -113,9 +126,9 @@ def collate(samples: Sequence[TokenSample], pad_token_id: int, *, packing: bool 
         # flash-attn) sees the padding as one more segment, never as part of the last sample.
         if col < width:
             position_ids[r, col:] = torch.arange(width - col)
-    return {"input_ids": input_ids, "position_ids": position_ids, "segment_ids": segment_ids,
-            "target_ids": target_ids, "target_mask": target_mask, "last_pos": last_pos, "packed": packing,
-            "num_samples": len(samples)}
+    return CollatedBatch(input_ids=input_ids, position_ids=position_ids, segment_ids=segment_ids,
+                         target_ids=target_ids, target_mask=target_mask, last_pos=last_pos, packed=packing,
+                         num_samples=len(samples))
 
 
 def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -173,7 +173,13 @@ class PromptDataset(Sequence[Prompt]):
     def __len__(self) -> int:
         return len(self._prompts)
 
-    def __getitem__(self, index):  # type: ignore[override]
+    @overload
+    def __getitem__(self, index: int) -> Prompt: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Prompt]: ...
+
+    def __getitem__(self, index: int | slice) -> Prompt | list[Prompt]:
         return self._prompts[index]
 
     @property
@@ -233,6 +239,7 @@ class PromptDataset(Sequence[Prompt]):
     def _format(self, value: str | list, path: str, row_index: int) -> str:
         template = self.input_template
         if not self.apply_chat_template:
+            assert isinstance(value, str)  # _make_prompt takes chat messages only with the chat template
             return template.format(value) if template else value
         if isinstance(value, str):
             messages = [{"role": "user", "content": template.format(value) if template else value}]

@@ -63,9 +63,9 @@ class InvalidRow:
         self.error = error
 
 
-def make_row(make, rows: Rows, path: str, index: int):
+def make_row(make: Callable[[Any, str, int], Any], rows: list[Any], path: str, index: int) -> Any:
     """``make(rows[index], path, index)``; an invalid JSON line raises its DataError, and a DataError from ``make``
-    is re-raised naming the row's line when the file has lines."""
+    is re-raised naming the row's line when the file has lines (``rows`` is then :class:`Rows`)."""
     row = rows[index]
     if isinstance(row, InvalidRow):
         raise row.error
@@ -296,7 +296,7 @@ def mixture_plan(sizes: list[int], probs: list[float], total: int, seed: int) ->
     rng = np.random.default_rng(seed)
     counts = proportional_counts(total, probs)
     plan: list[tuple[int, int]] = []
-    for source, (size, count) in enumerate(zip(sizes, counts)):
+    for source, (size, count) in enumerate(zip(sizes, counts, strict=True)):  # one count per prob
         if count and size == 0:
             raise DataError(f"source {source} has no usable rows but data.prompt_data_probs gives it {probs[source]}")
         plan.extend((source, row) for row in draw_indices(size, count, rng))

@@ -13,11 +13,17 @@ checkpoints, which transformers 4, vLLM and converters read. Models without conv
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
+from hpc_rlhf.models.hf_module import ModelOrEngine, hf_model
 
-def has_weight_conversions(model: torch.nn.Module) -> bool:
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+def has_weight_conversions(model: PreTrainedModel) -> bool:
     """Whether ``model``'s live parameter names differ from its checkpoint names (transformers' conversion
     mapping for its architecture, other than a prefix change)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -29,12 +35,12 @@ def has_weight_conversions(model: torch.nn.Module) -> bool:
     return any(not isinstance(c, PrefixChange) for c in conversions or ())
 
 
-def to_checkpoint_names(model: torch.nn.Module,
+def to_checkpoint_names(model: ModelOrEngine,
                         named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """``(live name, tensor)`` pairs of ``model`` -> ``(checkpoint name, tensor)`` pairs, lazily. A fused expert
     tensor (E, ...) becomes E (or 2E, for a fused gate/up projection) per-expert tensors, each a copy of its own
     (safetensors refuses views that share one storage)."""
-    module = getattr(model, "module", model)
+    module = hf_model(model)
     if not has_weight_conversions(module):
         yield from named_tensors
         return

@@ -20,26 +20,33 @@ micro-batch's forwards under any of these layouts are in ``hpc_rlhf.models.micro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hpc_rlhf.algos import entropy_from_logits
-from hpc_rlhf.data.packing import TokenSample, block_causal_mask, collate
+from hpc_rlhf.data.packing import CollatedBatch, TokenSample, block_causal_mask, collate
 from hpc_rlhf.models.chunked_logprobs import linear_logprobs
+from hpc_rlhf.models.hf_module import ModelOrEngine, base_model, child_module, hf_model
 from hpc_rlhf.models.logprobs import logprobs_from_logits
 from hpc_rlhf.models.moe import RouterLogits
 from hpc_rlhf.models.shared_prefix import can_share_prompts, distinct_prompts, shared_prefix_hidden
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 
 
-def _router_kwargs(router: list | None) -> dict:
+def _router_kwargs(router: list | None) -> dict[str, bool]:
     """transformers' switch for the router logits of an MoE model's forward, when they are asked for."""
     return {"output_router_logits": True} if router is not None else {}
 
 
-def _lm_forward(model, inputs: dict, router: list | None, logits_to_keep: int | torch.Tensor = 0):
-    """``(logits, router logits or None)`` of a causal LM on ``inputs`` (:func:`model_inputs`).
+def _lm_forward(model: ModelOrEngine, inputs: dict[str, Any], router: list | None,
+                logits_to_keep: int | torch.Tensor = 0) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """``(logits, router logits)`` of a causal LM on ``inputs`` (:func:`model_inputs`); the router logits are
+    ``()`` unless ``router`` asks for them.
 
     With the router logits asked for and a packed batch's block-causal (4-D) mask, the decoder and the LM
     head run apart: transformers' MoE ``ForCausalLM`` then computes its own ``aux_loss`` from the attention
@@ -49,8 +56,8 @@ def _lm_forward(model, inputs: dict, router: list | None, logits_to_keep: int | 
     if router is None or mask is None or mask.dim() == 2:
         keep = {"logits_to_keep": logits_to_keep} if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep else {}
         out = model(**inputs, use_cache=False, **keep, **_router_kwargs(router))
-        return out.logits, (out.router_logits if router is not None else None)
-    module = getattr(model, "module", model)
+        return out.logits, (out.router_logits if router is not None else ())
+    module = hf_model(model)
     config = getattr(module, "config", None)
     transforms = [name for name in _LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 1.0)]
     if transforms:
@@ -64,15 +71,17 @@ def _lm_forward(model, inputs: dict, router: list | None, logits_to_keep: int | 
 
 # ------------------------------------------------------------------ packed or padded micro-batches (collate)
 
-def _flat_varlen(batch: dict, attn_implementation: str) -> bool:
+def _flat_varlen(batch: CollatedBatch, attn_implementation: str) -> bool:
     # transformers' flash-attn path reads packed boundaries from position_ids only for a batch of ONE
     # row (``_is_packed_sequence``); packed rows are therefore flattened into one row for flash-attn.
     return bool(batch["packed"]) and attn_implementation in FLASH_IMPLEMENTATIONS
 
 
-def model_inputs(batch: dict, attn_implementation: str, dtype: torch.dtype, device: torch.device | str) -> dict:
+def model_inputs(batch: CollatedBatch, attn_implementation: str, dtype: torch.dtype,
+                 device: torch.device | str) -> dict[str, Any]:
     """Keyword arguments for a HF model (or its base model) for this layout."""
-    kwargs = {"input_ids": batch["input_ids"].to(device), "position_ids": batch["position_ids"].to(device)}
+    kwargs: dict[str, Any] = {"input_ids": batch["input_ids"].to(device),
+                              "position_ids": batch["position_ids"].to(device)}
     if not batch["packed"]:
         kwargs["attention_mask"] = (batch["segment_ids"] >= 0).long().to(device)
     elif _flat_varlen(batch, attn_implementation):
@@ -84,21 +93,21 @@ def model_inputs(batch: dict, attn_implementation: str, dtype: torch.dtype, devi
     return kwargs
 
 
-def _unflatten(tensor: torch.Tensor, batch: dict, attn_implementation: str) -> torch.Tensor:
+def _unflatten(tensor: torch.Tensor, batch: CollatedBatch, attn_implementation: str) -> torch.Tensor:
     """(1, R*T, ...) back to (R, T, ...) after a flattened flash-attn forward."""
     if not _flat_varlen(batch, attn_implementation):
         return tensor
     return tensor.reshape(*batch["input_ids"].shape, *tensor.shape[2:])
 
 
-def causal_lm_forward(model, batch: dict, attn_implementation: str, dtype: torch.dtype,
+def causal_lm_forward(model: ModelOrEngine, batch: CollatedBatch, attn_implementation: str, dtype: torch.dtype,
                       router: list | None = None) -> torch.Tensor:
     """Per-target-token log-probabilities (R, T) fp32 (0 where there is no target).
 
     ``router``: a list to which an MoE model's :class:`RouterLogits` of this forward is appended (its real
     tokens, and as ``action_mask`` the positions that predict a target).
     """
-    device = next(iter(getattr(model, "module", model).parameters())).device
+    device = next(iter(hf_model(model).parameters())).device
     logits, layers = _lm_forward(model, model_inputs(batch, attn_implementation, dtype, device), router)
     if router is not None:
         router.append(RouterLogits(layers, (batch["segment_ids"] >= 0).reshape(-1).to(device),
@@ -108,7 +117,7 @@ def causal_lm_forward(model, batch: dict, attn_implementation: str, dtype: torch
     return torch.where(batch["target_mask"].to(device), logps, torch.zeros((), device=device))
 
 
-def sequence_logprobs(token_logps: torch.Tensor, batch: dict, mean: bool = False) -> torch.Tensor:
+def sequence_logprobs(token_logps: torch.Tensor, batch: CollatedBatch, mean: bool = False) -> torch.Tensor:
     """Sum (or token mean) of target log-probabilities per sample: (R, T) -> (S,)."""
     mask = batch["target_mask"].to(token_logps.device)
     seg = batch["segment_ids"].to(token_logps.device).clamp(min=0)
@@ -122,28 +131,28 @@ def sequence_logprobs(token_logps: torch.Tensor, batch: dict, mean: bool = False
     return sums / counts.clamp(min=1)
 
 
-def sequence_last_values(values: torch.Tensor, batch: dict) -> torch.Tensor:
+def sequence_last_values(values: torch.Tensor, batch: CollatedBatch) -> torch.Tensor:
     """Value at each sample's last token: (R, T) -> (S,) (reward-model scores)."""
     pos = batch["last_pos"].to(values.device)
     return values[pos[:, 0], pos[:, 1]]
 
 
-def value_model_forward(model, batch: dict, attn_implementation: str, dtype: torch.dtype,
+def value_model_forward(model: ModelOrEngine, batch: CollatedBatch, attn_implementation: str, dtype: torch.dtype,
                         router: list | None = None) -> torch.Tensor:
     """Reward-model scores (S,) fp32: the ``score`` head at each sample's last token.
 
     ``router``: a list to which an MoE model's :class:`RouterLogits` of this forward is appended (its real
     tokens; every one of them as ``action_mask``).
     """
-    module = getattr(model, "module", model)
+    module = hf_model(model)
     device = next(iter(module.parameters())).device
-    base = getattr(module, module.base_model_prefix)
-    out = base(**model_inputs(batch, attn_implementation, dtype, device), use_cache=False, **_router_kwargs(router))
+    out = base_model(module)(**model_inputs(batch, attn_implementation, dtype, device), use_cache=False,
+                             **_router_kwargs(router))
     if router is not None:
         real = (batch["segment_ids"] >= 0).reshape(-1).to(device)
         router.append(RouterLogits(out.router_logits, real, real))
     hidden = _unflatten(out.last_hidden_state, batch, attn_implementation)
-    values = module.score(hidden).squeeze(-1).float()
+    values = child_module(module, "score")(hidden).squeeze(-1).float()
     return sequence_last_values(values, batch)
 
 
@@ -154,19 +163,18 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def token_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def token_values(model: ModelOrEngine, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Per-token values of a critic: (B, T) ids -> (B, T) fp32, the ``score`` head on every hidden state.
 
     ``model`` may be a training-engine wrapper; its ``module`` is used (ZeRO hooks live on the modules).
     """
-    model = getattr(model, "module", model)
-    base = getattr(model, model.base_model_prefix)
-    hidden = base(input_ids=input_ids, attention_mask=attention_mask,
-                  position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
-    return model.score(hidden).squeeze(-1).float()
+    module = hf_model(model)
+    hidden = base_model(module)(input_ids=input_ids, attention_mask=attention_mask,
+                                position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+    return child_module(module, "score")(hidden).squeeze(-1).float()
 
 
-def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def sequence_scores(model: ModelOrEngine, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Reward-model score of each sequence: the value at its last real token. (B, T) -> (B,) fp32."""
     return score_at_last_token(token_values(model, input_ids, attention_mask), attention_mask)
 
@@ -180,7 +188,7 @@ def score_at_last_token(values: torch.Tensor, attention_mask: torch.Tensor) -> t
 
 # ------------------------------------------------------------------ RL batches: response (action) columns
 
-def action_logits(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+def action_logits(model: ModelOrEngine, sequences: torch.Tensor, attention_mask: torch.Tensor,
                   num_actions: int, router: list | None = None) -> torch.Tensor:
     """Logits predicting the last ``num_actions`` tokens: (B, P+R) -> (B, R, V).
 
@@ -217,7 +225,7 @@ def _packed_router(layers: tuple[torch.Tensor, ...], pack: PackedActions) -> Rou
     return RouterLogits(layers, real.to(device), predicting.to(device))
 
 
-def action_logprobs(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+def action_logprobs(model: ModelOrEngine, sequences: torch.Tensor, attention_mask: torch.Tensor,
                     num_actions: int, temperature: float = 1.0) -> torch.Tensor:
     """Log-probs of the response tokens under ``model``: (B, P+R) -> (B, R) fp32.
 
@@ -227,7 +235,7 @@ def action_logprobs(model: torch.nn.Module, sequences: torch.Tensor, attention_m
     return policy_logprobs(model, sequences, attention_mask, num_actions, temperature)[0]
 
 
-def action_values(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+def action_values(model: ModelOrEngine, sequences: torch.Tensor, attention_mask: torch.Tensor,
                   num_actions: int) -> torch.Tensor:
     """Critic value of the state before each response token: (B, P+R) -> (B, R) fp32."""
     return token_values(model, sequences, attention_mask)[:, -num_actions - 1 : -1]
@@ -244,7 +252,7 @@ class PackedActions:
     one back into the (B, R) layout of ``shape``.
     """
 
-    inputs: dict
+    inputs: CollatedBatch
     positions: torch.Tensor
     targets: torch.Tensor
     rows: torch.Tensor
@@ -277,9 +285,9 @@ def pack_actions(sequences: torch.Tensor, attention_mask: torch.Tensor, num_acti
                          (sequences.shape[0], num_actions))
 
 
-def _layout_of(model: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.dtype, torch.device]:
+def _layout_of(model: ModelOrEngine) -> tuple[PreTrainedModel, str, torch.dtype, torch.device]:
     """(inner module, attention implementation, parameter dtype, device) of a model or engine wrapper."""
-    module = getattr(model, "module", model)
+    module = hf_model(model)
     param = next(iter(module.parameters()))
     return module, module.config._attn_implementation, param.dtype, param.device
 
@@ -295,7 +303,8 @@ def chunked_head_weight(module: torch.nn.Module) -> torch.Tensor | None:
     would, else None: the head must be a plain bias-free ``nn.Linear`` (not LoRA-adapted or quantized),
     its weight not partitioned by ZeRO-3 (only gathered inside the head's own forward), and the config
     must apply nothing to the logits afterwards."""
-    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    output_embeddings = getattr(module, "get_output_embeddings", None)
+    head = output_embeddings() if output_embeddings is not None else None
     if type(head) is not torch.nn.Linear or head.bias is not None or hasattr(head.weight, "ds_id"):
         return None
     config = getattr(module, "config", None)
@@ -309,7 +318,7 @@ def _scatter_actions(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return values.new_zeros(mask.shape).masked_scatter(mask, values)
 
 
-def _chunked_policy_logprobs(model: torch.nn.Module, weight: torch.Tensor, sequences: torch.Tensor,
+def _chunked_policy_logprobs(model: ModelOrEngine, weight: torch.Tensor, sequences: torch.Tensor,
                              attention_mask: torch.Tensor, num_actions: int, temperature: float, packed: bool,
                              with_entropy: bool, router: list | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`policy_logprobs` from the decoder's hidden states: the LM head runs only on the real
@@ -324,7 +333,7 @@ def _chunked_policy_logprobs(model: torch.nn.Module, weight: torch.Tensor, seque
         hidden = out.last_hidden_state
         logprobs, entropy = linear_logprobs(hidden[0, pack.positions.to(device)], weight, pack.targets.to(device),
                                             temperature, with_entropy)
-        return pack.scatter(logprobs), (pack.scatter(entropy) if with_entropy else None)
+        return pack.scatter(logprobs), (pack.scatter(entropy) if entropy is not None else None)
     position_ids = position_ids_from_mask(attention_mask)
     # The router logits are those of one forward over every token; the shared-prefix forward runs two.
     share = can_share_prompts(module) and router is None
@@ -341,7 +350,7 @@ def _chunked_policy_logprobs(model: torch.nn.Module, weight: torch.Tensor, seque
     mask = attention_mask[:, -num_actions:].bool()  # real response tokens; finished rows are right-padded
     logprobs, entropy = linear_logprobs(predicting[mask], weight, sequences[:, -num_actions:][mask], temperature,
                                         with_entropy)
-    return _scatter_actions(logprobs, mask), (_scatter_actions(entropy, mask) if with_entropy else None)
+    return _scatter_actions(logprobs, mask), (_scatter_actions(entropy, mask) if entropy is not None else None)
 
 
 def logits_entropy(logits: torch.Tensor, temperature: float, mask: torch.Tensor, grad: bool) -> torch.Tensor:
@@ -354,7 +363,7 @@ def logits_entropy(logits: torch.Tensor, temperature: float, mask: torch.Tensor,
         return entropy_from_logits(logits / temperature, mask)
 
 
-def policy_logprobs(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+def policy_logprobs(model: ModelOrEngine, sequences: torch.Tensor, attention_mask: torch.Tensor,
                     num_actions: int, temperature: float = 1.0, *, packed: bool = False,
                     with_entropy: bool = False, entropy_grad: bool = True, chunked: bool = True,
                     router: list | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -395,13 +404,12 @@ def policy_logprobs(model: torch.nn.Module, sequences: torch.Tensor, attention_m
     return pack.scatter(logprobs), entropy
 
 
-def critic_values(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+def critic_values(model: ModelOrEngine, sequences: torch.Tensor, attention_mask: torch.Tensor,
                   num_actions: int, *, packed: bool = False) -> torch.Tensor:
     """Value of the state before each response token: (B, P+R) -> (B, R) fp32, padded or packed."""
     if not packed:
         return action_values(model, sequences, attention_mask, num_actions)
     pack = pack_actions(sequences, attention_mask, num_actions)
     module, attn, dtype, device = _layout_of(model)
-    base = getattr(module, module.base_model_prefix)
-    hidden = base(**model_inputs(pack.inputs, attn, dtype, device), use_cache=False).last_hidden_state
-    return pack.scatter(module.score(hidden[0, pack.positions.to(device)]).squeeze(-1).float())
+    hidden = base_model(module)(**model_inputs(pack.inputs, attn, dtype, device), use_cache=False).last_hidden_state
+    return pack.scatter(child_module(module, "score")(hidden[0, pack.positions.to(device)]).squeeze(-1).float())

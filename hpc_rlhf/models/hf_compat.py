@@ -17,13 +17,15 @@ import torch
 
 @functools.cache
 def _forward_takes_cache(model_class: type) -> bool:
-    return "cache" in inspect.signature(model_class.forward).parameters
+    forward = getattr(model_class, "forward", None)  # every nn.Module class has one
+    return forward is not None and "cache" in inspect.signature(forward).parameters
 
 
 def cache_kwargs(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
     """The keyword argument that passes ``cache`` (a ``transformers.Cache``) to ``model``'s forward: ``cache``
     where the forward takes it (transformers >= 5.24), else ``past_key_values``."""
-    return {"cache": cache} if _forward_takes_cache(type(model)) else {"past_key_values": cache}
+    model_class: type = type(model)  # a plain type: mypy rejects type[Module] as unhashable (via Module.__hash__)
+    return {"cache": cache} if _forward_takes_cache(model_class) else {"past_key_values": cache}
 
 
 def enable_activation_checkpointing(model: torch.nn.Module, **checkpoint_kwargs: Any) -> None:
@@ -32,8 +34,10 @@ def enable_activation_checkpointing(model: torch.nn.Module, **checkpoint_kwargs:
     enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.24
     if enable is not None:
         enable(activation_checkpointing_kwargs=checkpoint_kwargs)
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+    else:
+        legacy_enable = getattr(model, "gradient_checkpointing_enable", None)
+        if legacy_enable is not None:
+            legacy_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
 
 
 def is_activation_checkpointing(model: torch.nn.Module) -> bool:

@@ -23,12 +23,19 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 from safetensors.torch import save_file
 
 from hpc_rlhf.config.schema import LoraConfig as LoraSettings
+from hpc_rlhf.models.hf_module import child_module
 from hpc_rlhf.models.quantization import dequantized, plain_copy
+
+if TYPE_CHECKING:
+    from peft import PeftConfig, PeftModel
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.layer import ParamWrapper
 
 # peft is imported inside the functions: importing it takes seconds (and pulls in bitsandbytes where installed),
 # and only runs with ds.lora.rank > 0 need it.
@@ -78,7 +85,7 @@ def apply_lora(model: torch.nn.Module, lora_cfg: LoraSettings, task_type: str | 
     # get_peft_model injects the LoRA layers into ``model`` itself; the wrapper is dropped on purpose (the
     # adapter config stays reachable as ``model.peft_config`` for save_adapter).
     try:
-        model = get_peft_model(model, peft_cfg).base_model.model
+        model = child_module(get_peft_model(model, peft_cfg).base_model, "model")
     except ValueError as err:
         if "ParamWrapper" in str(err) and "dropout" in str(err):
             raise ValueError(f"ds.lora.dropout={lora_cfg.dropout}: peft adapts this mixture-of-experts model's fused "
@@ -119,13 +126,13 @@ def hf_name(name: str) -> str | None:
     return _BASE_LAYERS.sub(".", name)  # nested under one base_layer per LoRA layer (ParamWrapper)
 
 
-def _is_param_wrapper(layer: torch.nn.Module) -> bool:
+def _is_param_wrapper(layer: object) -> TypeGuard[ParamWrapper]:
     """peft's LoRA on a bare parameter (``ParamWrapper``): the fused 3-D experts and the router weight of
     transformers 5's MoE blocks, which ``all-linear`` targets since peft 0.17."""
     return type(layer).__name__ == "ParamWrapper" and hasattr(layer, "parameter_name")
 
 
-def _adapted_weight_name(path: str, layer: torch.nn.Module) -> str:
+def _adapted_weight_name(path: str, layer: LoraLayer) -> str:
     """The state-dict name of the base tensor a LoRA layer at ``path`` adapts.
 
     A layer's own base sits under ``base_layer``; peft nests one ``ParamWrapper`` per adapted parameter of the same
@@ -133,13 +140,14 @@ def _adapted_weight_name(path: str, layer: torch.nn.Module) -> str:
     """
     from peft.tuners.lora import LoraLayer
 
-    name, inner = path, layer
+    name = path
+    inner: object = layer  # each base_layer below is a module, a LoRA layer itself when peft nested one
     while isinstance(inner, LoraLayer):
         name, inner = f"{name}.base_layer", inner.base_layer
     return f"{name}.{layer.parameter_name if _is_param_wrapper(layer) else 'weight'}"
 
 
-def _lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+def _lora_layers(model: torch.nn.Module) -> dict[str, LoraLayer]:
     """``{state-dict name of an adapted base tensor: its LoRA layer}``."""
     from peft.tuners.lora import LoraLayer
 
@@ -147,7 +155,7 @@ def _lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 @torch.no_grad()
-def _merged_weight(layer: torch.nn.Module, base: torch.Tensor) -> torch.Tensor:
+def _merged_weight(layer: LoraLayer, base: torch.Tensor) -> torch.Tensor:
     """``W + sum_active delta`` of one peft LoRA layer (``base``: its adapted tensor ``W``), computed in fp32 into a
     new tensor: ``scale * B @ A`` for Linear and Embedding, peft's own per-expert delta for a ``ParamWrapper``."""
     from peft.tuners.lora import Embedding
@@ -163,7 +171,8 @@ def _merged_weight(layer: torch.nn.Module, base: torch.Tensor) -> torch.Tensor:
         # A 2-D base with factors in lora_A: peft's Linear and its bitsandbytes variants (lora.bnb.Linear4bit holds
         # its factors the same way without subclassing lora.Linear); conv layers have 3-5-D weights.
         elif factored and merged.dim() == 2:
-            delta = layer.lora_B[adapter].weight.float() @ layer.lora_A[adapter].weight.float()
+            delta = (layer.lora_B[adapter].get_parameter("weight").float()
+                     @ layer.lora_A[adapter].get_parameter("weight").float())
             merged += (delta.T if getattr(layer, "fan_in_fan_out", False) else delta) * layer.scaling[adapter]
         elif isinstance(layer, Embedding) and adapter in layer.lora_embedding_A:
             delta = layer.lora_embedding_B[adapter].float() @ layer.lora_embedding_A[adapter].float()
@@ -176,8 +185,15 @@ def _merged_weight(layer: torch.nn.Module, base: torch.Tensor) -> torch.Tensor:
 
 def lora_factors(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:
     """``{state-dict name of an adapted base tensor: [its LoRA parameters]}``: what a merge of that tensor reads."""
-    return {name: [p for pn, p in m.named_parameters() if not pn.startswith("base_layer.")]
-            for name, m in _lora_layers(model).items()}
+    from peft.tuners.lora import LoraLayer
+
+    factors: dict[str, list[torch.nn.Parameter]] = {}
+    module: torch.nn.Module  # named_modules is untyped: a LoRA layer is both a module and a peft LoraLayer
+    for path, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            factors[_adapted_weight_name(path, module)] = [p for pn, p in module.named_parameters()
+                                                           if not pn.startswith("base_layer.")]
+    return factors
 
 
 def merge_lora_entries(model: torch.nn.Module,
@@ -201,7 +217,7 @@ def merged_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Te
     Names match ``AutoModelFor*.from_pretrained(...).state_dict()`` (tied weights under every name, as there).
     The training weights are not modified.
     """
-    inner = model.base_model.model if _is_peft_model(model) else model
+    inner = child_module(model.base_model, "model") if _is_peft_model(model) else model
     # A 4-bit model's state dict also carries bitsandbytes' quantisation state (``*.weight.absmax``, ...):
     # only real parameters and buffers have a plain counterpart.
     tensors = {*dict(inner.named_parameters(remove_duplicate=False)),
@@ -210,7 +226,7 @@ def merged_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Te
     yield from merge_lora_entries(inner, entries)
 
 
-def _is_peft_model(model: torch.nn.Module) -> bool:
+def _is_peft_model(model: torch.nn.Module) -> TypeGuard[PeftModel]:
     try:
         from peft import PeftModel
     except ImportError:
@@ -225,7 +241,10 @@ def save_adapter(model: torch.nn.Module, output_dir: str, adapter_name: str = "d
     if _is_peft_model(model):
         model.save_pretrained(output_dir, selected_adapters=[adapter_name], save_embedding_layers=False)
         return
-    config = model.peft_config[adapter_name]
+    configs: dict[str, PeftConfig] | None = getattr(model, "peft_config", None)  # set by apply_lora
+    if configs is None:
+        raise ValueError(f"save_adapter: {type(model).__name__} carries no LoRA adapter (apply_lora was not applied)")
+    config = configs[adapter_name]
     state = get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False)
     state = {PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in state.items()}
     os.makedirs(output_dir, exist_ok=True)

@@ -22,6 +22,7 @@ from hpc_rlhf.models.forward import (
     score_at_last_token,
     sequence_scores,
 )
+from hpc_rlhf.models.hf_module import ModelOrEngine
 from hpc_rlhf.models.logprobs import logprobs_from_logits
 from hpc_rlhf.models.moe import RouterLogits
 from hpc_rlhf.models.routing_replay import not_recorded, replay_routes
@@ -51,16 +52,17 @@ class MicroForward:
     sequence parallelism, ring attention must also run when checkpointed layers are recomputed.
     """
 
-    def __init__(self, model: torch.nn.Module, rows: dict[str, torch.Tensor], packed: bool,
+    def __init__(self, model: ModelOrEngine, rows: dict[str, torch.Tensor], packed: bool,
                  sp: SequenceParallel | None = None, shard: Any = None) -> None:
         self.model, self.packed, self.sp, self.shard = model, packed, sp, shard
         self.sequences, self.attention_mask = rows["sequences"], rows["attention_mask"]
         self.num_actions = rows["action_mask"].shape[1] if "action_mask" in rows else None  # None: RM scoring
-        self.router_logits = None  # set by policy_logprobs(with_router=True): the forward's RouterLogits
+        # set by policy_logprobs(with_router=True): the forward's RouterLogits
+        self.router_logits: RouterLogits | None = None
         routes = rows.get("routed_experts")
         # (N, L, k): the rollout's routes of the forward's N token positions (this rank's chunk under sequence
         # parallelism), aligned with router_logits
-        self.recorded_routes = None
+        self.recorded_routes: torch.Tensor | None = None
         if routes is not None and sp is None:
             self.recorded_routes = routes_in_forward_order(routes, self.sequences, self.attention_mask,
                                                            self.num_actions, packed)
@@ -74,6 +76,13 @@ class MicroForward:
         ZeRO averages gradients over dp x sp ranks, so scaling by sp turns the sp part into the sum."""
         return float(self.sp.size) if self.sp else 1.0
 
+    @property
+    def _num_actions(self) -> int:
+        """R, the response (action) columns; a reward-model scoring batch (no ``action_mask``) has none."""
+        if self.num_actions is None:
+            raise ValueError("this micro-batch has no response columns (rows['action_mask']): it can only be scored")
+        return self.num_actions
+
     def policy_logprobs(self, temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = True,
                         with_router: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, R) fp32 log-probs of the response tokens, and their entropy when asked (detached when
@@ -81,16 +90,16 @@ class MicroForward:
         models) also keeps the forward's router logits in ``self.router_logits`` (under sequence parallelism,
         those of this rank's chunk: reduce over ``self.sp.group``, ``hpc_rlhf.models.moe``)."""
         if self.sp is None:
-            router = [] if with_router else None
-            out = policy_logprobs(self.model, self.sequences, self.attention_mask, self.num_actions, temperature,
+            router: list[RouterLogits] | None = [] if with_router else None
+            out = policy_logprobs(self.model, self.sequences, self.attention_mask, self._num_actions, temperature,
                                   packed=self.packed, with_entropy=with_entropy, entropy_grad=entropy_grad,
                                   router=router)
             self.router_logits = router[0] if router else None
             return out
-        router = [] if with_router else None
-        logits = sp_token_logits(self.model, self.shard, router)  # (B, S_local, V), or (1, N_local, V) packed
-        if router:
-            self.router_logits = self._chunk_router(router[0])
+        chunk_router: list[tuple[torch.Tensor, ...]] | None = [] if with_router else None
+        logits = sp_token_logits(self.model, self.shard, chunk_router)  # (B, S_local, V), or (1, N_local, V) packed
+        if chunk_router:
+            self.router_logits = self._chunk_router(chunk_router[0])
         logprobs = self._gather(logprobs_from_logits(logits, self.shard.labels, temperature))
         entropy = None
         if with_entropy:
@@ -101,7 +110,7 @@ class MicroForward:
     def critic_values(self) -> torch.Tensor:
         """(B, R) fp32 value of the state before each response token."""
         if self.sp is None:
-            return critic_values(self.model, self.sequences, self.attention_mask, self.num_actions,
+            return critic_values(self.model, self.sequences, self.attention_mask, self._num_actions,
                                  packed=self.packed)
         return self._gather(sp_token_values(self.model, self.shard))
 
@@ -115,24 +124,28 @@ class MicroForward:
     def _chunk_router(self, layers: tuple[torch.Tensor, ...]) -> RouterLogits:
         """:class:`RouterLogits` of this rank's chunk: its real tokens, and the positions that predict a response
         token (cut from the full rows like the chunk)."""
-        predicting = predicting_actions(self.attention_mask, self.num_actions)
+        predicting = predicting_actions(self.attention_mask, self._num_actions)
         device = layers[0].device
         real = (self.shard.segment_ids >= 0).reshape(-1).to(device)
         return RouterLogits(layers, real, self.shard.local(predicting, pad_value=False).reshape(-1).to(device))
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
         """Per-token outputs of this chunk -> (B, R) action columns of the full rows (differentiable)."""
+        assert self.sp is not None  # only the sequence-parallel forwards gather
         full = gather_from_sp(local, self.shard, self.sp.group)  # column t: output for token t+1
-        return full[:, -self.num_actions - 1 : -1]
+        return full[:, -self._num_actions - 1 : -1]
 
 
 def routes_in_forward_order(routes: torch.Tensor, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                            num_actions: int, packed: bool) -> torch.Tensor:
+                            num_actions: int | None, packed: bool) -> torch.Tensor:
     """Recorded routes (B, T, L, k) of the padded rows -> (N, L, k) in the order the forward's routers see the
     tokens: every position row-major (padded), or the packed row's tokens (:func:`pack_actions`, which orders
-    the samples as its bin packing does): each from its sample's row at its position in the sample."""
+    the samples as its bin packing does): each from its sample's row at its position in the sample.
+    ``num_actions`` (the response columns) is needed only ``packed``."""
     if not packed:
         return routes.reshape(-1, *routes.shape[2:])
+    if num_actions is None:
+        raise ValueError("routes of a packed micro-batch need its response columns (rows['action_mask'])")
     pack = pack_actions(sequences, attention_mask, num_actions).inputs
     real = attention_mask.bool()
     offsets = torch.cumsum(real.sum(dim=1), 0) - real.sum(dim=1)  # where each row's real tokens start in routes[real]
@@ -143,7 +156,7 @@ def routes_in_forward_order(routes: torch.Tensor, sequences: torch.Tensor, atten
 
 
 @contextlib.contextmanager
-def forward_scope(model: torch.nn.Module, rows: dict[str, torch.Tensor], *, packed: bool = False,
+def forward_scope(model: ModelOrEngine, rows: dict[str, torch.Tensor], *, packed: bool = False,
                   sp: SequenceParallel | None = None, replay: bool = False) -> Iterator[MicroForward]:
     """Forwards of one micro-batch; under ``sp`` the model's attention is ring attention in the block.
 

@@ -74,7 +74,7 @@ def _transformers_model(module: torch.nn.Module) -> torch.nn.Module:
     return get_base() if callable(get_base) else module
 
 
-def router_class(module: torch.nn.Module) -> type | None:
+def router_class(module: torch.nn.Module) -> type[torch.nn.Module] | None:
     """The router module class transformers records ``router_logits`` from (``_can_record_outputs``)."""
     model = _transformers_model(module)
     recorder = getattr(type(model), "_can_record_outputs", None) or {}

@@ -18,13 +18,19 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from transformers import BitsAndBytesConfig
 
+if TYPE_CHECKING:
+    from bitsandbytes.functional import QuantState
+    from bitsandbytes.nn import Params4bit
+
 log = logging.getLogger(__name__)
 QUANTIZED_WEIGHT_TYPES = ("Params4bit",)
+# bitsandbytes' switch on a Linear4bit for its CPU inference kernel (see keep_cpu_numerics_exact)
+_CPU_KERNEL_SWITCH = "support_avx512bf16_for_cpu"
 
 
 def check_4bit_available() -> None:
@@ -59,8 +65,8 @@ def keep_cpu_numerics_exact(model: torch.nn.Module) -> torch.nn.Module:
     PPO's ratio would not be 1 on policy. The repacked weight also no longer dequantises correctly.
     """
     for module in model.modules():
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
+        if hasattr(module, _CPU_KERNEL_SWITCH):
+            setattr(module, _CPU_KERNEL_SWITCH, False)
     return model
 
 
@@ -82,8 +88,21 @@ def warn_unquantized_weights(model: torch.nn.Module, key: str = "ds.lora.load_in
     return count
 
 
-def is_quantized(tensor: torch.Tensor) -> bool:
+def is_quantized(tensor: torch.Tensor) -> TypeGuard[Params4bit]:
+    """Whether ``tensor`` is a bitsandbytes 4-bit weight (by class name: bitsandbytes is imported only by QLoRA)."""
     return type(tensor).__name__ in QUANTIZED_WEIGHT_TYPES
+
+
+def quant_state(weight: Params4bit) -> QuantState:
+    """The quantisation state (shape, dtype, scales) of a 4-bit weight.
+
+    Raises:
+        ValueError: the weight has none yet (bitsandbytes quantises when the weight is moved to its device).
+    """
+    if weight.quant_state is None:
+        raise ValueError("a 4-bit weight has no quantisation state yet: bitsandbytes quantises it when the model is "
+                         "moved to its device; load 4-bit models with hpc_rlhf.models.loading")
+    return weight.quant_state
 
 
 @torch.no_grad()
@@ -94,10 +113,11 @@ def dequantized(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach()
     from peft.utils.integrations import dequantize_bnb_weight  # peft: only QLoRA runs reach here (see models/lora)
 
-    if getattr(tensor.quant_state, "packing_format_for_cpu", False):
+    state = quant_state(tensor)
+    if getattr(state, "packing_format_for_cpu", False):
         raise RuntimeError("a 4-bit weight was repacked for bitsandbytes' CPU inference kernel and cannot be "
                            "dequantised; load 4-bit models with hpc_rlhf.models.loading (keep_cpu_numerics_exact)")
-    return dequantize_bnb_weight(tensor, state=tensor.quant_state).detach()
+    return dequantize_bnb_weight(tensor, state=state).detach()
 
 
 def plain_copy(tensor: torch.Tensor) -> torch.Tensor:

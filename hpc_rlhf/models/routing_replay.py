@@ -30,6 +30,7 @@ from collections.abc import Iterator
 import torch
 
 from hpc_rlhf.algos.moe import not_recorded, was_recorded
+from hpc_rlhf.models.hf_module import ModelOrEngine, hf_model
 from hpc_rlhf.models.moe import router_class
 
 # transformers router classes that compute ``(logits, top-k softmax weights, top-k ids)`` from one linear
@@ -66,12 +67,12 @@ def pad_routes(routes: torch.Tensor | None, num_positions: int) -> torch.Tensor 
     return torch.cat([routes, tail])
 
 
-def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def routers(model: ModelOrEngine) -> list[torch.nn.Module]:
     """The model's router modules in model order (one per MoE layer); empty for a dense model. ``model`` may be
     a training engine wrapping the transformers model (``.module``)."""
-    model = getattr(model, "module", model)
-    cls = router_class(model)
-    return [m for m in model.modules() if isinstance(m, cls)] if cls is not None else []
+    module = hf_model(model)
+    cls = router_class(module)
+    return [m for m in module.modules() if isinstance(m, cls)] if cls is not None else []
 
 
 def renormalises_top_k(router: torch.nn.Module) -> bool:
@@ -145,7 +146,7 @@ class RouteRecorder:
 
 
 @contextlib.contextmanager
-def replay_routes(model: torch.nn.Module, routes: torch.Tensor) -> Iterator[None]:
+def replay_routes(model: ModelOrEngine, routes: torch.Tensor) -> Iterator[None]:
     """Forwards of ``model`` inside the block route token ``n`` of each MoE layer ``l`` to ``routes[n, l]``.
 
     ``routes``: (N, L, k), aligned with the forward's flattened token positions (one forward per block);

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from transformers import AttentionInterface
 
+from hpc_rlhf.models.hf_module import ModelOrEngine, base_model, child_module, hf_model
 from hpc_rlhf.models.logprobs import logprobs_from_logits
 from hpc_rlhf.models.ring_attention import ring_attention
 from hpc_rlhf.models.ring_flash_import import load_ring_flash_attn, ring_flash_attn_status
@@ -86,12 +87,19 @@ class SPShard:
     def local_len(self) -> int:
         return self.input_ids.shape[1]
 
+    @property
+    def packed_token_index(self) -> torch.Tensor:
+        """``token_index`` of a packed shard: the flat (B*T) index of each real token of the full batch."""
+        if self.token_index is None:
+            raise ValueError("token_index exists only for a packed shard (shard_for_sp(..., pack=True))")
+        return self.token_index
+
     def local(self, full: torch.Tensor, pad_value: float | int = 0) -> torch.Tensor:
         """Cut any (B, T, ...) tensor of the full batch the same way as ``input_ids``."""
         if tuple(full.shape[:2]) != self.batch_shape:
             raise ValueError(f"expected a tensor of shape {self.batch_shape} + ..., got {tuple(full.shape)}")
         if self.packed:
-            full = full.flatten(0, 1)[self.token_index.to(full.device)].unsqueeze(0)
+            full = full.flatten(0, 1)[self.packed_token_index.to(full.device)].unsqueeze(0)
         if self.pad_len:
             pad = full.new_full((full.shape[0], self.pad_len, *full.shape[2:]), pad_value)
             full = torch.cat([full, pad], dim=1)
@@ -179,7 +187,7 @@ def gather_from_sp(local: torch.Tensor, shard: SPShard, sp_group: dist.ProcessGr
         return full
     b, t = shard.batch_shape
     out = full.new_full((b * t, *full.shape[2:]), fill)
-    return out.index_copy(0, shard.token_index.to(full.device), full[0]).view(b, t, *full.shape[2:])
+    return out.index_copy(0, shard.packed_token_index.to(full.device), full[0]).view(b, t, *full.shape[2:])
 
 
 def sp_loss_scale(sp_size: int, engine_averages_over_sp: bool = True) -> float:
@@ -271,7 +279,7 @@ def register_attention_functions() -> None:
     _REGISTERED = True
 
 
-_FALLBACKS_LOGGED: set[str] = set()  # one warning per process, not one per micro-batch
+_FALLBACKS_LOGGED: set[str | None] = set()  # one warning per process, not one per micro-batch
 
 
 def resolve_backend(backend: str, shard: SPShard, device: torch.device) -> str:
@@ -298,7 +306,7 @@ def resolve_backend(backend: str, shard: SPShard, device: torch.device) -> str:
 
 
 @contextlib.contextmanager
-def sequence_parallel_attention(model: torch.nn.Module, sp_group: dist.ProcessGroup | None, shard: SPShard,
+def sequence_parallel_attention(model: ModelOrEngine, sp_group: dist.ProcessGroup | None, shard: SPShard,
                                 backend: str = "auto", head_stride: int = 1) -> Iterator[str]:
     """Make ``model``'s attention layers ring attention over ``sp_group`` for the ``with`` block.
 
@@ -316,11 +324,13 @@ def sequence_parallel_attention(model: torch.nn.Module, sp_group: dist.ProcessGr
         raise RuntimeError("sequence_parallel_attention is already active (nesting is not supported)")
     if sp_group is not None and dist.get_world_size(sp_group) != shard.sp_size:
         raise ValueError(f"shard is for {shard.sp_size} sp ranks but sp_group has {dist.get_world_size(sp_group)}")
-    inner = getattr(model, "module", model)
+    inner = hf_model(model)
     backend = resolve_backend(backend, shard, shard.input_ids.device)
     register_attention_functions()
     state = _SPState(group=sp_group, shard=shard, head_stride=head_stride)
     if backend == "ring_flash":
+        if shard.cu_seqlens is None:
+            raise ValueError("the ring_flash backend needs a packed shard (shard_for_sp(..., pack=True))")
         num_kv_heads = getattr(inner.config, "num_key_value_heads", None) or inner.config.num_attention_heads
         if num_kv_heads % head_stride:
             raise ValueError(f"ds.ring_head_stride={head_stride} must divide the {num_kv_heads} kv heads")
@@ -347,7 +357,7 @@ def sequence_parallel_attention(model: torch.nn.Module, sp_group: dist.ProcessGr
 
 
 # ------------------------------------------------------------------------------------------ forwards
-def sp_token_logits(model: torch.nn.Module, shard: SPShard, router: list | None = None) -> torch.Tensor:
+def sp_token_logits(model: ModelOrEngine, shard: SPShard, router: list | None = None) -> torch.Tensor:
     """Logits of this rank's chunk (inside ``sequence_parallel_attention``): (B, S_local, V).
 
     ``router``: a list to which an MoE model's router logits of the chunk are appended (a tuple of
@@ -361,15 +371,14 @@ def sp_token_logits(model: torch.nn.Module, shard: SPShard, router: list | None 
     return out.logits
 
 
-def sp_token_logprobs(model: torch.nn.Module, shard: SPShard, temperature: float = 1.0) -> torch.Tensor:
+def sp_token_logprobs(model: ModelOrEngine, shard: SPShard, temperature: float = 1.0) -> torch.Tensor:
     """Log-prob of each local token's successor (``shard.labels``): (B, S_local) fp32."""
     return logprobs_from_logits(sp_token_logits(model, shard), shard.labels, temperature)
 
 
-def sp_token_values(model: torch.nn.Module, shard: SPShard) -> torch.Tensor:
+def sp_token_values(model: ModelOrEngine, shard: SPShard) -> torch.Tensor:
     """Critic values (``score`` head) of this rank's chunk: (B, S_local) fp32. Like ``token_values``."""
-    model = getattr(model, "module", model)
-    base = getattr(model, model.base_model_prefix)
-    hidden = base(input_ids=shard.input_ids, position_ids=shard.position_ids, attention_mask=None,
-                  use_cache=False).last_hidden_state
-    return model.score(hidden).squeeze(-1).float()
+    module = hf_model(model)
+    hidden = base_model(module)(input_ids=shard.input_ids, position_ids=shard.position_ids, attention_mask=None,
+                                use_cache=False).last_hidden_state
+    return child_module(module, "score")(hidden).squeeze(-1).float()

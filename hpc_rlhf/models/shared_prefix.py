@@ -15,7 +15,7 @@ eager) and no activation checkpointing (transformers turns the cache off under i
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 from hpc_rlhf.models.hf_compat import cache_kwargs, is_activation_checkpointing
 
@@ -48,7 +48,7 @@ def distinct_prompts(sequences: torch.Tensor, attention_mask: torch.Tensor,
     return first_rows, row_prompt
 
 
-def shared_prefix_hidden(decoder: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+def shared_prefix_hidden(decoder: PreTrainedModel, sequences: torch.Tensor, attention_mask: torch.Tensor,
                          position_ids: torch.Tensor, num_actions: int, first_rows: torch.Tensor,
                          row_prompt: torch.Tensor) -> torch.Tensor:
     """(B, R, H) final hidden states at the R positions that predict the response tokens (the last prompt

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import string
 from pathlib import Path
+from typing import Any
 
 import torch
 from filelock import FileLock
@@ -101,10 +102,12 @@ def build_tiny_model(path: str | Path, seed: int = 0, max_position_embeddings: i
         if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
             return path
         tok = build_char_tokenizer(tools=tools)
+        # LlamaConfig's size fields by name (hidden_size, ...): mypy cannot match a dict's keys to its keywords
+        size_fields: dict[str, Any] = {**DEFAULT_SIZES, **sizes}
         config = LlamaConfig(
             vocab_size=len(tok), max_position_embeddings=max_position_embeddings,
             pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-            tie_word_embeddings=True, initializer_range=initializer_range, **{**DEFAULT_SIZES, **sizes},
+            tie_word_embeddings=True, initializer_range=initializer_range, **size_fields,
         )
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)

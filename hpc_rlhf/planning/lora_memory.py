@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hpc_rlhf.config.schema import LoraConfig
@@ -291,7 +292,7 @@ def dequantize_transient_bytes(shape: ModelShape, act_bytes: int) -> float:
     return largest * act_bytes + largest / NF4_BLOCKSIZE * 4
 
 
-def _lora_inputs(dims: dict[str, tuple[int, int]], shared_inputs: float, rank: int, dropout: float,
+def _lora_inputs(dims: Mapping[str, tuple[float, float]], shared_inputs: float, rank: int, dropout: float,
                  dropout_mask_elems: float) -> float:
     """What adapted linears save for their factors: their inputs (``shared_inputs``, each tensor once) or, with
     dropout, each its own dropped input plus the mask; and ``rank`` (``lora_A``'s output) each."""
@@ -311,7 +312,7 @@ def _lora_attention_elements(shape: ModelShape, lora: LoraSpec, tp: int, dropout
         + _lora_inputs(targets, shared, lora.rank, lora.dropout, dropout_mask_elems)
 
 
-def _swiglu_lora_elements(dims: dict[str, tuple[int, int]], adapted: tuple[str, ...], lora: LoraSpec,
+def _swiglu_lora_elements(dims: Mapping[str, tuple[float, float]], adapted: tuple[str, ...], lora: LoraSpec,
                           dropout_mask_elems: float, input_kept: bool = False) -> float:
     """Per token, a frozen SwiGLU MLP (``dims``: its gate / up / down) with ``adapted`` projections: gate,
     activation and up (``3i``) for the input gradient, plus the adapted projections' inputs (the MLP input, shared

@@ -31,12 +31,12 @@ class RewardModelRole:
         """(B, T) sequences -> (B,) scores, ``micro_batch_size`` rows per forward. ``sp``: every rank of the
         sequence-parallel group gets the same shard and runs its chunk of each row (ring attention)."""
         num_rows, m = shard["sequences"].shape[0], self.micro
-        scores = []
+        per_micro = []
         for i in range(0, num_rows, m):
             rows = {k: shard[k][i : i + m] for k in ("sequences", "attention_mask")}
             with forward_scope(self.engine, rows, sp=sp) as fwd:
-                scores.append(fwd.sequence_scores())
-        scores = torch.cat(scores)
+                per_micro.append(fwd.sequence_scores())
+        scores = torch.cat(per_micro)
         if self.normalization is not None:
             mean, std = self.normalization
             scores = (scores - mean) / std
@@ -49,7 +49,7 @@ def build_reward_model_role(reward: RewardConfig, ds: DeepSpeedConfig, *, micro_
     """Load ``reward.pretrain`` as a frozen DeepSpeed engine and wrap it as the role: the training roles' dtype,
     attention and Liger kernels (``ds``), but full precision under QLoRA. Collective over ``dp_group`` and
     ``tp_group``. The stored statistics are read first, so a missing key fails before the weights load."""
-    path, head = reward.pretrain, reward.value_head_prefix
+    path, head = reward.pretrain_path("reward.pretrain"), reward.value_head_prefix
     normalization = read_reward_normalization(path, "reward.normalize") if reward.normalize else None
     dtype = resolve_dtype(ds.param_dtype, on_gpu)
     attn = resolve_attn_implementation(ds.attn_implementation, on_gpu)

@@ -41,6 +41,7 @@ Unlike vLLM's per-request seeds, a sample depends on the whole call's batch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import inspect
 from collections.abc import Iterable
@@ -50,6 +51,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from hpc_rlhf.models.hf_compat import cache_kwargs
+from hpc_rlhf.models.hf_module import to_device
 from hpc_rlhf.models.moe import moe_spec
 from hpc_rlhf.models.routing_replay import RouteRecorder, not_recorded
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
@@ -71,11 +73,16 @@ class _RowParams:
     any_truncation: bool = False
 
     def select(self, index: torch.Tensor) -> _RowParams:
-        tensors = (self.temperature, self.top_p, self.top_k, self.max_new_tokens, self.stop_ids)
-        return _RowParams(*(t[index] for t in tensors), self.all_greedy, self.any_greedy, self.any_truncation)
+        """The rows ``index`` of every tensor; the call-level flags stay."""
+        return dataclasses.replace(self, temperature=self.temperature[index], top_p=self.top_p[index],
+                                   top_k=self.top_k[index], max_new_tokens=self.max_new_tokens[index],
+                                   stop_ids=self.stop_ids[index])
 
-
-_TENSOR_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_ids")
+    def to(self, device: torch.device) -> _RowParams:
+        """Every tensor on ``device``; the call-level flags stay."""
+        return dataclasses.replace(self, temperature=self.temperature.to(device), top_p=self.top_p.to(device),
+                                   top_k=self.top_k.to(device), max_new_tokens=self.max_new_tokens.to(device),
+                                   stop_ids=self.stop_ids.to(device))
 
 
 def call_seed(requests: list[GenerationRequest], fallback: int) -> int:
@@ -181,15 +188,17 @@ class TransformersRolloutEngine(RolloutEngine):
         record_routes: bool = False,
     ) -> None:
         self.model = model
-        spec = moe_spec(model.config)
-        if record_routes and spec is None:
-            raise ValueError(f"record_routes: {type(model).__name__} is not a mixture-of-experts model")
-        self._num_experts = spec.num_experts if record_routes else None
+        self._num_experts: int | None = None
+        if record_routes:
+            spec = moe_spec(model.config)
+            if spec is None:
+                raise ValueError(f"record_routes: {type(model).__name__} is not a mixture-of-experts model")
+            self._num_experts = spec.num_experts
         self.shares_trained_model = shares_trained_model
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id if pad_token_id is not None else (eos_token_id or 0)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.model.to(self.device)
+        to_device(self.model, self.device)
         self.seed = seed
         self._num_calls = 0
         self._asleep = False
@@ -284,7 +293,7 @@ class TransformersRolloutEngine(RolloutEngine):
                 pending_gather = None
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.size(0), 1))], dim=-1)
             logits = self._forward(tokens[:, None], attention_mask, next_position[:, None], cache)
-            if routes is not None:
+            if routes is not None and recording is not None:  # both or neither
                 routes.decoded[active, step] = recording.take()
             next_position = next_position + 1
         results = self._results(requests, sample_request, out_tokens, out_logprobs, out_lengths, stopped)
@@ -313,9 +322,7 @@ class TransformersRolloutEngine(RolloutEngine):
             any_greedy=any(r.params.temperature == 0 for r in requests),
             any_truncation=any(r.params.top_k > 0 or r.params.top_p < 1 for r in requests),
         )
-        on_device = _RowParams(*(getattr(per_request, name).to(self.device) for name in _TENSOR_FIELDS),
-                               per_request.all_greedy, per_request.any_greedy, per_request.any_truncation)
-        return on_device.select(sample_request)
+        return per_request.to(self.device).select(sample_request)
 
     @staticmethod
     def _results(requests, sample_request, out_tokens, out_logprobs, out_lengths, stopped) -> list[GenerationResult]:
@@ -354,7 +361,7 @@ class TransformersRolloutEngine(RolloutEngine):
     def sleep(self) -> None:
         if self.device.type == "cpu" or self._asleep or self.shares_trained_model:
             return
-        self.model.to("cpu")
+        to_device(self.model, "cpu")
         self._asleep = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -363,7 +370,7 @@ class TransformersRolloutEngine(RolloutEngine):
         """``"weights"`` (or no tags) moves the model back; ``"kv_cache"`` is a no-op: no cache outlives a call."""
         if not self._asleep or (tags is not None and "weights" not in tags):
             return
-        self.model.to(self.device)
+        to_device(self.model, self.device)
         self._asleep = False
 
     def reset_prefix_cache(self) -> None:

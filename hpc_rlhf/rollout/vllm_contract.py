@@ -28,6 +28,7 @@ import inspect
 import sys
 import textwrap
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,12 @@ def _ast_lookup(path: str) -> tuple[ast.AST | None, str]:
     return node, spec.origin
 
 
+def _constructor(cls: type[object]) -> Callable[..., object]:
+    """``cls.__init__``, whose parameters are the class's keyword arguments (read as a class attribute: the
+    ``__init__`` of an instance could be a subclass's)."""
+    return cls.__init__
+
+
 def check_name(entry: VllmName) -> Check:
     """Resolve ``entry.path`` by import (falling back to the AST when the import itself fails) and check
     its parameters and fields."""
@@ -131,7 +138,7 @@ def check_name(entry: VllmName) -> Check:
         return Check(entry.path, "import", False, f"missing: {exc}")
     problems = []
     if entry.params:
-        target = obj.__init__ if isinstance(obj, type) else obj
+        target = _constructor(obj) if isinstance(obj, type) else obj
         names, var_kw = _signature_names(target)
         missing = [p for p in entry.params if p not in names]
         if missing and not var_kw:
@@ -181,7 +188,7 @@ def _accepts(what: str, keys: set[str], cls_path: str, construct: dict[str, Any]
         return Check(what, "ast", False, f"cannot import {cls_path}: {exc}")
     have = _class_fields(cls)
     if isinstance(cls, type):
-        names, _ = _signature_names(cls.__init__)
+        names, _ = _signature_names(_constructor(cls))
         have |= names
     missing = sorted(keys - have)
     if missing:

@@ -49,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from transformers import AutoTokenizer
 
 from hpc_rlhf.models.forward import sequence_scores
+from hpc_rlhf.models.hf_module import to_device
 from hpc_rlhf.models.loading import load_value_model, resolve_attn_implementation
 from hpc_rlhf.models.precision import resolve_dtype
 from hpc_rlhf.models.value_head import ValueHeadError, read_reward_normalization
@@ -106,7 +107,8 @@ class RewardScorer:
                                           key="--value_head_prefix")
         except ValueHeadError as err:
             raise RewardServerError(str(err)) from None
-        self.model.to(self.device).eval()
+        to_device(self.model, self.device)
+        self.model.eval()
         pad_id = self.tokenizer.pad_token_id
         self.pad_id = pad_id if pad_id is not None else self.model.config.pad_token_id
         # Padding never carries content: strip it from a query's ends. When pad == eos it is left alone,
@@ -149,9 +151,9 @@ class RewardScorer:
                     attention_mask[r, width - len(ids[i]):] = 1
                 values = sequence_scores(self.model, input_ids.to(self.device), attention_mask.to(self.device))
                 self.num_forwards += 1
-                values = ((values - self.reward_mean) / self.reward_std).tolist()
+                normalised = ((values - self.reward_mean) / self.reward_std).tolist()
                 for r, i in enumerate(rows):
-                    scores[i] = float(values[r])
+                    scores[i] = float(normalised[r])
         return scores
 
     def score(self, texts: Sequence[str]) -> list[float]:
@@ -193,6 +195,11 @@ class MicroBatcher:
         self._queue = asyncio.Queue()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="reward-batcher")
 
+    def _started_queue(self) -> asyncio.Queue[tuple[list[Any], asyncio.Future]]:
+        if self._queue is None:
+            raise RuntimeError("reward batcher is not running")
+        return self._queue
+
     async def close(self) -> None:
         """Cancel the batcher task and fail whatever is still queued."""
         if self._task is not None:
@@ -214,22 +221,23 @@ class MicroBatcher:
         if not items:
             return []
         future = asyncio.get_running_loop().create_future()
-        await self._queue.put((items, future))
+        await self._started_queue().put((items, future))
         return await future
 
     async def _collect(self) -> list[tuple[list[Any], asyncio.Future]]:
         """The next batch: the first waiting request, plus any arriving within ``max_wait_s``."""
         loop = asyncio.get_running_loop()
-        first, self._carry = (self._carry, None) if self._carry else (await self._queue.get(), None)
+        queue = self._started_queue()
+        first, self._carry = (self._carry, None) if self._carry else (await queue.get(), None)
         batch, size = [first], len(first[0])
         deadline = loop.time() + self.max_wait_s
         while size < self.max_batch_size:
             remaining = deadline - loop.time()
             try:
                 if remaining > 0:
-                    item = await asyncio.wait_for(self._queue.get(), remaining)
+                    item = await asyncio.wait_for(queue.get(), remaining)
                 else:
-                    item = self._queue.get_nowait()  # already waiting: no reason to leave it
+                    item = queue.get_nowait()  # already waiting: no reason to leave it
             except (asyncio.TimeoutError, asyncio.QueueEmpty):
                 break
             if size + len(item[0]) > self.max_batch_size:
@@ -442,8 +450,10 @@ class BackgroundServer:
         self._sock.bind((host, port))
         self.port = self._sock.getsockname()[1]
         self.startup_timeout_s = startup_timeout_s
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on",
-                                                    timeout_graceful_shutdown=graceful_timeout_s))
+        # uvicorn annotates the timeout as an int but hands it to asyncio.wait_for, which takes any float
+        config = uvicorn.Config(app, log_level=log_level, lifespan="on",
+                                timeout_graceful_shutdown=graceful_timeout_s)  # type: ignore[arg-type]
+        self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, name=f"uvicorn-{self.port}", daemon=True)
 
     def _serve(self) -> None:

@@ -20,7 +20,7 @@ from torch.distributed import ProcessGroup
 
 from hpc_rlhf.models.checkpoint_names import to_checkpoint_names
 from hpc_rlhf.models.lora import lora_factors, merge_lora_entries, save_adapter  # peft itself: lazily, inside
-from hpc_rlhf.models.quantization import is_quantized, plain_config, plain_copy
+from hpc_rlhf.models.quantization import is_quantized, plain_config, plain_copy, quant_state
 from hpc_rlhf.weight_sync.plan import pack_consecutive
 
 
@@ -44,7 +44,8 @@ def _state_dict_entries(module: torch.nn.Module) -> list[tuple[str, torch.Tensor
 def _numel_bytes(tensor: torch.Tensor) -> int:
     """Bytes of the full tensor as gathered: a ZeRO-3 partition counts whole, a 4-bit weight dequantised."""
     if is_quantized(tensor):
-        return tensor.quant_state.shape.numel() * tensor.quant_state.dtype.itemsize
+        state = quant_state(tensor)
+        return state.shape.numel() * state.dtype.itemsize
     return getattr(tensor, "ds_numel", tensor.numel()) * tensor.element_size()
 
 
@@ -174,8 +175,9 @@ def write_hf_folder(module: torch.nn.Module, buckets: Iterator[list[tuple[str, t
 
         os.makedirs(output_dir, exist_ok=True)
         plain_config(module.config).save_pretrained(output_dir)  # the weights above are never 4-bit
-        if getattr(module, "generation_config", None) is not None:
-            module.generation_config.save_pretrained(output_dir)
+        generation_config = getattr(module, "generation_config", None)  # None on models that do not generate
+        if generation_config is not None:
+            generation_config.save_pretrained(output_dir)
         save_torch_state_dict(state_dict, output_dir, max_shard_size="5GB")
         if tokenizer is not None:
             tokenizer.save_pretrained(output_dir)

@@ -23,8 +23,9 @@ Loading (every worker): ``start_weight_update`` starts vLLM's layerwise reload, 
 ``model.load_weights`` (vLLM's loader maps HF names, fuses qkv / gate_up, and the layerwise reload processes a
 layer once all its tensors arrived, even when a fused layer's parts come in different buckets of the round),
 ``finish_weight_update`` finalises the reload, then processes a tied LM head again
-(``vllm_external_launcher.refresh_tied_layers``: on CPU it would otherwise keep a packed copy of the old embedding). A plain
-second ``load_weights`` outside a reload fails on CPU: vLLM repacks linear weights after loading.
+(``vllm_external_launcher.refresh_tied_layers``: on CPU it would otherwise keep a packed copy of the old
+embedding). A plain second ``load_weights`` outside a reload fails on CPU: vLLM repacks linear weights after
+loading.
 
 Imports: this module imports no vLLM when it is imported. The sender side (:class:`GlooSenderChannel`) runs on actor
 ranks and the wire format is unit-tested without vLLM, so both live here beside the receiver, one protocol in one
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -155,15 +156,17 @@ def unpack_by_dtype(buffers: Sequence[torch.Tensor], shapes: Sequence[Sequence[i
     layout = bucket_layout(dtypes)
     if len(buffers) != len(layout):
         raise ValueError(f"gloo weight transfer: {len(buffers)} buffers for {len(layout)} dtypes")
-    out: list[torch.Tensor | None] = [None] * len(shapes)
+    if len(shapes) != len(dtypes):
+        raise ValueError(f"gloo weight transfer: {len(shapes)} shapes for {len(dtypes)} dtypes")
+    views: dict[int, torch.Tensor] = {}
     for buffer, (dtype, indices) in zip(buffers, layout, strict=True):
         sizes = [_numel(shapes[i]) for i in indices]
         if buffer.dtype != dtype or buffer.numel() != sum(sizes):
             raise ValueError(f"gloo weight transfer: a {dtype} buffer of {sum(sizes)} elements was expected, got "
                              f"{buffer.dtype} with {buffer.numel()}")
         for i, flat in zip(indices, buffer.split(sizes), strict=True):
-            out[i] = flat.view(list(shapes[i]))
-    return out
+            views[i] = flat.view(list(shapes[i]))
+    return [views[i] for i in range(len(shapes))]  # the layout places every tensor in one buffer
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -197,7 +200,8 @@ class GlooGroup:
         """In place on every rank but ``src``; returns once this rank's part is done."""
         options = dist.BroadcastOptions()
         options.rootRank = src
-        self.backend.broadcast([tensor], options).wait()
+        # torch's stubs leave out Backend.broadcast, which its C++ binding (ProcessGroupGloo) has
+        self.backend.broadcast([tensor], options).wait()  # type: ignore[attr-defined]
 
     def close(self) -> None:
         with contextlib.suppress(Exception):  # a peer already gone is not this rank's error
@@ -244,6 +248,13 @@ class GlooWeightTransferReceiver:
     init_info_cls = GlooWeightTransferInitInfo
     update_info_cls = GlooWeightTransferUpdateInfo
     group: GlooGroup | None = None
+    # Set by vLLM's WeightTransferEngine, the base class GlooWeightTransferEngine adds. Any: vLLM objects (the
+    # model's load_weights is vLLM's API, not nn.Module's); this module imports no vLLM.
+    model: Any
+    model_config: Any
+    parallel_config: Any
+    device: torch.device
+    parse_update_info: Callable[[dict[str, Any]], GlooWeightTransferUpdateInfo]
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         """Join the sender's group (returns once the sender and every worker of the engine have joined)."""

@@ -14,6 +14,7 @@ A rollout group is split into engines of ``rollout.tensor_parallel_size`` consec
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from hpc_rlhf.config.schema import RunConfig, resolved_vllm_mode
 
@@ -21,6 +22,17 @@ ROLES = ("actor", "ref", "teacher", "critic", "reward", "rollout")
 FROZEN_POLICY_ROLES = ("ref", "teacher")  # causal LMs that score the rollout's tokens and never train
 POLICY_ROLES = ("actor", *FROZEN_POLICY_ROLES)  # roles whose LM head runs over the response tokens
 TRAINED_ROLES = ("actor", "critic")
+
+
+class RoleRow(TypedDict):
+    """One role of a placement as :meth:`Placement.describe` lists it."""
+
+    role: str
+    ranks: str  # compact ranges, e.g. "0-3,8"
+    num_ranks: int
+    dp: int
+    tp: int
+    sp: int
 
 
 class PlacementError(ValueError):
@@ -104,8 +116,9 @@ class Placement:
     def roles_of(self, rank: int) -> list[str]:
         return [name for name, grid in self.roles.items() if rank in grid.ranks]
 
-    def describe(self) -> list[dict[str, object]]:
-        rows = []
+    def describe(self) -> list[RoleRow]:
+        """One row per role, for the start-up log and ``plan``'s table."""
+        rows: list[RoleRow] = []
         for name, grid in self.roles.items():
             rows.append(
                 {

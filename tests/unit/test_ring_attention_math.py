@@ -167,6 +167,21 @@ def test_shard_for_sp_round_trip(pack):
         assert one.pad_len == 1 and one.local(mask).shape == (2, 2)
 
 
+def test_ring_flash_backend_refuses_an_unpacked_shard():
+    import types
+
+    from hpc_rlhf.models import sequence_parallel as sp
+
+    shard = shard_for_sp(torch.ones(1, 4, dtype=torch.long), sp_rank=0, sp_size=1, pack=False)
+    model = types.SimpleNamespace(config=types.SimpleNamespace(num_attention_heads=4, _attn_implementation="sdpa"))
+    with (pytest.raises(ValueError, match="ring_flash backend needs a packed shard"),
+          sp.sequence_parallel_attention(model, None, shard, backend="ring_flash")):
+        pass
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="token_index exists only for a packed shard"):
+        gather_from_sp(torch.zeros(1, 4), dataclasses.replace(shard, packed=True), None)
+
+
 def test_ring_flash_backend_fails_clearly_without_the_package():
     import importlib.util
     import types

@@ -325,6 +325,8 @@ def test_unpacking_refuses_buffers_that_do_not_match_the_description():
         unpack_by_dtype(buffers[:2], shapes, dtypes)
     with pytest.raises(ValueError, match="torch.float32 buffer of 16 elements"):
         unpack_by_dtype([buffers[0][:-1], *buffers[1:]], shapes, dtypes)
+    with pytest.raises(ValueError, match="4 shapes for 5 dtypes"):
+        unpack_by_dtype(buffers, shapes[:-1], dtypes)
 
 
 def test_gloo_payloads_fail_naming_what_is_wrong():

@@ -40,7 +40,7 @@ from hpc_rlhf.ckpt.universal import load_resharded
 from hpc_rlhf.config import save_resolved_config
 from hpc_rlhf.config.schema import RefConfig
 from hpc_rlhf.config.supervised import ReferenceRunConfig, SupervisedRunConfig
-from hpc_rlhf.data.packing import TokenSample, collate
+from hpc_rlhf.data.packing import CollatedBatch, TokenSample, collate
 from hpc_rlhf.data.prompts import PromptStream
 from hpc_rlhf.models.loading import import_model_code, load_causal_lm, load_tokenizer, resolve_attn_implementation
 from hpc_rlhf.models.precision import resolve_dtype
@@ -171,7 +171,7 @@ class SupervisedTrainer(RunHooks, Generic[RunConfigT]):
         """Rank 0, after the HF export (the reward model adds its reward statistics)."""
 
     # ------------------------------------------------------------------ helpers for subclasses
-    def collate(self, samples: Sequence[TokenSample]) -> dict:
+    def collate(self, samples: Sequence[TokenSample]) -> CollatedBatch:
         tcfg = self.cfg.train
         return collate(samples, self.tokenizer.pad_token_id, packing=tcfg.packing_samples,
                        max_tokens_per_row=tcfg.packing_max_tokens or self.cfg.data.max_len)

@@ -15,6 +15,7 @@ import torch
 
 from hpc_rlhf.algos.preference import global_mean, pairwise_reward_loss
 from hpc_rlhf.config.supervised import RMRunConfig
+from hpc_rlhf.data.packing import CollatedBatch
 from hpc_rlhf.data.preference import PreferencePair, build_preference_datasets
 from hpc_rlhf.models.forward import value_model_forward
 from hpc_rlhf.models.loading import load_value_model
@@ -41,7 +42,7 @@ class RewardModelTrainer(SupervisedTrainer[RMRunConfig]):
         return sum(len(p.chosen) + len(p.rejected) for p in items)
 
     def _scores(self, items: list[PreferencePair],
-                router: list | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                router: list | None = None) -> tuple[torch.Tensor, torch.Tensor, CollatedBatch]:
         samples = [p.chosen for p in items] + [p.rejected for p in items]
         batch = self.collate(samples)
         scores = value_model_forward(self.engine, batch, self.attn, self.dtype, router=router)

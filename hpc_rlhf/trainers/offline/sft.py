@@ -7,7 +7,7 @@ import torch
 
 from hpc_rlhf.algos.preference import sft_loss
 from hpc_rlhf.config.supervised import SFTRunConfig
-from hpc_rlhf.data.packing import TokenSample
+from hpc_rlhf.data.packing import CollatedBatch, TokenSample
 from hpc_rlhf.data.sft import build_sft_datasets
 from hpc_rlhf.models.forward import causal_lm_forward
 from hpc_rlhf.trainers.offline.base import SupervisedTrainer, ratio
@@ -25,7 +25,7 @@ class SFTTrainer(SupervisedTrainer[SFTRunConfig]):
     def input_tokens(self, items: list[TokenSample]) -> int:
         return sum(len(s) for s in items)
 
-    def _nll(self, items: list[TokenSample], router: list | None = None) -> tuple[torch.Tensor, dict]:
+    def _nll(self, items: list[TokenSample], router: list | None = None) -> tuple[torch.Tensor, CollatedBatch]:
         batch = self.collate(items)
         logps = causal_lm_forward(self.engine, batch, self.attn, self.dtype, router=router)
         return logps, batch
