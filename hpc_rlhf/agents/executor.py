@@ -54,7 +54,7 @@ class AgentExecutor(ABC):
             n_samples_per_prompt: int) -> list[Trajectory]:
         ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a no-op hook by default, overridden only where something is served
         """Stop what the executor serves (the OpenAI-agent endpoint) when training ends; no-op by default."""
 
 
@@ -98,7 +98,7 @@ class SingleTurnExecutor(AgentExecutor):
         groups = group_results(generate(requests), len(requests), n_samples_per_prompt)
 
         trajectories: list[Trajectory] = []
-        for group_index, (prompt, ids, group) in enumerate(zip(prompts, prompt_ids, groups)):
+        for group_index, (prompt, ids, group) in enumerate(zip(prompts, prompt_ids, groups, strict=True)):
             for result in group:
                 output_ids = list(result.output_ids)
                 logprobs = [float(x) for x in result.output_logprobs]

@@ -158,7 +158,7 @@ class RolloutEngine(ABC):
         engines behind a weight channel receive the tensors there and take only their descriptions here."""
         self.update_weights(itertools.chain.from_iterable(buckets))
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a no-op hook by default, overridden by engines that start something
         """Release what the engine started (processes, executors); the engine is not used afterwards. No-op for
         engines that started nothing."""
 

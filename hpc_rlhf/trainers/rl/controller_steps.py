@@ -33,7 +33,8 @@ from hpc_rlhf.trainers.rl.rollout_health import extra_log_metrics, first_rows
 from hpc_rlhf.trainers.rl.step_batch import StepBatch, episode_index_of
 
 
-def attach_rewards(trajectories: list[Trajectory], reward_fn: Any, tokenizer: Any, model_scores: torch.Tensor | None) -> list[Trajectory]:
+def attach_rewards(trajectories: list[Trajectory], reward_fn: Any, tokenizer: Any,
+                   model_scores: torch.Tensor | None) -> list[Trajectory]:
     """Set ``reward`` / ``score`` on every trajectory (and return them) from the reward-model role's
     ``model_scores`` (B,) when there is one, else from ``reward_fn`` (a reward function or remote server;
     ``None`` when the agent's environment set the rewards)."""
@@ -180,7 +181,7 @@ def reward_by_source(trajectories: list[Trajectory], episode_rewards: torch.Tens
         raise ValueError(f"{len(sources)} episodes but {episode_rewards.shape[0]} episode rewards")
     sums: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
-    for source, reward in zip(sources, episode_rewards.tolist()):
+    for source, reward in zip(sources, episode_rewards.tolist(), strict=True):
         sums[source] += reward
         counts[source] += 1
     return {f"reward/{source}": sums[source] / counts[source] for source in sorted(sums)}

@@ -10,11 +10,10 @@ import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import PreTrainedModel
 
 from hpc_rlhf.agents.agent_loader import AgentLoadError, load_agent_executor
 from hpc_rlhf.agents.executor import AgentExecutor, SingleTurnExecutor
@@ -23,6 +22,7 @@ from hpc_rlhf.algos import AdaptiveKLController, FixedKLController, RunningRewar
 from hpc_rlhf.config.schema import RolloutConfig, RunConfig, resolved_vllm_mode
 from hpc_rlhf.data.prompts import Prompt, PromptDataset, PromptStream
 from hpc_rlhf.data.reasoning_gym import reasoning_gym_reward, write_prompt_file  # reasoning-gym itself: lazily
+from hpc_rlhf.models.hf_module import hf_model, to_device
 from hpc_rlhf.models.kernels import resolve_attn_implementation
 from hpc_rlhf.models.loading import (
     check_same_tokenizer,
@@ -311,13 +311,13 @@ def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool, actor: TrainEn
     record = records_routes(cfg)
     if actor is not None:
         # rollout_shares_actor: a plain HF model (no LoRA, no Liger) is what DeepSpeed wraps.
-        return TransformersRolloutEngine(cast(PreTrainedModel, actor.module), eos_token_id=tokenizer.eos_token_id,
+        return TransformersRolloutEngine(hf_model(actor), eos_token_id=tokenizer.eos_token_id,
                                          pad_token_id=tokenizer.pad_token_id, device=device, shares_trained_model=True,
                                          record_routes=record)
     model = load_causal_lm(model_path(cfg.actor.pretrain, "actor.pretrain"), dtype,
                            resolve_attn_implementation(cfg.ds.attn_implementation, on_gpu))
-    # transformers types its decorated ``PreTrainedModel.to`` as taking the model itself.
-    model = model.to(device).eval()  # type: ignore[arg-type]
+    to_device(model, device)
+    model.train(False)  # eval mode (transformers leaves its ``eval`` override untyped)
     return TransformersRolloutEngine(model, eos_token_id=tokenizer.eos_token_id,
                                      pad_token_id=tokenizer.pad_token_id, device=device, record_routes=record)
 
@@ -410,11 +410,11 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
                              f"{role} data-parallel size {dp} x train.micro_train_batch_size="
                              f"{cfg.train.micro_train_batch_size}")
         if world.has_role(role):
-            path = role_cfg.pretrain or cfg.actor.pretrain
+            model_dir = model_path(role_cfg.pretrain or cfg.actor.pretrain, f"{role}.pretrain")
             head = cfg.critic.value_head_prefix
-            factory = (lambda p=path: load_causal_lm(p, dtype, attn, liger, q4)) if role == "actor" else \
-                (lambda p=path: load_value_model(p, dtype, attn, liger, q4, value_head_prefix=head,
-                                                 key="critic.value_head_prefix"))
+            factory = partial(load_causal_lm, model_dir, dtype, attn, liger, q4) if role == "actor" else \
+                partial(load_value_model, model_dir, dtype, attn, liger, q4, value_head_prefix=head,
+                        key="critic.value_head_prefix")
             # DeepSpeed counts every rank of its group (dp x sp) as a replica; sp peers share a micro-batch.
             engine = TrainEngine.create(
                 factory, cfg.ds, role_cfg,

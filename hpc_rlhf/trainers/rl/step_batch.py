@@ -107,7 +107,8 @@ class StepBatch:
     not-recorded marker."""
 
     @classmethod
-    def from_trajectories(cls, trajectories: Sequence[Trajectory], pad_token_id: int, *, scored: bool = True) -> StepBatch:
+    def from_trajectories(cls, trajectories: Sequence[Trajectory], pad_token_id: int, *,
+                          scored: bool = True) -> StepBatch:
         """Trajectories -> padded rows (the layout above), in trajectory order.
 
         Sets every field up to ``episode_index``; ``rewards`` only when ``scored`` (the reward model's input is
