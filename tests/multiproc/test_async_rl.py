@@ -105,12 +105,14 @@ def test_async_resume_restores_the_buffer(assets, tmp_path, partial):
     extra = ["train.partial_rollout=true", "rollout.partial_chunk_tokens=2", "train.max_staleness=2"] if partial else []
     full = _async(assets, tmp_path / "full", "train.max_steps=4", "ckpt.save_steps=3", *extra)
     cut = _async(assets, tmp_path / "cut", "train.max_steps=4", "ckpt.save_steps=3", *extra)
-    assert run_on_ranks(_fit_async, 3, full) == [4, 4, 4]
-    # Stop after step 2: the queue holds batch 3 (generated, not trained) and, with partial rollouts,
-    # the rollout rank holds batch 4 cut short; both go into the checkpoint.
+    # The uninterrupted run, then the cut one, in one spawn. Stop after step 2: the queue holds batch 3
+    # (generated, not trained) and, with partial rollouts, the rollout rank holds batch 4 cut short; both go
+    # into the checkpoint.
     expected_at_cut = 4 if partial else 3
-    assert run_on_ranks(_fit_async, 3, cut, 2) == [expected_at_cut] * 3
-    # Resumed: no batch is generated twice; the buffered ones come from the checkpoint.
+    generated = run_each_on_ranks(_fit_async, 3, {"full": (full,), "cut": (cut, 2)})
+    assert generated == {"full": [4, 4, 4], "cut": [expected_at_cut] * 3}
+    # Resumed in fresh processes, as a requeued job: no batch is generated twice; the buffered ones come from
+    # the checkpoint.
     assert run_on_ranks(_fit_async, 3, [*cut, "ckpt.load=true"]) == [4, 4, 4]
     got = read_metrics(tmp_path / "cut")
     assert [r["step"] for r in got] == list(range(1, 5))
