@@ -48,6 +48,29 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     return [results[r] for r in range(world_size)]
 
 
+def _each(rank: int, world_size: int, fn: Callable, args_by_name: dict[str, tuple]) -> dict[str, Any]:
+    results = {}
+    for name, args in args_by_name.items():
+        try:
+            results[name] = fn(rank, world_size, *args)
+        except Exception as exc:  # name the run: the spawn reports only the traceback
+            raise RuntimeError(f"rank {rank}: the run {name!r} failed") from exc
+    return results
+
+
+def run_each_on_ranks(fn: Callable, world_size: int, args_by_name: dict[str, tuple]) -> dict[str, list[Any]]:
+    """``{name: run_on_ranks(fn, world_size, *args)}`` for every entry, one after another in one spawn.
+
+    Starting the ranks and importing torch / deepspeed / transformers into them costs more than a tiny run, so
+    tests that make several independent runs on the same number of ranks share one spawn. ``fn`` must build
+    everything it uses (trainer, engines, groups, output folder) itself, as in a process of its own; it must
+    not patch modules or keep process-global state that a later run would see. A failing run fails them all,
+    naming itself.
+    """
+    per_rank = run_on_ranks(_each, world_size, fn, args_by_name)
+    return {name: [results[name] for results in per_rank] for name in args_by_name}
+
+
 def signal_after(steps: int | None) -> None:
     """In a spawned rank: behave as if SLURM's time-limit signal arrived during step ``steps`` (None: never), by
     wrapping the preemption guard's collective agreement: every rank stops, checkpoints and exits at that step."""

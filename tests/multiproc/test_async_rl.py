@@ -6,7 +6,7 @@ import pytest
 
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.multiproc.rl_fixtures import grpo_overrides, make_assets
-from tests.multiproc.spawn import run_on_ranks, signal_after
+from tests.multiproc.spawn import run_each_on_ranks, run_on_ranks, signal_after
 from tests.multiproc.test_resume import _assert_same_rows
 
 pytestmark = pytest.mark.slow
@@ -35,11 +35,28 @@ def _fit_async(rank, world_size, overrides, stop_after=None):
     return trainer.generated
 
 
+RUNS = {  # independent runs that share one spawn (starting 3 ranks costs more than a run): id -> overrides
+    "queue1": ("train.async_queue_size=1", "train.max_staleness=1", "train.max_steps=8"),
+    "queue2": ("train.async_queue_size=2", "train.max_staleness=2", "train.max_steps=8"),
+    "drop": ("train.async_queue_size=2", "train.max_staleness=1", "train.staleness_policy=drop", "train.max_steps=5"),
+    "partial": ("train.partial_rollout=true", "rollout.partial_chunk_tokens=2", "train.max_staleness=2",
+                "rollout.generate_max_len=6", "train.max_steps=5"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(assets, tmp_path_factory):
+    """``{id: (output folder, batches generated per rank)}`` for every RUNS entry, one after another in one
+    spawn; each builds its own trainer and groups."""
+    base = tmp_path_factory.mktemp("runs")
+    generated = run_each_on_ranks(_fit_async, 3, {run_id: (_async(assets, base / run_id, *extra),)
+                                                  for run_id, extra in RUNS.items()})
+    return {run_id: (base / run_id, generated[run_id]) for run_id in RUNS}
+
+
 @pytest.mark.parametrize("queue_size", [1, 2])
-def test_async_run_keeps_staleness_within_the_bound(assets, tmp_path, queue_size):
-    overrides = _async(assets, tmp_path, f"train.async_queue_size={queue_size}", f"train.max_staleness={queue_size}",
-                       "train.max_steps=8")
-    generated = run_on_ranks(_fit_async, 3, overrides)
+def test_async_run_keeps_staleness_within_the_bound(runs, queue_size):
+    tmp_path, generated = runs[f"queue{queue_size}"]
     assert generated == [8, 8, 8]  # one batch per step, no more
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 9))
@@ -53,11 +70,8 @@ def test_async_run_keeps_staleness_within_the_bound(assets, tmp_path, queue_size
     assert (tmp_path / "model" / "config.json").is_file()
 
 
-def test_drop_policy_drops_and_counts_stale_samples(assets, tmp_path):
-    overrides = _async(assets, tmp_path, "train.async_queue_size=2", "train.max_staleness=1",
-                       "train.staleness_policy=drop", "train.max_steps=5")
-    run_on_ranks(_fit_async, 3, overrides)
-    rows = read_metrics(tmp_path)
+def test_drop_policy_drops_and_counts_stale_samples(runs):
+    rows = read_metrics(runs["drop"][0])
     assert sum(r["async/dropped_stale"] for r in rows) > 0
     assert all(r["async/staleness_max"] <= 1 for r in rows)
     assert any(r.get("skipped_update") == 1.0 for r in rows)  # a fully dropped batch trains nothing
@@ -91,12 +105,14 @@ def test_async_resume_restores_the_buffer(assets, tmp_path, partial):
     extra = ["train.partial_rollout=true", "rollout.partial_chunk_tokens=2", "train.max_staleness=2"] if partial else []
     full = _async(assets, tmp_path / "full", "train.max_steps=4", "ckpt.save_steps=3", *extra)
     cut = _async(assets, tmp_path / "cut", "train.max_steps=4", "ckpt.save_steps=3", *extra)
-    assert run_on_ranks(_fit_async, 3, full) == [4, 4, 4]
-    # Stop after step 2: the queue holds batch 3 (generated, not trained) and, with partial rollouts,
-    # the rollout rank holds batch 4 cut short; both go into the checkpoint.
+    # The uninterrupted run, then the cut one, in one spawn. Stop after step 2: the queue holds batch 3
+    # (generated, not trained) and, with partial rollouts, the rollout rank holds batch 4 cut short; both go
+    # into the checkpoint.
     expected_at_cut = 4 if partial else 3
-    assert run_on_ranks(_fit_async, 3, cut, 2) == [expected_at_cut] * 3
-    # Resumed: no batch is generated twice; the buffered ones come from the checkpoint.
+    generated = run_each_on_ranks(_fit_async, 3, {"full": (full,), "cut": (cut, 2)})
+    assert generated == {"full": [4, 4, 4], "cut": [expected_at_cut] * 3}
+    # Resumed in fresh processes, as a requeued job: no batch is generated twice; the buffered ones come from
+    # the checkpoint.
     assert run_on_ranks(_fit_async, 3, [*cut, "ckpt.load=true"]) == [4, 4, 4]
     got = read_metrics(tmp_path / "cut")
     assert [r["step"] for r in got] == list(range(1, 5))
@@ -105,10 +121,9 @@ def test_async_resume_restores_the_buffer(assets, tmp_path, partial):
     _assert_same_rows(read_metrics(tmp_path / "full"), got, steps=(3, 4))
 
 
-def test_partial_rollouts_span_weight_updates(assets, tmp_path):
-    overrides = _async(assets, tmp_path, "train.partial_rollout=true", "rollout.partial_chunk_tokens=2",
-                       "train.max_staleness=2", "rollout.generate_max_len=6", "train.max_steps=5")
-    assert run_on_ranks(_fit_async, 3, overrides) == [5, 5, 5]
+def test_partial_rollouts_span_weight_updates(runs):
+    tmp_path, generated = runs["partial"]
+    assert generated == [5, 5, 5]
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert all(r["async/staleness_max"] <= 2 for r in rows)

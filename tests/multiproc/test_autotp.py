@@ -280,9 +280,10 @@ def test_tp2_composes_with_zero_data_parallelism_on_4_ranks(tmp_path):
 # frozen roles and a value model
 
 
-def _frozen_and_critic_worker(rank: int, world_size: int, base: str, stage: int) -> dict:
+def _frozen_and_critic_worker(rank: int, world_size: int, base: str, stage: int, groups=None) -> dict:
     """A reference model and a reward model (FrozenEngine) and a critic (TrainEngine), all tp=2, seeded apart
-    like the trainers seed their ranks: the value head missing from the checkpoint starts random."""
+    like the trainers seed their ranks: the value head missing from the checkpoint starts random. ``groups``:
+    ``(tp group, one-rank dp groups)`` made by the caller; made here when None."""
     import torch.distributed as dist
 
     from hpc_rlhf.models.forward import sequence_scores, token_values
@@ -290,7 +291,7 @@ def _frozen_and_critic_worker(rank: int, world_size: int, base: str, stage: int)
     from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine
 
     torch.manual_seed(1234 + rank)
-    tp_group, singles = dist.new_group([0, 1]), [dist.new_group([r]) for r in range(world_size)]
+    tp_group, singles = groups or (dist.new_group([0, 1]), [dist.new_group([r]) for r in range(world_size)])
     path = _build_model(os.path.join(base, "model")) if rank == 0 else None
     dist.barrier()
     path = os.path.join(base, "model")
@@ -333,9 +334,25 @@ def _frozen_and_critic_worker(rank: int, world_size: int, base: str, stage: int)
     return out
 
 
+def _frozen_and_critic_both_stages(rank: int, world_size: int, base: str) -> dict:
+    """ZeRO-0 and ZeRO-3 in one spawn (importing deepspeed + transformers dominates a spawn's cost); each stage
+    builds its own engines in a folder of its own, over the same groups (DeepSpeed keeps the tensor-parallel
+    group process-global: a second one is refused)."""
+    import torch.distributed as dist
+
+    groups = (dist.new_group([0, 1]), [dist.new_group([r]) for r in range(world_size)])
+    return {stage: _frozen_and_critic_worker(rank, world_size, os.path.join(base, f"zero{stage}"), stage, groups)
+            for stage in (0, 3)}
+
+
+@pytest.fixture(scope="module")
+def frozen_and_critic(tmp_path_factory):
+    return run_on_ranks(_frozen_and_critic_both_stages, 2, str(tmp_path_factory.mktemp("frozen")))
+
+
 @pytest.mark.parametrize("stage", [0, 3])
-def test_frozen_roles_and_critic_with_tp2(tmp_path, stage):
-    results = run_on_ranks(_frozen_and_critic_worker, 2, str(tmp_path), stage)
+def test_frozen_roles_and_critic_with_tp2(frozen_and_critic, stage):
+    results = [per_stage[stage] for per_stage in frozen_and_critic]
     for rank, res in enumerate(results):
         assert "error" not in res, f"rank {rank}:\n{res['error']}"
         assert res["ref_sharded"]

@@ -14,7 +14,7 @@ pytest.importorskip("peft")
 
 from hpc_rlhf.config.schema import ActorConfig, DeepSpeedConfig, LoraConfig  # noqa: E402
 from hpc_rlhf.models.tiny import build_tiny_model  # noqa: E402
-from tests.multiproc.spawn import run_on_ranks  # noqa: E402
+from tests.multiproc.spawn import run_each_on_ranks  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -157,22 +157,39 @@ def _checkpoint_round_trip(engine, model_path: str, out_dir: str, zero_stage: in
     return bool(same)
 
 
+HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
+RUNS = {"lora-zero2": (2, False), "lora-zero3": (3, False), **({"qlora-zero2": (2, True)} if HAS_BNB else {})}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Every RUNS run in one spawn (importing deepspeed + transformers + peft dominates a spawn's cost), each on
+    a model and an export folder of its own; ``{id: (per-rank results, export folder)}``."""
+    base = tmp_path_factory.mktemp("lora")
+    args = {}
+    for run_id, (zero_stage, load_in_4bit) in RUNS.items():
+        # init std 0.1: the frozen tied embeddings then allow confident logits, so the learned answer wins greedy
+        # decoding by a wide margin (~4.5 logits at every position) rather than by CPU-dependent rounding (~0.9
+        # at 0.02)
+        model_path = str(build_tiny_model(base / run_id / "tiny", seed=0, initializer_range=0.1))
+        args[run_id] = (model_path, str(base / run_id / "export"), zero_stage, load_in_4bit)
+    results = run_each_on_ranks(_train_and_check, 2, args)
+    return {run_id: (results[run_id], base / run_id / "export") for run_id in RUNS}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage, load_in_4bit", [
-    (2, False), (3, False),
-    pytest.param(2, True, marks=pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
-                                                    reason="QLoRA needs bitsandbytes (pip install bitsandbytes)")),
-], ids=["lora-zero2", "lora-zero3", "qlora-zero2"])
-def test_lora_train_merge_sync_export(tmp_path, zero_stage, load_in_4bit):
-    # init std 0.1: the frozen tied embeddings then allow confident logits, so the learned answer wins greedy
-    # decoding by a wide margin (~4.5 logits at every position) rather than by CPU-dependent rounding (~0.9 at 0.02)
-    model_path = str(build_tiny_model(tmp_path / "tiny", seed=0, initializer_range=0.1))
-    results = run_on_ranks(_train_and_check, 2, model_path, str(tmp_path / "export"), zero_stage, load_in_4bit)
+@pytest.mark.parametrize("run_id", [
+    "lora-zero2", "lora-zero3",
+    pytest.param("qlora-zero2", marks=pytest.mark.skipif(
+        not HAS_BNB, reason="QLoRA needs bitsandbytes (pip install bitsandbytes)")),
+])
+def test_lora_train_merge_sync_export(trained, run_id):
+    results, export = trained[run_id]
     losses = results[0]["losses"]
     assert losses[-1] < 0.5 < losses[0] and losses[-1] < losses[NUM_STEPS // 2], losses  # ~5.1 -> ~0.16
     r0 = results[0]
     assert r0["synced"] == r0["peft"], r0  # the rollout engine generates what the trained policy does
     assert r0["exported"] == r0["peft"], r0
     assert r0["peft"] == TARGET and r0["base"] != TARGET, r0  # ... and that is the trained behaviour
-    assert (tmp_path / "export" / "adapter" / "adapter_model.safetensors").is_file()
+    assert (export / "adapter" / "adapter_model.safetensors").is_file()
     assert all(r["resumed_equal"] for r in results), [r["resumed_equal"] for r in results]

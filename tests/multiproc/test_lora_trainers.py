@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.multiproc.rl_fixtures import grpo_overrides, make_assets, run_trainer
-from tests.multiproc.spawn import run_on_ranks
+from tests.multiproc.spawn import run_each_on_ranks
 from tests.multiproc.test_supervised_trainers import _fit as _fit_supervised
 from tests.multiproc.test_supervised_trainers import _overrides as _supervised_overrides
 
@@ -28,7 +28,9 @@ needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
                                reason="QLoRA needs bitsandbytes (pip install bitsandbytes)")
 LORA = ["ds.lora.rank=8", "ds.lora.alpha=16"]
 QLORA = [*LORA, "ds.lora.load_in_4bit=true"]
-VARIANTS = [pytest.param(LORA, id="lora"), pytest.param(QLORA, id="qlora", marks=needs_bnb)]
+HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
+ADAPTERS = {"lora": LORA, **({"qlora": QLORA} if HAS_BNB else {})}
+VARIANTS = [pytest.param("lora"), pytest.param("qlora", marks=needs_bnb)]
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +50,20 @@ def _grpo_and_compare_rollout(rank, world_size, overrides):
     return out
 
 
+@pytest.fixture(scope="module")
+def grpo_runs(assets, tmp_path_factory):
+    """GRPO with every ADAPTERS kind, in one spawn; ``{kind: (output folder, per-rank results)}``."""
+    base = tmp_path_factory.mktemp("grpo")
+    runs = run_each_on_ranks(_grpo_and_compare_rollout, 2, {
+        kind: (grpo_overrides(assets, base / kind, "train.max_steps=3", "actor.learning_rate=2e-2",
+                              "algo.kl.init_coef=0.01", "algo.kl.use_loss=true", *adapter),)
+        for kind, adapter in ADAPTERS.items()})
+    return {kind: (base / kind, results) for kind, results in runs.items()}
+
+
 @pytest.mark.parametrize("lora", VARIANTS)
-def test_grpo_with_lora_syncs_the_merged_policy(assets, tmp_path, lora):
-    overrides = grpo_overrides(assets, tmp_path, "train.max_steps=3", "actor.learning_rate=2e-2",
-                               "algo.kl.init_coef=0.01", "algo.kl.use_loss=true", *lora)
-    results = run_on_ranks(_grpo_and_compare_rollout, 2, overrides)
+def test_grpo_with_lora_syncs_the_merged_policy(assets, grpo_runs, lora):
+    tmp_path, results = grpo_runs[lora]
     r0 = results[0]
     assert r0["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in r0["trainable"])
     # The colocated rollout engine holds exactly the merged weights the actor trained with.
@@ -70,14 +81,28 @@ def test_grpo_with_lora_syncs_the_merged_policy(assets, tmp_path, lora):
     assert "quantization_config" not in json.loads((tmp_path / "model" / "config.json").read_text())
 
 
-# Each trainer once, LoRA and QLoRA spread over them (a run is ~20 s); the reference of DPO / KTO is 4-bit too.
-@pytest.mark.parametrize("kind, lora", [
-    pytest.param("sft", LORA, id="sft-lora"), pytest.param("rm", QLORA, id="rm-qlora", marks=needs_bnb),
-    pytest.param("dpo", QLORA, id="dpo-qlora", marks=needs_bnb), pytest.param("kto", LORA, id="kto-lora"),
-])
-def test_supervised_trainers_train_adapters_and_export_merged(tmp_path, kind, lora):
-    run_on_ranks(_fit_supervised, 2, kind, _supervised_overrides(tmp_path, kind, "train.max_steps=4",
-                                                                  "train.eval_steps=4", *lora))
+# Each trainer once, LoRA and QLoRA spread over them; the reference of DPO / KTO is 4-bit too.
+SUPERVISED = {"sft-lora": ("sft", "lora"), "rm-qlora": ("rm", "qlora"), "dpo-qlora": ("dpo", "qlora"),
+              "kto-lora": ("kto", "lora")}
+
+
+@pytest.fixture(scope="module")
+def supervised_runs(tmp_path_factory):
+    """Every SUPERVISED run its adapter kind is installed for, in one spawn, each in a folder of its own (model,
+    data, output); ``{id: folder}``."""
+    base = tmp_path_factory.mktemp("supervised")
+    runs = {run_id: (kind, _supervised_overrides(base / run_id, kind, "train.max_steps=4", "train.eval_steps=4",
+                                                 *ADAPTERS[adapter]))
+            for run_id, (kind, adapter) in SUPERVISED.items() if adapter in ADAPTERS}
+    run_each_on_ranks(_fit_supervised, 2, runs)
+    return {run_id: base / run_id for run_id in runs}
+
+
+@pytest.mark.parametrize("run_id", [pytest.param(run_id, marks=needs_bnb) if adapter == "qlora" else run_id
+                                    for run_id, (_, adapter) in SUPERVISED.items()])
+def test_supervised_trainers_train_adapters_and_export_merged(supervised_runs, run_id):
+    kind = SUPERVISED[run_id][0]
+    tmp_path = supervised_runs[run_id]
     rows = read_metrics(tmp_path / kind)
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
     model_dir = tmp_path / kind / "model"

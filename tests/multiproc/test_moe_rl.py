@@ -9,7 +9,7 @@ import pytest
 from hpc_rlhf.models.tiny import build_tiny_moe_model
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.multiproc.rl_fixtures import ROOT, grpo_overrides, make_assets, run_trainer
-from tests.multiproc.spawn import run_on_ranks
+from tests.multiproc.spawn import run_each_on_ranks, run_on_ranks
 from tests.multiproc.test_supervised_trainers import _fit as _fit_supervised
 from tests.multiproc.test_supervised_trainers import _overrides as _supervised_overrides
 
@@ -58,14 +58,27 @@ PPO = ("algo.advantage_estimator=gae", "rollout.n_samples_per_prompt=1", "rollou
        "algo.kl.init_coef=0.01")
 
 
-@pytest.mark.parametrize("family,packed,algo", [("mixtral", False, ()), ("qwen3_moe", True, ()),
-                                                ("qwen3_moe", False, PPO)], ids=["mixtral", "qwen3-packed", "ppo"])
-def test_grpo_moe_zero3_finishes(assets, tmp_path, family, packed, algo):
+ZERO3_RUNS = {"mixtral": ("mixtral", False, ()), "qwen3-packed": ("qwen3_moe", True, ()),
+              "ppo": ("qwen3_moe", False, PPO)}
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(assets, tmp_path_factory):
+    """Every ZERO3_RUNS run in one spawn; ``{id: output folder}``."""
+    base = tmp_path_factory.mktemp("zero3")
+    run_each_on_ranks(_fit, 2, {
+        run_id: (_moe_overrides(assets, base / run_id, family, "train.max_steps=3", "ds.zero_stage=3",
+                                f"train.packing_samples={str(packed).lower()}", *algo),)
+        for run_id, (family, packed, algo) in ZERO3_RUNS.items()})
+    return {run_id: base / run_id for run_id in ZERO3_RUNS}
+
+
+@pytest.mark.parametrize("run_id", list(ZERO3_RUNS))
+def test_grpo_moe_zero3_finishes(zero3_runs, run_id):
     """GRPO, and PPO with an MoE critic (a sequence-classification head on the same MoE model) and a KL
     reference, all three roles under zero.Init."""
-    run_on_ranks(_fit, 2, _moe_overrides(assets, tmp_path, family, "train.max_steps=3", "ds.zero_stage=3",
-                                         f"train.packing_samples={str(packed).lower()}", *algo))
-    rows = read_metrics(tmp_path)
+    algo = ZERO3_RUNS[run_id][2]
+    rows = read_metrics(zero3_runs[run_id])
     assert [r["step"] for r in rows] == [1, 2, 3]
     _check_moe_rows(rows)
     if algo:
@@ -98,30 +111,55 @@ def _sft(rank, world_size, overrides):
     SFTTrainer(cfg).fit()
 
 
-@pytest.mark.parametrize("zero_stage,packing", [(2, True), (3, False)])
-def test_sft_moe_trains_with_the_aux_loss(assets, tmp_path, zero_stage, packing):
-    overrides = [f"model.pretrain={assets['qwen3_moe']}", "data.synthetic_task=sft_arithmetic",
-                 f"data.train_data=[{tmp_path / 'train.jsonl'}]", f"data.eval_data=[{tmp_path / 'eval.jsonl'}]",
-                 "data.synthetic_num_samples=64", "data.synthetic_eval_samples=8", "data.max_len=32",
-                 "train.train_batch_size=16", "train.micro_train_batch_size=4", "train.max_steps=3",
-                 f"train.packing_samples={str(packing).lower()}", f"ds.zero_stage={zero_stage}",
-                 f"train.output_dir={tmp_path / 'run'}", "loss.aux_loss_coef=0.01", "logger.use_tensorboard=false"]
-    run_on_ranks(_sft, 2, overrides)
-    rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+SFT_RUNS = {"zero2-packed": (2, True), "zero3": (3, False)}
+
+
+@pytest.fixture(scope="module")
+def sft_runs(assets, tmp_path_factory):
+    """Every SFT_RUNS run in one spawn; ``{id: output folder}``."""
+    base = tmp_path_factory.mktemp("sft")
+
+    def overrides(folder, zero_stage, packing):
+        return [f"model.pretrain={assets['qwen3_moe']}", "data.synthetic_task=sft_arithmetic",
+                f"data.train_data=[{folder / 'train.jsonl'}]", f"data.eval_data=[{folder / 'eval.jsonl'}]",
+                "data.synthetic_num_samples=64", "data.synthetic_eval_samples=8", "data.max_len=32",
+                "train.train_batch_size=16", "train.micro_train_batch_size=4", "train.max_steps=3",
+                f"train.packing_samples={str(packing).lower()}", f"ds.zero_stage={zero_stage}",
+                f"train.output_dir={folder / 'run'}", "loss.aux_loss_coef=0.01", "logger.use_tensorboard=false"]
+
+    run_each_on_ranks(_sft, 2, {run_id: (overrides(base / run_id, *run),) for run_id, run in SFT_RUNS.items()})
+    return {run_id: base / run_id / "run" for run_id in SFT_RUNS}
+
+
+@pytest.mark.parametrize("run_id", list(SFT_RUNS))
+def test_sft_moe_trains_with_the_aux_loss(sft_runs, run_id):
+    rows = [r for r in read_metrics(sft_runs[run_id]) if "loss" in r]
     assert len(rows) == 3 and all(r["aux_loss"] > 0 and "moe/router_entropy" in r for r in rows)
 
 
-@pytest.mark.parametrize("kind,packing,zero_stage", [("dpo", False, 3), ("kto", True, 3), ("rm", False, 3),
-                                                     ("dpo", True, 0)])
-def test_preference_trainers_train_an_moe_model(tmp_path, kind, packing, zero_stage):
+PREFERENCE_RUNS = {"dpo-zero3": ("dpo", False, 3), "kto-packed-zero3": ("kto", True, 3), "rm-zero3": ("rm", False, 3),
+                   "dpo-packed-zero0": ("dpo", True, 0)}
+
+
+@pytest.fixture(scope="module")
+def preference_runs(tmp_path_factory):
+    """Every PREFERENCE_RUNS run in one spawn, each in a folder of its own; ``{id: output folder}``."""
+    base = tmp_path_factory.mktemp("preference")
+    run_each_on_ranks(_fit_supervised, 2, {
+        run_id: (kind, _supervised_overrides(base / run_id, kind, "model.build_tiny=qwen3_moe",
+                                             f"ds.zero_stage={zero_stage}", "train.max_steps=3",
+                                             "loss.aux_loss_coef=0.01",
+                                             f"train.packing_samples={str(packing).lower()}"))
+        for run_id, (kind, packing, zero_stage) in PREFERENCE_RUNS.items()})
+    return {run_id: base / run_id / kind for run_id, (kind, _, _) in PREFERENCE_RUNS.items()}
+
+
+@pytest.mark.parametrize("run_id", list(PREFERENCE_RUNS))
+def test_preference_trainers_train_an_moe_model(preference_runs, run_id):
     """Under ZeRO-3, DPO and KTO build their reference after the policy, both under zero.Init: the reference's
     first forward (the eval at step 0) runs; every trainer adds the load-balancing loss and logs the routing
     statistics."""
-    overrides = _supervised_overrides(tmp_path, kind, "model.build_tiny=qwen3_moe", f"ds.zero_stage={zero_stage}",
-                                      "train.max_steps=3", "loss.aux_loss_coef=0.01",
-                                      f"train.packing_samples={str(packing).lower()}")
-    run_on_ranks(_fit_supervised, 2, kind, overrides)
-    rows = read_metrics(tmp_path / kind)
+    rows = read_metrics(preference_runs[run_id])
     assert rows[0]["step"] == 0 and "eval_loss" in rows[0]
     train = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3]

@@ -9,7 +9,7 @@ import pytest
 from hpc_rlhf.ckpt import CheckpointManager
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.multiproc.rl_fixtures import grpo_overrides, make_assets, run_trainer
-from tests.multiproc.spawn import run_on_ranks, signal_after
+from tests.multiproc.spawn import run_each_on_ranks, run_on_ranks, signal_after
 
 pytestmark = pytest.mark.slow
 COMPARED = ("reward", "score", "response_length", "policy_loss", "actor_grad_norm", "actor_lr", "kl", "kl_coef",
@@ -66,9 +66,10 @@ def _assert_same_rows(expected, got, steps):
 
 def test_resume_after_signal_reproduces_the_uninterrupted_run(assets, tmp_path):
     full, cut = tmp_path / "full", tmp_path / "cut"
-    run_on_ranks(_fit, 2, _ppo(assets, full))
-    stopped = run_on_ranks(_fit, 2, _ppo(assets, cut), 3)  # signal during step 3: checkpoint at 3, stop
-    assert stopped == [True, True]
+    # The uninterrupted run, then (signal during step 3: checkpoint at 3, stop) the cut one, in one spawn; the
+    # resume below starts fresh processes, as a requeued job does.
+    stopped = run_each_on_ranks(_fit, 2, {"full": (_ppo(assets, full),), "cut": (_ppo(assets, cut), 3)})
+    assert stopped == {"full": [False, False], "cut": [True, True]}
     assert [r["step"] for r in read_metrics(cut)] == [1, 2, 3]
     assert not (cut / "model").exists()  # an interrupted run does not export
     assert CheckpointManager(cut / "ckpt").latest_step() == 3
@@ -86,8 +87,7 @@ def test_resume_disaggregated_roles(assets, tmp_path):
         "rollout.n_samples_per_prompt=4", "train.train_batch_size=32", "train.micro_train_batch_size=16")
     full = [o if not o.startswith("train.output_dir=") else f"train.output_dir={tmp_path / 'full'}" for o in overrides]
     cut = [o if not o.startswith("train.output_dir=") else f"train.output_dir={tmp_path / 'cut'}" for o in overrides]
-    run_on_ranks(_fit, 4, full)
-    run_on_ranks(_fit, 4, cut, 1)
+    run_each_on_ranks(_fit, 4, {"full": (full,), "cut": (cut, 1)})  # one spawn; the resume starts fresh ranks
     run_on_ranks(_fit, 4, [*cut, "ckpt.load=true"])
     _assert_same_rows(read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut"), steps=(2, 3))
 

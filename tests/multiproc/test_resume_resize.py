@@ -84,11 +84,16 @@ def _compare(reference, resumed, ref_dir, new_dir, before_dir):
         assert torch.allclose(got[name], want[name], atol=WEIGHT_TOL, rtol=0), name
 
 
+# Each resharding path once. The universal checkpoint merges the N saved shards into whole tensors (whatever the
+# new size) and slices them for the new data-parallel size (whatever the old one), so growing and shrinking need
+# not be crossed with every stage: ZeRO-3 grows onto 3 ranks (odd partitions, padded per parameter), ZeRO-2
+# shrinks from 4 shards, ZeRO-2 grows onto 3 ranks with LoRA (its flat partition holds only the adapters),
+# ZeRO-1 with AutoTP shrinks from 4 ranks below (test_autotp_checkpoint_resumes_without_tensor_parallelism).
 @pytest.mark.parametrize(("stage", "old", "new", "extra"), [
-    (2, 2, 3, ()), (2, 4, 2, ()), (3, 2, 3, ()), (3, 4, 2, ()),
+    (2, 4, 2, ()), (3, 2, 3, ()),
     (2, 2, 3, ("ds.lora.rank=4", "ds.lora.alpha=8")),  # LoRA: only the adapters and their moments are saved
     (0, 2, 3, ()),  # no ZeRO: whole states, loaded as saved on any number of ranks
-], ids=["zero2-2to3", "zero2-4to2", "zero3-2to3", "zero3-4to2", "lora-zero2-2to3", "zero0-2to3"])
+], ids=["zero2-4to2", "zero3-2to3", "lora-zero2-2to3", "zero0-2to3"])
 def test_rl_checkpoint_resumes_on_another_number_of_ranks(assets, tmp_path, stage, old, new, extra):
     source = tmp_path / "source"
     overrides = _overrides(assets, source, "ckpt.save_hf=true", f"ds.zero_stage={stage}", *extra)

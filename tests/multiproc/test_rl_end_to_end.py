@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.multiproc.rl_fixtures import ROOT, grpo_overrides, make_assets, run_trainer
-from tests.multiproc.spawn import run_on_ranks
+from tests.multiproc.spawn import run_each_on_ranks, run_on_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -72,19 +72,27 @@ def _one_ppo_step(rank, world_size, overrides):
             "critic_total": len(critic_before)}
 
 
+@pytest.fixture(scope="module")
+def ppo_steps(assets, tmp_path_factory):
+    """One PPO step under ZeRO-2 and one under ZeRO-3, in one spawn; ``{stage: (output folder, per-rank results)}``."""
+    base = tmp_path_factory.mktemp("ppo")
+    runs = run_each_on_ranks(_one_ppo_step, 2, {
+        f"zero{stage}": (grpo_overrides(
+            assets, base / f"zero{stage}", "algo.advantage_estimator=gae", "rollout.n_samples_per_prompt=1",
+            "rollout.rollout_batch_size=16", "train.train_batch_size=16", "train.micro_train_batch_size=8",
+            "algo.kl.init_coef=0.01", "train.max_steps=1", f"ds.zero_stage={stage}",
+            "critic.learning_rate=1e-3", "critic.lr_warmup_ratio=0"),) for stage in (2, 3)})
+    return {int(name[-1]): (base / name, results) for name, results in runs.items()}
+
+
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_ppo_gae_updates_every_actor_parameter_and_the_critic(assets, tmp_path, zero_stage):
-    overrides = grpo_overrides(
-        assets, tmp_path, "algo.advantage_estimator=gae", "rollout.n_samples_per_prompt=1",
-        "rollout.rollout_batch_size=16", "train.train_batch_size=16", "train.micro_train_batch_size=8",
-        "algo.kl.init_coef=0.01", "train.max_steps=1", f"ds.zero_stage={zero_stage}",
-        "critic.learning_rate=1e-3", "critic.lr_warmup_ratio=0")
-    results = run_on_ranks(_one_ppo_step, 2, overrides)
+def test_ppo_gae_updates_every_actor_parameter_and_the_critic(ppo_steps, zero_stage):
+    out, results = ppo_steps[zero_stage]
     for r in results:
         assert r["num_trainable"] > 0
         assert r["unchanged"] == [], f"actor parameters did not change: {r['unchanged']}"
         assert r["critic_changed"] == r["critic_total"]
-    row = read_metrics(tmp_path)[0]
+    row = read_metrics(out)[0]
     assert "critic_loss" in row and "kl" in row and row["kl_coef"] == pytest.approx(0.01)
 
 
@@ -196,11 +204,19 @@ def _fit_counting_changed_actor_tensors(rank, world_size, overrides):
     return sum(not torch.equal(before[n], after[n]) for n in before)
 
 
+@pytest.fixture(scope="module")
+def knob_runs(assets, tmp_path_factory):
+    """``{knob: (output folder, actor tensors changed per rank)}``: every knob's run in one spawn."""
+    base = tmp_path_factory.mktemp("knobs")
+    runs = run_each_on_ranks(_fit_counting_changed_actor_tensors, 2, {
+        name: (grpo_overrides(assets, base / name, "train.max_steps=2", *knob),) for name, knob in KNOBS.items()})
+    return {name: (base / name, changed) for name, changed in runs.items()}
+
+
 @pytest.mark.parametrize("name", sorted(KNOBS))
-def test_algorithm_knobs_update_the_actor(assets, tmp_path, name):
-    changed = run_on_ranks(_fit_counting_changed_actor_tensors, 2,
-                           grpo_overrides(assets, tmp_path, "train.max_steps=2", *KNOBS[name]))
-    rows = read_metrics(tmp_path)
+def test_algorithm_knobs_update_the_actor(knob_runs, name):
+    out, changed = knob_runs[name]
+    rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     trained = [row for row in rows if row.get("skipped_update") != 1.0]
     # A knob that silently skips every update (or zeroes every gradient) must fail here.
