@@ -113,18 +113,11 @@ def _controller_batch(batch: StepBatch | None, role: str) -> StepBatch:
     return batch
 
 
-class RoleHandle(Generic[E]):
-    """One role as this rank sees it: its groups, this rank's engine (None if it hosts none) and sp peers."""
+class RoleMembership:
+    """Where this rank stands in one role: the role's groups and this rank."""
 
-    def __init__(self, name: str, groups: RoleGroups, rank: int, engine: E | None, sp: SequenceParallel | None,
-                 settings: MoveSettings) -> None:
-        self.name, self.groups, self.rank, self.engine, self.sp = name, groups, rank, engine, sp
-        self.settings = settings
-
-    @property
-    def num_replicas(self) -> int:
-        """Data-parallel replicas of the role (each gets one shard of a move)."""
-        return len(self.groups.dp_leaders)
+    def __init__(self, groups: RoleGroups, rank: int) -> None:
+        self.groups, self.rank = groups, rank
 
     @property
     def takes_part(self) -> bool:
@@ -135,6 +128,20 @@ class RoleHandle(Generic[E]):
     def hosts(self) -> bool:
         """Whether this rank hosts the role (holds its engine)."""
         return self.rank in self.groups.ranks
+
+
+class RoleHandle(RoleMembership, Generic[E]):
+    """One role as this rank sees it: its groups, this rank's engine (None if it hosts none) and sp peers."""
+
+    def __init__(self, name: str, groups: RoleGroups, rank: int, engine: E | None, sp: SequenceParallel | None,
+                 settings: MoveSettings) -> None:
+        super().__init__(groups, rank)
+        self.name, self.engine, self.sp, self.settings = name, engine, sp, settings
+
+    @property
+    def num_replicas(self) -> int:
+        """Data-parallel replicas of the role (each gets one shard of a move)."""
+        return len(self.groups.dp_leaders)
 
     def require_engine(self) -> E:
         if self.engine is None:
@@ -264,20 +271,12 @@ class RewardRole(RoleHandle[RewardModelRole]):
         return self._forward(batch, lambda engine, rows: engine.scores(rows.forward_inputs(), self.sp))
 
 
-class RolloutRole:
+class RolloutRole(RoleMembership):
     """The rollout engines: prompts out to each engine (data-parallel replica), trajectories back."""
 
     def __init__(self, groups: RoleGroups, rank: int, side: RolloutSide | None) -> None:
-        self.groups, self.rank, self.side = groups, rank, side
-
-    @property
-    def takes_part(self) -> bool:
-        return self.rank in self.groups.controller_ranks
-
-    @property
-    def hosts(self) -> bool:
-        """Whether this rank hosts a rollout engine."""
-        return self.rank in self.groups.ranks
+        super().__init__(groups, rank)
+        self.side = side
 
     @property
     def engine_index(self) -> int:
