@@ -174,8 +174,11 @@ def inject(fault: Fault, assets: dict[str, str], out: Path, launcher: str = "tor
     proc = start_job(overrides(assets, out), log, env, launcher)
     marker = fault_dir / f"at_{fault.phase}_{fault.step}_{fault.rank}"
     done = fault_dir / f"done_{fault.phase}_{fault.step}_{fault.rank}"
+    # The point writes ``done`` and then ``marker``: wait for the file this fault acts on (an ENOSPC fault writes no
+    # marker), not for either one, or a poll between the two writes would find the point reached without its marker.
+    reached = done if fault.kind == "enospc_save" else marker
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not (marker.exists() or done.exists()) and proc.poll() is None and time.monotonic() < deadline:
+    while not reached.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     if fault.kind == "enospc_save":
         while not done.exists() and proc.poll() is None:
