@@ -5,18 +5,17 @@ and the config loader. Each input either works or fails with the component's own
 from __future__ import annotations
 
 import json
-import threading
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hpc_rlhf.config import load_config
-from hpc_rlhf.config import redact
+from hpc_rlhf.config import load_config, redact
 from hpc_rlhf.config.loader import ConfigError
 from hpc_rlhf.data.sources import DataError, make_row, read_rows
 from hpc_rlhf.rollout.base import GenerationResult, SamplingParams
+from tests.endpoint_fixtures import queue_drained_into
 
 FUZZ = settings(max_examples=150, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -90,25 +89,16 @@ class CheckingEngine:
 @pytest.fixture(scope="module")
 def served(tiny_tokenizer_and_engine):
     pytest.importorskip("fastapi")
-    from hpc_rlhf.agents.openai_endpoint import OpenAIEndpoint, run_batch
+    from hpc_rlhf.agents.openai_endpoint import OpenAIEndpoint
 
     tokenizer, _ = tiny_tokenizer_and_engine
     endpoint = OpenAIEndpoint(tokenizer, max_len=96).start()
     endpoint.set_defaults(SamplingParams(max_new_tokens=8, stop_token_ids=[tokenizer.eos_token_id]))
-    engine = CheckingEngine(len(tokenizer), getattr(endpoint, "max_n", 64), 96)
-    stop = threading.Event()
-
-    def pump():
-        while not stop.is_set():
-            run_batch(endpoint.queue.take(set(), 0.02, 0.0), engine.generate)
-
-    thread = threading.Thread(target=pump, daemon=True)
-    thread.start()
+    engine = CheckingEngine(len(tokenizer), endpoint.max_n, 96)
     endpoint.recorder.open("ep-fuzz")
-    with httpx.Client(base_url=endpoint.base_url, headers={"Authorization": "Bearer ep-fuzz"}, timeout=20) as client:
+    with queue_drained_into(endpoint, engine.generate), \
+            httpx.Client(base_url=endpoint.base_url, headers={"Authorization": "Bearer ep-fuzz"}, timeout=20) as client:
         yield client
-    stop.set()
-    thread.join(5)
     endpoint.close()
 
 

@@ -133,9 +133,8 @@ def test_url_credentials_are_not_in_the_error_of_a_failed_reward_call(monkeypatc
     port = dead.getsockname()[1]
     dead.close()  # nothing listens there
     with RemoteRewardModel([f"http://rmuser:rmsecret@127.0.0.1:{port}/get_reward"], timeout_s=2,
-                           max_retries=0) as rm:
-        with pytest.raises(RemoteRewardError) as info:
-            rm(["q"], ["p"])
+                           max_retries=0) as rm, pytest.raises(RemoteRewardError) as info:
+        rm(["q"], ["p"])
     assert "rmsecret" not in str(info.value) and "***@127.0.0.1" in str(info.value)
 
 

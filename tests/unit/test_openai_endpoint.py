@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
@@ -10,13 +9,12 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from hpc_rlhf.agents.agent_loader import AgentLoadError, load_agent_executor  # noqa: E402
-from hpc_rlhf.agents.openai_endpoint import OpenAIEndpoint, run_batch  # noqa: E402
+from hpc_rlhf.agents.openai_endpoint import OpenAIEndpoint  # noqa: E402
 from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor  # noqa: E402
 from hpc_rlhf.agents.openai_recording import CompletionRecord, episode_sequences  # noqa: E402
 from hpc_rlhf.data.prompts import Prompt  # noqa: E402
-from hpc_rlhf.models.tiny import build_tiny_model  # noqa: E402
 from hpc_rlhf.rollout.base import SamplingParams  # noqa: E402
-from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine  # noqa: E402
+from tests.endpoint_fixtures import queue_drained_into, tiny_tokenizer_and_engine  # noqa: E402
 
 
 class CapturingEngine:
@@ -33,14 +31,7 @@ class CapturingEngine:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path).float().eval()
-    engine = TransformersRolloutEngine(model, eos_token_id=tokenizer.eos_token_id,
-                                       pad_token_id=tokenizer.pad_token_id, device="cpu", seed=3)
-    return tokenizer, engine
+    return tiny_tokenizer_and_engine(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -50,17 +41,8 @@ def served(tiny):
     capturing = CapturingEngine(engine)
     endpoint = OpenAIEndpoint(tokenizer, max_len=96).start()
     endpoint.set_defaults(SamplingParams(max_new_tokens=8, stop_token_ids=[tokenizer.eos_token_id], seed=5))
-    stop = threading.Event()
-
-    def pump():
-        while not stop.is_set():
-            run_batch(endpoint.queue.take(set(), 0.02, 0.0), capturing.generate)
-
-    thread = threading.Thread(target=pump, daemon=True)
-    thread.start()
-    yield endpoint, capturing, tokenizer
-    stop.set()
-    thread.join(5)
+    with queue_drained_into(endpoint, capturing.generate):
+        yield endpoint, capturing, tokenizer
     endpoint.close()
 
 
