@@ -33,4 +33,8 @@ if [[ -n "$missing" ]]; then
 fi
 "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
 torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
-exec "$PYTHON" -m pytest tests/gpu -m gpu -rs -s -p no:cacheprovider "$@"
+# The quick kernel checks first, then the training runs (the part a short allocation most needs), then the rest.
+first=(tests/gpu/test_kernels_gpu.py tests/gpu/test_acceptance_gpu.py tests/gpu/test_deepspeed_gpu.py)
+rest=()
+for f in tests/gpu/test_*.py; do [[ " ${first[*]} " == *" $f "* ]] || rest+=("$f"); done
+exec "$PYTHON" -m pytest "${first[@]}" "${rest[@]}" -m gpu -rs -s -p no:cacheprovider "$@"

@@ -78,9 +78,29 @@ def gather_bandwidth(actor) -> tuple[float, float]:
     return num_bytes / seconds / 1e9, num_bytes / 1e9
 
 
+def answer_device_memory_from_the_host() -> None:
+    """Rehearsal on a machine without CUDA: the device-memory queries the probes make are answered with the host
+    process's resident memory, so that the wiring into the trainer runs end to end (numbers meaningless)."""
+    from types import SimpleNamespace
+
+    import psutil
+
+    process = psutil.Process()
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.reset_peak_memory_stats = lambda *a, **k: None
+    torch.cuda.memory_allocated = lambda *a, **k: process.memory_info().rss
+    torch.cuda.max_memory_allocated = lambda *a, **k: process.memory_info().rss
+    torch.cuda.get_device_properties = lambda *a, **k: SimpleNamespace(
+        name="CPU rehearsal", total_memory=psutil.virtual_memory().total)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", required=True)
+    parser.add_argument("--stop-after", type=int, default=None,
+                        help="stop as SLURM's time-limit signal would, during this step (checkpoint, exit)")
+    parser.add_argument("--rehearse-on-cpu", action="store_true",
+                        help="no GPU: answer the device-memory queries from the host (checks the wiring only)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
@@ -91,6 +111,12 @@ def main() -> None:
     from hpc_rlhf.world.groups import build_world_groups, init_world
     from hpc_rlhf.world.placement import build_placement
 
+    if args.rehearse_on_cpu:
+        answer_device_memory_from_the_host()
+    if args.stop_after is not None:
+        from tests.multiproc.spawn import signal_after
+
+        signal_after(args.stop_after)
     cfg = load_config(None, args.overrides)
     env = init_world(cfg.train.collective_timeout_s)
     placement = build_placement(cfg, env.world_size)
@@ -99,9 +125,14 @@ def main() -> None:
     torch.cuda.reset_peak_memory_stats()
     rows = trainer.fit()
     max_allocated = torch.cuda.max_memory_allocated()
-    gather_gbps, gathered_gb = gather_bandwidth(trainer.roles.actor)
+    stopped = bool(trainer.stopped_by_signal)
+    # A run stopped by the signal has checkpointed and offloaded; the gather is measured on complete runs only.
+    gather_gbps, gathered_gb = (math.nan, math.nan) if stopped else gather_bandwidth(trainer.roles.actor)
 
     props = torch.cuda.get_device_properties(0)
+    ds_engine = getattr(trainer.roles.actor, "engine", None)
+    optimizer = getattr(ds_engine, "optimizer", None)
+    optimizer_name = type(getattr(optimizer, "optimizer", optimizer)).__name__
     gpu_gib = props.total_memory / 2**30
     estimate = rank_memory(cfg, placement, gpu_gib)[0]
     num_params = role_num_params(cfg, "actor")
@@ -112,6 +143,8 @@ def main() -> None:
     rollout_tps = [r["rollout_tokens_per_s"] for r in rows if "rollout_tokens_per_s" in r]
     report = {
         "device": props.name, "gpu_gib": gpu_gib, "overrides": args.overrides, "steps": len(rows),
+        "stopped_by_signal": stopped, "optimizer": optimizer_name, "torch": torch.__version__,
+        "cuda": torch.version.cuda,
         "num_params": num_params,
         "rollout_tokens_per_s": sum(rollout_tps) / len(rollout_tps) if rollout_tps else math.nan,
         "train_tokens_per_s": train_tps, "mfu": mfu,
