@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_rlhf.ckpt.atomic import COMPLETE_NAME, CheckpointManager
+from hpc_rlhf.config.schema import resolved_param_dtype
 from hpc_rlhf.planning.memory_estimate import effective_zero_stage
 from hpc_rlhf.planning.model_shape import local_hf_config
 from hpc_rlhf.world.placement import TRAINED_ROLES
@@ -177,19 +178,23 @@ def _lora_text(lora: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------- the layout a config asks for
 
 
-def role_layout(ds_cfg: Any, model_section: Any, dp: int, tp: int, sp: int, weight_decay: float = 0.0) -> RoleLayout:
+def role_layout(ds_cfg: Any, model_section: Any, dp: int, tp: int, sp: int, weight_decay: float = 0.0,
+                on_gpu: bool = True) -> RoleLayout:
     """The layout of one trained role: ``ds_cfg`` (the ``ds`` section), ``model_section`` (a model role's section:
     its ``pretrain`` folder's config.json gives the architecture), ``dp`` x ``tp`` x ``sp`` ranks, the role's
-    ``weight_decay``."""
+    ``weight_decay``; ``on_gpu``: where it trains (``ds.param_dtype=auto`` is bf16 there, fp32 on CPU)."""
     lora = ds_cfg.lora
+    bf16 = resolved_param_dtype(ds_cfg.param_dtype, on_gpu) == "bf16"
     return RoleLayout(
-        dp=dp, tp=tp, sp=sp, zero_stage=effective_zero_stage(ds_cfg.zero_stage, dp * sp, True, ds_cfg.adam_offload),
+        dp=dp, tp=tp, sp=sp, zero_stage=effective_zero_stage(ds_cfg.zero_stage, dp * sp, True, ds_cfg.adam_offload,
+                                                             bf16=bf16),
         lora={"rank": lora.rank, "target_modules": list(lora.target_modules)} if lora.rank else {},
         model=model_fingerprint(local_hf_config(model_section)), weight_decay=weight_decay)
 
 
-def rl_layout(cfg: Any, placement: Any) -> CheckpointLayout:
-    """The checkpoint layout of an RL run (``RunConfig``) on ``placement`` (``world.placement.Placement``)."""
+def rl_layout(cfg: Any, placement: Any, on_gpu: bool = True) -> CheckpointLayout:
+    """The checkpoint layout of an RL run (``RunConfig``) on ``placement`` (``world.placement.Placement``), trained
+    on GPUs or not (``on_gpu``)."""
     roles = {}
     for role in TRAINED_ROLES:
         if role not in placement.roles:
@@ -198,15 +203,15 @@ def rl_layout(cfg: Any, placement: Any) -> CheckpointLayout:
         # The critic without a model of its own starts from the actor's.
         section = cfg.critic if role == "critic" and cfg.critic.pretrain else cfg.actor
         roles[role] = role_layout(cfg.ds, section, grid.dp_size, grid.tp_size, grid.sp_size,
-                                  getattr(cfg, role).weight_decay)
+                                  getattr(cfg, role).weight_decay, on_gpu)
     return CheckpointLayout(placement.world_size, roles)
 
 
-def supervised_layout(cfg: Any, world_size: int) -> CheckpointLayout:
+def supervised_layout(cfg: Any, world_size: int, on_gpu: bool = True) -> CheckpointLayout:
     """The checkpoint layout of an offline trainer (SFT / RM / DPO / KTO): one trained ``model`` on every rank."""
     tp = cfg.ds.tensor_parallel_size
     return CheckpointLayout(world_size, {"model": role_layout(cfg.ds, cfg.model, world_size // tp, tp, 1,
-                                                              cfg.model.weight_decay)})
+                                                              cfg.model.weight_decay, on_gpu)})
 
 
 # ---------------------------------------------------------------------------- plan --resume

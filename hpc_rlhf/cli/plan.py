@@ -158,7 +158,8 @@ def optimizer_lines(ds, zero_ranks: dict[str, int]) -> list[str]:
     """One line per Adam implementation the trained roles (name -> ZeRO ranks, dp x sp) step with on GPU, and why."""
     chosen: dict[str, list[str]] = {}
     for role, ranks in zero_ranks.items():
-        stage = effective_zero_stage(ds.zero_stage, ranks, True, ds.adam_offload)
+        stage = effective_zero_stage(ds.zero_stage, ranks, True, ds.adam_offload,
+                                     bf16=resolved_param_dtype(ds.param_dtype, True) == "bf16")
         adam = adam_implementation(on_gpu=True, offloaded=optimizer_offloaded(ds.adam_offload, stage), zero_stage=stage)
         chosen.setdefault(adam.describe(), []).append(role)
     return [f"optimizer of {', '.join(roles)}: {description}" for description, roles in chosen.items()]

@@ -22,7 +22,7 @@ from hpc_rlhf.models.forward import (
     score_at_last_token,
     sequence_scores,
 )
-from hpc_rlhf.models.hf_module import ModelOrEngine
+from hpc_rlhf.models.hf_module import ModelOrEngine, hf_model
 from hpc_rlhf.models.logprobs import logprobs_from_logits
 from hpc_rlhf.models.moe import RouterLogits
 from hpc_rlhf.models.routing_replay import not_recorded, replay_routes
@@ -45,6 +45,15 @@ class SequenceParallel:
     head_stride: int = 1
 
 
+def _device_of(model: ModelOrEngine) -> torch.device:
+    """Where the model computes: a DeepSpeed facade's or HF model's ``device`` (a ZeRO-3 engine whose parameters
+    live on the host still computes on its accelerator), else its first parameter's."""
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return next(iter(hf_model(model).parameters())).device
+
+
 class MicroForward:
     """The forwards of one micro-batch (B, P+R), padded, packed or split along the sequence.
 
@@ -55,6 +64,8 @@ class MicroForward:
     def __init__(self, model: ModelOrEngine, rows: dict[str, torch.Tensor], packed: bool,
                  sp: SequenceParallel | None = None, shard: Any = None) -> None:
         self.model, self.packed, self.sp, self.shard = model, packed, sp, shard
+        device = _device_of(model)
+        rows = {k: v.to(device) for k, v in rows.items()}  # no-op where the caller moved them already
         self.sequences, self.attention_mask = rows["sequences"], rows["attention_mask"]
         self.num_actions = rows["action_mask"].shape[1] if "action_mask" in rows else None  # None: RM scoring
         # set by policy_logprobs(with_router=True): the forward's RouterLogits

@@ -123,10 +123,15 @@ def _bytes_per_weight(param_dtype: str, on_gpu: bool) -> int:
     return 2 if resolved_param_dtype(param_dtype, on_gpu) == "bf16" else 4
 
 
-def effective_zero_stage(zero_stage: int, dp: int, trainable: bool, adam_offload: bool) -> int:
-    """The stage DeepSpeed really runs (mirrors ``build_ds_config``): frozen roles use only stage 3, and
-    stages 1-2 fall back to 0 on one data-parallel rank (nothing to shard)."""
+def effective_zero_stage(zero_stage: int, dp: int, trainable: bool, adam_offload: bool, *, bf16: bool) -> int:
+    """The stage DeepSpeed really runs (mirrors ``build_ds_config``): frozen roles use only stage 3. A trained
+    role in fp32 falls back from stages 1-2 to 0 on one data-parallel rank (nothing to shard). A trained role in
+    bf16 (``bf16``: the weights' dtype as resolved) runs stages 0-2 as stage 2: DeepSpeed 0.19 refuses bf16
+    weights with fp32 gradient accumulation without a ZeRO optimizer ("unsupported mix of model_dtype" at stage 0,
+    seen on an H200), and at stage 1 it steps them with its BF16_Optimizer, which has no ``offload_states``."""
     stage = zero_stage if trainable or zero_stage == 3 else 0
+    if trainable and bf16 and stage < 3:
+        return 2
     if dp == 1 and stage in (1, 2) and not adam_offload:
         stage = 0
     return stage
@@ -289,7 +294,7 @@ def estimate_role(role: str, shape: ModelShape, num_params: int, ds: DeepSpeedCo
     adapters = lora_params(shape, lora, value_model) if lora is not None else None
     # QLoRA runs without tensor parallelism (the config refuses it): the checkpoint's share of layer projections.
     q_params = num_params * quantized_linear_params(shape) / shape.num_params if quantized else 0.0
-    stage = effective_zero_stage(ds.zero_stage, zero_ranks, trainable, ds.adam_offload)
+    stage = effective_zero_stage(ds.zero_stage, zero_ranks, trainable, ds.adam_offload, bf16=p == 2)
     largest = largest_lora_tensor(shape, lora, value_model) if lora is not None else shape.largest_tensor_params(tp)
     states = model_state_bytes(params, param_bytes=p, zero_stage=stage, dp=zero_ranks, trainable=trainable,
                                adam_offload=ds.adam_offload, on_gpu=on_gpu, largest_tensor_params=largest,
@@ -410,7 +415,8 @@ def leaves_device(cfg: RunConfig, placement: Placement, role: str) -> bool:
     keeps its partitions on the host anyway)."""
     grid = placement.roles[role]
     trainable = role in ("actor", "critic")
-    stage = effective_zero_stage(cfg.ds.zero_stage, grid.dp_size * grid.sp_size, trainable, cfg.ds.adam_offload)
+    stage = effective_zero_stage(cfg.ds.zero_stage, grid.dp_size * grid.sp_size, trainable, cfg.ds.adam_offload,
+                                 bf16=resolved_param_dtype(cfg.ds.param_dtype, True) == "bf16")
     if trainable:
         return stage >= 1
     return stage == 0

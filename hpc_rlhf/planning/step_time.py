@@ -205,7 +205,8 @@ def _role_pass(ctx: _Ctx, role: str, *, train: bool) -> tuple[float, str]:
     micro_rows = cfg.train.micro_train_batch_size if train else cfg.rollout.micro_rollout_batch_size
     micro_batches = max(1, math.ceil(ctx.samples / zero_ranks / micro_rows))
     passes = (4 if ckpt else 3) if train else 1  # the backward counts as two forward passes of dispatch
-    stage = effective_zero_stage(cfg.ds.zero_stage, zero_ranks, train, cfg.ds.adam_offload)
+    stage = effective_zero_stage(cfg.ds.zero_stage, zero_ranks, train, cfg.ds.adam_offload,
+                                 bf16=resolved_param_dtype(cfg.ds.param_dtype, ctx.device.gpu) == "bf16")
     comm = 0.0
     if stage == 3:
         weights = shape.params_per_tp_rank(n, grid.tp_size) * ctx.param_bytes
@@ -275,7 +276,8 @@ def weight_sync_phase(ctx: _Ctx) -> Phase:
     actor = placement.roles["actor"]
     if placement.layout == "colocated":
         zero_ranks = actor.dp_size * actor.sp_size
-        stage = effective_zero_stage(cfg.ds.zero_stage, zero_ranks, True, cfg.ds.adam_offload)
+        stage = effective_zero_stage(cfg.ds.zero_stage, zero_ranks, True, cfg.ds.adam_offload,
+                                     bf16=resolved_param_dtype(cfg.ds.param_dtype, device.gpu) == "bf16")
         gather = zero3_traffic_bytes(sync / actor.tp_size, zero_ranks, 1) if stage == 3 else 0.0
         seconds = gather / device.collective_bw(ctx.nodes) + sync / device.memory_bw
         path = "in-process" + (f", ZeRO-3 gather {gather / 1e9:.1f} GB/rank" if gather else "")
@@ -465,7 +467,7 @@ def supervised_step_time(cfg, kind: str, device: Device, *, nodes: int, gpus_per
     logits = 0 if kind == "rm" else tokens
     micro = max(1, math.ceil(cfg.train.train_batch_size / dp / cfg.train.micro_train_batch_size))
     ckpt = cfg.ds.gradient_checkpointing
-    stage = effective_zero_stage(cfg.ds.zero_stage, dp, True, cfg.ds.adam_offload)
+    stage = effective_zero_stage(cfg.ds.zero_stage, dp, True, cfg.ds.adam_offload, bf16=param_bytes == 2)
     weights = shape.params_per_tp_rank(n, tp) * param_bytes
     bw = rank.collective_bw(nodes)
 

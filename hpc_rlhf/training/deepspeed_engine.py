@@ -26,8 +26,10 @@ with TP is refused.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,7 +43,8 @@ from hpc_rlhf.models.hf_compat import enable_activation_checkpointing
 from hpc_rlhf.models.lora import apply_lora, load_trainable_state  # peft itself: lazily, inside
 from hpc_rlhf.models.moe import sparse_moe_block_classes
 from hpc_rlhf.models.precision import resolve_dtype
-from hpc_rlhf.training.optimizer_choice import adam_implementation, optimizer_offloaded
+from hpc_rlhf.planning.memory_estimate import effective_zero_stage
+from hpc_rlhf.training.optimizer_choice import adam_implementation, arch_list_for_deepspeed, optimizer_offloaded
 from hpc_rlhf.training.topology import (
     copy_from_tp_leader,
     dp_setup,
@@ -93,11 +96,11 @@ def build_ds_config(ds_cfg: DeepSpeedConfig, role_cfg: TrainedRole | None, *, tr
     """
     trainable = role_cfg is not None
     dtype = resolve_dtype(ds_cfg.param_dtype, on_gpu)
-    stage = ds_cfg.zero_stage if trainable or ds_cfg.zero_stage == 3 else 0
-    if dp_size == 1 and stage in (1, 2) and not ds_cfg.adam_offload:
-        # Nothing to shard over one rank; stages 1-2 only add bucketing work (-14% step time measured
-        # in benchmarks/grpo_vs_trl.py on 1 rank).
-        stage = 0
+    # fp32 on one rank: nothing to shard, stages 1-2 only add bucketing work (-14% step time measured in
+    # benchmarks/grpo_vs_trl.py on 1 rank), so they run as 0. bf16 training needs a ZeRO optimizer: stages 0-2 run
+    # as 2 (effective_zero_stage says why).
+    stage = effective_zero_stage(ds_cfg.zero_stage, dp_size, trainable, ds_cfg.adam_offload,
+                                 bf16=dtype == torch.bfloat16)
     gas = gradient_accumulation_steps(train_batch_size, micro_train_batch_size, dp_size) if trainable else 1
     zero: dict[str, Any] = {"stage": stage}
     if stage == 3:
@@ -143,6 +146,22 @@ def build_ds_config(ds_cfg: DeepSpeedConfig, role_cfg: TrainedRole | None, *, tr
         assert isinstance(merged, dict)  # a merge of two dicts
         config = {str(k): v for k, v in merged.items()}
     return config
+
+
+@contextlib.contextmanager
+def _arch_list_deepspeed_can_read() -> Iterator[None]:
+    """``TORCH_CUDA_ARCH_LIST`` rewritten by ``arch_list_for_deepspeed`` while DeepSpeed builds its ops, then
+    restored (the user's value stays what torch's own extension builds see)."""
+    original = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    readable = arch_list_for_deepspeed(original) if original else original
+    if readable != original:
+        log.info("TORCH_CUDA_ARCH_LIST=%s is read as %s while DeepSpeed builds its ops", original, readable)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = readable or ""
+    try:
+        yield
+    finally:
+        if original is not None:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = original
 
 
 # --------------------------------------------------------------------------------------------------
@@ -340,11 +359,12 @@ class TrainEngine(_DeepSpeedRole):
             model = apply_lora(model, ds_cfg.lora)
         if ds_cfg.gradient_checkpointing:
             enable_activation_checkpointing(model, use_reentrant=False)
-        engine, *_ = deepspeed.initialize(
-            model=model, model_parameters=_param_groups(model, role_cfg.weight_decay), config=config,
-            lr_scheduler=lambda optimizer: _warmup_cosine_scheduler(optimizer, num_training_steps, role_cfg),
-            mpu=mpu, dist_init_required=False,
-        )
+        with _arch_list_deepspeed_can_read():  # FusedAdam / cpu_adam are JIT-built here, on first use
+            engine, *_ = deepspeed.initialize(
+                model=model, model_parameters=_param_groups(model, role_cfg.weight_decay), config=config,
+                lr_scheduler=lambda optimizer: _warmup_cosine_scheduler(optimizer, num_training_steps, role_cfg),
+                mpu=mpu, dist_init_required=False,
+            )
         if config["zero_optimization"]["stage"] == 0 and dp_size == 1 and tp_group is None:
             # One replica: DeepSpeed would still flatten every gradient into a bucket, "all-reduce" it over
             # one rank and copy it back at each boundary (0.44 s of a 7.9 s step at 135M parameters on CPU).

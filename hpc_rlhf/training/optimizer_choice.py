@@ -64,3 +64,20 @@ def adam_implementation(*, on_gpu: bool, offloaded: bool, zero_stage: int = 0) -
         "torch.optim.AdamW(fused=True)",
         "CPU: torch's fused CPU kernel, no compiled op needed (15x faster than its default per-tensor loop "
         "at 135M parameters)", {"torch_adam": True, "fused": True})
+
+
+def arch_list_for_deepspeed(arch_list: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed 0.19's JIT op builder can read it.
+
+    torch accepts architecture-specific entries such as ``9.0a`` (Hopper's wgmma) or ``10.0f``; DeepSpeed parses
+    every entry as integers and fails on them (``invalid literal for int() with base 10: '0a'``, seen building
+    FusedAdam on an H200 whose environment set ``9.0a``). Its ops use no such instructions, so the suffix is
+    dropped: ``"8.0;9.0a+PTX"`` -> ``"8.0;9.0+PTX"``. Separators (spaces or ``;``) become ``;``."""
+    entries = []
+    for entry in arch_list.replace(" ", ";").split(";"):
+        if not entry.strip():
+            continue
+        base, plus, ptx = entry.strip().partition("+")
+        major, _, minor = base.partition(".")
+        entries.append(f"{major}.{minor.rstrip('abcdefghijklmnopqrstuvwxyz')}{plus}{ptx}" if minor else entry.strip())
+    return ";".join(entries)

@@ -21,6 +21,8 @@ def _full_state(engine) -> dict[str, torch.Tensor]:
 
 
 def _fused_adamw_step(rank: int, world_size: int, port: int, stage: int, results) -> None:
+    import os
+
     import torch.distributed as dist
     from deepspeed.ops.op_builder.builder import OpBuilder
 
@@ -28,6 +30,7 @@ def _fused_adamw_step(rank: int, world_size: int, port: int, stage: int, results
     from hpc_rlhf.training.deepspeed_engine import TrainEngine
     from tests.multiproc.test_deepspeed_engine import VOCAB, tiny_llama
 
+    os.environ["LOCAL_RANK"] = str(rank)  # DeepSpeed reads it; the launchers set it (world/launch_env.py)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:

@@ -78,8 +78,10 @@ def test_rl_layout_reads_the_model_and_the_effective_zero_stage(tmp_path):
     cfg = load_config(None, [f"actor.pretrain={model}", "ds.zero_stage=2"])
     two = rl_layout(cfg, build_placement(cfg, 2)).roles["actor"]
     assert (two.dp, two.zero_stage, two.model["vocab_size"]) == (2, 2, 83)
-    one = rl_layout(cfg, build_placement(cfg, 1)).roles["actor"]
-    assert (one.dp, one.zero_stage) == (1, 0)  # ZeRO-2 falls back to 0 on one replica, as the engine does
+    one = rl_layout(cfg, build_placement(cfg, 1), on_gpu=False).roles["actor"]
+    assert (one.dp, one.zero_stage) == (1, 0)  # fp32: ZeRO-2 falls back to 0 on one replica, as the engine does
+    # bf16 (ds.param_dtype=auto on a GPU) needs DeepSpeed's ZeRO optimizer: stage 2 on one replica too.
+    assert rl_layout(cfg, build_placement(cfg, 1), on_gpu=True).roles["actor"].zero_stage == 2
 
 
 def _checkpoint(tmp_path, layout: CheckpointLayout):

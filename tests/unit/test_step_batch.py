@@ -4,6 +4,7 @@ the wire format, and the controller's layouts built on them."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -159,6 +160,7 @@ def test_updates_walk_each_minibatch_in_micro_batches():
     settings = UpdateSettings.from_sections(cfg.train, cfg.rollout, cfg.ds)
     rows = _batch(4).select(*TRAIN_FIELDS["critic"])
     shard = TrainShard(rows, rows_per_minibatch=2, num_tokens=[1, 1], num_seqs=[1, 1])
-    seen = [(mb, int(micro.values[0, 0]), num, last) for mb, micro, num, last in _updates(shard, settings, None)]
+    engine = SimpleNamespace(dp_group=None, device=torch.device("cpu"))  # what _updates reads of the engine
+    seen = [(mb, int(micro.values[0, 0]), num, last) for mb, micro, num, last in _updates(shard, settings, engine)]
     one_epoch = [(0, 0, 2, False), (0, 1, 2, True), (1, 2, 2, False), (1, 3, 2, True)]
     assert seen == one_epoch * 2

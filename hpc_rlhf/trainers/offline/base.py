@@ -117,7 +117,8 @@ class SupervisedTrainer(RunHooks, Generic[RunConfigT]):
         if self.uses_reference:
             self.ref = self.frozen_reference()
         self.ckpt = CheckpointManager(cfg.ckpt.path or self.output_dir / "ckpt", max_num=cfg.ckpt.max_num)
-        self.layout = supervised_layout(cfg, dist.get_world_size())  # recorded in checkpoints; compared on resume
+        # recorded in checkpoints; compared on resume
+        self.layout = supervised_layout(cfg, dist.get_world_size(), torch.cuda.is_available())
         if not cfg.ckpt.load:
             warn_if_starting_over(self.ckpt)
         self.step = 0

@@ -25,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from hpc_rlhf.ckpt.hf_exports import HFExports
@@ -96,7 +97,8 @@ class PPOTrainer(RunHooks):
         self.metrics = MetricsLogger(cfg.train.output_dir, cfg.logger, cfg.model_dump(mode="json"),
                                      resume=cfg.ckpt.load) if world.is_controller else None
         self.ckpt = rl_checkpoint.make_manager(cfg)
-        self.layout = rl_layout(cfg, world.placement)  # recorded in checkpoints; compared on resume
+        # recorded in checkpoints; compared on resume
+        self.layout = rl_layout(cfg, world.placement, torch.cuda.is_available())
         self.stopped_by_signal = False
         self.requeued = False  # with stopped_by_signal: SLURM restarts the job (cli exit status, preemption.py)
         self.last_row: Row = {}  # rank 0: the latest step's metrics (ckpt.best_metric reads them)

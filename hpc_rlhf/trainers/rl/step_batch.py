@@ -177,6 +177,10 @@ class StepBatch:
         names = _FORWARD_FIELDS + (("routed_experts",) if self.routed_experts is not None else ())
         return {k: getattr(self, k) for k in names}
 
+    def to(self, device: torch.device | str) -> StepBatch:
+        """Every field on ``device`` (the engine's: rows travel and are cut on the host, forwards run there)."""
+        return StepBatch(**{k: v.to(device, non_blocking=True) for k, v in self.tensors().items()})
+
     # ------------------------------------------------------------------ rows
     def take_rows(self, index: Sequence[int] | torch.Tensor) -> StepBatch:
         """Rows ``index`` (in that order, repeats allowed) of every field."""

@@ -77,12 +77,13 @@ def _micro_batches(batching: Batching, attention_mask: torch.Tensor, dp_group: A
     return [torch.tensor(rows, dtype=torch.long) for rows in plan]
 
 
-def _per_row_forward(shard: StepBatch, batching: Batching, dp_group: Any,
+def _per_row_forward(shard: StepBatch, batching: Batching, model: Any,
                      fn: Callable[[StepBatch], torch.Tensor]) -> torch.Tensor:
-    """Run ``fn(micro_rows) -> (b, r)`` over micro-batches; reassemble (B, R) fp32 in row order."""
+    """Run ``fn(micro_rows) -> (b, r)`` over micro-batches, each on the model's device; reassemble (B, R) fp32 in
+    row order on the host."""
     out = torch.zeros(shard.action_mask.shape, dtype=torch.float32)
-    for index in _micro_batches(batching, shard.attention_mask, dp_group):
-        rows = shard.take_rows(index).trim_padding()
+    for index in _micro_batches(batching, shard.attention_mask, model.dp_group):
+        rows = shard.take_rows(index).trim_padding().to(model.device)
         result = fn(rows).float().cpu()
         out[index, : result.shape[1]] = result
     return out
@@ -97,7 +98,7 @@ def forward_logprobs(model: Any, shard: StepBatch, batching: Batching, temperatu
         with forward_scope(model, rows.forward_inputs(), packed=batching.packed, sp=sp, replay=replay) as fwd:
             return fwd.policy_logprobs(temperature)[0]
 
-    return _per_row_forward(shard, batching, model.dp_group, logprobs)
+    return _per_row_forward(shard, batching, model, logprobs)
 
 
 @torch.no_grad()
@@ -108,7 +109,7 @@ def forward_values(model: Any, shard: StepBatch, batching: Batching,
         with forward_scope(model, rows.forward_inputs(), packed=batching.packed, sp=sp) as fwd:
             return fwd.critic_values()
 
-    return _per_row_forward(shard, batching, model.dp_group, values)
+    return _per_row_forward(shard, batching, model, values)
 
 
 def _finish_stats(stats: dict[str, list[float]], num_updates: int) -> dict[str, float]:
@@ -130,16 +131,18 @@ def _finish_stats(stats: dict[str, list[float]], num_updates: int) -> dict[str, 
     return out
 
 
-def _updates(shard: TrainShard, settings: UpdateSettings, dp_group: Any) -> Iterator[tuple[int, StepBatch, int, bool]]:
+def _updates(shard: TrainShard, settings: UpdateSettings, engine: Any) -> Iterator[tuple[int, StepBatch, int, bool]]:
     """Yield ``(mini-batch index, micro-batch rows, micro-batches in this update, is it the last)`` for every
     epoch and mini-batch of the shard (``shard.rows_per_minibatch`` rows each: the controller's layout,
-    ``train.train_batch_size`` episodes per mini-batch over all replicas, ``row_layout.train_shards``)."""
+    ``train.train_batch_size`` episodes per mini-batch over all replicas, ``row_layout.train_shards``); each
+    micro-batch's rows on the engine's device."""
     for _epoch in range(settings.max_epochs):
         for mb_index in range(shard.num_minibatches):
             mb = shard.minibatch(mb_index)
-            plan = _micro_batches(settings.batching, shard.rows.attention_mask[mb], dp_group)
+            plan = _micro_batches(settings.batching, shard.rows.attention_mask[mb], engine.dp_group)
             for i, index in enumerate(plan):
-                yield mb_index, shard.rows.take_rows(index + mb.start).trim_padding(), len(plan), i == len(plan) - 1
+                rows = shard.rows.take_rows(index + mb.start).trim_padding().to(engine.device)
+                yield mb_index, rows, len(plan), i == len(plan) - 1
 
 
 def _num_updates(shard: TrainShard, settings: UpdateSettings) -> int:
@@ -251,7 +254,7 @@ def train_actor(engine: Any, shard: TrainShard, algo: AlgoConfig, settings: Upda
     engine.train()
     moe = trained_moe_spec(engine.module, algo.aux_loss_coef, "algo.aux_loss_coef")  # None: a dense actor
     replay = moe is not None and algo.routing_replay == "rollout"
-    for mb_index, rows, _num_micro, last in _updates(shard, settings, engine.dp_group):
+    for mb_index, rows, _num_micro, last in _updates(shard, settings, engine):
         counts = {"global_num_tokens": shard.num_tokens[mb_index], "global_num_seqs": shard.num_seqs[mb_index],
                   "dp_size": dp_size, "max_tokens": settings.generate_max_len}
         with forward_scope(engine, rows.forward_inputs(), packed=settings.batching.packed, sp=sp,
@@ -271,7 +274,7 @@ def train_critic(engine: Any, shard: TrainShard, algo: AlgoConfig, settings: Upd
     ``returns``, ``action_mask`` (B, R) besides the forward inputs)."""
     stats: dict[str, list[float]] = defaultdict(list)
     engine.train()
-    for mb_index, rows, _num_micro, last in _updates(shard, settings, engine.dp_group):
+    for mb_index, rows, _num_micro, last in _updates(shard, settings, engine):
         mask = rows.action_mask
         with forward_scope(engine, rows.forward_inputs(), packed=settings.batching.packed, sp=sp) as fwd:
             per_token, v_stats = value_loss(fwd.critic_values(), required(rows.values, "values"),
