@@ -164,3 +164,16 @@ def test_updates_walk_each_minibatch_in_micro_batches():
     seen = [(mb, int(micro.values[0, 0]), num, last) for mb, micro, num, last in _updates(shard, settings, engine)]
     one_epoch = [(0, 0, 2, False), (0, 1, 2, True), (1, 2, 2, False), (1, 3, 2, True)]
     assert seen == one_epoch * 2
+
+
+def test_updates_move_micro_batches_to_the_engine_device():
+    """The step batch travels and is cut on the host; each micro-batch must reach the engine's device before its
+    forward (on a GPU the rows stayed on the host: "Expected all tensors to be on the same device")."""
+    cfg = load_config(None, [])
+    settings = UpdateSettings.from_sections(cfg.train, cfg.rollout, cfg.ds)
+    rows = _batch(4).select(*TRAIN_FIELDS["critic"])
+    shard = TrainShard(rows, rows_per_minibatch=2, num_tokens=[1, 1], num_seqs=[1, 1])
+    engine = SimpleNamespace(dp_group=None, device=torch.device("meta"))  # a device other than the host's
+    micro_batches = [micro for _mb, micro, _num, _last in _updates(shard, settings, engine)]
+    assert micro_batches and all(t.device.type == "meta" for micro in micro_batches for t in micro.tensors().values())
+    assert all(t.device.type == "cpu" for t in shard.rows.tensors().values())  # the shard itself stays
