@@ -14,7 +14,9 @@ import torch
 
 from hpc_rlhf.algos.masking import as_bool_mask, fill_masked, masked_mean
 
-POLICY_LOSS_TYPES = ("ppo", "gspo")
+POLICY_LOSS_TYPES = ("ppo", "gspo", "cispo", "sapo")
+# SAPO's gate counts a token as gated when its gradient weight 4 s (1 - s) (1 at r = 1) fell below this.
+SAPO_GATED_BELOW = 0.5
 
 # OpenRLHF's PolicyLoss clamps the PPO log-ratio to +-20 before exp: exp(20) ~ 5e8 is far outside any clip
 # band, so a clamped token's surrogate is clipped (or dual-clipped, or multiplied by A = 0) and gets zero
@@ -38,8 +40,10 @@ def policy_loss(
     clip_eps_high: float | None = None,
     dual_clip: float | None = None,
     importance_weights: torch.Tensor | None = None,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate policy loss, per token.
+    """Clipped (or gated) surrogate policy loss, per token.
 
     ``ppo``: token ratio ``r_t = exp(logprobs - old_logprobs)``,
     ``loss_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)``
@@ -52,7 +56,19 @@ def policy_loss(
     arXiv:2507.18071). Aggregate with ``seq_mean_token_mean`` to get the paper's
     objective; the GSPO paper uses eps of order 3e-4 / 4e-4.
 
-    Dual clip (Ye et al. 2020, arXiv:1912.09729): for ``A_t < 0`` the loss is capped
+    ``cispo`` (MiniMax-M1, arXiv:2506.13585): REINFORCE weighted by the clipped importance ratio, stop-gradient:
+    ``loss_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_t log pi(y_t)``. Unlike PPO's clip, a token whose
+    ratio left the band keeps its gradient ``clip(r_t) A_t`` (only its weight is capped), so rare tokens that
+    move fast still learn. MiniMax-M1 keeps no lower bound (``eps_low`` 1 or more) and tunes ``eps_high``.
+
+    ``sapo`` (Soft Adaptive Policy Optimization, Gao et al. 2025, arXiv:2511.20347): a smooth, temperature-gated
+    trust region instead of the hard clip: ``loss_t = -(4 / tau) sigmoid(tau (r_t - 1)) A_t`` with
+    ``tau = sapo_tau_pos`` where ``A_t > 0`` and ``sapo_tau_neg`` elsewhere (paper: 1.0 and 1.05). Its gradient is
+    ``-4 s (1 - s) r_t A_t grad log pi`` with ``s = sigmoid(tau (r_t - 1))``: the policy gradient itself at
+    ``r_t = 1``, smoothly fading as the ratio moves away (faster for negative advantages). The clip band is not
+    used.
+
+    Dual clip (``ppo`` / ``gspo`` only; Ye et al. 2020, arXiv:1912.09729): for ``A_t < 0`` the loss is capped
     at ``-dual_clip * A_t`` so a huge ratio on a bad token cannot dominate.
 
     The token log-ratio (``ppo``) and the sequence log-ratio (``gspo``) are clamped to
@@ -65,14 +81,17 @@ def policy_loss(
         old_logprobs: (B, T) log-probs of the rollout policy, recomputed by the trainer.
         advantages: (B, T).
         action_mask: (B, T) bool.
-        loss_type: ``ppo`` | ``gspo``.
+        loss_type: ``ppo`` | ``gspo`` | ``cispo`` | ``sapo``.
         clip_eps_low, clip_eps_high: ratio band ``[1 - low, 1 + high]``; high defaults to low.
         dual_clip: constant c > 1, or None.
         importance_weights: (B, T) rollout/trainer mismatch weights (see
             ``hpc_rlhf.algos.corrections``) multiplied into the loss; detached here.
+        sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures for positive / other advantages.
     Returns:
         ``(loss (B, T) fp32, stats)`` with stats ``clip_fraction`` (fraction of
-        action tokens whose surrogate is clipped), ``dual_clip_fraction``,
+        action tokens whose surrogate is clipped; ``cispo``: whose weight is capped), ``dual_clip_fraction``,
+        ``sapo``: ``gate_fraction`` (tokens whose gradient weight ``4 s (1 - s)`` fell below
+        :data:`SAPO_GATED_BELOW`) and ``gate_weight_mean``,
         ``ppo_kl_k1`` (masked mean of ``old_logprobs - logprobs``: OpenRLHF's ``ppo_kl``),
         ``ppo_kl_k3`` (k3 of the same, on the clamped log-ratio), ``ratio_mean``.
     """
@@ -84,12 +103,24 @@ def policy_loss(
         clip_eps_high = clip_eps_low
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    if dual_clip is not None and loss_type in ("cispo", "sapo"):
+        raise ValueError(f"algo.dual_clip applies to the ppo and gspo losses, not to {loss_type}")
+    if loss_type == "sapo" and min(sapo_tau_pos, sapo_tau_neg) <= 0:
+        raise ValueError(f"sapo temperatures must be > 0, got {sapo_tau_pos} and {sapo_tau_neg}")
     mask = as_bool_mask(action_mask)
     logprobs = fill_masked(logprobs.float(), mask)
     old_logprobs = fill_masked(old_logprobs.float(), mask)
     advantages = fill_masked(advantages.float(), mask)
     raw_log_ratio = logprobs - old_logprobs
     log_ratio = raw_log_ratio.clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
+    if loss_type in ("cispo", "sapo"):
+        loss, stats = _cispo_or_sapo(loss_type, logprobs, log_ratio, advantages, mask, clip_eps_low, clip_eps_high,
+                                     sapo_tau_pos, sapo_tau_neg)
+        if importance_weights is not None:
+            loss = loss * fill_masked(importance_weights.detach().float(), mask)
+        with torch.no_grad():
+            stats.update(_ratio_stats(raw_log_ratio, log_ratio, mask))
+        return fill_masked(loss, mask), stats
 
     if loss_type == "ppo":
         ratio = torch.exp(log_ratio)
@@ -117,11 +148,38 @@ def policy_loss(
         stats = {
             "clip_fraction": masked_mean(is_clipped.float(), mask),
             "dual_clip_fraction": masked_mean(is_dual_clipped.float(), mask),
-            # Named by estimator: OpenRLHF logs k1 as ``ppo_kl``; k3 is the lower-variance one.
-            "ppo_kl_k1": masked_mean(-raw_log_ratio, mask),
-            "ppo_kl_k3": masked_mean(torch.expm1(-log_ratio) + log_ratio, mask),
+            **_ratio_stats(raw_log_ratio, log_ratio, mask),
             "ratio_mean": masked_mean(ratio, mask),
         }
+    return loss, stats
+
+
+def _ratio_stats(raw_log_ratio: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """KL of the update so far, by estimator: OpenRLHF logs k1 as ``ppo_kl``; k3 is the lower-variance one."""
+    return {"ppo_kl_k1": masked_mean(-raw_log_ratio, mask),
+            "ppo_kl_k3": masked_mean(torch.expm1(-log_ratio) + log_ratio, mask)}
+
+
+def _cispo_or_sapo(loss_type: str, logprobs: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor,
+                   mask: torch.Tensor, clip_eps_low: float, clip_eps_high: float, tau_pos: float, tau_neg: float,
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The per-token CISPO or SAPO loss (B, T) (:func:`policy_loss` has the formulas) and its own stats.
+    ``log_ratio``: the clamped ``logprobs - old_logprobs``, carrying the gradient."""
+    ratio = torch.exp(log_ratio)
+    if loss_type == "cispo":
+        weight = ratio.detach().clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
+        loss = -weight * advantages * logprobs
+        with torch.no_grad():
+            capped = (ratio < 1.0 - clip_eps_low) | (ratio > 1.0 + clip_eps_high)
+            stats = {"clip_fraction": masked_mean(capped.float(), mask), "ratio_mean": masked_mean(ratio, mask)}
+        return loss, stats
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    loss = -(4.0 / tau) * gate * advantages
+    with torch.no_grad():
+        weight = 4.0 * gate * (1.0 - gate)  # d loss / d r = -weight * A: 1 at r = 1
+        stats = {"gate_fraction": masked_mean((weight < SAPO_GATED_BELOW).float(), mask),
+                 "gate_weight_mean": masked_mean(weight, mask), "ratio_mean": masked_mean(ratio, mask)}
     return loss, stats
 
 

@@ -214,7 +214,16 @@ class AlgoConfig(Section):
     eps_clip_high: float = Field(0.2, gt=0)
     dual_clip: float | None = Field(None, gt=1)
     value_clip: float | None = Field(0.5, gt=0)
-    policy_loss_type: Literal["ppo", "gspo"] = "ppo"
+    policy_loss_type: Literal["ppo", "gspo", "cispo", "sapo"] = Field(
+        "ppo", description="ppo: clipped token ratio (OpenRLHF's default); gspo: sequence ratio (arXiv:2507.18071); "
+        "cispo: REINFORCE weighted by the stop-gradient clipped ratio, clipped tokens keep their gradient "
+        "(MiniMax-M1, arXiv:2506.13585; the band is algo.eps_clip_low/high, MiniMax keeps no lower bound: "
+        "eps_clip_low >= 1); sapo: a smooth temperature-gated trust region instead of the clip (arXiv:2511.20347; "
+        "algo.sapo_tau_pos/neg)")
+    sapo_tau_pos: float = Field(1.0, gt=0, description="policy_loss_type=sapo: gate temperature where the advantage "
+                                "is positive (paper: 1.0); larger fades off-policy tokens faster")
+    sapo_tau_neg: float = Field(1.05, gt=0, description="policy_loss_type=sapo: gate temperature where the "
+                                "advantage is zero or negative (paper: 1.05, above sapo_tau_pos)")
     loss_agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = (
         "token_mean"
     )
@@ -243,6 +252,13 @@ class AlgoConfig(Section):
     dynamic_filtering_reward_range: tuple[float, float] = (0.0, 1.0)
     overlong_buffer_len: int | None = Field(None, ge=1)
     overlong_penalty_factor: float = Field(1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _loss_options(self) -> AlgoConfig:
+        if self.dual_clip is not None and self.policy_loss_type in ("cispo", "sapo"):
+            raise ValueError(f"algo.dual_clip applies to the ppo and gspo losses, not to "
+                             f"algo.policy_loss_type={self.policy_loss_type}: unset algo.dual_clip")
+        return self
 
     @property
     def needs_critic(self) -> bool:

@@ -43,6 +43,22 @@ def test_grpo_colocated_reward_rises_and_export_loads(assets, tmp_path):
     _check_step_signals(rows, model.config.vocab_size, generate_max_len=4, source=Path(assets["data"]).stem)
 
 
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
+def test_cispo_and_sapo_reward_rises(assets, tmp_path, loss_type):
+    """Each of the two losses trains the tiny GRPO task with the reward rising, and logs what its weight did."""
+    band = ["algo.eps_clip_low=1.0", "algo.eps_clip_high=0.28"] if loss_type == "cispo" else []  # MiniMax-M1: no low
+    run_on_ranks(_fit, 2, grpo_overrides(assets, tmp_path, "train.max_steps=30", f"algo.policy_loss_type={loss_type}",
+                                         *band))
+    rows = read_metrics(tmp_path)
+    first = sum(r["reward"] for r in rows[:5]) / 5
+    last = sum(r["reward"] for r in rows[-5:]) / 5
+    assert last > first + 0.15, (first, last)
+    gated = "clip_fraction" if loss_type == "cispo" else "gate_fraction"
+    assert all(0 <= r[gated] <= 1 for r in rows), gated
+    if loss_type == "sapo":
+        assert all(0 < r["gate_weight_mean"] <= 1 for r in rows)
+
+
 def _check_step_signals(rows: list[dict], vocab_size: int, generate_max_len: int, source: str) -> None:
     """Entropy, length spread, clipping and per-source reward are in every step's row and make sense."""
     for row in rows:

@@ -33,6 +33,56 @@ def test_ppo_clip_higher_by_hand():
     assert not stats["clip_fraction"].requires_grad
 
 
+def test_cispo_by_hand_clipped_tokens_keep_their_gradient():
+    """CISPO: loss_t = -sg(clip(r_t, 0.8, 1.28)) A_t log pi_t; d/dlogprobs = -clip(r_t) A_t, also where PPO's clip
+    would give 0 (tokens 0 and 2 of test_ppo_clip_higher_by_hand)."""
+    ratios = [1.5, 0.5, 0.5, 1.5, 1.1]
+    advantages = [1.0, 1.0, -1.0, -1.0, 2.0]
+    logprobs, old_logprobs, adv = ppo_inputs(ratios, advantages)
+    loss, stats = policy_loss(logprobs, old_logprobs, adv, ALL, loss_type="cispo", clip_eps_low=0.2,
+                              clip_eps_high=0.28)
+    weights = [1.28, 0.8, 0.8, 1.28, 1.1]  # the ratio clipped to [0.8, 1.28]
+    logp = [-1.0 + math.log(r) for r in ratios]
+    expected = torch.tensor([[-w * a * lp for w, a, lp in zip(weights, advantages, logp, strict=True)]])
+    torch.testing.assert_close(loss, expected)
+    loss.sum().backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-1.28, -0.8, 0.8, 1.28, -2.2]]))
+    assert stats["clip_fraction"].item() == pytest.approx(4 / 5)  # every ratio outside the band but 1.1
+
+
+def test_sapo_by_hand_soft_gate():
+    """SAPO: loss_t = -(4/tau) sigmoid(tau (r_t - 1)) A_t, tau 1.0 for A > 0 and 1.05 otherwise; the gradient in
+    log pi is -4 s (1 - s) r_t A_t: the plain policy gradient -A_t at r_t = 1, fading as r_t moves away."""
+    ratios = [1.0, 1.5, 0.5, 3.0]
+    advantages = [1.0, 1.0, -1.0, 1.0]
+    logprobs, old_logprobs, adv = ppo_inputs(ratios, advantages)
+    loss, stats = policy_loss(logprobs, old_logprobs, adv, torch.ones(1, 4, dtype=torch.bool), loss_type="sapo",
+                              sapo_tau_pos=1.0, sapo_tau_neg=1.05)
+
+    def sigmoid(x):
+        return 1.0 / (1.0 + math.exp(-x))
+
+    taus = [1.0, 1.0, 1.05, 1.0]
+    gates = [sigmoid(t * (r - 1.0)) for t, r in zip(taus, ratios, strict=True)]
+    expected = [-(4.0 / t) * g * a for t, g, a in zip(taus, gates, advantages, strict=True)]
+    torch.testing.assert_close(loss, torch.tensor([expected]))
+    assert loss[0, 0].item() == pytest.approx(-2.0)  # sigmoid(0) = 1/2
+    loss.sum().backward()
+    grads = [-4.0 * g * (1.0 - g) * r * a for g, r, a in zip(gates, ratios, advantages, strict=True)]
+    torch.testing.assert_close(logprobs.grad, torch.tensor([grads]))
+    assert logprobs.grad[0, 0].item() == pytest.approx(-1.0)  # the policy gradient itself at r = 1
+    # Gate weights 4 s (1 - s): 1, 0.940, 0.934, 0.420: only the token at r = 3 is gated (weight < 0.5).
+    assert stats["gate_fraction"].item() == pytest.approx(1 / 4)
+    assert stats["gate_weight_mean"].item() == pytest.approx(sum(4 * g * (1 - g) for g in gates) / 4)
+
+
+def test_cispo_and_sapo_refuse_the_dual_clip():
+    logprobs, old_logprobs, adv = ppo_inputs([1.0] * 5, [1.0] * 5)
+    for loss_type in ("cispo", "sapo"):
+        with pytest.raises(ValueError, match="dual_clip"):
+            policy_loss(logprobs, old_logprobs, adv, ALL, loss_type=loss_type, dual_clip=3.0)
+
+
 def test_symmetric_clip_is_the_default():
     logprobs, old_logprobs, adv = ppo_inputs([1.25, 1.25, 1.25, 1.25, 1.25], [1.0] * 5)
     loss, _ = policy_loss(logprobs, old_logprobs, adv, ALL, clip_eps_low=0.2)
@@ -94,7 +144,7 @@ def test_importance_weights_scale_the_loss_and_are_not_differentiated():
     assert weights.grad is None
 
 
-@pytest.mark.parametrize("loss_type", ["ppo", "gspo"])
+@pytest.mark.parametrize("loss_type", ["ppo", "gspo", "cispo", "sapo"])
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
 def test_policy_loss_masked_positions_change_nothing(loss_type, poison):
     g = torch.Generator().manual_seed(1)
@@ -106,7 +156,8 @@ def test_policy_loss_masked_positions_change_nothing(loss_type, poison):
 
     def run(*tensors):
         lp = tensors[0].clone().requires_grad_(True)
-        loss, stats = policy_loss(lp, *tensors[1:3], mask, loss_type=loss_type, dual_clip=3.0,
+        dual_clip = 3.0 if loss_type in ("ppo", "gspo") else None
+        loss, stats = policy_loss(lp, *tensors[1:3], mask, loss_type=loss_type, dual_clip=dual_clip,
                                   importance_weights=tensors[3])
         loss.sum().backward()
         return [loss, lp.grad] + list(stats.values())

@@ -214,7 +214,8 @@ def _actor_micro_step(engine: Any, fwd: Any, rows: StepBatch, counts: dict[str, 
     pg, pg_stats = policy_loss(
         logprobs, old, required(rows.advantages, "advantages"), mask, loss_type=algo.policy_loss_type,
         clip_eps_low=algo.eps_clip_low, clip_eps_high=algo.eps_clip_high,
-        dual_clip=algo.dual_clip, importance_weights=is_weights)
+        dual_clip=algo.dual_clip, importance_weights=is_weights, sapo_tau_pos=algo.sapo_tau_pos,
+        sapo_tau_neg=algo.sapo_tau_neg)
     pg_loss = aggregate_loss(pg, mask, algo.loss_agg_mode, **counts)
     kl_loss = None
     if algo.kl.use_loss and rows.ref_logprobs is not None:
