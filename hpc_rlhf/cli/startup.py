@@ -48,7 +48,12 @@ def prepare_local_assets(cfg: Any) -> None:
     if not isinstance(cfg, RunConfig):
         prepare_supervised_assets(cfg)
         return
-    if cfg.actor.build_tiny and cfg.actor.pretrain:
+    if cfg.actor.build_tiny in ("qwen2_5_vl", "qwen3_vl") and cfg.actor.pretrain:
+        from hpc_rlhf.models.tiny_vlm import build_tiny_vlm  # torch: see the note on the imports
+
+        # a larger init std (as the tests' learned-behaviour checks): logits with a margin, so greedy eval is stable
+        build_tiny_vlm(cfg.actor.pretrain, str(cfg.actor.build_tiny), seed=cfg.train.seed, initializer_range=0.1)
+    elif cfg.actor.build_tiny and cfg.actor.pretrain:
         from hpc_rlhf.models.tiny import build_tiny_for  # torch: see the note on the imports
 
         build_tiny_for(cfg.actor.pretrain, cfg.actor.build_tiny, seed=cfg.train.seed,
@@ -56,6 +61,9 @@ def prepare_local_assets(cfg: Any) -> None:
     if cfg.data.synthetic_task and cfg.data.prompt_data:
         write_task_if_missing(cfg.data.synthetic_task, cfg.data.prompt_data[0], cfg.data.synthetic_num_samples,
                               cfg.train.seed)
+    if cfg.data.synthetic_task == "colour" and cfg.eval.data:
+        # the held-out split: other images (another seed), the same size as the eval prompt budget
+        write_task_if_missing("colour", cfg.eval.data[0], cfg.eval.max_samples or 64, cfg.train.seed + 10_000)
 
 
 def start_run(prog: str, argv: list[str] | None, load: Callable[[str | None, list[str]], Any]):

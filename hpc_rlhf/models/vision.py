@@ -26,8 +26,10 @@ VISUAL_FIELDS = ("pixel_values", "image_grid_thw", "mrope_position_ids")
 
 
 def is_vision_language(config: Any) -> bool:
-    """Whether a transformers config is a vision-language model whose images this project can feed (Qwen-VL
-    style: a vision config, an image placeholder token and M-RoPE)."""
+    """Whether a transformers config (or its ``config.json`` as a dict) is a vision-language model whose images this
+    project can feed (Qwen-VL style: a vision config, an image placeholder token and M-RoPE)."""
+    if isinstance(config, dict):
+        return config.get("vision_config") is not None and config.get("image_token_id") is not None
     return getattr(config, "vision_config", None) is not None and getattr(config, "image_token_id", None) is not None
 
 
