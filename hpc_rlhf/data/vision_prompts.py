@@ -82,8 +82,10 @@ class VisionPromptEncoder:
                             f"the prompt is {len(ids)} tokens with its images, over data.prompt_max_len="
                             f"{prompt_max_len}; image tokens are never cut: raise data.prompt_max_len or lower "
                             "data.max_pixels")
+        bounds = (int(self.size["shortest_edge"]), int(self.size["longest_edge"])) \
+            if self.size["shortest_edge"] and self.size["longest_edge"] else None
         visual = PromptVisual(pixel_values, grid, self.image_token_id, self.merge_size,
-                              tuple(ref.describe() for ref in prompt.images))
+                              tuple(ref.describe() for ref in prompt.images), tuple(images), bounds)
         return ids, visual
 
 

@@ -8,7 +8,7 @@ tensors, so an image is encoded once however many samples answer it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +31,11 @@ class PromptVisual:
     spatial_merge_size: int
     refs: tuple[str, ...] = ()
     """Each image's path or content hash (``ImageRef.describe``): what a rollout dump records, never the pixels."""
+    images: tuple[Any, ...] = ()
+    """The decoded RGB ``PIL.Image`` of each image, for engines that run the processor themselves (vLLM); empty
+    when only the processed tensors travel."""
+    pixel_bounds: tuple[int, int] | None = None
+    """(min_pixels, max_pixels) the image processor resized to (vLLM's processor must use the same)."""
 
     @property
     def num_images(self) -> int:
