@@ -133,3 +133,21 @@ def test_freeze_vision_tower_keeps_the_projector_trainable(tiny):
     finally:
         for p in model.parameters():
             p.requires_grad_(True)
+
+
+def test_lora_adapts_the_language_model_only(tmp_path):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from hpc_rlhf.config.schema import LoraConfig
+    from hpc_rlhf.models.lora import apply_lora
+
+    path = build_tiny_vlm(tmp_path / "m", "qwen2_5_vl", initializer_range=0.1)
+    model = apply_lora(AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32),
+                       LoraConfig(rank=4, alpha=8))
+    adapted = {n for n, _ in model.named_parameters() if "lora_" in n}
+    assert adapted and all(n.startswith("model.language_model.") for n in adapted)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == adapted
+    seq, mask, r, _, fields = _rows(model, AutoTokenizer.from_pretrained(path), AutoImageProcessor.from_pretrained(path))
+    lp, _ = policy_logprobs(model, seq, mask, r, packed=True, visual=fields)
+    lp.sum().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_B" in n)
