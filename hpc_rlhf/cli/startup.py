@@ -48,12 +48,7 @@ def prepare_local_assets(cfg: Any) -> None:
     if not isinstance(cfg, RunConfig):
         prepare_supervised_assets(cfg)
         return
-    if cfg.actor.build_tiny in ("qwen2_5_vl", "qwen3_vl") and cfg.actor.pretrain:
-        from hpc_rlhf.models.tiny_vlm import build_tiny_vlm  # torch: see the note on the imports
-
-        # a larger init std (as the tests' learned-behaviour checks): logits with a margin, so greedy eval is stable
-        build_tiny_vlm(cfg.actor.pretrain, str(cfg.actor.build_tiny), seed=cfg.train.seed, initializer_range=0.1)
-    elif cfg.actor.build_tiny and cfg.actor.pretrain:
+    if cfg.actor.build_tiny and cfg.actor.pretrain:
         from hpc_rlhf.models.tiny import build_tiny_for  # torch: see the note on the imports
 
         build_tiny_for(cfg.actor.pretrain, cfg.actor.build_tiny, seed=cfg.train.seed,

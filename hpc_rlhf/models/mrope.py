@@ -56,6 +56,7 @@ def padded_mrope_positions(sequences: torch.Tensor, attention_mask: torch.Tensor
     empty = torch.zeros(0, 3, dtype=torch.long)
     for b in range(sequences.shape[0]):
         real = attention_mask[b].bool()
-        grid = grids[b] if grids[b] is not None else empty
+        row_grid = grids[b]
+        grid = row_grid if row_grid is not None else empty
         out[b, real] = mrope_positions(sequences[b, real], grid, image_token_id, spatial_merge_size)
     return out

@@ -59,14 +59,16 @@ def build_vlm_tokenizer() -> PreTrainedTokenizerFast:
 def _configs(family: str, tok: PreTrainedTokenizerFast, initializer_range: float,
              max_position_embeddings: int) -> tuple[Any, type]:
     """(config, model class) of the tiny ``family``."""
-    ids = {name: tok.convert_tokens_to_ids(t) for name, t in
+    # config keywords by name (mypy cannot match a dict's keys to the config classes' keywords)
+    ids: dict[str, Any] = {name: tok.convert_tokens_to_ids(t) for name, t in
            (("vision_start_token_id", VISION_START), ("vision_end_token_id", VISION_END),
             ("image_token_id", IMAGE_PAD), ("video_token_id", VIDEO_PAD))}
-    text = {**TEXT_SIZES, "vocab_size": len(tok), "max_position_embeddings": max_position_embeddings,
+    text: dict[str, Any] = {**TEXT_SIZES, "vocab_size": len(tok), "max_position_embeddings": max_position_embeddings,
             "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
             "tie_word_embeddings": True, "initializer_range": initializer_range, "head_dim": 64}
     # M-RoPE splits the head's 32 rotary frequencies over (temporal, height, width)
-    vision = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 128,
+    vision: dict[str, Any] = {
+        "depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 128,
               "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
               "initializer_range": initializer_range}
     if family == "qwen2_5_vl":

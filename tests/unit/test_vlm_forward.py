@@ -147,7 +147,8 @@ def test_lora_adapts_the_language_model_only(tmp_path):
     adapted = {n for n, _ in model.named_parameters() if "lora_" in n}
     assert adapted and all(n.startswith("model.language_model.") for n in adapted)
     assert {n for n, p in model.named_parameters() if p.requires_grad} == adapted
-    seq, mask, r, _, fields = _rows(model, AutoTokenizer.from_pretrained(path), AutoImageProcessor.from_pretrained(path))
+    tok, processor = AutoTokenizer.from_pretrained(path), AutoImageProcessor.from_pretrained(path)
+    seq, mask, r, _, fields = _rows(model, tok, processor)
     lp, _ = policy_logprobs(model, seq, mask, r, packed=True, visual=fields)
     lp.sum().backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if "lora_B" in n)
