@@ -10,7 +10,7 @@ import torch
 
 def reward_func(queries, prompts, labels, responses=None, **kwargs):
     if responses is None:
-        responses = [q[len(p):] if q.startswith(p) else q for q, p in zip(queries, prompts)]
-    scores = [float(response.strip()[:1] == str(label)) for response, label in zip(responses, labels)]
+        responses = [q[len(p):] if q.startswith(p) else q for q, p in zip(queries, prompts, strict=True)]
+    scores = [float(response.strip()[:1] == str(label)) for response, label in zip(responses, labels, strict=True)]
     return {"rewards": torch.tensor(scores), "scores": torch.tensor(scores),
             "extra_logs": {"accuracy": torch.tensor(scores)}}
