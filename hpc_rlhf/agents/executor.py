@@ -20,7 +20,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hpc_rlhf.data.prompts import Prompt, source_name, tokenize_prompts
+from hpc_rlhf.data.vision_prompts import VisionPromptEncoder, encode_prompts
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams, Trajectory
+from hpc_rlhf.rollout.visual import PromptVisual
 
 GenerateFn = Callable[[list[GenerationRequest]], list[GenerationResult]]
 
@@ -42,12 +44,21 @@ class AgentExecutor(ABC):
     advantage estimators rely on this order.
     """
 
+    # Set on executors of a vision-language model (``hpc_rlhf.trainers.rl.setup``): encodes prompts with images.
+    vision: VisionPromptEncoder | None = None
+
     def __init__(self, tokenizer: Any, prompt_max_len: int):
         self.tokenizer = tokenizer
         self.prompt_max_len = prompt_max_len
 
     def tokenize(self, prompts: Sequence[Prompt]) -> list[list[int]]:
         return tokenize_prompts(self.tokenizer, [p.text for p in prompts], self.prompt_max_len)
+
+    def encode(self, prompts: Sequence[Prompt]) -> tuple[list[list[int]], list[PromptVisual | None]]:
+        """Token ids of each prompt and its images (None for a text prompt), :func:`encode_prompts`."""
+        if not any(p.images for p in prompts):
+            return self.tokenize(prompts), [None] * len(prompts)
+        return encode_prompts(prompts, self.tokenizer, self.prompt_max_len, self.vision)
 
     @abstractmethod
     def run(self, prompts: list[Prompt], generate: GenerateFn, sampling: SamplingParams,
@@ -93,12 +104,14 @@ class SingleTurnExecutor(AgentExecutor):
         check_samples_per_prompt(n_samples_per_prompt)
         if not prompts:
             return []
-        prompt_ids = self.tokenize(prompts)
-        requests = [GenerationRequest(prompt_ids=ids, params=sampling, n=n_samples_per_prompt) for ids in prompt_ids]
+        prompt_ids, visuals = self.encode(prompts)
+        requests = [GenerationRequest(prompt_ids=ids, params=sampling, n=n_samples_per_prompt, visual=visual)
+                    for ids, visual in zip(prompt_ids, visuals, strict=True)]
         groups = group_results(generate(requests), len(requests), n_samples_per_prompt)
 
         trajectories: list[Trajectory] = []
-        for group_index, (prompt, ids, group) in enumerate(zip(prompts, prompt_ids, groups, strict=True)):
+        for group_index, (prompt, ids, group, visual) in enumerate(zip(prompts, prompt_ids, groups, visuals,
+                                                                       strict=True)):
             for result in group:
                 output_ids = list(result.output_ids)
                 logprobs = [float(x) for x in result.output_logprobs]
@@ -118,6 +131,7 @@ class SingleTurnExecutor(AgentExecutor):
                     group_index=group_index,
                     data_source=source_name(prompt),
                     routed_experts=result.routed_experts,
+                    visual=visual,
                 )
                 trajectory.check()
                 trajectories.append(trajectory)

@@ -56,6 +56,9 @@ def prepare_local_assets(cfg: Any) -> None:
     if cfg.data.synthetic_task and cfg.data.prompt_data:
         write_task_if_missing(cfg.data.synthetic_task, cfg.data.prompt_data[0], cfg.data.synthetic_num_samples,
                               cfg.train.seed)
+    if cfg.data.synthetic_task == "colour" and cfg.eval.data:
+        # the held-out split: other images (another seed), the same size as the eval prompt budget
+        write_task_if_missing("colour", cfg.eval.data[0], cfg.eval.max_samples or 64, cfg.train.seed + 10_000)
 
 
 def start_run(prog: str, argv: list[str] | None, load: Callable[[str | None, list[str]], Any]):

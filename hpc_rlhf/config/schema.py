@@ -50,11 +50,15 @@ class TrainedRole(ModelRole):
 
 
 class ActorConfig(TrainedRole):
-    build_tiny: Literal["qwen3_moe", "mixtral", "tools"] | bool = Field(
+    build_tiny: Literal["qwen3_moe", "mixtral", "tools", "qwen2_5_vl", "qwen3_vl"] | bool = Field(
         False, description="create a tiny char-level model at actor.pretrain if missing (CPU recipes, tests): true "
         "a Llama, tools a Llama whose tokenizer has one tool-call token (hpc_rlhf.models.tiny.TOOL_CALL_TOKEN), "
-        "qwen3_moe / mixtral a mixture-of-experts model (4 experts, top-2)"
+        "qwen3_moe / mixtral a mixture-of-experts model (4 experts, top-2), qwen2_5_vl / qwen3_vl a "
+        "vision-language model with a 2-block vision tower (hpc_rlhf.models.tiny_vlm)"
     )
+    freeze_vision_tower: bool = Field(
+        False, description="vision-language models: train the language model and the vision-to-text projector only; "
+        "the vision encoder's blocks and patch embedding keep their weights (hpc_rlhf.models.vision)")
 
 
 class CriticConfig(TrainedRole):
@@ -354,7 +358,17 @@ class DataConfig(Section):
     prompt_max_len: int = Field(1024, ge=1)
     max_len: int | None = Field(None, ge=1, description="prompt + response token budget")
     skip_bad_rows: bool = False
-    synthetic_task: Literal["arithmetic"] | None = Field(
+    images_key: str = Field(
+        "images", description="column holding a prompt row's images (paths relative to the data file, file:// or "
+        "base64 data URLs, HF datasets.Image values); image content parts in chat messages are read too")
+    min_pixels: int | None = Field(
+        None, ge=1, description="vision-language models: smallest image area in pixels; smaller images are scaled "
+        "up by the model's image processor (null: the processor's own setting)")
+    max_pixels: int | None = Field(
+        None, ge=1, description="vision-language models: largest image area in pixels; larger images are scaled "
+        "down by the model's image processor, which bounds each image's tokens at max_pixels / (patch * merge)^2 "
+        "(null: the processor's own setting)")
+    synthetic_task: Literal["arithmetic", "colour"] | None = Field(
         None, description="write a seeded task to data.prompt_data[0] if that file is missing (CPU recipes)"
     )
     synthetic_num_samples: int = Field(512, ge=1)
@@ -362,6 +376,8 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _probs_match_data(self) -> DataConfig:
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ValueError(f"data.min_pixels={self.min_pixels} is larger than data.max_pixels={self.max_pixels}")
         if self.reasoning_gym.task and self.prompt_data:
             raise ValueError(f"data.reasoning_gym.task={self.reasoning_gym.task} generates the prompts: leave "
                              f"data.prompt_data empty (got {self.prompt_data})")

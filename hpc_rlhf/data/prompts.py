@@ -26,6 +26,7 @@ from typing import Any, overload
 
 import numpy as np
 
+from hpc_rlhf.data.images import ImageRef, has_image_parts, require_no_images, row_images, with_image_parts
 from hpc_rlhf.data.sources import DataError, SkippedRows, concatenate_or_mix, load_source, row_error
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,8 @@ class Prompt:
 
     ``text`` is final (template and chat template applied); ``source`` is the file it came from and
     ``index`` its row there, so any prompt in a log can be traced back to its row. ``data_source`` is the
-    row's ``data_source`` column when it has one (evaluation reports metrics per data source).
+    row's ``data_source`` column when it has one (evaluation reports metrics per data source). ``images``: the
+    prompt's images in the order ``text`` places their placeholders (``hpc_rlhf.data.images``), none for text.
     """
 
     text: str
@@ -47,6 +49,7 @@ class Prompt:
     source: str
     index: int
     data_source: str | None = None
+    images: tuple[ImageRef, ...] = ()
 
 
 def source_name(prompt: Prompt) -> str:
@@ -102,6 +105,10 @@ class PromptDataset(Sequence[Prompt]):
             of all sources), split exactly in proportion to ``probs``.
         seed: seeds the mixture.
         skip_bad_rows: skip (and count, ``num_skipped``) bad rows instead of raising ``DataError``.
+        images_key: column holding a row's images (``hpc_rlhf.data.images``); image content parts in the
+            messages are read too. Images need ``apply_chat_template`` (the template places them).
+        text_only_model: the model path when the model takes no images: a row with images is then refused,
+            naming the model and the key.
     """
 
     def __init__(
@@ -117,6 +124,8 @@ class PromptDataset(Sequence[Prompt]):
         max_samples: int | None = None,
         seed: int = 42,
         skip_bad_rows: bool = False,
+        images_key: str = "images",
+        text_only_model: str | None = None,
     ):
         if isinstance(paths, str):
             paths = [paths]
@@ -139,6 +148,8 @@ class PromptDataset(Sequence[Prompt]):
         self.apply_chat_template = apply_chat_template
         self.tokenizer = tokenizer
         self.skip_bad_rows = skip_bad_rows
+        self.images_key = images_key
+        self.text_only_model = text_only_model
         self.skipped = SkippedRows(max_reasons=_MAX_REASONS_KEPT, by_source={path: 0 for path in self.paths})
         self._prompts: list[Prompt] = concatenate_or_mix(self.paths, self._load_source, probs=probs,
                                                          max_samples=max_samples, seed=seed)
@@ -154,8 +165,10 @@ class PromptDataset(Sequence[Prompt]):
             raise DataError(f"no usable prompts in {self.paths} (skipped {self.num_skipped} bad rows)")
 
     @classmethod
-    def from_config(cls, data: Any, tokenizer: Any = None, seed: int = 42) -> PromptDataset:
-        """Build from the ``data`` config section (``hpc_rlhf.config.schema.DataConfig``)."""
+    def from_config(cls, data: Any, tokenizer: Any = None, seed: int = 42,
+                    text_only_model: str | None = None) -> PromptDataset:
+        """Build from the ``data`` config section (``hpc_rlhf.config.schema.DataConfig``); ``text_only_model``: see
+        the class."""
         return cls(
             data.prompt_data,
             input_key=data.input_key,
@@ -167,6 +180,8 @@ class PromptDataset(Sequence[Prompt]):
             max_samples=data.max_samples,
             seed=seed,
             skip_bad_rows=data.skip_bad_rows,
+            images_key=data.images_key,
+            text_only_model=text_only_model,
         )
 
     # -- Sequence -------------------------------------------------------------------------------
@@ -233,8 +248,23 @@ class PromptDataset(Sequence[Prompt]):
         data_source = row.get("data_source")
         if data_source is not None and not isinstance(data_source, str):
             raise row_error(path, row_index, "data_source", f"expected a string, got {type(data_source).__name__}")
-        return Prompt(text=self._format(value, path, row_index), label=label, source=path, index=row_index,
-                      data_source=data_source)
+        images = self._images(row, value, path, row_index)
+        return Prompt(text=self._format(with_image_parts(value, len(images)), path, row_index), label=label,
+                      source=path, index=row_index, data_source=data_source, images=images)
+
+    def _images(self, row: dict, value: Any, path: str, row_index: int) -> tuple[ImageRef, ...]:
+        column = row.get(self.images_key)
+        if column is None and not has_image_parts(value):
+            return ()
+        images = row_images(value, column, path, row_index, self.input_key, self.images_key)
+        if self.text_only_model is not None:
+            require_no_images(images, self.text_only_model)
+        if images and not self.apply_chat_template:
+            raise row_error(path, row_index, images[0].key, "prompts with images need data.apply_chat_template=true "
+                            "(the model's chat template places each image's tokens)")
+        for image in images:
+            image.check()
+        return images
 
     def _format(self, value: str | list, path: str, row_index: int) -> str:
         template = self.input_template

@@ -38,9 +38,13 @@ def write_jsonl_if_missing(path: str | Path, make_rows: Callable[[], list[dict]]
 def write_task_if_missing(task: str, path: str | Path, num_samples: int, seed: int) -> Path:
     """Create the jsonl once (see :func:`write_jsonl_if_missing`)."""
 
-    def make_rows() -> list[dict[str, str]]:
+    def make_rows() -> list[dict]:
+        if task == "colour":
+            from hpc_rlhf.data.synthetic_images import colour_task_rows  # PIL: only for the visual task
+
+            return colour_task_rows(path, num_samples, seed)
         if task != "arithmetic":
-            raise ValueError(f"unknown data.synthetic_task {task!r}; known: arithmetic")
+            raise ValueError(f"unknown data.synthetic_task {task!r}; known: arithmetic, colour")
         return arithmetic_rows(num_samples, seed)
 
     return write_jsonl_if_missing(path, make_rows)

@@ -366,7 +366,8 @@ def logits_entropy(logits: torch.Tensor, temperature: float, mask: torch.Tensor,
 def policy_logprobs(model: ModelOrEngine, sequences: torch.Tensor, attention_mask: torch.Tensor,
                     num_actions: int, temperature: float = 1.0, *, packed: bool = False,
                     with_entropy: bool = False, entropy_grad: bool = True, chunked: bool = True,
-                    router: list | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    router: list | None = None,
+                    visual: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and optionally the entropy) of the response tokens: (B, P+R) -> two (B, R) fp32.
 
     ``packed`` runs the forward over one packed row of real tokens (no padding FLOPs; the LM head only
@@ -379,7 +380,16 @@ def policy_logprobs(model: ModelOrEngine, sequences: torch.Tensor, attention_mas
     ``router``: a list to which this forward's :class:`RouterLogits` is appended (transformers'
     ``output_router_logits``; MoE models only). A padded batch then runs as one forward, never with its
     prompts shared (:mod:`hpc_rlhf.models.shared_prefix`).
+    ``visual``: the rows' images (the step batch's ``hpc_rlhf.models.vision.VISUAL_FIELDS``) for a vision-language
+    model, whose forward is :func:`hpc_rlhf.models.vision_forward.vision_policy_logprobs`.
     """
+    if visual is not None:
+        if router is not None:
+            raise NotImplementedError("router logits of a vision-language forward (MoE vision-language models)")
+        from hpc_rlhf.models.vision_forward import vision_policy_logprobs  # it imports this module
+
+        return vision_policy_logprobs(model, sequences, attention_mask, visual, num_actions, temperature,
+                                      packed=packed, with_entropy=with_entropy, entropy_grad=entropy_grad)
     weight = chunked_head_weight(_layout_of(model)[0]) if chunked else None
     if weight is not None:
         logprobs, entropy = _chunked_policy_logprobs(model, weight, sequences, attention_mask, num_actions,

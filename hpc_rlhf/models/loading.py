@@ -24,6 +24,8 @@ from transformers import (
 from hpc_rlhf.models.kernels import apply_liger_kernel, resolve_attn_implementation  # noqa: F401
 from hpc_rlhf.models.quantization import bnb_4bit_load_kwargs, keep_cpu_numerics_exact, warn_unquantized_weights
 from hpc_rlhf.models.value_head import check_value_head
+from hpc_rlhf.models.vision import freeze_vision_tower as freeze_tower
+from hpc_rlhf.models.vision import is_vision_language
 
 
 def require_local_model(path: str | None, key: str) -> None:
@@ -109,10 +111,22 @@ def _from_pretrained(auto_class, path: str, dtype: torch.dtype, attn_implementat
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa",
-                   use_liger_kernel: bool = False, load_in_4bit: bool = False) -> PreTrainedModel:
+                   use_liger_kernel: bool = False, load_in_4bit: bool = False,
+                   freeze_vision_tower: bool = False) -> PreTrainedModel:
     """An actor / reference policy. ``use_liger_kernel``: Liger's kernels when they can run (``kernels``).
-    ``load_in_4bit``: NF4 base weights for QLoRA (``hpc_rlhf.models.quantization``)."""
-    return _from_pretrained(AutoModelForCausalLM, path, dtype, attn_implementation, use_liger_kernel, load_in_4bit)
+    ``load_in_4bit``: NF4 base weights for QLoRA (``hpc_rlhf.models.quantization``). A vision-language model
+    (``hpc_rlhf.models.vision``) loads as ``AutoModelForImageTextToText``; ``freeze_vision_tower`` then stops
+    gradients into its vision encoder (``actor.freeze_vision_tower``)."""
+    if not is_vision_language(AutoConfig.from_pretrained(path)):
+        return _from_pretrained(AutoModelForCausalLM, path, dtype, attn_implementation, use_liger_kernel,
+                                load_in_4bit)
+    from transformers import AutoModelForImageTextToText
+
+    model = _from_pretrained(AutoModelForImageTextToText, path, dtype, attn_implementation, use_liger_kernel,
+                             load_in_4bit)
+    if freeze_vision_tower:
+        freeze_tower(model)
+    return model
 
 
 def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa",

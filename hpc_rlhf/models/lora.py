@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from hpc_rlhf.config.schema import LoraConfig as LoraSettings
 from hpc_rlhf.models.hf_module import child_module
 from hpc_rlhf.models.quantization import dequantized, plain_copy
+from hpc_rlhf.models.vision import is_vision_language, multimodal_model
 
 if TYPE_CHECKING:
     from peft import PeftConfig, PeftModel
@@ -78,6 +79,8 @@ def apply_lora(model: torch.nn.Module, lora_cfg: LoraSettings, task_type: str | 
         task_type = "SEQ_CLS" if _is_value_model(model) else "CAUSAL_LM"
     targets = list(lora_cfg.target_modules)
     target_modules: str | list[str] = "all-linear" if targets == ["all-linear"] else targets
+    if is_vision_language(getattr(model, "config", None)):
+        target_modules = language_model_targets(model, targets)
     peft_cfg = LoraConfig(
         r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, target_modules=target_modules,
         task_type=task_type, modules_to_save=[VALUE_HEAD] if task_type == "SEQ_CLS" else None, bias="none",
@@ -95,6 +98,19 @@ def apply_lora(model: torch.nn.Module, lora_cfg: LoraSettings, task_type: str | 
         raise
     _check_tied_output_not_adapted(model)
     return model
+
+
+def language_model_targets(model: torch.nn.Module, targets: list[str]) -> str:
+    """peft's ``target_modules`` regex for a vision-language model: the named (or, for ``all-linear``, every)
+    linear layers of its language model only; the vision tower (whose MLP reuses names like ``gate_proj``) and the
+    projector keep their weights."""
+    names = set(targets)
+    if targets == ["all-linear"]:
+        language = multimodal_model(model).language_model
+        names = {n.rsplit(".", 1)[-1] for n, m in language.named_modules() if isinstance(m, torch.nn.Linear)}
+    if not names:
+        raise ValueError("ds.lora.target_modules names no linear layer of the language model")
+    return r"^model\.language_model\..*\.(" + "|".join(sorted(map(re.escape, names))) + r")$"
 
 
 def _check_tied_output_not_adapted(model: torch.nn.Module) -> None:

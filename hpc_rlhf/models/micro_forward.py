@@ -33,6 +33,7 @@ from hpc_rlhf.models.sequence_parallel import (
     sp_token_logits,
     sp_token_values,
 )
+from hpc_rlhf.models.vision import VISUAL_FIELDS
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ class MicroForward:
         rows = {k: v.to(device) for k, v in rows.items()}  # no-op where the caller moved them already
         self.sequences, self.attention_mask = rows["sequences"], rows["attention_mask"]
         self.num_actions = rows["action_mask"].shape[1] if "action_mask" in rows else None  # None: RM scoring
+        # the rows' images (vision-language models): every forward of this micro-batch embeds them
+        self.visual = {k: rows[k] for k in VISUAL_FIELDS if k in rows} or None
+        if self.visual is not None and sp is not None:
+            raise NotImplementedError("sequence parallelism (ds.ring_attn_size > 1) with images is not supported yet")
         # set by policy_logprobs(with_router=True): the forward's RouterLogits
         self.router_logits: RouterLogits | None = None
         routes = rows.get("routed_experts")
@@ -104,7 +109,7 @@ class MicroForward:
             router: list[RouterLogits] | None = [] if with_router else None
             out = policy_logprobs(self.model, self.sequences, self.attention_mask, self._num_actions, temperature,
                                   packed=self.packed, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                                  router=router)
+                                  router=router, visual=self.visual)
             self.router_logits = router[0] if router else None
             return out
         chunk_router: list[tuple[torch.Tensor, ...]] | None = [] if with_router else None
@@ -120,6 +125,7 @@ class MicroForward:
 
     def critic_values(self) -> torch.Tensor:
         """(B, R) fp32 value of the state before each response token."""
+        self._text_only("a critic's values")
         if self.sp is None:
             return critic_values(self.model, self.sequences, self.attention_mask, self._num_actions,
                                  packed=self.packed)
@@ -127,10 +133,16 @@ class MicroForward:
 
     def sequence_scores(self) -> torch.Tensor:
         """(B,) fp32 reward-model score of each row: the ``score`` head at its last real token."""
+        self._text_only("reward-model scores")
         if self.sp is None:
             return sequence_scores(self.model, self.sequences, self.attention_mask)
         values = gather_from_sp(sp_token_values(self.model, self.shard), self.shard, self.sp.group)  # (B, T)
         return score_at_last_token(values, self.attention_mask)
+
+    def _text_only(self, what: str) -> None:
+        if self.visual is not None:
+            raise NotImplementedError(f"{what} of rows with images are not supported yet (use a reward function and "
+                                      "a critic-free estimator such as GRPO / REINFORCE++ with vision-language models)")
 
     def _chunk_router(self, layers: tuple[torch.Tensor, ...]) -> RouterLogits:
         """:class:`RouterLogits` of this rank's chunk: its real tokens, and the positions that predict a response

@@ -85,6 +85,9 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> ModelShape:
+        if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
+            # a vision-language model (Qwen-VL): its language model; the vision tower is not sized yet (docs/vlm.md)
+            cfg = {"model_type": cfg.get("model_type", ""), **cfg["text_config"]}
         try:
             hidden, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
             heads = cfg["num_attention_heads"]

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from hpc_rlhf.config.schema import RolloutConfig
+    from hpc_rlhf.rollout.visual import PromptVisual
 
 FinishReason = Literal["stop", "length"]
 # What ``RolloutEngine.wake_up`` can restore separately (vLLM's sleep-mode tags).
@@ -82,11 +83,13 @@ class SamplingParams:
 
 @dataclass
 class GenerationRequest:
-    """One prompt (token ids) sampled ``n`` times with ``params``."""
+    """One prompt (token ids) sampled ``n`` times with ``params``; ``visual``: its images (vision-language
+    models), whose image tokens ``prompt_ids`` holds; the ``n`` samples share one encoding of them."""
 
     prompt_ids: list[int]
     params: SamplingParams
     n: int = 1
+    visual: PromptVisual | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompt_ids) == 0:
@@ -200,6 +203,9 @@ class Trajectory:
     # (P + R, L, k) integer tensor: the experts the rollout engine routed each token position to in each MoE layer,
     # when it recorded them (``hpc_rlhf.models.routing_replay``); None otherwise.
     routed_experts: torch.Tensor | None = None
+    # The prompt's images (vision-language models), shared by the samples of one prompt; the training forwards
+    # embed them again into the prompt's image tokens.
+    visual: PromptVisual | None = None
 
     @property
     def num_response_tokens(self) -> int:

@@ -54,6 +54,7 @@ from hpc_rlhf.models.hf_compat import cache_kwargs
 from hpc_rlhf.models.hf_module import to_device
 from hpc_rlhf.models.moe import moe_spec
 from hpc_rlhf.models.routing_replay import RouteRecorder, not_recorded
+from hpc_rlhf.models.vision import flat_images, visual_row_fields
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
 
 
@@ -122,24 +123,56 @@ def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: _RowParams, generator: torch.Generator | None
+    logits: torch.Tensor, params: _RowParams, generator: torch.Generator | None, banned: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of ``logits`` [A, V] (float32); returns ``(tokens [A], logprobs [A])``."""
+    """Sample one token per row of ``logits`` [A, V] (float32); returns ``(tokens [A], logprobs [A])``.
+
+    ``banned`` [V] bool: tokens never sampled (a vision-language model's image placeholders, which only the
+    processor may place); like top-k / top-p, it changes what can be drawn, not the reported full-vocabulary
+    log-prob."""
     greedy = params.temperature == 0
     scale = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
     scaled = logits / scale[:, None]
     logprobs_full = scaled.log_softmax(dim=-1)
+    drawn = scaled if banned is None else scaled.masked_fill(banned, float("-inf"))
     if params.all_greedy:
-        tokens = logits.argmax(dim=-1)
+        tokens = drawn.argmax(dim=-1)
     else:
         if params.any_truncation:
-            probs = apply_top_k_top_p(scaled, params.top_k, params.top_p).softmax(dim=-1)
-        else:
+            probs = apply_top_k_top_p(drawn, params.top_k, params.top_p).softmax(dim=-1)
+        elif banned is None:
             probs = logprobs_full.exp()  # the untruncated distribution: already computed as its log
+        else:
+            probs = drawn.softmax(dim=-1)
         tokens = inverse_cdf_sample(probs, generator)
         if params.any_greedy:
-            tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+            tokens = torch.where(greedy, drawn.argmax(dim=-1), tokens)
     return tokens, logprobs_full.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def vision_placeholder_mask(config, device: torch.device) -> torch.Tensor | None:
+    """[V] bool: a vision-language model's image / video placeholder and boundary tokens (never sampled: the
+    training forward would look for image features behind a generated placeholder); None for a text model."""
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    ids = [getattr(config, n, None) for n in names]
+    ids = [i for i in ids if i is not None]
+    if not ids or getattr(config, "vision_config", None) is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    banned = torch.zeros(int(text.vocab_size), dtype=torch.bool, device=device)
+    banned[torch.tensor(ids, dtype=torch.long)] = True
+    return banned
+
+
+def prefill_images(requests: list[GenerationRequest], input_ids: torch.Tensor,
+                   attention_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The prefill of left-padded prompts ``input_ids`` (R, P) with images: their (3, R, P) M-RoPE positions and the
+    flat ``pixel_values`` / ``image_grid_thw`` of every prompt's images in prompt order (each prompt once)."""
+    visuals = [r.visual for r in requests]
+    fields = visual_row_fields(visuals, input_ids.cpu(), attention_mask.cpu())
+    pixels, grid = flat_images(fields["pixel_values"], fields["image_grid_thw"])
+    positions = fields["mrope_position_ids"].permute(2, 0, 1)
+    return positions, {"pixel_values": pixels, "image_grid_thw": grid} if grid.shape[0] else {}
 
 
 class _RouteBuffer:
@@ -203,6 +236,7 @@ class TransformersRolloutEngine(RolloutEngine):
         self._num_calls = 0
         self._asleep = False
         self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._banned = vision_placeholder_mask(model.config, self.device)
 
     # ------------------------------------------------------------------ generation
 
@@ -223,11 +257,12 @@ class TransformersRolloutEngine(RolloutEngine):
         finally:
             self.model.train(was_training)
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
-        """Next-token logits [B, V] (float32) of the last position of each row."""
+    def _forward(self, input_ids, attention_mask, position_ids, cache, **images) -> torch.Tensor:
+        """Next-token logits [B, V] (float32) of the last position of each row; ``images``: the prefill's
+        ``pixel_values`` / ``image_grid_thw`` (vision-language models)."""
         kwargs = {"logits_to_keep": 1} if self._accepts_logits_to_keep else {}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=True, **cache_kwargs(self.model, cache), **kwargs)
+                         use_cache=True, **cache_kwargs(self.model, cache), **kwargs, **images)
         return out.logits[:, -1, :].float()
 
     def _generate(self, requests: list[GenerationRequest], seed: int,
@@ -254,7 +289,15 @@ class TransformersRolloutEngine(RolloutEngine):
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        if any(r.visual is not None for r in requests):
+            # each prompt's images once (its n samples share the prefill); 3-D M-RoPE positions per prompt
+            prefill_positions, images = prefill_images(requests, input_ids, attention_mask)
+            logits = self._forward(input_ids, attention_mask, prefill_positions.to(device), cache,
+                                   **{k: v.to(device) for k, v in images.items()})
+            # decoding continues at one past each prompt's largest position (text positions are equal on all axes)
+            position_ids = prefill_positions.amax(dim=0).to(device)
+        else:
+            logits = self._forward(input_ids, attention_mask, position_ids, cache)
         routes = (_RouteBuffer(recording.take(), num_requests, num_samples, max_steps)
                   if recording else None)
 
@@ -273,7 +316,7 @@ class TransformersRolloutEngine(RolloutEngine):
 
         # 3. decode, dropping finished rows
         for step in range(max_steps):
-            tokens, logprobs = sample_tokens(logits, row_params, generator)
+            tokens, logprobs = sample_tokens(logits, row_params, generator, self._banned)
             out_tokens[active, step] = tokens
             out_logprobs[active, step] = logprobs
             hit_stop = (tokens[:, None] == row_params.stop_ids).any(dim=-1)

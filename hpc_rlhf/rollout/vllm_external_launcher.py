@@ -58,6 +58,7 @@ from hpc_rlhf.rollout.base import (
     SamplingParams,
 )
 from hpc_rlhf.rollout.vllm_api import resolve
+from hpc_rlhf.rollout.vllm_images import require_vllm_images_supported, tokens_prompt_kwargs
 
 if TYPE_CHECKING:
     import torch
@@ -395,7 +396,10 @@ class VllmRolloutEngine(RolloutEngine):
                                "the weights were discarded (vllm.sleep_level=2 needs a full weight sync per wake)")
         if self._prefix_cache_stale:
             self.reset_prefix_cache()
-        prompts = [self._vllm.TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+        import torch  # the module imports torch only for type checking
+
+        require_vllm_images_supported(requests, torch.cuda.is_available())
+        prompts = [self._vllm.TokensPrompt(**tokens_prompt_kwargs(r)) for r in requests]
         sampling = [to_vllm_sampling_params(r.params, r.n, sampling_params_cls=self._vllm.SamplingParams)
                     for r in requests]
         outputs = self.llm.generate(prompts, sampling_params=sampling, use_tqdm=False)

@@ -63,6 +63,7 @@ from hpc_rlhf.rollout.vllm_external_launcher import (
     spec_engine_kwargs,
     vllm_sampling_kwargs,
 )
+from hpc_rlhf.rollout.vllm_images import require_vllm_images_supported, tokens_prompt_kwargs
 from hpc_rlhf.weight_sync.vllm_gloo_transfer import gloo_worker_init_info  # imports no vLLM
 
 # Our launch layer's variables (torchrun / srun via hpc_rlhf.world): vLLM's processes must not see
@@ -218,7 +219,8 @@ class VllmServerEngine(RolloutEngine):
         kwargs["output_kind"] = resolve("vllm.sampling_params:RequestOutputKind.FINAL_ONLY")
         request_id = f"hpc-rlhf-{next(self._request_ids)}"
         final = None
-        prompt = resolve("vllm:TokensPrompt")(prompt_token_ids=list(request.prompt_ids))
+        require_vllm_images_supported([request], torch.cuda.is_available())
+        prompt = resolve("vllm:TokensPrompt")(**tokens_prompt_kwargs(request))
         self._in_flight.add(request_id)
         try:
             async for output in self.engine.generate(prompt=prompt,

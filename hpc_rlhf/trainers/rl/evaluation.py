@@ -27,7 +27,8 @@ def load_eval_prompts(cfg: RunConfig, tokenizer: Any) -> list[Prompt]:
         prompts.extend(PromptDataset([path], input_key=data.input_key, label_key=data.label_key,
                                      input_template=data.input_template,
                                      apply_chat_template=data.apply_chat_template, tokenizer=tokenizer,
-                                     max_samples=cfg.eval.max_samples, skip_bad_rows=data.skip_bad_rows))
+                                     max_samples=cfg.eval.max_samples, skip_bad_rows=data.skip_bad_rows,
+                                     images_key=data.images_key))
     names = {source_name(p) for p in prompts}
     if ALL_SOURCES in names:
         raise ValueError(f"eval.data: a data source is named {ALL_SOURCES!r}, which is the name of the overall "

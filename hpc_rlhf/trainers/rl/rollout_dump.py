@@ -46,6 +46,8 @@ def rollout_records(trajectories: list[Any], tokenizer: Any, step: int) -> list[
         }
         if t.failure is not None:
             record["failure"] = t.failure
+        if getattr(t, "visual", None) is not None:  # a reference per image (path or content hash), never the pixels
+            record["images"] = list(t.visual.refs)
         segments = turn_segments(t.response_ids, t.action_mask)
         if any(who == "environment" for who, _ in segments):
             record["turns"] = [{"role": who, "text": tokenizer.decode(ids, skip_special_tokens=True)}

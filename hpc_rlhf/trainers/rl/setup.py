@@ -22,6 +22,7 @@ from hpc_rlhf.algos import AdaptiveKLController, FixedKLController, RunningRewar
 from hpc_rlhf.config.schema import RolloutConfig, RunConfig, resolved_vllm_mode
 from hpc_rlhf.data.prompts import Prompt, PromptDataset, PromptStream
 from hpc_rlhf.data.reasoning_gym import reasoning_gym_reward, write_prompt_file  # reasoning-gym itself: lazily
+from hpc_rlhf.data.vision_prompts import VisionPromptEncoder
 from hpc_rlhf.models.hf_module import hf_model, to_device
 from hpc_rlhf.models.kernels import resolve_attn_implementation
 from hpc_rlhf.models.loading import (
@@ -33,6 +34,7 @@ from hpc_rlhf.models.loading import (
 )
 from hpc_rlhf.models.moe import moe_spec
 from hpc_rlhf.models.precision import resolve_dtype
+from hpc_rlhf.models.vision import is_vision_language
 from hpc_rlhf.planning.model_shape import ModelSizeError, check_moe_tensor_parallel, local_hf_config
 from hpc_rlhf.rewards.functions import RewardFunction
 from hpc_rlhf.rewards.remote_rm import RemoteRewardModel
@@ -105,6 +107,43 @@ def actor_is_moe(cfg: RunConfig) -> bool:
     return moe_spec(local_hf_config(cfg.actor) or {}) is not None
 
 
+def actor_is_vision_language(cfg: RunConfig) -> bool:
+    """Whether ``actor.pretrain``'s config.json describes a vision-language model (``hpc_rlhf.models.vision``)."""
+    return is_vision_language(local_hf_config(cfg.actor) or {})
+
+
+def check_vision_language(cfg: RunConfig, on_gpu: bool) -> None:
+    """What a vision-language actor cannot be combined with yet, refused before any model loads (naming keys)."""
+    if not actor_is_vision_language(cfg):
+        if cfg.actor.freeze_vision_tower:
+            raise SetupError(f"actor.freeze_vision_tower=true but actor.pretrain={cfg.actor.pretrain} is a text-only "
+                             "model")
+        return
+    if cfg.critic.pretrain is not None or cfg.algo.advantage_estimator == "gae":
+        raise SetupError("a vision-language actor with a critic (critic.pretrain / algo.advantage_estimator=gae) "
+                         "is not supported yet: use a critic-free estimator (group_norm, reinforce_baseline, ...)")
+    if cfg.reward.pretrain is not None:
+        raise SetupError("a vision-language actor with a reward model (reward.pretrain) is not supported yet: use "
+                         "reward.reward_func_path")
+    if cfg.ds.ring_attn_size > 1:
+        raise SetupError("ds.ring_attn_size > 1 with a vision-language actor is not supported yet")
+    if cfg.rollout.backend == "vllm" and not on_gpu:
+        raise SetupError("rollout.backend=vllm with a vision-language actor needs a GPU: vLLM's CPU build cannot load "
+                         "Qwen-VL without torchvision (docs/vlm.md); use rollout.backend=transformers on CPU")
+
+
+def vision_encoder(cfg: RunConfig, tokenizer: Any) -> VisionPromptEncoder | None:
+    """The prompt-image encoder of a vision-language actor (its image processor, ``data.min_pixels`` /
+    ``max_pixels``); None for a text model."""
+    if not actor_is_vision_language(cfg):
+        return None
+    from transformers import AutoConfig
+
+    path = model_path(cfg.actor.pretrain, "actor.pretrain")
+    return VisionPromptEncoder.from_pretrained(path, tokenizer, AutoConfig.from_pretrained(path),
+                                               cfg.data.min_pixels, cfg.data.max_pixels)
+
+
 def model_path(path: str | None, key: str) -> str:
     """``path`` of a role that needs a model, or a SetupError naming ``key``."""
     if path is None:
@@ -146,8 +185,13 @@ class ControllerState:
             raise SetupError("no reward source: set reward.reward_func_path, reward.pretrain, reward.remote_url, "
                              "data.reasoning_gym.task, or an agent (train.agent_func_path) whose environment returns "
                              "rewards")
-        dataset = PromptDataset.from_config(cfg.data, tokenizer, seed=cfg.train.seed) if not gym.task else \
-            reasoning_gym_prompts(cfg, tokenizer)
+        text_only = None if actor_is_vision_language(cfg) else cfg.actor.pretrain
+        dataset = PromptDataset.from_config(cfg.data, tokenizer, seed=cfg.train.seed, text_only_model=text_only) \
+            if not gym.task else reasoning_gym_prompts(cfg, tokenizer)
+        if cfg.train.agent_func_path and any(p.images for p in dataset):
+            raise SetupError(f"data.prompt_data has prompts with images and train.agent_func_path="
+                             f"{cfg.train.agent_func_path}: agents with images are not supported yet (single-turn "
+                             "only)")
         self.stream = PromptStream(dataset, cfg.rollout.rollout_batch_size, seed=cfg.train.seed,
                                    num_episodes=cfg.train.num_episodes)
         # DAPO refill rounds draw from their own endless stream, so the step count above stays exact.
@@ -346,7 +390,9 @@ def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
     """Single-turn by default; the user's agent file (multi-turn or OpenAI-client) when ``train.agent_func_path``
     is set."""
     if not cfg.train.agent_func_path:
-        return SingleTurnExecutor(tokenizer, cfg.data.prompt_max_len)
+        single = SingleTurnExecutor(tokenizer, cfg.data.prompt_max_len)
+        single.vision = vision_encoder(cfg, tokenizer)
+        return single
     executor = load_agent_executor(cfg.train.agent_func_path, tokenizer, cfg.data.prompt_max_len,
                                    max_len=cfg.data.max_len, max_turns=cfg.train.agent_max_turns,
                                    num_concurrent=cfg.rollout.async_num_tasks,
@@ -380,6 +426,7 @@ def _rollout_side(cfg: RunConfig, world: WorldGroups, tokenizer: Any, on_gpu: bo
 def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: int) -> Roles:
     """Create the engines of every role this rank hosts. Collective within each role group."""
     on_gpu = torch.cuda.is_available()
+    check_vision_language(cfg, on_gpu)
     dtype = resolve_dtype(cfg.ds.param_dtype, on_gpu)
     attn = resolve_attn_implementation(cfg.ds.attn_implementation, on_gpu)
     liger = cfg.ds.use_liger_kernel  # training roles only; the rollout engine keeps plain modules
@@ -412,7 +459,8 @@ def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: i
         if world.has_role(role):
             model_dir = model_path(role_cfg.pretrain or cfg.actor.pretrain, f"{role}.pretrain")
             head = cfg.critic.value_head_prefix
-            factory = partial(load_causal_lm, model_dir, dtype, attn, liger, q4) if role == "actor" else \
+            factory = partial(load_causal_lm, model_dir, dtype, attn, liger, q4,
+                              freeze_vision_tower=cfg.actor.freeze_vision_tower) if role == "actor" else \
                 partial(load_value_model, model_dir, dtype, attn, liger, q4, value_head_prefix=head,
                         key="critic.value_head_prefix")
             # DeepSpeed counts every rank of its group (dp x sp) as a replica; sp peers share a micro-batch.

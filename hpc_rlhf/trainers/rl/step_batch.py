@@ -29,12 +29,15 @@ import torch
 
 from hpc_rlhf.algos import episode_index_from_branches
 from hpc_rlhf.algos.moe import not_recorded
+from hpc_rlhf.models.vision import VISUAL_FIELDS, pad_visual_field, visual_row_fields
 from hpc_rlhf.rollout.base import Trajectory
 
 # Always set: what every forward reads.
 _FORWARD_FIELDS = ("sequences", "attention_mask", "action_mask")
 # (B, P+R, ...): one entry per token of the row; every other 2-D field is (B, R)
-_FULL_ROW_FIELDS = ("sequences", "attention_mask", "routed_experts")
+_FULL_ROW_FIELDS = ("sequences", "attention_mask", "routed_experts", "mrope_position_ids")
+# (B, N_max, ...) per-row padded to the widest row: padded again when batches of other widths are concatenated
+_RAGGED_FIELDS = ("pixel_values", "image_grid_thw")
 
 
 def episode_index_of(trajectories: Sequence[Trajectory]) -> torch.Tensor:
@@ -105,6 +108,13 @@ class StepBatch:
     """(B, P+R, L, k) uint8/int16: the experts the rollout engine routed each token to in each of the L MoE layers
     (when it recorded them, ``hpc_rlhf.models.routing_replay``); padding and unrecorded positions hold the
     not-recorded marker."""
+    pixel_values: torch.Tensor | None = None
+    """(B, N_max, D) fp32: each row's image patches (its prompt's, ``hpc_rlhf.rollout.visual.PromptVisual``), zero
+    padded past the row's own; set when any row has images (vision-language models)."""
+    image_grid_thw: torch.Tensor | None = None
+    """(B, I_max, 3) long: each row's image patch grids (temporal, height, width); all-zero rows are padding."""
+    mrope_position_ids: torch.Tensor | None = None
+    """(B, P+R, 3) long: each token's 3-D rotary position (``hpc_rlhf.models.mrope``), 0 on padding."""
 
     @classmethod
     def from_trajectories(cls, trajectories: Sequence[Trajectory], pad_token_id: int, *,
@@ -132,8 +142,11 @@ class StepBatch:
                 rollout_logprobs[i, :r] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
         response_length = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.long)
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32) if scored else None
+        visual = (visual_row_fields([t.visual for t in trajectories], sequences, attention_mask)
+                  if any(t.visual is not None for t in trajectories) else {})
         return cls(sequences, attention_mask, action_mask, rollout_logprobs, response_length, rewards,
-                   episode_index_of(trajectories), routed_experts=_routes_in_rows(trajectories, max_prompt, max_resp))
+                   episode_index_of(trajectories), routed_experts=_routes_in_rows(trajectories, max_prompt, max_resp),
+                   **visual)
 
     # ------------------------------------------------------------------ fields
     @property
@@ -168,13 +181,14 @@ class StepBatch:
         unknown = set(names) - {f.name for f in fields(self)}
         if unknown:
             raise ValueError(f"StepBatch has no field(s) {sorted(unknown)}")
-        keep = set(_FORWARD_FIELDS) | set(names)
+        keep = set(_FORWARD_FIELDS) | set(VISUAL_FIELDS) | set(names)  # images: every forward needs them
         return StepBatch(**{k: v for k, v in self.tensors().items() if k in keep})
 
     def forward_inputs(self) -> dict[str, torch.Tensor]:
-        """``sequences`` / ``attention_mask`` / ``action_mask`` by name, and ``routed_experts`` when set: what
-        ``models.micro_forward`` reads."""
-        names = _FORWARD_FIELDS + (("routed_experts",) if self.routed_experts is not None else ())
+        """``sequences`` / ``attention_mask`` / ``action_mask`` by name, and ``routed_experts`` and the image fields
+        when set: what ``models.micro_forward`` reads."""
+        optional = ("routed_experts", *VISUAL_FIELDS)
+        names = _FORWARD_FIELDS + tuple(k for k in optional if getattr(self, k) is not None)
         return {k: getattr(self, k) for k in names}
 
     def to(self, device: torch.device | str) -> StepBatch:
@@ -203,7 +217,8 @@ class StepBatch:
         for part in parts[1:]:
             if list(part.tensors()) != names:
                 raise ValueError(f"cannot concatenate batches with fields {names} and {list(part.tensors())}")
-        return StepBatch(**{k: torch.cat([getattr(p, k) for p in parts]) for k in names})
+        return StepBatch(**{k: torch.cat(pad_visual_field([getattr(p, k) for p in parts]) if k in _RAGGED_FIELDS
+                                         else [getattr(p, k) for p in parts]) for k in names})
 
     def trim_padding(self) -> StepBatch:
         """Drop the columns that are padding in every row (for one micro-batch).
@@ -223,6 +238,8 @@ class StepBatch:
         for key, value in self.tensors().items():
             if key in _FULL_ROW_FIELDS:
                 out[key] = value[:, first : prompt_len + resp]
+            elif key in _RAGGED_FIELDS:
+                out[key] = value
             elif value.dim() == 2:
                 out[key] = value[:, :resp]
             else:

@@ -1,0 +1,106 @@
+"""Vision-language models: what is a VLM, its parts, freezing the vision tower, and the step batch's image fields.
+
+transformers' Qwen2.5-VL / Qwen3-VL ``*ForConditionalGeneration`` hold ``model.visual`` (the vision tower: patch
+embedding, blocks, and the ``merger`` that projects merged patches into the text model's width) and
+``model.language_model``; ``get_decoder()`` returns the text model only, which never sees the pixels, so the
+forwards here call ``model`` (the multimodal model) instead.
+
+The step batch keeps each row's images padded to the batch's widest row so that every row operation (take, split,
+concatenate) applies to them like to any other field (:func:`visual_row_fields`); :func:`flat_images` turns the
+rows of one forward back into the (N_patches, D) / (I, 3) tensors transformers expects, in the order that the
+forward's input ids show the images.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hpc_rlhf.models.mrope import padded_mrope_positions
+from hpc_rlhf.rollout.visual import PromptVisual
+
+# Step-batch fields of a batch with images (``hpc_rlhf.trainers.rl.step_batch``).
+VISUAL_FIELDS = ("pixel_values", "image_grid_thw", "mrope_position_ids")
+
+
+def is_vision_language(config: Any) -> bool:
+    """Whether a transformers config (or its ``config.json`` as a dict) is a vision-language model whose images this
+    project can feed (Qwen-VL style: a vision config, an image placeholder token and M-RoPE)."""
+    if isinstance(config, dict):
+        return config.get("vision_config") is not None and config.get("image_token_id") is not None
+    return getattr(config, "vision_config", None) is not None and getattr(config, "image_token_id", None) is not None
+
+
+def multimodal_model(module: Any) -> Any:
+    """The model that embeds images into the text (``Qwen2_5_VLModel``): ``module.model`` of a
+    ``*ForConditionalGeneration``."""
+    inner = getattr(module, "model", None)
+    if inner is None or getattr(inner, "visual", None) is None:
+        raise ValueError(f"{type(module).__name__} has no model.visual: not a Qwen-VL style vision-language model")
+    return inner
+
+
+def freeze_vision_tower(module: Any) -> int:
+    """Stop gradients into the vision encoder (patch embedding and blocks); the ``merger`` (projector into the text
+    width) and the language model stay trainable. Returns how many parameters were frozen."""
+    visual = multimodal_model(module).visual
+    frozen = 0
+    for name, param in visual.named_parameters():
+        if not name.startswith("merger."):
+            param.requires_grad_(False)
+            frozen += param.numel()
+    return frozen
+
+
+def visual_row_fields(visuals: Sequence[PromptVisual | None], sequences: torch.Tensor,
+                      attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The step batch's image fields for rows ``sequences`` (B, T) with images ``visuals[b]`` (None: no image).
+
+    Returns ``pixel_values`` (B, N_max, D) fp32 (zeros past a row's patches), ``image_grid_thw`` (B, I_max, 3) long
+    (zero rows past a row's images) and ``mrope_position_ids`` (B, T, 3) long (:mod:`hpc_rlhf.models.mrope`).
+    """
+    present = [v for v in visuals if v is not None]
+    if not present:
+        raise ValueError("visual_row_fields: no row has images")
+    first = present[0]
+    num = len(visuals)
+    max_patches = max(int(v.pixel_values.shape[0]) for v in present)
+    max_images = max(v.num_images for v in present)
+    pixel_values = torch.zeros(num, max_patches, first.pixel_values.shape[1], dtype=torch.float32)
+    grids = torch.zeros(num, max_images, 3, dtype=torch.long)
+    for b, v in enumerate(visuals):
+        if v is not None:
+            pixel_values[b, : v.pixel_values.shape[0]] = v.pixel_values
+            grids[b, : v.num_images] = v.image_grid_thw
+    positions = padded_mrope_positions(sequences, attention_mask, [v.image_grid_thw if v else None for v in visuals],
+                                       first.image_token_id, first.spatial_merge_size)
+    return {"pixel_values": pixel_values, "image_grid_thw": grids, "mrope_position_ids": positions}
+
+
+def flat_images(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
+                rows: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded per-row images -> transformers' flat inputs, rows in ``rows`` order (default: all, in order).
+
+    Args:
+        pixel_values: (B, N_max, D) per-row patches, zero padded.
+        image_grid_thw: (B, I_max, 3) per-row grids; all-zero rows are padding.
+    Returns:
+        ``(pixel_values (N, D), image_grid_thw (I, 3))``: the real patches and grids of the rows, concatenated.
+    """
+    order = range(pixel_values.shape[0]) if rows is None else rows
+    patches, grids = [], []
+    for b in order:
+        grid = image_grid_thw[b]
+        grid = grid[grid.prod(dim=-1) > 0]
+        patches.append(pixel_values[b, : int(grid.prod(dim=-1).sum())])
+        grids.append(grid)
+    return torch.cat(patches), torch.cat(grids)
+
+
+def pad_visual_field(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-part ``pixel_values`` (B_i, N_i, D) or ``image_grid_thw`` (B_i, I_i, 3) zero-padded to a common dim 1, so
+    that parts built from different prompts concatenate."""
+    width = max(int(v.shape[1]) for v in values)
+    return [torch.nn.functional.pad(v, (0, 0, 0, width - v.shape[1])) for v in values]

@@ -1,0 +1,120 @@
+"""Policy log-probs of a vision-language model over the RL batch's rows, padded or packed.
+
+The rows are the step batch's ``(B, P+R)`` layout (``hpc_rlhf.trainers.rl.step_batch``) with their images
+(``hpc_rlhf.models.vision.VISUAL_FIELDS``). The multimodal model embeds each row's images into its image tokens
+and runs the text model with the rows' own 3-D M-RoPE positions; the LM head then runs only on the positions that
+predict a real response token (in vocabulary chunks when the head allows, ``hpc_rlhf.models.chunked_logprobs``).
+Image tokens sit in the prompt (or in feedback, off the action mask): no position that predicts one is ever
+scored, so they never enter the loss.
+
+Packed: the rows' real tokens go into one row (:func:`hpc_rlhf.models.forward.pack_actions`) with a block-causal
+mask; each token keeps its sample's M-RoPE position, and the images are handed over in the order their samples sit
+in the packed row, which is the order the model scatters image features into image tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hpc_rlhf.models.chunked_logprobs import linear_logprobs
+from hpc_rlhf.models.forward import (
+    _layout_of,
+    _scatter_actions,
+    chunked_head_weight,
+    logits_entropy,
+    model_inputs,
+    pack_actions,
+)
+from hpc_rlhf.models.hf_module import ModelOrEngine
+from hpc_rlhf.models.logprobs import logprobs_from_logits
+from hpc_rlhf.models.vision import flat_images, multimodal_model
+
+
+def packed_order(segment_ids: torch.Tensor) -> list[int]:
+    """(N,) segment ids of one packed row (-1 padding) -> the samples in the order they appear."""
+    seen: list[int] = []
+    for s in segment_ids.tolist():
+        if s >= 0 and (not seen or seen[-1] != s):
+            seen.append(s)
+    return seen
+
+
+def packed_mrope(positions: torch.Tensor, attention_mask: torch.Tensor, segment_ids: torch.Tensor,
+                 sample_positions: torch.Tensor) -> torch.Tensor:
+    """Each packed token's M-RoPE position, taken from its sample's row.
+
+    Args:
+        positions: (B, T, 3) per-row M-RoPE positions of the padded rows.
+        attention_mask: (B, T) real tokens of those rows.
+        segment_ids: (N,) the packed row's sample of each token (-1: padding).
+        sample_positions: (N,) each packed token's index among its sample's real tokens.
+    Returns:
+        (3, 1, N) long, the layout transformers' Qwen-VL text model takes.
+    """
+    real = attention_mask.bool()
+    counts = real.sum(dim=1)
+    offsets = torch.cumsum(counts, 0) - counts  # where each row's real tokens start in positions[real]
+    flat = positions[real]  # (N_real, 3) in row-major order
+    source = (offsets[segment_ids.clamp(min=0)] + sample_positions).clamp(max=max(int(flat.shape[0]) - 1, 0))
+    out = torch.where((segment_ids >= 0)[:, None], flat[source], torch.zeros_like(flat[source]))
+    return out.T.unsqueeze(1).contiguous()
+
+
+def _images(visual: dict[str, torch.Tensor], rows: list[int] | None, device: Any) -> dict[str, torch.Tensor]:
+    """``pixel_values`` / ``image_grid_thw`` keyword arguments for the rows (none when they have no image)."""
+    pixels, grid = flat_images(visual["pixel_values"], visual["image_grid_thw"], rows)
+    if grid.shape[0] == 0:
+        return {}
+    return {"pixel_values": pixels.to(device), "image_grid_thw": grid.to(device)}
+
+
+def vision_policy_logprobs(model: ModelOrEngine, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                           visual: dict[str, torch.Tensor], num_actions: int, temperature: float = 1.0, *,
+                           packed: bool = False, with_entropy: bool = False,
+                           entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and optionally the entropy) of the response tokens of rows with images: two (B, R) fp32, 0 on
+    response padding (as :func:`hpc_rlhf.models.forward.policy_logprobs`, which calls this for such rows).
+
+    ``visual``: the rows' ``pixel_values`` (B, N_max, D), ``image_grid_thw`` (B, I_max, 3) and
+    ``mrope_position_ids`` (B, P+R, 3) (:func:`hpc_rlhf.models.vision.visual_row_fields`).
+    """
+    module, attn, dtype, device = _layout_of(model)
+    multimodal = multimodal_model(module)
+    positions = visual["mrope_position_ids"]
+    if packed:
+        pack = pack_actions(sequences, attention_mask, num_actions)
+        inputs = model_inputs(pack.inputs, attn, dtype, device)
+        segment, within = pack.inputs["segment_ids"][0], pack.inputs["position_ids"][0]
+        mrope = packed_mrope(positions, attention_mask, segment, within).to(device)
+        # flash-attention reads sample boundaries from text positions prepended as a 4th row (transformers' Qwen-VL)
+        inputs["position_ids"] = mrope if inputs["attention_mask"] is not None else torch.cat(
+            [inputs["position_ids"].reshape(1, 1, -1), mrope])
+        out = multimodal(**inputs, use_cache=False, **_images(visual, packed_order(segment), device))
+        hidden = out.last_hidden_state[0, pack.positions.to(device)]
+        targets = pack.targets.to(device)
+
+        def scatter(values: torch.Tensor) -> torch.Tensor:
+            return pack.scatter(values)
+    else:
+        out = multimodal(input_ids=sequences.to(device), attention_mask=attention_mask.to(device),
+                         position_ids=positions.permute(2, 0, 1).to(device), use_cache=False,
+                         **_images(visual, None, device))
+        mask = attention_mask[:, -num_actions:].bool().to(device)  # real response tokens
+        hidden = out.last_hidden_state[:, -num_actions - 1 : -1][mask]
+        targets = sequences[:, -num_actions:].to(device)[mask]
+
+        def scatter(values: torch.Tensor) -> torch.Tensor:
+            return _scatter_actions(values, mask)
+    weight = chunked_head_weight(module)
+    if weight is not None:
+        logprobs, entropy = linear_logprobs(hidden, weight, targets, temperature, with_entropy)
+    else:
+        logits = module.get_output_embeddings()(hidden).float()
+        logprobs = logprobs_from_logits(logits, targets, temperature)
+        entropy = (logits_entropy(logits, temperature, torch.ones_like(targets, dtype=torch.bool), entropy_grad)
+                   if with_entropy else None)
+    if entropy is not None and not entropy_grad:
+        entropy = entropy.detach()
+    return scatter(logprobs), (scatter(entropy) if entropy is not None else None)

@@ -1,0 +1,154 @@
+"""Vision-language forwards on a tiny Qwen2.5-VL / Qwen3-VL: M-RoPE positions, padded == packed == the model's own
+forward (log-probs and gradients), image tokens never scored, and the frozen vision tower."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from hpc_rlhf.models.forward import policy_logprobs
+from hpc_rlhf.models.mrope import mrope_positions
+from hpc_rlhf.models.tiny_vlm import IMAGE_PAD, build_tiny_vlm
+from hpc_rlhf.models.vision import flat_images, freeze_vision_tower, visual_row_fields
+from hpc_rlhf.rollout.visual import PromptVisual
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def tiny(request, tmp_path_factory):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    path = build_tiny_vlm(tmp_path_factory.mktemp("vlm") / request.param, request.param, initializer_range=0.1)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(path), AutoImageProcessor.from_pretrained(path)
+
+
+def _visual(model, processor, colour, size) -> PromptVisual:
+    out = processor(images=[Image.new("RGB", size, colour)], return_tensors="pt")
+    return PromptVisual(out["pixel_values"].float(), out["image_grid_thw"], model.config.image_token_id,
+                        model.config.vision_config.spatial_merge_size)
+
+
+def _rows(model, tok, processor):
+    """Three left-padded prompts (two with an image of different sizes, one text only) + right-padded responses."""
+    visuals = [_visual(model, processor, (255, 0, 0), (56, 56)), None, _visual(model, processor, (0, 0, 255), (90, 40))]
+    prompts, responses = [], [[30, 31, 2], [40, 41, 42, 43], [50]]
+    for v in visuals:
+        image = "<|vision_start|>" + IMAGE_PAD * v.num_image_tokens() + "<|vision_end|>" if v else ""
+        text = "Q: " + image + "hi?\nA: "
+        prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+    p, r = max(map(len, prompts)), max(map(len, responses))
+    seq = torch.zeros(3, p + r, dtype=torch.long)
+    mask = torch.zeros_like(seq)
+    for i, (a, b) in enumerate(zip(prompts, responses, strict=True)):
+        seq[i, p - len(a):p], seq[i, p:p + len(b)] = torch.tensor(a), torch.tensor(b)
+        mask[i, p - len(a):p + len(b)] = 1
+    return seq, mask, r, visuals, visual_row_fields(visuals, seq, mask)
+
+
+def test_mrope_matches_the_models_get_rope_index(tiny):
+    model, tok, processor = tiny
+    seq, mask, _, visuals, fields = _rows(model, tok, processor)
+    for b in (0, 2):
+        real = seq[b][mask[b].bool()]
+        theirs, _ = model.model.get_rope_index(real[None], mm_token_type_ids=(real == model.config.image_token_id)[None]
+                                               .int(), image_grid_thw=visuals[b].image_grid_thw)
+        assert torch.equal(mrope_positions(real, visuals[b].image_grid_thw, model.config.image_token_id, 2),
+                           theirs[:, 0].T)
+        assert torch.equal(fields["mrope_position_ids"][b][mask[b].bool()], theirs[:, 0].T)
+
+
+def _reference(model, seq, mask, num_actions, visuals):
+    """Each row alone through the model's own forward (its own M-RoPE): (B, R) log-probs of the response."""
+    out = torch.zeros(seq.shape[0], num_actions)
+    for b in range(seq.shape[0]):
+        ids = seq[b][mask[b].bool()][None]
+        extra = {}
+        if visuals[b] is not None:
+            extra = {"pixel_values": visuals[b].pixel_values, "image_grid_thw": visuals[b].image_grid_thw,
+                     "mm_token_type_ids": (ids == model.config.image_token_id).int()}
+        logits = model(input_ids=ids, **extra).logits[0].log_softmax(-1)
+        resp = int(mask[b, -num_actions:].sum())
+        targets = ids[0, -resp:]
+        out[b, :resp] = logits[-resp - 1:-1].gather(1, targets[:, None]).squeeze(1)
+    return out
+
+
+def test_padded_and_packed_logprobs_and_gradients_agree_with_the_model(tiny):
+    model, tok, processor = tiny
+    seq, mask, r, visuals, fields = _rows(model, tok, processor)
+    with torch.no_grad():
+        ref = _reference(model, seq, mask, r, visuals)
+    grads = {}
+    for packed in (False, True):
+        model.zero_grad()
+        lp, ent = policy_logprobs(model, seq, mask, r, packed=packed, with_entropy=True, visual=fields)
+        torch.testing.assert_close(lp.detach(), ref, atol=1e-5, rtol=1e-5)
+        assert ent is not None and bool((ent[mask[:, -r:].bool()] > 0).all())
+        lp.sum().backward()
+        grads[packed] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert any(n.startswith("model.visual.blocks") for n in grads[True]), "the vision tower gets gradients"
+    assert grads[False].keys() == grads[True].keys()
+    for name in grads[False]:
+        torch.testing.assert_close(grads[False][name], grads[True][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_image_tokens_never_enter_the_loss(tiny):
+    """By hand: a response that itself holds image tokens (feedback-like) still scores only real response columns,
+    and a loss over the log-probs has no gradient from the positions predicting prompt image tokens."""
+    model, tok, processor = tiny
+    seq, mask, r, visuals, fields = _rows(model, tok, processor)
+    image_id = model.config.image_token_id
+    prompt = seq[:, :-r]
+    assert int((prompt == image_id).sum()) == sum(v.num_image_tokens() for v in visuals if v)
+    lp, _ = policy_logprobs(model, seq, mask, r, visual=fields)
+    # only the response columns are scored: exactly the real response tokens are non-zero, none is an image token
+    scored = lp != 0
+    assert torch.equal(scored, mask[:, -r:].bool())
+    assert not bool((seq[:, -r:][scored] == image_id).any())
+    # the hidden state of every prompt image position gets a gradient only through later tokens' attention: the
+    # loss's gradient w.r.t. the image-token logits is zero because no image token is ever a target
+    targets = seq[:, -r:][scored]
+    assert image_id not in targets.tolist()
+
+
+def test_flat_images_orders_rows(tiny):
+    model, tok, processor = tiny
+    _, _, _, visuals, fields = _rows(model, tok, processor)
+    pixels, grid = flat_images(fields["pixel_values"], fields["image_grid_thw"], [2, 1, 0])
+    assert torch.equal(grid, torch.cat([visuals[2].image_grid_thw, visuals[0].image_grid_thw]))
+    assert torch.equal(pixels, torch.cat([visuals[2].pixel_values, visuals[0].pixel_values]))
+
+
+def test_freeze_vision_tower_keeps_the_projector_trainable(tiny):
+    model, _, _ = tiny
+    frozen = freeze_vision_tower(model)
+    try:
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert frozen > 0
+        assert not any(n.startswith("model.visual.blocks") or n.startswith("model.visual.patch_embed")
+                       for n in trainable)
+        assert any(n.startswith("model.visual.merger") for n in trainable)
+        assert any(n.startswith("model.language_model") for n in trainable)
+    finally:
+        for p in model.parameters():
+            p.requires_grad_(True)
+
+
+def test_lora_adapts_the_language_model_only(tmp_path):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from hpc_rlhf.config.schema import LoraConfig
+    from hpc_rlhf.models.lora import apply_lora
+
+    path = build_tiny_vlm(tmp_path / "m", "qwen2_5_vl", initializer_range=0.1)
+    model = apply_lora(AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32),
+                       LoraConfig(rank=4, alpha=8))
+    adapted = {n for n, _ in model.named_parameters() if "lora_" in n}
+    assert adapted and all(n.startswith("model.language_model.") for n in adapted)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == adapted
+    tok, processor = AutoTokenizer.from_pretrained(path), AutoImageProcessor.from_pretrained(path)
+    seq, mask, r, _, fields = _rows(model, tok, processor)
+    lp, _ = policy_logprobs(model, seq, mask, r, packed=True, visual=fields)
+    lp.sum().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_B" in n)
