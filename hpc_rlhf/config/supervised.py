@@ -33,8 +33,8 @@ class SupervisedDataConfig(Section):
     train_data: list[str] = Field(default_factory=list, description="files or save_to_disk folders")
     train_data_probs: list[float] | None = Field(None, description="mixture probabilities, one per train_data")
     eval_data: list[str] = Field(default_factory=list, description="held-out files (concatenated)")
-    max_samples: int | None = Field(None, ge=1)
-    max_eval_samples: int | None = Field(None, ge=1)
+    max_samples: int | None = Field(None, ge=1, description="use at most this many training samples")
+    max_eval_samples: int | None = Field(None, ge=1, description="use at most this many evaluation samples")
     # SFT
     input_key: str = Field("input", description="SFT prompt (or the whole text in pretrain_mode)")
     output_key: str = Field("output", description="SFT response")
@@ -42,21 +42,25 @@ class SupervisedDataConfig(Section):
     pretrain_mode: bool = Field(False, description="SFT: loss on every token of input_key")
     # preference (RM, DPO) and KTO
     prompt_key: str | None = Field("prompt", description="None: chosen/rejected are full chat message lists")
-    chosen_key: str = "chosen"
-    rejected_key: str = "rejected"
+    chosen_key: str = Field("chosen", description="RM / DPO: column of the preferred response")
+    rejected_key: str = Field("rejected", description="RM / DPO: column of the rejected response")
     margin_key: str | None = Field(None, description="RM: per-pair margin column (Llama 2 margin loss)")
     completion_key: str = Field("completion", description="KTO response")
     label_key: str = Field("label", description="KTO: true / 1 = desirable, false / 0 = undesirable")
     # formatting
     input_template: str | None = Field(None, description="format string with one {} for the prompt")
-    apply_chat_template: bool = False
+    apply_chat_template: bool = Field(False, description="format samples with the tokenizer's chat template")
     max_len: int = Field(512, ge=2, description="tokens per sample (prompt + response); longer are truncated")
-    skip_bad_rows: bool = False
+    skip_bad_rows: bool = Field(
+        False,
+        description="skip and count rows that fail validation instead of stopping with an error naming the file and "
+        "row")
     synthetic_task: SyntheticTask | None = Field(
         None, description="write seeded arithmetic data to train_data[0] / eval_data[0] if missing (CPU recipes)")
-    synthetic_num_samples: int = Field(512, ge=1)
-    synthetic_eval_samples: int = Field(128, ge=1)
-    synthetic_max_operand: int = Field(9, ge=1)
+    synthetic_num_samples: int = Field(512, ge=1, description="data.synthetic_task: training samples written")
+    synthetic_eval_samples: int = Field(128, ge=1, description="data.synthetic_task: evaluation samples written")
+    synthetic_max_operand: int = Field(
+        9, ge=1, description="data.synthetic_task: largest operand of the arithmetic problems")
 
     @model_validator(mode="after")
     def _check(self) -> SupervisedDataConfig:
@@ -67,8 +71,9 @@ class SupervisedDataConfig(Section):
 
 
 class SupervisedTrainConfig(StallLimits):
-    output_dir: str = "runs/supervised"
-    seed: int = 42
+    output_dir: str = Field(
+        "runs/supervised", description="run folder: metrics.jsonl, checkpoints (ckpt/), the exported model (model/)")
+    seed: int = Field(42, description="seed of data order and initialisation (checkpoints keep every RNG state)")
     max_epochs: int = Field(1, ge=1, description="passes over the train data")
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
     train_batch_size: int = Field(32, ge=1, description="samples (pairs for RM/DPO) per optimizer step, global")
@@ -92,11 +97,15 @@ class SFTLossConfig(LossConfig):
 
 
 class RMLossConfig(LossConfig):
-    loss: Literal["sigmoid", "logexp"] = "sigmoid"
+    loss: Literal["sigmoid", "logexp"] = Field(
+        "sigmoid",
+        description="pairwise loss: sigmoid (-log sigmoid(r_chosen - r_rejected - margin)) or logexp (log(1 + "
+        "exp(r_rejected - "
+        "r_chosen)))")
 
 
 class DPOLossConfig(LossConfig):
-    beta: float = Field(0.1, gt=0)
+    beta: float = Field(0.1, gt=0, description="DPO temperature: weight of the log-ratio to the reference")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="cDPO: assumed label-flip probability")
     ipo: bool = Field(False, description="IPO loss on length-averaged log-probabilities")
     nll_loss_coef: float = Field(0.0, ge=0, description="weight of the chosen responses' token-mean NLL")
@@ -109,9 +118,9 @@ class DPOLossConfig(LossConfig):
 
 
 class KTOLossConfig(LossConfig):
-    beta: float = Field(0.1, gt=0)
-    desirable_weight: float = Field(1.0, gt=0)
-    undesirable_weight: float = Field(1.0, gt=0)
+    beta: float = Field(0.1, gt=0, description="KTO temperature: weight of the log-ratio to the reference")
+    desirable_weight: float = Field(1.0, gt=0, description="loss weight of desirable samples (lambda_D)")
+    undesirable_weight: float = Field(1.0, gt=0, description="loss weight of undesirable samples (lambda_U)")
     kl_mode: Literal["mismatched", "batch_mean"] = Field(
         "mismatched", description="reference point from mismatched (x_i, y_i+1) pairs, or the batch's own ratios")
 

@@ -21,6 +21,7 @@ class _Engine:
     gradients, the step changes nothing (so every micro-batch sees the same weights)."""
 
     dp_group = None
+    device = torch.device("cpu")
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.module = model
