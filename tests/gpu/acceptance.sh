@@ -10,6 +10,9 @@
 # ./wheelhouse, built on a login node: DeepSpeed and its small dependencies, the project's own pure-Python
 # dependencies, liger-kernel, bitsandbytes) are installed first, without an index and without dependency
 # resolution. See docs/gpu.md, "A wheelhouse for a compute node without internet".
+# HPC_RLHF_ACCEPTANCE_BUDGET_S bounds the whole run (the tests run in priority order, so a short allocation gets the
+# kernel checks and the training runs first); every report is then gathered into one file,
+# $HPC_RLHF_ACCEPTANCE_DIR/summary.json, also when the budget cut the run short.
 # Without CUDA every test here skips with its reason.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -37,4 +40,18 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
 first=(tests/gpu/test_kernels_gpu.py tests/gpu/test_acceptance_gpu.py tests/gpu/test_deepspeed_gpu.py)
 rest=()
 for f in tests/gpu/test_*.py; do [[ " ${first[*]} " == *" $f "* ]] || rest+=("$f"); done
-exec "$PYTHON" -m pytest "${first[@]}" "${rest[@]}" -m gpu -rs -s -p no:cacheprovider "$@"
+export HPC_RLHF_ACCEPTANCE_DIR="${HPC_RLHF_ACCEPTANCE_DIR:-runs/acceptance}"
+mkdir -p "$HPC_RLHF_ACCEPTANCE_DIR"
+budget=()
+[[ -n "${HPC_RLHF_ACCEPTANCE_BUDGET_S:-}" ]] && budget=(timeout --kill-after=15 "$HPC_RLHF_ACCEPTANCE_BUDGET_S")
+status=0
+"${budget[@]}" "$PYTHON" -m pytest "${first[@]}" "${rest[@]}" -m gpu -rs -s -p no:cacheprovider "$@" || status=$?
+"$PYTHON" - <<'PY'
+import json, os, pathlib
+folder = pathlib.Path(os.environ["HPC_RLHF_ACCEPTANCE_DIR"])
+reports = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json")) if p.stem != "summary"}
+(folder / "summary.json").write_text(json.dumps(reports, indent=1))
+print(f"acceptance: {len(reports)} reports in {folder / 'summary.json'}: {', '.join(reports) or 'none'}")
+PY
+[[ $status == 124 ]] && echo "acceptance: stopped by HPC_RLHF_ACCEPTANCE_BUDGET_S=$HPC_RLHF_ACCEPTANCE_BUDGET_S" >&2
+exit $status
