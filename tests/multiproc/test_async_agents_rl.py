@@ -46,8 +46,12 @@ def test_async_agent_episodes_span_weight_updates_and_reward_rises(assets, tmp_p
     for row in rows:
         assert row["async/staleness_max"] <= 2 and row["async/token_staleness_max"] <= 2
         assert 0 <= row["async/engine_idle_fraction"] <= 1 and row["async/engine_busy_s"] > 0
-    # Batches started before a sync and finished after it: episodes of 2 and 3 turns span two versions.
-    assert all(r["async/versions_per_episode_max"] == 2 for r in rows[1:])
+    # Batches 1 and 2 fill the queue before the first sync: one version. Later batches start before a sync and
+    # finish after it: their multi-turn episodes still running at the sync span two versions (never more); a short
+    # one may finish in the round that started it.
+    assert all(r["async/versions_per_episode_max"] == 1 for r in rows[:2])
+    assert all(r["async/versions_per_episode_max"] <= 2 for r in rows)
+    assert sum(r["async/versions_per_episode_max"] == 2 for r in rows[2:]) >= (STEPS - 2) // 2
     assert sum(r["async/mixed_version_samples"] for r in rows) > 0
     assert rows[-1]["async/tokens_lag_1"] > 0 and rows[-1]["async/tokens_lag_2"] > 0
     spanning = 0
