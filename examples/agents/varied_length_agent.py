@@ -3,7 +3,7 @@
 the engine waiting on a batch's tail.
 
 An episode of the prompt ``a+b=`` lasts ``1 + (a + b) % max_turns`` turns (``max_turns`` from
-``train.agent_kwargs``, default 3). Every turn is scored like ``examples/reward_funcs/arithmetic_shaped.py``
+``train.agent_kwargs``, default 3; ``step_latency_s`` adds an environment's own time per turn). Every turn is scored like ``examples/reward_funcs/arithmetic_shaped.py``
 (1.0 for exactly the answer, plus 0.5 x the fraction of digit characters, so a policy from random weights gets a
 signal); the episode's reward is the mean over its turns. Between turns the environment says ``"\\nA: "``, which
 the tiny char-level test tokenizer knows.
@@ -11,6 +11,7 @@ the tiny char-level test tokenizer knows.
     train.agent_func_path=examples/agents/varied_length_agent.py train.agent_kwargs='{max_turns: 10}'
 """
 
+import asyncio
 import re
 
 from hpc_rlhf.agents.multi_turn import AgentInstanceBase, MultiTurnAgentExecutor
@@ -31,8 +32,8 @@ def turn_score(action: str, label) -> float:
 
 
 class AgentInstance(AgentInstanceBase):
-    def __init__(self, max_turns: int = 3, **kwargs):
-        self.max_turns = max_turns
+    def __init__(self, max_turns: int = 3, step_latency_s: float = 0.0, **kwargs):
+        self.max_turns, self.step_latency_s = max_turns, step_latency_s
         self.turns = 1
         self.scores = []
 
@@ -42,6 +43,8 @@ class AgentInstance(AgentInstanceBase):
         return {"observation": states["observation"]}
 
     async def step(self, states, **kwargs):
+        if self.step_latency_s:  # an environment's own time per turn (a tool call, a sandbox)
+            await asyncio.sleep(self.step_latency_s)
         self.scores.append(turn_score(states["action_text"], states["label"]))
         done = len(self.scores) >= self.turns
         reward = sum(self.scores) / len(self.scores)

