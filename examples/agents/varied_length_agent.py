@@ -3,9 +3,10 @@
 the engine waiting on a batch's tail.
 
 An episode of the prompt ``a+b=`` lasts ``1 + (a + b) % max_turns`` turns (``max_turns`` from
-``train.agent_kwargs``, default 3; ``step_latency_s`` adds an environment's own time per turn). Every turn is scored like ``examples/reward_funcs/arithmetic_shaped.py``
-(1.0 for exactly the answer, plus 0.5 x the fraction of digit characters, so a policy from random weights gets a
-signal); the episode's reward is the mean over its turns. Between turns the environment says ``"\\nA: "``, which
+``train.agent_kwargs``, default 3; ``step_latency_s`` adds an environment's own time per turn). Every turn is
+scored like ``examples/reward_funcs/arithmetic_shaped.py`` (1.0 for exactly the answer, plus 0.5 x the fraction
+of digit characters, so a policy from random weights gets a signal); the episode's reward is the mean over its
+turns. Between turns the environment says ``"\\nA: "``, which
 the tiny char-level test tokenizer knows.
 
     train.agent_func_path=examples/agents/varied_length_agent.py train.agent_kwargs='{max_turns: 10}'

@@ -1,7 +1,8 @@
 """Rollout dumps (``logger.dump_rollouts_every``): a step's samples as JSON lines, for debugging rewards and agents.
 
 ``<train.output_dir>/rollouts/step_<N>.jsonl``, one object per sample: prompt, response, label, reward, score,
-policy version (and each token's, when generation spanned weight updates), truncation, the reward's / agent's ``extra_logs`` and, for multi-turn agents, the turns.
+policy version (and each token's, ``token_versions``, when generation spanned weight updates), truncation, the
+reward's / agent's ``extra_logs`` and, for multi-turn agents, the turns.
 """
 
 from __future__ import annotations
