@@ -20,12 +20,15 @@ import logging
 import time
 from collections import Counter, deque
 from dataclasses import replace
+from typing import Any
 
 import torch.distributed as dist
 
+from hpc_rlhf.agents.executor import GenerateFn, SingleTurnExecutor
+from hpc_rlhf.agents.in_flight import InFlightEpisodes, in_flight_pool, versions_spanned
 from hpc_rlhf.config import RunConfig
 from hpc_rlhf.data.prompts import Prompt
-from hpc_rlhf.rollout.base import Trajectory
+from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, Trajectory
 from hpc_rlhf.trainers.rl.controller_steps import rollout_metrics
 from hpc_rlhf.trainers.rl.loop import Buffers, PPOTrainer, sampling_seed
 from hpc_rlhf.trainers.rl.partial_rollout import continue_generation, stamp_versions
@@ -45,8 +48,6 @@ class AsyncPPOTrainer(PPOTrainer):
             raise ValueError("train.async_train=true needs train.colocate_all=false (rollout on its own ranks)")
         if any(r in self.world.roles["rollout"].ranks for r in self.world.roles["actor"].ranks):
             raise ValueError("train.async_train=true: rollout ranks must be disjoint from actor ranks")
-        if train.partial_rollout and train.agent_func_path:
-            raise ValueError("train.partial_rollout works with single-turn rollouts; unset train.agent_func_path")
         # A partial rollout's first tokens are one policy version older than its batch's queue position.
         extra = 1 if train.partial_rollout else 0
         self.depth = train.async_queue_size
@@ -65,6 +66,12 @@ class AsyncPPOTrainer(PPOTrainer):
         self.generated = 0  # batches generated so far (every rank counts: it seeds the sampling)
         self.in_flight: list[Trajectory] | None = None  # rollout ranks, partial mode: the batch cut at chunk_tokens
         self.partial_in_flight = False  # every rank: whether a cut-short batch waits to be finished
+        # Rollout ranks, partial mode with agents: episodes carried across weight updates (``agents.in_flight``);
+        # restored_episodes: the pool's checkpointed state until the pool is built.
+        self.episodes: InFlightEpisodes | None = None
+        self.restored_episodes: list[dict[str, Any]] | None = None
+        self.round_busy_s = 0.0  # rollout ranks: seconds inside generate since the last collect
+        self.engine_busy_s = 0.0  # rank 0: the engines' seconds inside generate in the latest round (slowest engine)
 
     # ------------------------------------------------------------------ queue
     def _start_generation(self, wanted: bool) -> tuple[bool, Generated | None]:
@@ -91,27 +98,72 @@ class AsyncPPOTrainer(PPOTrainer):
         trajectories, seconds = self.collect_trajectories(pending)
         if self.rank == 0 and trajectories:
             self.ready.append((trajectories, seconds))
+        # The engines' busy seconds of this round (time inside generate), for the engine idle fraction.
+        busy = self.handles.rollout.collect(([], self._take_busy_seconds()) if self.handles.rollout.side else None)
+        if busy is not None:
+            self.engine_busy_s = max(s for _, s in busy)
+
+    def _take_busy_seconds(self) -> float:
+        busy, self.round_busy_s = self.round_busy_s, 0.0
+        return busy
 
     def run_rollouts(self, prompts: list[Prompt] | None, step: int) -> Generated | None:
         """Partial mode: finish the batch in flight with the current weights, then start the next one
         and stop it after ``rollout.partial_chunk_tokens`` tokens (it finishes after the next sync)."""
-        if not self.cfg.train.partial_rollout or self.handles.rollout.side is None:
-            return super().run_rollouts(prompts, step)
-        start = time.perf_counter()
+        if self.handles.rollout.side is None:
+            return None
         rollout = self.handles.rollout.side
+        if not self.cfg.train.partial_rollout:
+            return super().run_rollouts(prompts, step)
+        if not isinstance(rollout.executor, SingleTurnExecutor):
+            return self._run_agent_rollouts(prompts, step)
+        start = time.perf_counter()
         sampling = rollout.sampling(sampling_seed(self.cfg.train.seed, step, self.handles.rollout.engine_index))
+        generate = self.engine_generate(rollout.engine.generate)
         finished: list[Trajectory] = []
         if self.in_flight:
-            finished = continue_generation(self.in_flight, rollout.engine.generate, sampling, self.policy_version,
+            finished = continue_generation(self.in_flight, generate, sampling, self.policy_version,
                                            self.cfg.rollout.generate_max_len)
         self.in_flight = None
         if prompts:
             chunk = replace(sampling, max_new_tokens=min(self.cfg.rollout.partial_chunk_tokens,
                                                          self.cfg.rollout.generate_max_len))
-            self.in_flight = rollout.executor.run(prompts, rollout.engine.generate, chunk,
-                                                  self.cfg.rollout.n_samples_per_prompt)
+            self.in_flight = rollout.executor.run(prompts, generate, chunk, self.cfg.rollout.n_samples_per_prompt)
             stamp_versions(self.in_flight, self.policy_version)
         return finished, time.perf_counter() - start
+
+    def _run_agent_rollouts(self, prompts: list[Prompt] | None, step: int) -> Generated:
+        """Partial mode with a multi-turn agent: the new batch's episodes join those of the batch in flight, rounds
+        run until that one is finished (``agents.in_flight``), and the new batch waits between turns for the weight
+        update. Returns the finished batch (empty on the first round)."""
+        start = time.perf_counter()
+        side = self.handles.rollout.require_side()
+        pool = self._episode_pool()
+        if prompts:
+            sampling = side.sampling(sampling_seed(self.cfg.train.seed, step, self.handles.rollout.engine_index))
+            pool.add(prompts, sampling, self.cfg.rollout.n_samples_per_prompt, step)
+        busy = pool.generate_seconds
+        finished = pool.advance(side.engine.generate, self.policy_version, finish_all=not prompts)
+        self.round_busy_s += pool.generate_seconds - busy
+        return finished, time.perf_counter() - start
+
+    def _episode_pool(self) -> InFlightEpisodes:
+        if self.episodes is None:
+            self.episodes = in_flight_pool(self.handles.rollout.require_side().executor)()
+            if self.restored_episodes:
+                self.episodes.restore(self.restored_episodes)
+            self.restored_episodes = None
+        return self.episodes
+
+    def engine_generate(self, generate: GenerateFn) -> GenerateFn:
+        """``generate`` counting its seconds into this round's engine busy time."""
+        def timed(requests: list[GenerationRequest]) -> list[GenerationResult]:
+            start = time.perf_counter()
+            try:
+                return generate(requests)
+            finally:
+                self.round_busy_s += time.perf_counter() - start
+        return timed
 
     def before_steps(self, start: int) -> None:
         """Fill the queue to ``depth`` batches (a resumed run already has its queue back)."""
@@ -151,6 +203,10 @@ class AsyncPPOTrainer(PPOTrainer):
         row = {**rollout_metrics(popped, batch, gen_seconds), **train_stats}
         mixed = sum(len(set(t.token_versions or [])) > 1 for t in popped)
         row.update(self._async_metrics(staleness, dropped, gen_seconds, train_seconds, timer, mixed))
+        row.update(token_version_metrics(trajectories or [], self.policy_version - 1))
+        step_s = train_seconds + timer.seconds.get("wait_for_rollout", 0.0)
+        row["async/engine_busy_s"] = self.engine_busy_s
+        row["async/engine_idle_fraction"] = max(0.0, 1.0 - self.engine_busy_s / max(step_s, 1e-9))
         return row
 
     def _drop_stale(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], list[int], int]:
@@ -193,10 +249,20 @@ class AsyncPPOTrainer(PPOTrainer):
         return {"ready": list(self.ready), "generated": self.generated, "partial_in_flight": self.partial_in_flight}
 
     def checkpoint_rank_buffers(self) -> Buffers | None:
-        return {"in_flight": self.in_flight} if self.in_flight else None
+        if self.in_flight:
+            return {"in_flight": self.in_flight}
+        if self.episodes is not None and self.episodes.num_batches:
+            return {"in_flight_episodes": self.episodes.state()}
+        return None
 
     def restore_rank_buffers(self, buffers: Buffers) -> None:
-        self.in_flight = buffers["in_flight"]
+        self.in_flight = buffers.get("in_flight")
+        self.restored_episodes = buffers.get("in_flight_episodes")
+
+    def after_steps(self) -> None:
+        if self.episodes is not None:
+            self.episodes.close()
+        super().after_steps()
 
     def restore_buffers(self, buffers: Buffers | None, same_world: bool = True) -> None:
         if buffers:
@@ -204,6 +270,25 @@ class AsyncPPOTrainer(PPOTrainer):
             self.generated = buffers["generated"]
             # Another layout dropped the rollout ranks' cut-short batch (its rank buffers): nothing to finish.
             self.partial_in_flight = buffers["partial_in_flight"] and same_world
+
+
+def token_version_metrics(trajectories: list[Trajectory], trained_version: int) -> dict[str, float]:
+    """Per-token policy versions of a trained batch: versions spanned per episode (mean, max) and generated tokens
+    per version lag (``async/tokens_lag_<k>``: sampled ``k`` versions before the policy that trains on them,
+    ``trained_version``), and the largest lag (``async/token_staleness_max``)."""
+    lags: Counter[int] = Counter()
+    spans = []
+    for t in trajectories:
+        versions = t.token_versions or [t.policy_version] * len(t.response_ids)
+        for version, mask in zip(versions, t.action_mask, strict=True):
+            if mask:
+                lags[trained_version - version] += 1
+        spans.append(versions_spanned(t))
+    out = {f"async/tokens_lag_{k}": float(v) for k, v in sorted(lags.items())}
+    out["async/token_staleness_max"] = float(max(lags, default=0))
+    out["async/versions_per_episode"] = sum(spans) / max(len(spans), 1)
+    out["async/versions_per_episode_max"] = float(max(spans, default=0))
+    return out
 
 
 def trainer_class(cfg: RunConfig) -> type[PPOTrainer]:

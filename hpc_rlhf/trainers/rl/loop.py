@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpc_rlhf.agents.executor import GenerateFn
 from hpc_rlhf.ckpt.hf_exports import HFExports
 from hpc_rlhf.ckpt.layout import rl_layout
 from hpc_rlhf.config import RunConfig, save_resolved_config
@@ -308,12 +309,16 @@ class PPOTrainer(RunHooks):
             raise RuntimeError(f"rank {self.rank}: a rollout engine got no prompts from rank 0")
         side.engine.wake_up()
         fault_point("generation", step, self.rank)
-        trajectories = side.executor.run(prompts, side.engine.generate, sampling, n)
+        trajectories = side.executor.run(prompts, self.engine_generate(side.engine.generate), sampling, n)
         for t in trajectories:
             t.policy_version = self.policy_version
         if self.cfg.train.colocate_all:
             side.engine.sleep()
         return trajectories, time.perf_counter() - start
+
+    def engine_generate(self, generate: GenerateFn) -> GenerateFn:
+        """The engine's ``generate`` as the agent executor calls it (the asynchronous trainer times it)."""
+        return generate
 
     def collect_trajectories(self, result: Generated | None) -> tuple[list[Trajectory] | None, float]:
         """Rollout ranks -> rank 0: all trajectories in prompt order, and the slowest engine's seconds."""

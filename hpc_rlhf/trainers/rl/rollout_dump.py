@@ -1,7 +1,8 @@
 """Rollout dumps (``logger.dump_rollouts_every``): a step's samples as JSON lines, for debugging rewards and agents.
 
 ``<train.output_dir>/rollouts/step_<N>.jsonl``, one object per sample: prompt, response, label, reward, score,
-policy version, truncation, the reward's / agent's ``extra_logs`` and, for multi-turn agents, the turns.
+policy version (and each token's, ``token_versions``, when generation spanned weight updates), truncation, the
+reward's / agent's ``extra_logs`` and, for multi-turn agents, the turns.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def rollout_records(trajectories: list[Any], tokenizer: Any, step: int) -> list[
             record["failure"] = t.failure
         if getattr(t, "visual", None) is not None:  # a reference per image (path or content hash), never the pixels
             record["images"] = list(t.visual.refs)
+        if t.token_versions is not None:  # generation spanned weight updates: the version of every response token
+            record["token_versions"] = list(t.token_versions)
         segments = turn_segments(t.response_ids, t.action_mask)
         if any(who == "environment" for who, _ in segments):
             record["turns"] = [{"role": who, "text": tokenizer.decode(ids, skip_special_tokens=True)}

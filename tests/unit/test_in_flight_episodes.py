@@ -1,0 +1,135 @@
+"""Multi-turn episodes carried across weight updates (``hpc_rlhf.agents.in_flight``): versions per token, rounds
+that finish the older batch while the newer one advances, checkpoint state that restarts unfinished episodes."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from hpc_rlhf.agents.in_flight import InFlightEpisodes, in_flight_pool, versions_spanned
+from hpc_rlhf.agents.multi_turn import AgentInstanceBase, MultiTurnAgentExecutor
+from hpc_rlhf.data.prompts import Prompt
+from hpc_rlhf.models.tiny import build_char_tokenizer
+from hpc_rlhf.rollout.base import GenerationResult, SamplingParams, Trajectory
+from hpc_rlhf.trainers.rl.async_loop import token_version_metrics
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+class TurnsAgent(AgentInstanceBase):
+    """Done after ``label`` turns; feedback "+" between turns; reward = turns taken."""
+
+    def __init__(self):
+        self.turn = 0
+
+    async def step(self, states):
+        self.turn += 1
+        done = self.turn >= int(states["label"])
+        return {"rewards": float(self.turn), "environment_feedback": "" if done else "+", "done": done}
+
+
+class Engine:
+    """Answers every sample with "ab"; logprob of a token = -version / 10 (the weights it was sampled with)."""
+
+    def __init__(self, tok):
+        self.tok, self.version, self.calls, self.seeds = tok, 0, [], []
+
+    def __call__(self, requests):
+        self.calls.append(sum(r.n for r in requests))
+        results = []
+        for i, request in enumerate(requests):
+            self.seeds.append((tuple(request.prompt_ids), request.params.seed))
+            for _ in range(request.n):
+                ids = self.tok.encode("ab", add_special_tokens=False)
+                results.append(GenerationResult(prompt_ids=list(request.prompt_ids), output_ids=ids,
+                                                output_logprobs=[-self.version / 10] * len(ids),
+                                                finish_reason="stop", request_index=i))
+        return results
+
+
+def executor(tok):
+    return MultiTurnAgentExecutor(TurnsAgent, tok, 16, max_turns=10, step_timeout_s=5.0)
+
+
+def prompts(turns):
+    return [Prompt(text=f"{i}=", label=str(t), source="t", index=i) for i, t in enumerate(turns)]
+
+
+def check_versions(trajectories: list[Trajectory]) -> None:
+    for t in trajectories:
+        assert t.token_versions is not None and len(t.token_versions) == len(t.response_ids)
+        assert t.policy_version == min(t.token_versions)
+        for version, logprob, mask in zip(t.token_versions, t.rollout_logprobs, t.action_mask, strict=True):
+            if mask:  # the engine's logprob of each token is the one of the weights that sampled it
+                assert logprob == pytest.approx(-version / 10)
+
+
+def test_older_batch_finishes_while_the_newer_advances_across_an_update(tok):
+    engine = Engine(tok)
+    pool = InFlightEpisodes(executor(tok))
+    sampling = SamplingParams(max_new_tokens=4, seed=7)
+    pool.add(prompts([1, 3]), sampling, 2, step=1)
+    assert pool.advance(engine, version=0) == []  # one round for the new batch; nothing older to return
+    assert pool.num_batches == 1
+    engine.version = 1  # the weight update lands between turns
+    pool.add(prompts([5, 1]), sampling, 2, step=2)
+    first = pool.advance(engine, version=1)
+    assert [t.extra_logs["num_turns"] for t in first] == [1, 1, 3, 3]
+    assert [t.group_index for t in first] == [0, 0, 1, 1]
+    check_versions(first)
+    # The 3-turn episodes: turn 1 under version 0, turns 2-3 under version 1.
+    assert [versions_spanned(t) for t in first] == [1, 1, 2, 2]
+    assert first[2].token_versions[:2] == [0, 0] and first[2].token_versions[-1] == 1
+    # The newer batch ran alongside: two rounds together with the older batch's 3-turn episodes.
+    assert engine.calls == [4, 6, 4]
+    engine.version = 2
+    second = pool.advance(engine, version=2, finish_all=True)
+    check_versions(second)
+    assert [t.extra_logs["num_turns"] for t in second] == [5, 5, 1, 1]
+    assert [t.policy_version for t in second] == [1, 1, 1, 1]
+    assert versions_spanned(second[0]) == 2 and pool.num_batches == 0
+    metrics = token_version_metrics(second, trained_version=2)
+    assert metrics["async/token_staleness_max"] == 1.0
+    assert metrics["async/versions_per_episode_max"] == 2.0
+    assert metrics["async/tokens_lag_1"] + metrics["async/tokens_lag_0"] == sum(sum(t.action_mask) for t in second)
+    pool.close()
+
+
+def test_restored_state_restarts_unfinished_episodes_from_their_first_turn_with_their_seeds(tok):
+    sampling = SamplingParams(max_new_tokens=4, seed=11)
+    engine = Engine(tok)
+    pool = InFlightEpisodes(executor(tok))
+    pool.add(prompts([1, 4]), sampling, 1, step=3)
+    pool.advance(engine, version=0)
+    state = pickle.loads(pickle.dumps(pool.state()))  # what a checkpoint keeps: no agent objects
+    assert len(state) == 1 and sorted(state[0]["done"]) == [0]
+    pool.close()
+    # The uninterrupted run's seeds for episode 1, turn by turn, and the resumed run's.
+    uninterrupted = engine.seeds[:]
+    pool.advance(engine, version=0, finish_all=True)
+    resumed_engine = Engine(tok)
+    resumed = InFlightEpisodes(executor(tok))
+    resumed.restore(state)
+    out = resumed.advance(resumed_engine, version=1, finish_all=True)
+    assert [t.extra_logs["num_turns"] for t in out] == [1, 4]
+    assert out[0].token_versions == [0, 0]  # finished before the checkpoint: kept, not regenerated
+    assert set(out[1].token_versions) == {1}  # restarted from its first turn
+    # Episode 1's first turn has the seed it had before the checkpoint (same step seed, episode, turn).
+    episode1_turn1 = [s for p, s in uninterrupted if p == tuple(tok.encode("1=", add_special_tokens=False))]
+    assert resumed_engine.seeds[0][1] == episode1_turn1[0]
+    resumed.close()
+
+
+def test_execute_overrides_and_openai_agents_are_refused_clearly(tok):
+    class Wrapping(MultiTurnAgentExecutor):
+        async def execute(self, prompt, label, sampling_params=None, *args, **kwargs):
+            return await super().execute(prompt, label, sampling_params)
+
+    with pytest.raises(ValueError, match="overrides execute"):
+        InFlightEpisodes(Wrapping(TurnsAgent, tok, 16))
+    with pytest.raises(ValueError, match="OpenAI-client"):
+        in_flight_pool(object())
