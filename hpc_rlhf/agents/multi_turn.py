@@ -183,7 +183,8 @@ class MultiTurnAgentExecutor(AgentExecutor):
     Args:
         agent_instance_cls: the ``AgentInstance`` class (or set the class attribute of a subclass;
             the loader fills it from the agent file).
-        tokenizer, prompt_max_len: as every executor; may be given later with :meth:`configure`.
+        tokenizer: as every executor; may be given later with :meth:`configure`.
+        prompt_max_len: as every executor; may be given later with :meth:`configure`.
         max_len: prompt + response token budget per episode; None for no budget beyond ``max_turns``.
         max_turns: model turns per episode.
         num_concurrent: episodes alive at once (bounds environment load and open agent objects).

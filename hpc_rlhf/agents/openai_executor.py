@@ -113,14 +113,18 @@ class OpenAIAgentExecutor(AgentExecutor):
         run_episode: ``async def run_episode(client, prompt, label, **agent_kwargs)``, or a workflow object
             with ``async def arun_episode(self, client, data)`` (built by the caller; ``agent_kwargs`` then
             went to its constructor and are not passed again).
-        tokenizer, prompt_max_len: as every executor.
+        tokenizer: as every executor.
+        prompt_max_len: as every executor.
         max_len: prompt + output budget of every call (``data.max_len``).
         num_concurrent: episodes alive at once.
         episode_timeout_s: wall time limit of one episode (None: none).
         agent_kwargs: extra keyword arguments for ``run_episode`` (those its signature accepts).
         batch_wait_s: how long a generate batch waits for running episodes without a queued request.
-        tool_call_parser, reasoning_parser: the endpoint's parsers (``rollout.tool_call_parser`` /
-            ``rollout.reasoning_parser``, see ``tool_parsers``); an unknown name raises ``ParserConfigError`` here.
+        model_name: the name the endpoint's ``/v1/models`` reports (any ``model`` value is accepted).
+        tool_call_parser: the endpoint's tool-call parser (``rollout.tool_call_parser``, see ``tool_parsers``);
+            an unknown name raises ``ParserConfigError`` here.
+        reasoning_parser: the endpoint's reasoning parser (``rollout.reasoning_parser``, see ``tool_parsers``);
+            an unknown name raises ``ParserConfigError`` here.
     """
 
     def __init__(self, run_episode: Any, tokenizer: Any, prompt_max_len: int, *, max_len: int | None = None,

@@ -40,8 +40,8 @@ PAGE = ROOT / "docs" / "reference" / "configuration.md"
 FLAGS_PAGE = ROOT / "docs" / "openrlhf_flags.md"
 # The offline trainers share SupervisedRunConfig and differ in their ``loss`` section.
 LOSS_SECTIONS: dict[str, type[BaseModel]] = {
-    "hpc-rlhf sft": SFTLossConfig, "hpc-rlhf rm": RMLossConfig, "hpc-rlhf dpo": DPOLossConfig,
-    "hpc-rlhf kto": KTOLossConfig}
+    "train_sft": SFTLossConfig, "train_rm": RMLossConfig, "train_dpo": DPOLossConfig,
+    "train_kto": KTOLossConfig}
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ def render() -> str:
         "",
         "## RL trainer",
         "",
-        "`hpc-rlhf train` (and `python -m hpc_rlhf.cli.train_ppo`): PPO, REINFORCE++, GRPO, RLOO, agents.",
+        "`python -m hpc_rlhf.cli.train_ppo` (`hpc-rlhf train-ppo`): PPO, REINFORCE++, GRPO, RLOO, agents.",
         "",
     ]
     for name, field in RunConfig.model_fields.items():
@@ -170,8 +170,8 @@ def render() -> str:
         assert section is not None, name  # every top-level field of RunConfig is a section
         lines += [f"### `{name}`", "", *_table(key_docs(section, flags, f"{name}.")), ""]
     lines += ["## Offline trainers", "",
-              "`hpc-rlhf sft`, `rm`, `dpo`, `kto`: one trained model on every rank; they share these sections and",
-              "differ in `loss`.", ""]
+              "`python -m hpc_rlhf.cli.train_sft`, `train_rm`, `train_dpo`, `train_kto`: one trained model on every",
+              "rank; they share these sections and differ in `loss`.", ""]
     for name, field in SupervisedRunConfig.model_fields.items():
         section = _section_model(field.annotation)
         if name == "loss" or section is None:
