@@ -17,6 +17,7 @@ A user file (``train.agent_func_path``) written for OpenRLHF works with only the
                 "rewards": 1.0,                    # float or 1-element tensor
                 "scores": 1.0,                     # optional, default rewards (filtering / logging)
                 "environment_feedback": "...",     # text appended before the next turn ("" for none)
+                "environment_images": [],          # optional images (screenshots) in the feedback
                 "done": False,                     # end the episode
                 "sampling_params": {"temperature": 0.6},  # optional overrides, kept for later turns
                 "extra_logs": {"name": 0.5},       # optional numbers, logged as means
@@ -91,6 +92,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, check_samples_per_prompt
+from hpc_rlhf.agents.images import AgentImageError, encode_observation, feedback_tokens
 from hpc_rlhf.agents.step_output import AgentOutputError, apply_sampling, numeric_logs, parse_step_output, to_float
 from hpc_rlhf.data.prompts import Prompt, source_name, tokenize_prompts
 from hpc_rlhf.models.routing_replay import continue_routes, pad_routes
@@ -142,6 +144,7 @@ class _Episode:
     action_text: str = ""
     last_finish: str = ""
     routes: Any = None  # (positions, L, k) experts as first computed (routing_replay.continue_routes), or None
+    visual: Any = None  # every image of prompt_ids + response_ids so far (PromptVisual, agents.images), or None
     reward: float = 0.0
     score: float = 0.0
     extra_logs: dict = field(default_factory=dict)
@@ -332,7 +335,7 @@ class MultiTurnAgentExecutor(AgentExecutor):
                                      return_when=asyncio.FIRST_COMPLETED)
         if episode.entered in done:
             return
-        episode.prompt_ids = self._tokenize_prompt(episode.prompt.text)
+        episode.prompt_ids, episode.visual = self._encode_prompt(episode.prompt, episode.prompt.text)
         episode.prompt_text = episode.prompt.text
         if task in done:
             err = task.exception() or AgentOutputError(
@@ -385,15 +388,21 @@ class MultiTurnAgentExecutor(AgentExecutor):
             episode.prompt_text = result["observation"]
         except Exception as err:  # noqa: BLE001 - any agent failure ends only this episode
             episode.prompt_text = episode.prompt.text
-            episode.prompt_ids = self._tokenize_prompt(episode.prompt_text)
+            episode.prompt_ids, episode.visual = self._encode_prompt(episode.prompt, episode.prompt_text)
             self._fail(episode, "reset", err, stats)
             return
-        episode.prompt_ids = self._tokenize_prompt(episode.prompt_text)
+        episode.prompt_ids, episode.visual = self._encode_prompt(episode.prompt, episode.prompt_text)
         episode.observation_text = episode.prompt_text
 
     def _tokenize_prompt(self, text: str) -> list[int]:
         limit = self.prompt_max_len if self.max_len is None else min(self.prompt_max_len, self.max_len - 1)
         return tokenize_prompts(self.tokenizer, [text], limit)[0]
+
+    def _encode_prompt(self, prompt: Prompt, text: str) -> tuple[list[int], Any]:
+        """(prompt ids, its images or None): a prompt with images goes through the model's processor."""
+        limit = self.prompt_max_len if self.max_len is None else min(self.prompt_max_len, self.max_len - 1)
+        encoded = encode_observation(self.vision, prompt, text, limit)
+        return encoded if encoded is not None else (self._tokenize_prompt(text), None)
 
     def _remaining(self, episode: _Episode) -> int | None:
         if self.max_len is None:
@@ -411,14 +420,14 @@ class MultiTurnAgentExecutor(AgentExecutor):
             params = dataclasses.replace(episode.params, max_new_tokens=cap,
                                          stop_token_ids=list(episode.params.stop_token_ids))
             sequence = episode.prompt_ids + episode.response_ids
-            key = (tuple(sequence), _params_key(params))
+            key = (tuple(sequence), _params_key(params), id(episode.visual))  # same tokens, other images: apart
             if key in by_key:
                 members[by_key[key]].append(episode)
             else:
                 by_key[key] = len(requests)
                 if params.seed is not None:
                     params.seed = _derive_seed(params.seed, episode.index, episode.num_turns)
-                requests.append(GenerationRequest(prompt_ids=sequence, params=params))
+                requests.append(GenerationRequest(prompt_ids=sequence, params=params, visual=episode.visual))
                 members.append([episode])
             episode.turn_params = params
         for request, group in zip(requests, members, strict=True):
@@ -473,7 +482,12 @@ class MultiTurnAgentExecutor(AgentExecutor):
             episode.end("max_turns", truncated=True)
             return
         feedback = parsed["environment_feedback"]
-        feedback_ids = list(self.tokenizer.encode(feedback, add_special_tokens=False)) if feedback else []
+        try:
+            feedback_ids, visual = feedback_tokens(self.vision, self.tokenizer, feedback,
+                                                   parsed["environment_images"], episode.prompt, episode.visual)
+        except AgentImageError as err:
+            self._fail(episode, "step", err, stats)
+            return
         remaining = self._remaining(episode)
         if remaining is not None and len(feedback_ids) >= remaining:
             stats.truncated_max_len += 1  # no room for the feedback plus one generated token
@@ -483,6 +497,7 @@ class MultiTurnAgentExecutor(AgentExecutor):
         episode.response_ids += feedback_ids
         episode.action_mask += [0] * len(feedback_ids)
         episode.logprobs += [0.0] * len(feedback_ids)
+        episode.visual = visual
 
     def _user_calls(self) -> UserCallRunner:
         """The runner of user code of the ``run`` in progress."""
@@ -532,7 +547,8 @@ class MultiTurnAgentExecutor(AgentExecutor):
             reward=float(episode.reward), score=float(episode.score), truncated=episode.truncated,
             finish_reason=episode.finish_reason, extra_logs=extra_logs, group_index=episode.group_index,
             failure=episode.error, data_source=source_name(episode.prompt),
-            routed_experts=pad_routes(episode.routes, len(episode.prompt_ids) + len(episode.response_ids)))
+            routed_experts=pad_routes(episode.routes, len(episode.prompt_ids) + len(episode.response_ids)),
+            visual=episode.visual)
         trajectory.check()
         return trajectory
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 from hpc_rlhf.agents.openai_recording import CompletionRecord
@@ -93,7 +94,7 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 
 def _continuation(tokenizer: Any, record: CompletionRecord, messages: list[dict], full_text: str,
-                  render_kwargs: dict) -> list[int] | None:
+                  render_kwargs: dict, expand: Callable[[str], str] = str) -> list[int] | None:
     """Prompt ids for ``messages`` continuing ``record`` (module docstring), or None if it does not."""
     earlier = record.messages or []
     if record.render_kwargs != render_kwargs or len(messages) <= len(earlier):
@@ -116,20 +117,23 @@ def _continuation(tokenizer: Any, record: CompletionRecord, messages: list[dict]
         last = tokenizer.decode(output_ids[-1:], skip_special_tokens=False)
         if bridge.startswith(last):
             bridge = bridge[len(last):]
-    return list(record.prompt_ids) + output_ids + encode(tokenizer, bridge + full_text[len(through):])
+    return list(record.prompt_ids) + output_ids + encode(tokenizer, expand(bridge + full_text[len(through):]))
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict], earlier: list[CompletionRecord],
-                    render_kwargs: dict, add_generation_prompt: bool = True) -> tuple[list[int], str]:
-    """(prompt ids, prompt text) for a chat request; exact earlier tokens when it continues ``earlier``."""
+                    render_kwargs: dict, add_generation_prompt: bool = True,
+                    expand: Callable[[str], str] = str) -> tuple[list[int], str]:
+    """(prompt ids, prompt text) for a chat request; exact earlier tokens when it continues ``earlier``.
+    ``expand``: applied to a suffix of the rendered text before it is tokenized (image placeholders -> each image's
+    tokens, ``openai_images.ChatImages.expand``); the earlier calls' ids already hold their images' tokens."""
     full_text = render_chat(tokenizer, template_messages(messages), add_generation_prompt, **render_kwargs)
     for record in sorted(earlier, key=lambda r: -r.call_index):  # the latest matching call first
         if record.kind != "chat":
             continue
-        ids = _continuation(tokenizer, record, messages, full_text, render_kwargs)
+        ids = _continuation(tokenizer, record, messages, full_text, render_kwargs, expand)
         if ids is not None:
             return ids, full_text
-    return encode(tokenizer, full_text), full_text
+    return encode(tokenizer, expand(full_text)), full_text
 
 
 def completion_prompt_ids(tokenizer: Any, prompt: str, earlier: list[CompletionRecord]) -> list[int]:

@@ -50,6 +50,13 @@ from typing import Any
 
 from hpc_rlhf.agents.openai_chat import ChatTemplateError, apply_stop_strings, chat_prompt_ids, completion_prompt_ids
 from hpc_rlhf.agents.openai_guard import DEFAULT_MAX_BODY_BYTES, EndpointGuard
+from hpc_rlhf.agents.openai_images import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES,
+    ChatImages,
+    message_image_refs,
+    refuse_image_tokens,
+)
 from hpc_rlhf.agents.openai_recording import CompletionRecord, EpisodeRecorder
 from hpc_rlhf.agents.openai_requests import (
     EndpointRequestError,
@@ -63,7 +70,9 @@ from hpc_rlhf.agents.openai_requests import (
 )
 from hpc_rlhf.agents.openai_stream import sse_events
 from hpc_rlhf.agents.tool_parsers import OutputParser
+from hpc_rlhf.data.vision_prompts import VisionPromptEncoder
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams
+from hpc_rlhf.rollout.visual import PromptVisual
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_N = 64
@@ -198,11 +207,17 @@ class OpenAIEndpoint:
         parser: splits chat output into reasoning, content and tool calls (default: both parsers ``auto``).
         max_body_bytes: the largest request body accepted (413 above it).
         max_n: the largest ``n`` of one request.
+        vision: the actor's image encoder (a vision-language actor): chat messages may then hold image content
+            parts (``openai_images``); None refuses them.
+        max_images, max_image_pixels: images per request, pixels per image (``openai_images``).
     """
 
     def __init__(self, tokenizer: Any, max_len: int | None = None, model_name: str = "policy",
                  batch_wait_s: float = 0.05, parser: OutputParser | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int = DEFAULT_MAX_N) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int = DEFAULT_MAX_N,
+                 vision: VisionPromptEncoder | None = None, max_images: int = DEFAULT_MAX_IMAGES,
+                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+        self.vision, self.max_images, self.max_image_pixels = vision, max_images, max_image_pixels
         self.tokenizer, self.max_len, self.model_name = tokenizer, max_len, model_name
         self.vocab_size = len(tokenizer)  # added tokens included; ids past it cannot be decoded
         self.max_body_bytes, self.max_n = max_body_bytes, max_n
@@ -314,8 +329,8 @@ class OpenAIEndpoint:
         return sample_count(body, self.max_n)
 
     async def _generate(self, episode_id: str, prompt_ids: list[int], params: SamplingParams,
-                        n: int) -> list[GenerationResult]:
-        request = GenerationRequest(prompt_ids=prompt_ids, params=params, n=n)
+                        n: int, visual: PromptVisual | None = None) -> list[GenerationResult]:
+        request = GenerationRequest(prompt_ids=prompt_ids, params=params, n=n, visual=visual)
         try:
             return await asyncio.wrap_future(self.queue.submit(episode_id, request))
         except Exception as err:
@@ -332,17 +347,23 @@ class OpenAIEndpoint:
         tools = check_tools(body.get("tools")) if body.get("tools") and body.get("tool_choice") != "none" else None
         if tools:  # as OpenAI sends them ({"type": "function", "function": {...}}), as vLLM gives templates
             render_kwargs["tools"] = tools
+        images = self._chat_images(messages)
         try:
-            prompt_ids, _ = chat_prompt_ids(self.tokenizer, messages, self.recorder.records(episode_id),
-                                            render_kwargs)
+            prompt_ids, full_text = chat_prompt_ids(self.tokenizer, messages, self.recorder.records(episode_id),
+                                                    render_kwargs, expand=images.expand if images else str)
         except ChatTemplateError as err:
             raise EndpointRequestError(str(err), param="messages") from None
+        if images is not None:
+            images.check_rendered(full_text)
+        else:
+            refuse_image_tokens(prompt_ids, self.vision, "messages")
+        visual = images.visual if images is not None else None
         if not prompt_ids:
             raise EndpointRequestError("the chat template rendered an empty prompt", param="messages")
         call_index = self.recorder.next_call_index(episode_id)
         params = self._sampling(body, len(prompt_ids), episode_id, call_index, "max_completion_tokens")
         stop = stop_list(body)
-        results = await self._generate(episode_id, prompt_ids, params, n)
+        results = await self._generate(episode_id, prompt_ids, params, n, visual)
         choices, completion_tokens = [], 0
         for index, (ids, logprobs, text, finish) in enumerate(self._stopped(results, stop)):
             message = self._message(ids, text, tools)
@@ -350,7 +371,7 @@ class OpenAIEndpoint:
             self.recorder.add(episode_id, CompletionRecord(
                 call_index=call_index, prompt_ids=list(prompt_ids), output_ids=ids, output_logprobs=logprobs,
                 finish_reason=finish, kind="chat", output_text=text, messages=messages, message=message,
-                render_kwargs=render_kwargs))
+                render_kwargs=render_kwargs, visual=visual))
             completion_tokens += len(ids)
             choice: dict[str, Any] = {"index": index, "message": message, "logprobs": None,
                                       "finish_reason": "tool_calls" if tool_calls else finish}
@@ -361,6 +382,21 @@ class OpenAIEndpoint:
                     for t, lp in zip(ids, logprobs, strict=True)]}
             choices.append(choice)
         return self._response(body, "chatcmpl", "chat.completion", len(prompt_ids), choices, completion_tokens)
+
+    def _chat_images(self, messages: list[dict]) -> ChatImages | None:
+        """The request's images through the actor's processor (None without image parts); a 400 for images on a
+        text-only actor, or images the caps refuse (``openai_images``)."""
+        refs = message_image_refs(messages, self.max_images, self.max_image_pixels)
+        if not refs:
+            return None
+        if self.vision is None:
+            raise EndpointRequestError("the request holds image content parts but the actor (actor.pretrain) is a "
+                                       "text-only model", param="messages")
+        try:
+            return ChatImages.encode(self.vision, refs)
+        except ValueError as err:  # an image whose header read but whose pixels do not decode
+            raise EndpointRequestError(f"an image of the request could not be decoded: {str(err)[:300]}",
+                                       param="messages") from None
 
     def _message(self, ids: list[int], text: str, tools: list[dict] | None) -> dict[str, Any]:
         """The assistant message of output ``ids`` (``text``: their visible text, cut at a stop string)."""
@@ -405,6 +441,7 @@ class OpenAIEndpoint:
         else:
             raise EndpointRequestError("'prompt' must be a non-empty string or list of token ids (one prompt per "
                                        "request)", param="prompt")
+        refuse_image_tokens(prompt_ids, self.vision, "prompt")
         call_index = self.recorder.next_call_index(episode_id)
         params = self._sampling(body, len(prompt_ids), episode_id, call_index, "max_tokens")
         stop = stop_list(body)

@@ -157,7 +157,7 @@ class OpenAIAgentExecutor(AgentExecutor):
         if self.endpoint is None:
             import_openai()  # fail before serving when the client package is missing
             self.endpoint = OpenAIEndpoint(self.tokenizer, self.max_len, self.model_name,
-                                           self.batch_wait_s, self.parser).start()
+                                           self.batch_wait_s, self.parser, vision=self.vision).start()
             atexit.register(self.close)
         return self.endpoint
 
@@ -173,6 +173,11 @@ class OpenAIAgentExecutor(AgentExecutor):
         check_samples_per_prompt(n_samples_per_prompt)
         if not prompts:
             return []
+        with_images = next((p for p in prompts if p.images), None)
+        if with_images is not None:
+            raise ValueError(f"{with_images.source} row {with_images.index} has images, which an OpenAI-client agent "
+                             "does not receive: its agent sends the images it shows in its chat messages (base64 "
+                             "data URLs, docs/agents_openai.md); use prompt rows without images")
         endpoint = self.start_endpoint()
         endpoint.set_defaults(sampling)
         episodes = [_Episode(index=g * n_samples_per_prompt + s, group_index=g, prompt=prompt,
@@ -302,7 +307,7 @@ class OpenAIAgentExecutor(AgentExecutor):
                 action_mask=list(mask), rollout_logprobs=list(logprobs), reward=reward, score=score,
                 truncated=finish == "length", finish_reason=finish, extra_logs=dict(extra_logs),
                 group_index=episode.group_index, failure=failure, branch_index=branch,
-                data_source=source_name(episode.prompt))
+                data_source=source_name(episode.prompt), visual=sequence.visual)
             row.check()
             rows.append(row)
         return rows

@@ -46,6 +46,7 @@ class CompletionRecord:
     messages: list[dict] | None = None
     message: dict | None = None
     render_kwargs: dict = field(default_factory=dict)  # chat: tools etc. the prompt was rendered with
+    visual: Any = None  # the prompt's images (PromptVisual, openai_images), None for a prompt without any
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.output_logprobs):
@@ -64,6 +65,7 @@ class TokenSequence:
     logprobs: list[float] = field(default_factory=list)
     calls: list[int] = field(default_factory=list)
     finish_reason: str = ""
+    visual: Any = None  # every image of the tokens (the last record's prompt holds them all), or None
 
     @property
     def tokens(self) -> list[int]:
@@ -76,11 +78,20 @@ class TokenSequence:
         self.logprobs += [0.0] * len(bridge) + [float(x) for x in record.output_logprobs]
         self.calls.append(record.call_index)
         self.finish_reason = record.finish_reason
+        self.visual = record.visual
+
+
+def _image_refs(visual: Any) -> tuple[str, ...]:
+    return tuple(visual.refs) if visual is not None else ()
 
 
 def _extends(sequence: TokenSequence, record: CompletionRecord) -> bool:
     tokens = sequence.tokens
-    return len(record.prompt_ids) >= len(tokens) and record.prompt_ids[: len(tokens)] == tokens
+    if not (len(record.prompt_ids) >= len(tokens) and record.prompt_ids[: len(tokens)] == tokens):
+        return False
+    # Equal tokens are not enough with images: two calls may show different screenshots of one size.
+    seen, shown = _image_refs(sequence.visual), _image_refs(record.visual)
+    return shown[: len(seen)] == seen
 
 
 def episode_sequences(records: list[CompletionRecord]) -> list[TokenSequence]:

@@ -53,11 +53,15 @@ def parse_step_output(output: Any) -> dict[str, Any]:
         raise AgentOutputError(f"step output 'extra_logs' must be a dict, got {type(extra_logs).__name__}")
     logs = numeric_logs(extra_logs)
     scores = output.get("scores")
+    images = output.get("environment_images")  # screenshots for the next turn (hpc_rlhf.agents.images)
+    if images is not None and not isinstance(images, (list, tuple)):
+        images = [images]
     return {
         "rewards": to_float(output["rewards"], "rewards"),
         "scores": None if scores is None else to_float(scores, "scores"),
         "done": bool(output["done"]),
         "environment_feedback": feedback,
+        "environment_images": list(images or []),
         "sampling_params": output.get("sampling_params"),
         "extra_logs": logs,
     }

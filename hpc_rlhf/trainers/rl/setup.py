@@ -188,10 +188,6 @@ class ControllerState:
         text_only = None if actor_is_vision_language(cfg) else cfg.actor.pretrain
         dataset = PromptDataset.from_config(cfg.data, tokenizer, seed=cfg.train.seed, text_only_model=text_only) \
             if not gym.task else reasoning_gym_prompts(cfg, tokenizer)
-        if cfg.train.agent_func_path and any(p.images for p in dataset):
-            raise SetupError(f"data.prompt_data has prompts with images and train.agent_func_path="
-                             f"{cfg.train.agent_func_path}: agents with images are not supported yet (single-turn "
-                             "only)")
         self.stream = PromptStream(dataset, cfg.rollout.rollout_batch_size, seed=cfg.train.seed,
                                    num_episodes=cfg.train.num_episodes)
         # DAPO refill rounds draw from their own endless stream, so the step count above stays exact.
@@ -401,6 +397,9 @@ def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
                                    episode_timeout_s=cfg.train.agent_episode_timeout_s,
                                    tool_call_parser=cfg.rollout.tool_call_parser,
                                    reasoning_parser=cfg.rollout.reasoning_parser)
+    # Multi-turn agents take the prompts' images and images in feedback (agents.images); an OpenAI-client agent
+    # sends its images in its chat messages (base64 data URLs) and the endpoint encodes them.
+    executor.vision = vision_encoder(cfg, tokenizer)
     if isinstance(executor, OpenAIAgentExecutor) and cfg.algo.routing_replay == "rollout":
         # Its rows are the chat calls' prompts and completions, re-tokenized per call: no engine routes reach them.
         raise SetupError(f"algo.routing_replay=rollout with train.agent_func_path={cfg.train.agent_func_path}: an "
