@@ -338,8 +338,10 @@ def lora_sync_mode(cfg: RunConfig, announce: bool = False) -> str | None:
     lora = cfg.ds.lora
     if lora.rank == 0:
         return None
+    # DeepSeek's routed experts count too (moe_spec leaves them out for routing statistics only).
+    moe = actor_is_moe(cfg) or bool((local_hf_config(cfg.actor) or {}).get("n_routed_experts"))
     refusal = adapter_sync_refusal(
-        backend=cfg.rollout.backend, load_in_4bit=lora.load_in_4bit, moe=actor_is_moe(cfg),
+        backend=cfg.rollout.backend, load_in_4bit=lora.load_in_4bit, moe=moe,
         target_modules=lora.target_modules, vision_language=actor_is_vision_language(cfg),
         discards_weights_in_sleep=cfg.vllm.enable_sleep and cfg.vllm.sleep_level == 2 and torch.cuda.is_available())
     try:
