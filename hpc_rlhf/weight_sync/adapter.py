@@ -23,9 +23,10 @@ the engine must apply every adapted module.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:  # torch-free at run time: plan reads adapter_sync_refusal
+    import torch
 
 # Module names LoRA may adapt on a mixture-of-experts model and still be served by vLLM: attention only (vLLM's
 # fused-MoE LoRA is not used here; peft adapts fused experts and the router through ParamWrapper).
