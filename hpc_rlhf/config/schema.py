@@ -177,6 +177,27 @@ class LoraConfig(Section):
         description="module names (or all-linear) that get adapters; peft's target_modules")
     load_in_4bit: bool = Field(
         False, description="QLoRA: the frozen base in 4-bit NF4 (bitsandbytes); ZeRO 0-2, no tensor parallelism")
+    sync: Literal["auto", "adapter", "merged"] = Field(
+        "auto",
+        description="what each weight sync sends the rollout engine: adapter (the rollout engine keeps the base it "
+        "loaded and receives only the LoRA factors, applied to every request: peft in the transformers engine, "
+        "vLLM's LoRA support in vLLM), merged (W + scale * B @ A for every weight, the whole model); auto: adapter "
+        "where the engine supports it (not with QLoRA, nor on vLLM with adapted MoE experts / router or a "
+        "vision-language model), else merged, decided at start-up and logged")
+
+    @model_validator(mode="after")
+    def _adapter_sync(self) -> LoraConfig:
+        """An explicit adapter sync needs adapters, and an engine base equal to the one the adapters train on."""
+        if self.sync != "adapter":
+            return self
+        if self.rank == 0:
+            raise ValueError("ds.lora.sync=adapter needs ds.lora.rank > 0 (no adapter to sync); set ds.lora.rank, or "
+                             "leave ds.lora.sync=auto")
+        if self.load_in_4bit:
+            raise ValueError("ds.lora.sync=adapter with ds.lora.load_in_4bit=true: the rollout engine keeps a full "
+                             "precision base, while the adapter trains on the dequantised 4-bit one, so the engine "
+                             "would sample from another policy; set ds.lora.sync=merged (or auto)")
+        return self
 
 
 def resolved_vllm_mode(vllm_mode: str, colocate_all: bool) -> str:

@@ -290,3 +290,68 @@ def load_trainable_state(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> 
             raise ValueError(f"LoRA checkpoint tensor {name} has shape {tuple(src[name].shape)}, the model "
                              f"{tuple(param.shape)}: ds.lora.rank or the model differs from the saved run")
         param.copy_(src[name])
+
+
+# ---------------------------------------------------------------------------- adapter-only weight sync
+# With ``ds.lora.sync=adapter`` the rollout engine keeps the base it loaded once and receives only the adapter:
+# the tensors ``get_peft_model_state_dict`` returns (peft's saved names, without the adapter name and without the
+# ``base_model.model.`` prefix of the file layout), the same ones ``save_adapter`` writes.
+
+
+def adapter_state_dict(model: torch.nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """``{peft's saved name: tensor}`` of the adapter of ``model`` (the model ``apply_lora`` returned): each LoRA
+    factor (``...q_proj.lora_A.weight`` [rank, in], ``...lora_B.weight`` [out, rank]; a ``ParamWrapper``'s factors
+    likewise), plus a value model's ``score`` copy. The tensors are the live ones (detach and copy before moving
+    them); under ZeRO-3 call it inside a gather of the trainable parameters."""
+    from peft.utils import get_peft_model_state_dict
+
+    return dict(get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False))
+
+
+@torch.no_grad()
+def load_adapter_state(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
+                       adapter_name: str = "default") -> int:
+    """Load ``tensors`` (names as :func:`adapter_state_dict` gives them) into the LoRA layers of ``model`` with peft's
+    own loader, the base weights untouched (no merge). Every adapter tensor of ``model`` must come, and nothing
+    else: a missing or unknown name or a shape mismatch raises, naming it. Returns the number of tensors loaded."""
+    from peft.utils import set_peft_model_state_dict
+
+    state = dict(tensors)
+    expected = adapter_state_dict(model, adapter_name)
+    unknown, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
+    if unknown or missing:
+        raise KeyError(f"adapter sync: {len(unknown)} unknown tensor names (e.g. {unknown[:3]}) and {len(missing)} "
+                       f"missing (e.g. {missing[:3]}): the trainer's and the rollout engine's ds.lora (rank, "
+                       "target_modules) or models differ")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(f"adapter sync: {name} has shape {tuple(tensor.shape)}, the rollout engine's adapter "
+                             f"{tuple(expected[name].shape)}: ds.lora.rank or the model differs")
+    set_peft_model_state_dict(model, state, adapter_name=adapter_name)
+    return len(state)
+
+
+def adapter_config_dict(lora_cfg: LoraSettings) -> dict[str, object]:
+    """The ``adapter_config.json`` of a causal-LM adapter trained with ``lora_cfg`` (what vLLM's LoRA loader reads:
+    rank, alpha, targets; vLLM takes the adapted modules from the tensor names)."""
+    targets = list(lora_cfg.target_modules)
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha,
+            "lora_dropout": lora_cfg.dropout, "target_modules": "all-linear" if targets == ["all-linear"] else targets,
+            "bias": "none", "use_rslora": False, "use_dora": False, "modules_to_save": None,
+            "base_model_name_or_path": None}
+
+
+def write_adapter_folder(folder: str, lora_cfg: LoraSettings, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Write ``tensors`` (names as :func:`adapter_state_dict`) as a peft adapter folder (``adapter_config.json`` +
+    ``adapter_model.safetensors``, names under ``base_model.model.``), replacing what ``folder`` held: the tensors
+    go to a temporary file renamed into place, so a reader never sees half a file. Returns the bytes written."""
+    import json
+
+    os.makedirs(folder, exist_ok=True)
+    state = {PEFT_PREFIX + name: t.detach().to("cpu").contiguous() for name, t in tensors}
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(adapter_config_dict(lora_cfg), f)
+    partial = os.path.join(folder, "adapter_model.safetensors.partial")
+    save_file(state, partial, metadata={"format": "pt"})
+    os.replace(partial, os.path.join(folder, "adapter_model.safetensors"))
+    return sum(t.numel() * t.element_size() for t in state.values())

@@ -50,6 +50,7 @@ from hpc_rlhf.planning.model_shape import (
     role_shape,
     section_num_params,
 )
+from hpc_rlhf.weight_sync.adapter import adapter_sync_refusal, resolve_lora_sync
 from hpc_rlhf.world.placement import POLICY_ROLES, Placement
 from hpc_rlhf.world.traffic import (
     CONTROLLER,
@@ -269,10 +270,31 @@ def training_phases(ctx: _Ctx) -> list[Phase]:
     return out
 
 
+def adapter_sync_bytes(cfg: RunConfig, shape: ModelShape, param_bytes: int) -> float | None:
+    """What one adapter-only sync moves (``ds.lora.sync`` resolving to adapter: the LoRA factors of
+    :func:`lora_params` in the parameter dtype), or None when the run syncs merged weights (no LoRA, or
+    ``ds.lora.sync`` resolves to merged for this engine, ``hpc_rlhf.weight_sync.adapter``)."""
+    lora = LoraSpec.from_config(cfg.ds.lora)
+    if lora is None:
+        return None
+    refusal = adapter_sync_refusal(backend=cfg.rollout.backend, load_in_4bit=lora.load_in_4bit, moe=shape.is_moe,
+                                   target_modules=cfg.ds.lora.target_modules, vision_language=False,
+                                   discards_weights_in_sleep=cfg.vllm.enable_sleep and cfg.vllm.sleep_level == 2)
+    try:
+        adapter = resolve_lora_sync(cfg.ds.lora.sync, refusal) == "adapter"
+    except ValueError:
+        adapter = False  # the trainer refuses this config at start-up; plan sizes the merged sync
+    return lora_params(shape, lora) * param_bytes if adapter else None
+
+
 def weight_sync_phase(ctx: _Ctx) -> Phase:
     cfg, device, placement = ctx.cfg, ctx.device, ctx.placement
     n = role_num_params(cfg, "actor")
     sync = weight_sync_bytes(n, ctx.param_bytes)
+    weights = sync  # what vLLM's sleep moves to the host and back, merged or adapter sync alike
+    adapter = adapter_sync_bytes(cfg, role_shape(cfg, "actor"), ctx.param_bytes)
+    if adapter is not None:  # the engine keeps its base: only the adapter is gathered and moved
+        sync = adapter
     actor = placement.roles["actor"]
     if placement.layout == "colocated":
         zero_ranks = actor.dp_size * actor.sp_size
@@ -284,12 +306,14 @@ def weight_sync_phase(ctx: _Ctx) -> Phase:
         if cfg.train.colocate_all and cfg.vllm.enable_sleep and cfg.rollout.backend == "vllm":
             moved = sum(role_memory(cfg, placement, r).states_gib * 1024**3 for r in placement.roles
                         if r != "rollout" and leaves_device(cfg, placement, r))
-            moved += sync / placement.roles["rollout"].tp_size  # vLLM's weights sleep to the host and wake
+            moved += weights / placement.roles["rollout"].tp_size  # vLLM's weights sleep to the host and wake
             seconds += 2 * moved / device.host_link_bw
             path += f"; sleep/wake moves {2 * moved / 1e9:.1f} GB/GPU over the host link"
     else:
         seconds = sync / device.collective_bw(ctx.nodes)
         path = f"broadcast from {len(actor.tp_groups)} actor replica(s) to every rollout rank"
+    if adapter is not None:
+        path = f"LoRA adapter only (ds.lora.sync; merged would move {_bytes(weights)}), {path}"
     return Phase("weight sync", seconds, f"{_bytes(sync)}, {path}")
 
 

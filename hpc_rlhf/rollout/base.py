@@ -134,6 +134,13 @@ class RolloutEngine(ABC):
         Cached prefixes computed with the old weights are invalidated before the next ``generate``.
         """
 
+    def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """``ds.lora.sync=adapter``: replace the LoRA adapter this engine applies to every request by
+        ``named_tensors`` (peft's saved names, ``hpc_rlhf.models.lora.adapter_state_dict``: the whole adapter, in one
+        call), keeping the base weights it loaded. Cached prefixes are invalidated before the next ``generate``.
+        Returns the adapter's bytes. Only engines built with a LoRA adapter take it."""
+        raise NotImplementedError(f"{type(self).__name__} takes no LoRA adapter; set ds.lora.sync=merged")
+
     @abstractmethod
     def sleep(self) -> None:
         """Free accelerator memory (weights and caches) until :meth:`wake_up`; no-op where nothing to free."""

@@ -46,12 +46,15 @@ import hashlib
 import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from hpc_rlhf.config.schema import LoraConfig
 from hpc_rlhf.models.hf_compat import cache_kwargs
 from hpc_rlhf.models.hf_module import to_device
+from hpc_rlhf.models.lora import apply_lora, load_adapter_state  # peft itself: lazily, inside
 from hpc_rlhf.models.moe import moe_spec
 from hpc_rlhf.models.routing_replay import RouteRecorder, not_recorded
 from hpc_rlhf.models.vision import flat_images, visual_row_fields
@@ -207,6 +210,9 @@ class TransformersRolloutEngine(RolloutEngine):
             ``hpc_rlhf.trainers.rl.setup.rollout_shares_actor``): its weights are always current, so the
             trainer skips ``update_weights``, and ``sleep`` / ``wake_up`` leave it where training needs it.
         record_routes: return each sample's routed experts (a mixture-of-experts ``model`` only).
+        lora: ``ds.lora`` under ``ds.lora.sync=adapter``: peft injects the same LoRA layers as in the actor into
+            ``model`` (their ``lora_B`` zero: the base's outputs until the first :meth:`update_adapter`), and each
+            sync loads the actor's adapter into them with peft's own loader, never merging it.
     """
 
     def __init__(
@@ -219,7 +225,13 @@ class TransformersRolloutEngine(RolloutEngine):
         seed: int = 0,
         shares_trained_model: bool = False,
         record_routes: bool = False,
+        lora: LoraConfig | None = None,
     ) -> None:
+        if lora is not None:
+            # apply_lora injects peft's layers into ``model`` itself and returns it: still the same HF model
+            model = cast(PreTrainedModel, apply_lora(model, lora, task_type="CAUSAL_LM"))
+            model.requires_grad_(False)  # inference only: the adapter's values come from the actor
+        self.lora = lora
         self.model = model
         self._num_experts: int | None = None
         if record_routes:
@@ -400,6 +412,16 @@ class TransformersRolloutEngine(RolloutEngine):
                 raise ValueError(f"update_weights: shape mismatch for {name!r}: model has "
                                  f"{tuple(target.shape)}, got {tuple(tensor.shape)}")
             target.data.copy_(tensor)
+
+    def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """``ds.lora.sync=adapter``: load the actor's adapter into this engine's LoRA layers (peft's
+        ``set_peft_model_state_dict``; the base weights stay). Returns the adapter's bytes."""
+        if self.lora is None:
+            raise RuntimeError("TransformersRolloutEngine.update_adapter: the engine was built without a LoRA "
+                               "adapter (ds.lora.sync resolved to merged); sync merged weights with update_weights")
+        tensors = [(name, tensor.to(self.device)) for name, tensor in named_tensors]
+        load_adapter_state(self.model, tensors)
+        return sum(t.numel() * t.element_size() for _, t in tensors)
 
     def sleep(self) -> None:
         if self.device.type == "cpu" or self._asleep or self.shares_trained_model:

@@ -30,7 +30,7 @@ class VllmName:
 _NAMES = (
     # ---- in-process engine (external launcher, colocated): hpc_rlhf.rollout.vllm_external_launcher
     VllmName("vllm:LLM", why="in-process engine; keywords: vllm_external_launcher.llm_kwargs"),
-    VllmName("vllm:LLM.generate", ("prompts", "sampling_params", "use_tqdm")),
+    VllmName("vllm:LLM.generate", ("prompts", "sampling_params", "use_tqdm", "lora_request")),
     VllmName("vllm:LLM.collective_rpc", ("method", "args")),
     VllmName("vllm:LLM.sleep", ("level",)),
     VllmName("vllm:LLM.wake_up", ("tags",)),
@@ -47,6 +47,9 @@ _NAMES = (
     VllmName("vllm.logprobs:Logprob", fields=("logprob",)),
     VllmName("vllm.v1.engine.llm_engine:LLMEngine", fields=("engine_core",), why="LLM.llm_engine: close()"),
     VllmName("vllm.v1.engine.core_client:InprocClient.shutdown"),
+    # ds.lora.sync=adapter (both engines, hpc_rlhf.rollout.vllm_lora): the adapter loaded again in place from a folder
+    VllmName("vllm.v1.engine.llm_engine:LLMEngine.add_lora", ("lora_request",), why="LLM.llm_engine.add_lora"),
+    VllmName("vllm.lora.request:LoRARequest", ("lora_name", "lora_int_id", "lora_path", "load_inplace")),
     # the weight round collective_rpc runs on each worker: worker.reload_weights (layerwise reload), then the tied
     # LM head processed again (vllm_external_launcher.refresh_tied_layers)
     VllmName("vllm.v1.worker.gpu_worker:Worker", fields=("model_runner",)),
@@ -69,7 +72,8 @@ _NAMES = (
     # ---- out-of-process engine (server_process: disaggregated, async, partial): hpc_rlhf.rollout.vllm_server
     VllmName("vllm:AsyncEngineArgs", why="keywords: vllm_server.server_engine_kwargs"),
     VllmName("vllm:AsyncLLMEngine.from_engine_args", ("engine_args",)),
-    VllmName("vllm:AsyncLLMEngine.generate", ("prompt", "sampling_params", "request_id")),
+    VllmName("vllm:AsyncLLMEngine.generate", ("prompt", "sampling_params", "request_id", "lora_request")),
+    VllmName("vllm:AsyncLLMEngine.add_lora", ("lora_request",)),
     VllmName("vllm:AsyncLLMEngine.abort", ("request_id",)),
     VllmName("vllm:AsyncLLMEngine.pause_generation", ("mode", "clear_cache")),
     VllmName("vllm:AsyncLLMEngine.resume_generation"),

@@ -59,11 +59,12 @@ from hpc_rlhf.rollout.base import (
 )
 from hpc_rlhf.rollout.vllm_api import resolve
 from hpc_rlhf.rollout.vllm_images import require_vllm_images_supported, tokens_prompt_kwargs
+from hpc_rlhf.rollout.vllm_lora import VllmAdapterSlot, lora_engine_kwargs
 
 if TYPE_CHECKING:
     import torch
 
-    from hpc_rlhf.config.schema import VllmConfig
+    from hpc_rlhf.config.schema import LoraConfig, VllmConfig
 
 
 logger = logging.getLogger(__name__)
@@ -277,6 +278,7 @@ class VllmEngineSpec:
     seed: int  # train.seed
     vllm: VllmConfig  # the vllm section
     return_routed_experts: bool = False  # algo.routing_replay=rollout: vLLM reports each token's experts
+    lora: LoraConfig | None = None  # ds.lora when ds.lora.sync resolves to adapter: the engine serves the adapter
 
     def require_model_path(self) -> str:
         """``model_path``, which every vLLM engine needs."""
@@ -296,6 +298,8 @@ def spec_engine_kwargs(spec: VllmEngineSpec, on_gpu: bool) -> dict[str, Any]:
         kwargs["kv_cache_memory_bytes"] = int(spec.vllm.kv_cache_memory_gib * (1 << 30))
     if spec.return_routed_experts:
         kwargs.update(routed_experts_kwargs(spec, on_gpu))
+    if spec.lora is not None:
+        kwargs.update(lora_engine_kwargs(spec.lora))
     return kwargs
 
 
@@ -330,6 +334,9 @@ class VllmRolloutEngine(RolloutEngine):
         seed: engine seed; must be equal on every rank of a TP group.
         sleep_level: 1 offloads weights to host RAM on ``sleep`` (safe default); 2 discards them
             (cheaper, valid only when a full ``update_weights`` follows every ``wake_up``).
+        lora: ``ds.lora`` under ``ds.lora.sync=adapter``: the engine serves one LoRA adapter on every request,
+            replaced by :meth:`update_adapter` (``hpc_rlhf.rollout.vllm_lora``; ``extra_llm_kwargs`` must then
+            enable vLLM's LoRA, as :func:`spec_engine_kwargs` does).
         extra_llm_kwargs: further ``vllm.LLM`` / ``EngineArgs`` keywords (``dtype``, ``max_model_len`` ...).
     """
 
@@ -345,9 +352,11 @@ class VllmRolloutEngine(RolloutEngine):
         enable_sleep_mode: bool = True,
         sleep_level: int = 1,
         logprobs_mode: str = "processed_logprobs",
+        lora: LoraConfig | None = None,
         **extra_llm_kwargs: Any,
     ) -> None:
         self.llm: Any = None  # set once vLLM has started; close() is a no-op before
+        self.adapter: VllmAdapterSlot | None = None
         vllm = import_vllm()
         self._vllm = vllm
         self.enable_sleep_mode = enable_sleep_mode
@@ -359,6 +368,8 @@ class VllmRolloutEngine(RolloutEngine):
             model_path, tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=enable_sleep_mode,
             gpu_memory_utilization=gpu_memory_utilization, seed=seed, enforce_eager=enforce_eager,
             enable_prefix_caching=enable_prefix_caching, logprobs_mode=logprobs_mode, **extra_llm_kwargs))
+        if lora is not None:
+            self.adapter = VllmAdapterSlot(lora)
 
     @classmethod
     def from_spec(cls, spec: VllmEngineSpec, **extra_llm_kwargs: Any) -> VllmRolloutEngine:
@@ -383,6 +394,7 @@ class VllmRolloutEngine(RolloutEngine):
             enable_prefix_caching=vllm.enable_prefix_caching,
             enable_sleep_mode=enable_sleep,
             sleep_level=vllm.sleep_level,
+            lora=spec.lora,
             **{**spec_engine_kwargs(spec, on_gpu), **extra_llm_kwargs},
         )
 
@@ -402,7 +414,8 @@ class VllmRolloutEngine(RolloutEngine):
         prompts = [self._vllm.TokensPrompt(**tokens_prompt_kwargs(r)) for r in requests]
         sampling = [to_vllm_sampling_params(r.params, r.n, sampling_params_cls=self._vllm.SamplingParams)
                     for r in requests]
-        outputs = self.llm.generate(prompts, sampling_params=sampling, use_tqdm=False)
+        adapter = {"lora_request": self.adapter.request} if self.adapter is not None else {}
+        outputs = self.llm.generate(prompts, sampling_params=sampling, use_tqdm=False, **adapter)
         return results_from_vllm_outputs(outputs, requests)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -415,11 +428,30 @@ class VllmRolloutEngine(RolloutEngine):
         self._weights_discarded = False
         self._prefix_cache_stale = True  # cached KV was computed with the old weights
 
+    def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """``ds.lora.sync=adapter``: the adapter (``hpc_rlhf.models.lora.adapter_state_dict`` names) written to this
+        engine's folder and loaded again in place by vLLM; every later request samples with it, the base weights
+        stay. Returns the adapter's bytes."""
+        if self.adapter is None:
+            raise RuntimeError("VllmRolloutEngine.update_adapter: the engine was built without a LoRA adapter "
+                               "(ds.lora.sync resolved to merged); sync merged weights with update_weights")
+        if "weights" in self._sleeping:
+            raise RuntimeError("VllmRolloutEngine.update_adapter called while the weights sleep: "
+                               "call wake_up(['weights']) first")
+        num_bytes = self.adapter.write(named_tensors)
+        self.llm.llm_engine.add_lora(self.adapter.load_request())
+        self.adapter.loaded = True
+        self._prefix_cache_stale = True  # cached KV was computed with the old adapter
+        return num_bytes
+
     def close(self) -> None:
         """Shut vLLM's executor down while our process groups still exist (its finalizer at interpreter exit
         would destroy groups the trainer already destroyed). vLLM's external launcher owns the world it joined: this
-        destroys the default process group too, so call it after the run's last collective. Idempotent."""
+        destroys the default process group too, so call it after the run's last collective. Removes the adapter's
+        folder. Idempotent."""
         llm, self.llm = self.llm, None
+        if self.adapter is not None:
+            self.adapter.remove()
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
 

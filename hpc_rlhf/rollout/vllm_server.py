@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from hpc_rlhf.config.schema import LoraConfig
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
 from hpc_rlhf.rollout.vllm_api import PAUSE_MODE, resolve
 from hpc_rlhf.rollout.vllm_external_launcher import (
@@ -64,6 +65,7 @@ from hpc_rlhf.rollout.vllm_external_launcher import (
     vllm_sampling_kwargs,
 )
 from hpc_rlhf.rollout.vllm_images import require_vllm_images_supported, tokens_prompt_kwargs
+from hpc_rlhf.rollout.vllm_lora import VllmAdapterSlot
 from hpc_rlhf.weight_sync.vllm_gloo_transfer import gloo_worker_init_info  # imports no vLLM
 
 # Our launch layer's variables (torchrun / srun via hpc_rlhf.world): vLLM's processes must not see
@@ -152,6 +154,9 @@ class VllmServerEngine(RolloutEngine):
         seed: engine seed (per-request seeds make calls reproducible, as in the in-process engine).
         weight_transfer_backend: ``nccl`` or ``gloo`` (default: :func:`transfer_backend` of this machine); the
             sender must use the same one.
+        lora: ``ds.lora`` under ``ds.lora.sync=adapter``: one LoRA adapter on every request, replaced by
+            :meth:`update_adapter` (``hpc_rlhf.rollout.vllm_lora``; ``engine_kwargs`` must enable vLLM's LoRA, as
+            ``spec_engine_kwargs`` does).
         engine_kwargs: further ``AsyncEngineArgs`` keywords (``dtype``, ``max_model_len``, ``kv_cache_memory_bytes``
             ...).
     """
@@ -159,8 +164,10 @@ class VllmServerEngine(RolloutEngine):
     def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, devices: Sequence[int] | None = None,
                  gpu_memory_utilization: float = 0.9, seed: int = 0, enforce_eager: bool = False,
                  enable_prefix_caching: bool = True, logprobs_mode: str = "processed_logprobs",
-                 weight_transfer_backend: str | None = None, **engine_kwargs: Any) -> None:
+                 weight_transfer_backend: str | None = None, lora: LoraConfig | None = None,
+                 **engine_kwargs: Any) -> None:
         self.engine: Any = None  # vLLM's AsyncLLMEngine once started; close() is a no-op before
+        self.adapter = VllmAdapterSlot(lora) if lora is not None else None
         import_vllm()  # the actionable install hint when vLLM is missing
         backend = weight_transfer_backend or transfer_backend(torch.cuda.is_available())
         if backend not in TRANSFER_BACKENDS:
@@ -203,7 +210,7 @@ class VllmServerEngine(RolloutEngine):
                    devices=list(range(local_rank, local_rank + tp)) if local_rank is not None else None,
                    gpu_memory_utilization=spec.vllm.gpu_memory_utilization, seed=spec.seed,
                    enforce_eager=spec.vllm.enforce_eager, enable_prefix_caching=spec.vllm.enable_prefix_caching,
-                   weight_transfer_backend=transfer_backend(on_gpu), **kwargs)
+                   weight_transfer_backend=transfer_backend(on_gpu), lora=spec.lora, **kwargs)
 
     async def _start(self, args: Any) -> Any:
         # Built on the loop that will drive it: AsyncLLM binds its output handler to the running loop.
@@ -225,7 +232,7 @@ class VllmServerEngine(RolloutEngine):
         try:
             async for output in self.engine.generate(prompt=prompt,
                                                      sampling_params=resolve("vllm:SamplingParams")(**kwargs),
-                                                     request_id=request_id):
+                                                     request_id=request_id, **self._adapter_kwargs()):
                 final = output
         finally:
             self._in_flight.discard(request_id)
@@ -283,6 +290,26 @@ class VllmServerEngine(RolloutEngine):
         """A round of one bucket (the sender broadcasts exactly these tensors)."""
         self.receive_weights([named_tensors])
 
+    def _adapter_kwargs(self) -> dict[str, Any]:
+        """``generate``'s keyword of the adapter every request carries (none without adapter sync)."""
+        return {"lora_request": self.adapter.request} if self.adapter is not None else {}
+
+    def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """``ds.lora.sync=adapter``: the adapter (received over the main world, ``hpc_rlhf.weight_sync.adapter``)
+        written to this engine's node-local folder and loaded again in place, requests in flight paused (kept)
+        meanwhile, as in a weight round. Returns the adapter's bytes."""
+        if self.adapter is None:
+            raise RuntimeError("VllmServerEngine.update_adapter: the engine was built without a LoRA adapter "
+                               "(ds.lora.sync resolved to merged)")
+        num_bytes = self.adapter.write(named_tensors)
+        self._run(self.engine.pause_generation(mode=PAUSE_MODE, clear_cache=True))
+        try:
+            self._run(self.engine.add_lora(self.adapter.load_request()))
+            self.adapter.loaded = True
+        finally:
+            self._run(self.engine.resume_generation())
+        return num_bytes
+
     def sleep(self) -> None:
         """No-op: this engine owns its GPUs (no training states share them)."""
 
@@ -302,6 +329,8 @@ class VllmServerEngine(RolloutEngine):
     def close(self) -> None:
         """Abort what is in flight (pending ``submit`` futures then fail instead of waiting forever), stop vLLM's
         processes and the loop thread. Idempotent; the engine is not usable afterwards."""
+        if self.adapter is not None:
+            self.adapter.remove()
         if self.engine is None:
             return
         if self._in_flight:

@@ -54,7 +54,9 @@ from hpc_rlhf.training.topology import (
     zero_init_group,
 )
 from hpc_rlhf.weight_sync.state_gather import (
+    adapter_state_sizes,
     is_first_rank_of_role,
+    iter_adapter_state_dict,
     iter_gathered_state_dict,
     iter_merged_lora_state_dict,
     state_dict_sizes,
@@ -499,6 +501,18 @@ class TrainEngine(_DeepSpeedRole):
     def state_dict_sizes(self) -> list[tuple[str, int]]:
         """(name, full bytes) of the entries ``gathered_state_dict_items`` buckets, in its order."""
         return state_dict_sizes(self.module)
+
+    def gathered_adapter_items(self, bucket_bytes: int = 256 << 20,
+                               names: list[list[str]] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Buckets of (peft's saved name, detached copy) of the LoRA adapter alone (``ds.lora.sync=adapter``);
+        collective over the dp group under ZeRO-3. ``names``: only these buckets of ``adapter_state_sizes`` names."""
+        if not self.lora:
+            raise RuntimeError("gathered_adapter_items: this engine trains no LoRA adapter (ds.lora.rank=0)")
+        yield from iter_adapter_state_dict(self.module, self.zero_stage, bucket_bytes, names)
+
+    def adapter_state_sizes(self) -> list[tuple[str, int]]:
+        """(name, bytes) of the entries ``gathered_adapter_items`` buckets, in its order (ZeRO 0-2)."""
+        return adapter_state_sizes(self.module, self.zero_stage)
 
     def save_checkpoint(self, path: str, tag: str, client_state: dict | None = None) -> None:
         """Weights, optimizer, LR schedule and ``client_state`` (collective; see module doc for subgroups).

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import gc
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -35,13 +35,33 @@ def free_device_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def colocated_weight_sync(rollout_engine: Any, actor: Any, others: Iterable[Any] = ()) -> None:
-    """Load the actor's weights into the sleeping rollout engine in the order of the module docstring.
+class CountedTensors:
+    """An iterator over ``(name, tensor)`` pairs that counts the payload bytes it handed out (``num_bytes``)."""
+
+    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._source = iter(named_tensors)
+        self.num_bytes = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        name, tensor = next(self._source)
+        if isinstance(tensor, torch.Tensor):  # test doubles may pass placeholders
+            self.num_bytes += tensor.numel() * tensor.element_size()
+        return name, tensor
+
+
+def colocated_weight_sync(rollout_engine: Any, actor: Any, others: Iterable[Any] = (), adapter: bool = False) -> int:
+    """Load the actor's weights into the sleeping rollout engine in the order of the module docstring; returns the
+    payload bytes handed to the engine.
 
     ``actor``: the training-engine facade (``offload_states(keep_weights=...)``,
     ``gathered_state_dict_items()``); ``rollout_engine``: a ``RolloutEngine`` (``shares_trained_model``: nothing
     to load, the actor's weights stay); ``others``: further engines on this rank (critic, reference) whose
-    states must leave before the rollout engine wakes. Collective over the actor's ranks (the gather).
+    states must leave before the rollout engine wakes; ``adapter`` (``ds.lora.sync=adapter``): only the actor's
+    LoRA adapter goes, into ``update_adapter`` (``weight_sync.adapter``). Collective over the actor's ranks (the
+    gather).
     """
     actor.offload_states(keep_weights=True)
     for engine in others:
@@ -50,12 +70,18 @@ def colocated_weight_sync(rollout_engine: Any, actor: Any, others: Iterable[Any]
     if rollout_engine.shares_trained_model:
         # It generates with the actor's own module: the weights are already current, and must stay put.
         rollout_engine.reset_prefix_cache()
-        return
+        return 0
     rollout_engine.wake_up(["weights"])
-    # One round, gathered bucket by bucket as the engine consumes it: vLLM processes a layer again only once all of
-    # its tensors arrived in the same update (rollout.vllm_external_launcher).
-    rollout_engine.update_weights(itertools.chain.from_iterable(actor.gathered_state_dict_items()))
+    if adapter:
+        sent = CountedTensors(itertools.chain.from_iterable(actor.gathered_adapter_items()))
+        rollout_engine.update_adapter(sent)
+    else:
+        # One round, gathered bucket by bucket as the engine consumes it: vLLM processes a layer again only once all
+        # of its tensors arrived in the same update (rollout.vllm_external_launcher).
+        sent = CountedTensors(itertools.chain.from_iterable(actor.gathered_state_dict_items()))
+        rollout_engine.update_weights(sent)
     actor.offload_states()
     free_device_cache()
     rollout_engine.wake_up(["kv_cache"])
     rollout_engine.reset_prefix_cache()
+    return sent.num_bytes

@@ -265,11 +265,14 @@ class EngineChannelWeightSync:
 WeightSync = ShardedWeightSync | EngineChannelWeightSync
 
 
-def build_weight_sync(rollout: RolloutConfig, world: WorldGroups, **kwargs: Any) -> WeightSync:
+def build_weight_sync(rollout: RolloutConfig, world: WorldGroups, adapter: bool = False, **kwargs: Any) -> WeightSync:
     """The weight sync of a layout whose rollout ranks are a subset of the world (``rollout``: the rollout
     section): over vLLM's per-engine channels for ``rollout.vllm_mode=server_process``, else sharded over the main
-    world. Collective."""
+    world. ``adapter`` (``ds.lora.sync=adapter``): sharded over the main world whatever the engine (the adapter is
+    small, and vLLM loads it from a folder the rollout rank writes: ``hpc_rlhf.weight_sync.adapter``). Collective."""
     # Only runs without train.colocate_all build one (colocated runs load weights in-process): ``auto`` resolves so.
+    if adapter:
+        return ShardedWeightSync(world, **kwargs)
     if rollout.backend == "vllm" and resolved_vllm_mode(rollout.vllm_mode, colocate_all=False) == "server_process":
         return EngineChannelWeightSync(world, num_workers=rollout.tensor_parallel_size, **kwargs)
     return ShardedWeightSync(world, **kwargs)

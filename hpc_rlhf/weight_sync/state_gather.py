@@ -19,7 +19,12 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from hpc_rlhf.models.checkpoint_names import to_checkpoint_names
-from hpc_rlhf.models.lora import lora_factors, merge_lora_entries, save_adapter  # peft itself: lazily, inside
+from hpc_rlhf.models.lora import (  # peft itself: lazily, inside
+    adapter_state_dict,
+    lora_factors,
+    merge_lora_entries,
+    save_adapter,
+)
 from hpc_rlhf.models.quantization import is_quantized, plain_config, plain_copy, quant_state
 from hpc_rlhf.weight_sync.plan import pack_consecutive
 
@@ -139,6 +144,27 @@ def iter_merged_lora_state_dict(module: torch.nn.Module, zero_stage: int, bucket
         params = {id(t): t for n, t in bucket for t in (t, *factors.get(n, ()))}
         with _gathered(list(params.values()), zero_stage):
             yield list(merge_lora_entries(module, bucket))
+
+
+def adapter_state_sizes(module: torch.nn.Module, zero_stage: int) -> list[tuple[str, int]]:
+    """(peft's saved name, bytes) of every tensor of the LoRA adapter of ``module``, in the order
+    ``iter_adapter_state_dict`` buckets them. ZeRO 0-2 only (the tensors are whole on every rank: no collective)."""
+    if zero_stage == 3:
+        raise ValueError("adapter_state_sizes reads whole tensors; under ZeRO-3 gather them "
+                         "(iter_adapter_state_dict)")
+    return [(name, _numel_bytes(t)) for name, t in adapter_state_dict(module).items()]
+
+
+def iter_adapter_state_dict(module: torch.nn.Module, zero_stage: int, bucket_bytes: int,
+                            names: list[list[str]] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Buckets of (peft's saved name, detached copy) of the LoRA adapter alone (``ds.lora.sync=adapter``: what the
+    rollout engine needs besides the base it keeps). The adapter is small (~0.1-1 % of the model), so under ZeRO-3
+    every trainable parameter is gathered at once, collectively over the dp group; ``names`` as in
+    ``iter_gathered_state_dict``."""
+    trainable: list[torch.Tensor] = [p for p in module.parameters() if p.requires_grad]
+    with _gathered(trainable, zero_stage):
+        entries = [(name, plain_copy(t)) for name, t in adapter_state_dict(module).items()]
+    yield from _buckets(entries, bucket_bytes, names)
 
 
 def is_first_rank_of_role(dp_group: ProcessGroup | None, tp_group: ProcessGroup | None = None) -> bool:

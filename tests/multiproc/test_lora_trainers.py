@@ -56,7 +56,7 @@ def grpo_runs(assets, tmp_path_factory):
     base = tmp_path_factory.mktemp("grpo")
     runs = run_each_on_ranks(_grpo_and_compare_rollout, 2, {
         kind: (grpo_overrides(assets, base / kind, "train.max_steps=3", "actor.learning_rate=2e-2",
-                              "algo.kl.init_coef=0.01", "algo.kl.use_loss=true", *adapter),)
+                              "algo.kl.init_coef=0.01", "algo.kl.use_loss=true", "ds.lora.sync=merged", *adapter),)
         for kind, adapter in ADAPTERS.items()})
     return {kind: (base / kind, results) for kind, results in runs.items()}
 

@@ -137,7 +137,8 @@ def test_moe_grpo_with_vllm_every_sync_reaches_the_experts(tmp_path, lora):
     from hpc_rlhf.models.tiny import VLLM_CPU_SIZES, build_tiny_moe_model
 
     model = build_tiny_moe_model(tmp_path / "moe", "qwen3_moe", **VLLM_CPU_SIZES)
-    adapters = ("ds.lora.rank=8", "ds.lora.alpha=16", "actor.learning_rate=2e-2") if lora else ()
+    adapters = ("ds.lora.rank=8", "ds.lora.alpha=16", "actor.learning_rate=2e-2", "ds.lora.sync=merged") if lora \
+        else ()
     rows = _torchrun("configs/grpo_moe_tiny_cpu.yaml", tmp_path / "run", f"actor.pretrain={model}",
                      "actor.build_tiny=false", "train.max_steps=3", f"data.prompt_data=[{tmp_path / 'arith.jsonl'}]",
                      "algo.routing_replay=measure",  # vLLM on CPU returns no routes: replay is refused there
@@ -161,7 +162,8 @@ def test_ppo_with_zero3_gathers_inside_the_engine_reload(tmp_path, vllm_model):
 
 def test_lora_rollouts_on_vllm_get_the_merged_weights(tmp_path, vllm_model):
     rows = _torchrun("configs/grpo_vllm_tiny_cpu.yaml", tmp_path / "lora", f"actor.pretrain={vllm_model}",
-                     "train.max_steps=4", "ds.lora.rank=8", "ds.lora.alpha=16", "actor.learning_rate=5e-2")
+                     "train.max_steps=4", "ds.lora.rank=8", "ds.lora.alpha=16", "actor.learning_rate=5e-2",
+                     "ds.lora.sync=merged")
     # The trainer computes with W + (alpha / r) B A, vLLM samples with the merged W': equal up to rounding.
     for row in rows:
         assert abs(row["is/rollout_kl_k1"]) < 1e-4 and row["is/rollout_kl_k3"] < 1e-6, row

@@ -200,7 +200,8 @@ class AsyncPPOTrainer(PPOTrainer):
         if popped is None:  # not the controller
             return None
         self.controller.health.observe(popped, step)
-        row = {**rollout_metrics(popped, batch, gen_seconds), **train_stats}
+        row = {**rollout_metrics(popped, batch, gen_seconds), **train_stats,
+               "weight_sync/bytes": float(self.sync_bytes)}
         mixed = sum(len(set(t.token_versions or [])) > 1 for t in popped)
         row.update(self._async_metrics(staleness, dropped, gen_seconds, train_seconds, timer, mixed))
         row.update(token_version_metrics(trajectories or [], self.policy_version - 1))

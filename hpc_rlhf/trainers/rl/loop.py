@@ -56,8 +56,9 @@ from hpc_rlhf.trainers.rl.step_batch import StepBatch
 from hpc_rlhf.trainers.run_skeleton import Row, RunHooks
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
 from hpc_rlhf.utils.seeding import seed_rank
+from hpc_rlhf.weight_sync.adapter import AdapterCollector, AdapterWeights
 from hpc_rlhf.weight_sync.colocated import colocated_weight_sync
-from hpc_rlhf.weight_sync.sharded import WeightSync
+from hpc_rlhf.weight_sync.sharded import ShardedWeightSync, WeightSync
 from hpc_rlhf.world.groups import WorldGroups
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class PPOTrainer(RunHooks):
         box = [self.data.num_steps if self.data else None]
         dist.broadcast_object_list(box, src=0)
         self.num_steps: int = int(box[0] or 0)
+        # ds.lora.sync resolved: whether each sync sends the LoRA adapter alone (decided before any engine loads).
+        self.adapter_sync = rl_setup.lora_sync_mode(cfg, announce=world.is_controller) == "adapter"
         # Collective (it creates groups), so built by every rank before any role's engine.
         self.weight_sync = rl_setup.weight_sync(cfg, world)
         self.roles = rl_setup.build_roles(cfg, world, self.tokenizer, self.num_steps)  # this rank's engines
@@ -104,6 +107,7 @@ class PPOTrainer(RunHooks):
         self.requeued = False  # with stopped_by_signal: SLURM restarts the job (cli exit status, preemption.py)
         self.last_row: Row = {}  # rank 0: the latest step's metrics (ckpt.best_metric reads them)
         self.policy_version = 0  # weight syncs done; the rollout side stamps it on every sample
+        self.sync_bytes = 0  # payload bytes this rank sent (colocated: loaded into its engine) in the last sync
         self.train_ranks = set(world.train_ranks)  # decisions about the training batch go only to these
         self.train_group = world.train_group
 
@@ -184,7 +188,8 @@ class PPOTrainer(RunHooks):
         if trajectories is None:  # not the controller
             return None
         self.controller.health.observe(trajectories, step)
-        row = {**rollout_metrics(trajectories, batch, timer.seconds["generation"]), **train_stats}
+        row = {**rollout_metrics(trajectories, batch, timer.seconds["generation"]), **train_stats,
+               "weight_sync/bytes": float(self.sync_bytes)}
         if self.cfg.algo.dynamic_filtering:
             row["dynamic_filtering/refill_rounds"] = float(refill_rounds)
         return row
@@ -268,18 +273,32 @@ class PPOTrainer(RunHooks):
         """Actor -> rollout engines: in-process when colocated; otherwise (``weight_sync``) buckets leave from the
         actor ranks that hold them, all senders at once, not through rank 0: over the main world to in-process
         engines, over each engine's own NCCL channel to vLLM in processes of its own. The asynchronous trainer
-        syncs through here too."""
+        syncs through here too. Under ``ds.lora.sync=adapter`` the same paths carry the LoRA adapter alone
+        (``hpc_rlhf.weight_sync.adapter``). ``sync_bytes``: the payload this rank sent (colocated: into its engine)."""
         actor, rollout = self.handles.actor, self.handles.rollout
         fault_point("weight_sync", self.policy_version + 1, self.rank)
+        self.sync_bytes = 0
         if self.cfg.train.colocate_all:
             others = [engine for engine in (self.roles.critic, self.roles.ref, self.roles.teacher)
                       if engine is not None]
-            colocated_weight_sync(rollout.require_side().engine, actor.require_engine(), others)
+            self.sync_bytes = colocated_weight_sync(rollout.require_side().engine, actor.require_engine(), others,
+                                                    adapter=self.adapter_sync)
         elif actor.hosts:
-            self._weight_sync().send(actor.require_engine())  # each replica sends its share of the buckets
+            sync, before = self._weight_sync(), self._weight_sync().bytes_sent
+            source = actor.require_engine()
+            sync.send(AdapterWeights(source) if self.adapter_sync else source)  # each replica sends its share
+            self.sync_bytes = sync.bytes_sent - before
         elif rollout.hosts:
             engine = rollout.require_side().engine
-            self._weight_sync().receive(engine)
+            sync = self._weight_sync()
+            if self.adapter_sync:
+                if not isinstance(sync, ShardedWeightSync):  # build_weight_sync picks it for adapters
+                    raise RuntimeError(f"rank {self.rank}: adapter sync over {type(sync).__name__}")
+                collector = AdapterCollector()
+                sync.receive(collector)
+                engine.update_adapter(collector.tensors)
+            else:
+                sync.receive(engine)
             engine.reset_prefix_cache()
         self.policy_version += 1
 

@@ -47,6 +47,7 @@ from hpc_rlhf.trainers.rl.rollout_health import RolloutHealth
 from hpc_rlhf.trainers.run_skeleton import RunPlan
 from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine  # deepspeed itself: lazily
 from hpc_rlhf.utils.seeding import seed_rank
+from hpc_rlhf.weight_sync.adapter import adapter_sync_refusal, resolve_lora_sync
 from hpc_rlhf.weight_sync.sharded import WeightSync, build_weight_sync
 from hpc_rlhf.world.groups import WorldGroups
 
@@ -326,18 +327,45 @@ def rollout_shares_actor(cfg: RunConfig, world: WorldGroups) -> bool:
             and cfg.ds.lora.rank == 0 and not cfg.ds.use_liger_kernel)
 
 
+def lora_sync_mode(cfg: RunConfig, announce: bool = False) -> str | None:
+    """``ds.lora.sync`` resolved for this run's rollout engine: ``adapter`` (the engine keeps its base and takes the
+    adapter alone) or ``merged``; None without LoRA. An explicit ``adapter`` the engine cannot take raises
+    ``SetupError`` naming why; ``announce`` logs the decision (once, on the controller)."""
+    lora = cfg.ds.lora
+    if lora.rank == 0:
+        return None
+    # DeepSeek's routed experts count too (moe_spec leaves them out for routing statistics only).
+    moe = actor_is_moe(cfg) or bool((local_hf_config(cfg.actor) or {}).get("n_routed_experts"))
+    refusal = adapter_sync_refusal(
+        backend=cfg.rollout.backend, load_in_4bit=lora.load_in_4bit, moe=moe,
+        target_modules=lora.target_modules, vision_language=actor_is_vision_language(cfg),
+        discards_weights_in_sleep=cfg.vllm.enable_sleep and cfg.vllm.sleep_level == 2 and torch.cuda.is_available())
+    try:
+        mode = resolve_lora_sync(lora.sync, refusal)
+    except ValueError as err:
+        raise SetupError(str(err)) from None
+    if announce:
+        why = f" ({refusal})" if mode == "merged" and lora.sync == "auto" else ""
+        log.info("ds.lora.sync=%s: each weight sync sends the rollout engine %s%s", lora.sync,
+                 "the LoRA adapter only" if mode == "adapter" else "the merged weights (W + scale * B @ A)", why)
+    return mode
+
+
 def vllm_engine_spec(cfg: RunConfig) -> VllmEngineSpec:
     """What a vLLM rollout engine takes from the run config."""
     return VllmEngineSpec(model_path=cfg.actor.pretrain, param_dtype=cfg.ds.param_dtype,
                           max_model_len=cfg.data.max_len or cfg.data.prompt_max_len + cfg.rollout.generate_max_len,
                           tensor_parallel_size=cfg.rollout.tensor_parallel_size, seed=cfg.train.seed, vllm=cfg.vllm,
-                          return_routed_experts=cfg.algo.routing_replay == "rollout")
+                          return_routed_experts=cfg.algo.routing_replay == "rollout",
+                          lora=cfg.ds.lora if lora_sync_mode(cfg) == "adapter" else None)
 
 
 def weight_sync(cfg: RunConfig, world: WorldGroups) -> WeightSync | None:
     """The actor -> rollout weight sync of a layout whose rollout ranks are a subset of the world; None when
     colocated (weights load in-process, ``weight_sync.colocated``). Collective (it creates groups)."""
-    return None if cfg.train.colocate_all else build_weight_sync(cfg.rollout, world)
+    if cfg.train.colocate_all:
+        return None
+    return build_weight_sync(cfg.rollout, world, adapter=lora_sync_mode(cfg) == "adapter")
 
 
 def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool, actor: TrainEngine | None = None) -> RolloutEngine:
@@ -359,7 +387,8 @@ def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool, actor: TrainEn
     to_device(model, device)
     model.train(False)  # eval mode (transformers leaves its ``eval`` override untyped)
     return TransformersRolloutEngine(model, eos_token_id=tokenizer.eos_token_id,
-                                     pad_token_id=tokenizer.pad_token_id, device=device, record_routes=record)
+                                     pad_token_id=tokenizer.pad_token_id, device=device, record_routes=record,
+                                     lora=cfg.ds.lora if lora_sync_mode(cfg) == "adapter" else None)
 
 
 def check_agent_loads(cfg: RunConfig, tokenizer: Any, rank: int) -> None:

@@ -1,0 +1,85 @@
+"""The LoRA adapter of a vLLM rollout engine under ``ds.lora.sync=adapter``: both vLLM engines (in-process and
+in processes of their own) keep the base weights they loaded once and apply one adapter to every request.
+
+vLLM 0.32's LoRA API takes an adapter only as a folder (``LoRARequest.lora_path``; no in-memory tensors), so each
+sync writes the adapter the trainer sent (``hpc_rlhf.models.lora.write_adapter_folder``) into a folder of this
+run on node-local storage (``$SLURM_TMPDIR``, else the system temporary directory), then asks vLLM to load it
+again under the same id (``add_lora`` with ``load_inplace=True``). Requests carry that id (``load_inplace`` off,
+or every scheduling step would reload it): requests in flight during a sync continue under the new adapter, as
+under a full weight update. The folder is removed when the engine closes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from hpc_rlhf.rollout.vllm_api import resolve
+
+if TYPE_CHECKING:
+    import torch
+
+    from hpc_rlhf.config.schema import LoraConfig
+
+# vLLM's ``LoRAConfig.max_lora_rank`` accepts these values only (vLLM 0.32 ``MaxLoRARanks``).
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+ADAPTER_NAME = "policy"
+ADAPTER_ID = 1  # one adapter, loaded again in place at every sync
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank`` (``ds.lora.rank``)."""
+    for allowed in VLLM_MAX_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"ds.lora.rank={rank}: vLLM serves LoRA adapters up to rank {VLLM_MAX_LORA_RANKS[-1]}; lower "
+                     "ds.lora.rank, or set ds.lora.sync=merged")
+
+
+def lora_engine_kwargs(lora: LoraConfig) -> dict[str, Any]:
+    """vLLM engine keywords (``LLM`` / ``AsyncEngineArgs``) of an engine that serves one adapter of ``lora``."""
+    return {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora.rank), "max_loras": 1}
+
+
+def node_local_dir(environ: dict[str, str] | None = None) -> str:
+    """Where per-run scratch folders go: ``$SLURM_TMPDIR`` (node-local on most clusters) when set and present,
+    else the system temporary directory."""
+    environ = dict(os.environ) if environ is None else environ
+    slurm_tmp = environ.get("SLURM_TMPDIR")
+    return slurm_tmp if slurm_tmp and os.path.isdir(slurm_tmp) else tempfile.gettempdir()
+
+
+class VllmAdapterSlot:
+    """One engine's adapter: the folder vLLM loads it from and the ``LoRARequest`` every request carries.
+
+    ``write`` replaces the folder's adapter (returns its bytes); ``load_request`` asks vLLM to load it again in
+    place; ``request`` (None before the first sync: the engine then samples from the base, which an adapter whose
+    ``lora_B`` starts at zero equals) goes with every generation; ``remove`` deletes the folder (idempotent)."""
+
+    def __init__(self, lora: LoraConfig, parent: str | None = None) -> None:
+        self.lora = lora
+        self.folder = tempfile.mkdtemp(prefix="hpc-rlhf-lora-", dir=parent or node_local_dir())
+        self.loaded = False
+
+    def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        from hpc_rlhf.models.lora import write_adapter_folder  # torch and safetensors: only once an adapter comes
+
+        return write_adapter_folder(self.folder, self.lora, named_tensors)
+
+    def _request(self, load_inplace: bool) -> Any:
+        return resolve("vllm.lora.request:LoRARequest")(lora_name=ADAPTER_NAME, lora_int_id=ADAPTER_ID,
+                                                        lora_path=self.folder, load_inplace=load_inplace)
+
+    def load_request(self) -> Any:
+        """The request of ``add_lora`` after a ``write``: load the folder again under the same id."""
+        return self._request(load_inplace=True)
+
+    @property
+    def request(self) -> Any:
+        return self._request(load_inplace=False) if self.loaded else None
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
