@@ -79,6 +79,7 @@ _NAMES = (
     VllmName("vllm:AsyncLLMEngine.finish_weight_update"),
     VllmName("vllm:AsyncLLMEngine.reset_prefix_cache"),
     VllmName("vllm:AsyncLLMEngine.shutdown"),
+    VllmName("vllm:AsyncLLMEngine", fields=("errored",), why="server_process: whether the engine-core process died"),
     VllmName("vllm.sampling_params:RequestOutputKind.FINAL_ONLY"),
     VllmName("vllm.sampling_params:RequestOutputKind.DELTA",
              why="server_process: tokens stream back as sampled, so an engine restart keeps them (engine_restart)"),

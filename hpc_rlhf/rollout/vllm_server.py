@@ -214,6 +214,8 @@ class VllmServerEngine(RolloutEngine):
         self._last_output = time.monotonic()  # when the engine last streamed tokens back (or was resumed)
         self._paused = False  # a weight round holds generation: silence then is no hang
         self._generate_calls = 0
+        self._fault_hold: threading.Event | None = None  # fault tests only (_hold_for_fault)
+        self._fault_paused = threading.Event()
         self.fault_rank: int | None = None  # the world rank driving this engine, for fault_point (tests/faults)
         self._start_engine()
 
@@ -274,6 +276,11 @@ class VllmServerEngine(RolloutEngine):
                     logprobs = sampled_logprobs(ids, completion.logprobs, where) if ids else []
                     progress.record(slots[index], ids, logprobs, completion.finish_reason,
                                     getattr(completion, "routed_experts", None))
+                if self._fault_hold is not None and not self._fault_hold.is_set():
+                    # fault tests: hold the requests right after the first tokens came back (_hold_for_fault)
+                    self._fault_hold.set()
+                    await self.engine.pause_generation(mode=PAUSE_MODE, clear_cache=False)
+                    self._fault_paused.set()
         finally:
             self._in_flight.discard(request_id)
 
@@ -311,13 +318,15 @@ class VllmServerEngine(RolloutEngine):
         dead_error = resolve("vllm.v1.engine.exceptions:EngineDeadError")
         point = (FAULT_PHASE, self._generate_calls, -1 if self.fault_rank is None else self.fault_rank)
         armed = progress.attempts == 1 and fault_armed(*point)
+        self._fault_hold = threading.Event() if armed else None
+        self._fault_paused.clear()
         future = asyncio.run_coroutine_threadsafe(self._stream(submissions, progress), self._loop)
         while True:
             try:
                 future.result(timeout=0.01 if armed else 1.0 if self.timeout_s is None else min(1.0, self.timeout_s))
                 return
             except FutureTimeout:
-                if armed and any(s.output_ids for s in progress.samples.values()):
+                if armed and self._fault_paused.is_set():
                     armed = False
                     self._hold_for_fault(point)
                     continue
@@ -331,12 +340,14 @@ class VllmServerEngine(RolloutEngine):
                                     incarnation) from err
 
     def _hold_for_fault(self, point: tuple[str, int, int]) -> None:
-        """Fault tests: hold the requests in flight (paused, tokens kept) while the driver kills vLLM's engine core at
-        this fault point, so that the fault lands mid-generation whatever the engine's speed."""
-        self._run(self.engine.pause_generation(mode=PAUSE_MODE, clear_cache=False))
+        """Fault tests: the requests in flight are held (paused by :meth:`_stream_one` as the first tokens came back,
+        tokens kept) while the driver kills vLLM's engine core at this fault point, so that the fault lands
+        mid-generation whatever the engine's speed."""
+        self._fault_hold = None
         fault_point(*point)
-        with contextlib.suppress(Exception):  # the driver killed the engine: resuming it fails, generate reports it
-            self._run_for(self.engine.resume_generation(), 10.0)
+        if not self.engine.errored:  # the driver killed the engine: generate reports it, nothing to resume
+            with contextlib.suppress(Exception):
+                self._run_for(self.engine.resume_generation(), 10.0)
 
     def restart(self, failure: EngineFailure) -> None:
         """Replace a failed engine: stop what is left of its processes, start new ones (the checkpoint's weights),
