@@ -247,6 +247,7 @@ def same_metrics(expected: list[dict], got: list[dict]) -> list[str]:
 def engine_core_pid(rank_pid: int) -> int:
     """The vLLM engine-core process a rank started (``rollout.vllm_mode=server_process``; vLLM titles it
     ``VLLM::EngineCore``)."""
-    cores = [p.pid for p in psutil.Process(rank_pid).children(recursive=True) if p.name().startswith("VLLM::EngineCore")]
+    children = psutil.Process(rank_pid).children(recursive=True)
+    cores = [p.pid for p in children if p.name().startswith("VLLM::EngineCore")]
     assert len(cores) == 1, f"rank pid {rank_pid}: expected one vLLM engine-core child, found {cores}"
     return cores[0]

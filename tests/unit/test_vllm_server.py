@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 from types import ModuleType, SimpleNamespace
+from typing import ClassVar
 
 import pytest
 import torch
@@ -421,7 +422,7 @@ class DyingAsyncEngine(FakeAsyncEngine):
     """Streams one token per sample (logprob -0.5), then its engine core "dies" (``die=True``), or hangs
     (``hang=True``); an engine built later (a restart) generates every request to its length with token 9."""
 
-    started: list[DyingAsyncEngine] = []
+    started: ClassVar[list[DyingAsyncEngine]] = []
     die = True
     hang = False
 
