@@ -17,6 +17,20 @@ What a restart does to the engine (new processes, reopening its weight channel, 
 the engine's and the weight sync's business (``vllm_server.VllmServerEngine.restart``,
 ``weight_sync.sharded.EngineChannelWeightSync.rejoin``); this module only calls ``restart(cause)``.
 
+Where in the step a restart happens, and why. The failure is noticed during generation, on the rollout rank, and
+the engine is restarted there at once (its processes are the rank's own). Its weights, though, come from one actor
+rank over a channel whose opening is collective with that rank, and the actor rank is then busy elsewhere (waiting
+to collect the trajectories in the synchronous trainer, training in the asynchronous one). Reopening the channel
+from a thread on the actor rank would interleave with its collectives on other groups; an extra collective over the
+world in every step would make every rank pay for a rare event. So the weight resend is a service phase at two
+points that every rank of an engine's channel group reaches anyway, in the same order: just before the
+trajectories are collected (``PPOTrainer.collect_rollouts``) and at the start of every weight round. There the
+sender hears each of its engines point to point (``done``, ``restarted``, ``failed``) until each says ``done``: a
+restarted engine's rank has been waiting in ``rejoin`` since its restart, gets the channel reopened and one round
+of the current weights, continues its requests, and says ``done`` when its generation is over. No rank waits in a
+collective that another rank skips, so nothing deadlocks; the cost when nothing fails is one small message per
+engine at each point.
+
 Resubmitted samples are not bit-identical to what an uninterrupted engine would have sampled: the seeded generator
 of a continued request starts again at its seed. They are sampled with the same weights (the restarted engine
 receives the weights the dead one had, in the synchronous trainer) and their logprobs are the ones they were

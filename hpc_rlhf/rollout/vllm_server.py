@@ -37,6 +37,14 @@ the new weights and continues. Tokens sampled before the pause keep the logprobs
 sampled them (what importance-sampling corrections need). We chose pause-and-keep over
 abort-and-resubmit because it keeps every finished token and needs no bookkeeping of partial outputs.
 
+A dead engine is restarted, not the job: tokens stream back as they are sampled (``RequestOutputKind.DELTA``);
+when vLLM's engine-core process exits (``EngineDeadError``) or no token comes back for ``timeout_s``
+(``rollout.engine_timeout_s``), :meth:`VllmServerEngine.restart` stops what is left, starts new processes, and
+its ``rejoin`` hook (the trainer's ``EngineChannelWeightSync``) reopens the weight channel with the sender and
+receives the current weights; the unfinished samples then continue from their tokens, at most
+``rollout.max_engine_restarts`` times over the run (:mod:`hpc_rlhf.rollout.engine_restart` says where in the
+step and why). A failure during a weight round still ends the job.
+
 Everything that does not need vLLM (environment isolation, payloads, request ids, the backend choice) is a pure
 helper, unit-tested without vLLM; :mod:`hpc_rlhf.rollout.vllm_contract` checks every vLLM name used here.
 """
