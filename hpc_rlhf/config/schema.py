@@ -136,6 +136,15 @@ class RolloutConfig(Section):
                             "single-GPU engine per rollout rank (layouts where rollout ranks are a subset of the "
                             "world: disaggregated, partial, async); auto picks external_launcher when "
                             "train.colocate_all")
+    max_engine_restarts: int = Field(
+        3, ge=0, description="rollout.vllm_mode=server_process: restarts of a rollout rank's vLLM engine over the run "
+                             "when its processes die or stop answering (the engine gets the current weights again and "
+                             "the requests in flight continue); one more failure ends the job with the engine's error; "
+                             "0: never restart")
+    engine_timeout_s: float = Field(
+        600.0, gt=0, description="rollout.vllm_mode=server_process: seconds a generating vLLM engine may go without "
+                                 "returning a token before it counts as hung and is restarted (bounded by "
+                                 "rollout.max_engine_restarts); keep it above the longest prefill")
     tool_call_parser: str = Field(
         "auto", description="OpenAI-client agents: how the endpoint finds tool calls in chat output: a vLLM tool "
                             "parser name when vLLM is installed (hermes, llama3_json, mistral, qwen3_coder, "

@@ -32,6 +32,15 @@ WAIT_ENV = "HPC_RLHF_FAULT_WAIT_S"
 _registered: set[int] = set()
 
 
+def fault_armed(phase: str, step: int, rank: int) -> bool:
+    """Whether :func:`fault_point` would stop at this point (a caller may prepare for it, e.g. hold an engine's
+    generation so that the fault lands while requests are in flight)."""
+    root = os.environ.get(DIR_ENV)
+    if not root or os.environ.get(AT_ENV) != f"{phase}:{step}:{rank}":
+        return False
+    return not (Path(root) / f"done_{phase}_{step}_{rank}").exists()
+
+
 def fault_point(phase: str, step: int, rank: int) -> None:
     """Stop here for the fault driver if the environment names this point (see the module docstring)."""
     root = os.environ.get(DIR_ENV)

@@ -110,7 +110,7 @@ def to_vllm_sampling_params(params: SamplingParams, n: int = 1, *, sampling_para
     return sampling_params_cls(**vllm_sampling_kwargs(params, n))
 
 
-def _sampled_logprobs(token_ids: Sequence[int], logprobs: Any, where: str) -> list[float]:
+def sampled_logprobs(token_ids: Sequence[int], logprobs: Any, where: str) -> list[float]:
     """Logprob of each sampled token from vLLM's per-position ``{token_id: Logprob}`` mappings."""
     if logprobs is None:
         raise ValueError(f"{where}: vLLM returned no logprobs (SamplingParams.logprobs must be 0)")
@@ -151,7 +151,7 @@ def results_from_vllm_outputs(outputs: Sequence[Any], requests: Sequence[Generat
             results.append(GenerationResult(
                 prompt_ids=list(request.prompt_ids),
                 output_ids=token_ids,
-                output_logprobs=_sampled_logprobs(token_ids, completion.logprobs, where),
+                output_logprobs=sampled_logprobs(token_ids, completion.logprobs, where),
                 finish_reason=reason,
                 request_index=request_index,
                 routed_experts=routes_from_vllm(getattr(completion, "routed_experts", None),

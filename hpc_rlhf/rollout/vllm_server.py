@@ -37,6 +37,14 @@ the new weights and continues. Tokens sampled before the pause keep the logprobs
 sampled them (what importance-sampling corrections need). We chose pause-and-keep over
 abort-and-resubmit because it keeps every finished token and needs no bookkeeping of partial outputs.
 
+A dead engine is restarted, not the job: tokens stream back as they are sampled (``RequestOutputKind.DELTA``);
+when vLLM's engine-core process exits (``EngineDeadError``) or no token comes back for ``timeout_s``
+(``rollout.engine_timeout_s``), :meth:`VllmServerEngine.restart` stops what is left, starts new processes, and
+its ``rejoin`` hook (the trainer's ``EngineChannelWeightSync``) reopens the weight channel with the sender and
+receives the current weights; the unfinished samples then continue from their tokens, at most
+``rollout.max_engine_restarts`` times over the run (:mod:`hpc_rlhf.rollout.engine_restart` says where in the
+step and why). A failure during a weight round still ends the job.
+
 Everything that does not need vLLM (environment isolation, payloads, request ids, the backend choice) is a pure
 helper, unit-tested without vLLM; :mod:`hpc_rlhf.rollout.vllm_contract` checks every vLLM name used here.
 """
@@ -44,29 +52,49 @@ helper, unit-tested without vLLM; :mod:`hpc_rlhf.rollout.vllm_contract` checks e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
 import os
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from hpc_rlhf.config.schema import LoraConfig
+from hpc_rlhf.resilience.fault_injection import fault_armed, fault_point
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
+from hpc_rlhf.rollout.engine_restart import (
+    EngineFailure,
+    EngineRestartLimitError,
+    GenerationProgress,
+    RejoinHook,
+    RestartBudget,
+    Slot,
+    Submission,
+    generate_with_restarts,
+)
 from hpc_rlhf.rollout.vllm_api import PAUSE_MODE, resolve
 from hpc_rlhf.rollout.vllm_external_launcher import (
     VllmEngineSpec,
     import_vllm,
-    results_from_vllm_outputs,
+    routes_from_vllm,
+    sampled_logprobs,
     spec_engine_kwargs,
     vllm_sampling_kwargs,
 )
 from hpc_rlhf.rollout.vllm_images import require_vllm_images_supported, tokens_prompt_kwargs
 from hpc_rlhf.rollout.vllm_lora import VllmAdapterSlot
 from hpc_rlhf.weight_sync.vllm_gloo_transfer import gloo_worker_init_info  # imports no vLLM
+
+log = logging.getLogger(__name__)
+# Fault tests (tests/faults) stop here, once tokens of a generate call came back, to kill the engine-core process.
+FAULT_PHASE = "engine_generating"
 
 # Our launch layer's variables (torchrun / srun via hpc_rlhf.world): vLLM's processes must not see
 # them, or they would read our world's rank and size as theirs.
@@ -165,6 +193,7 @@ class VllmServerEngine(RolloutEngine):
                  gpu_memory_utilization: float = 0.9, seed: int = 0, enforce_eager: bool = False,
                  enable_prefix_caching: bool = True, logprobs_mode: str = "processed_logprobs",
                  weight_transfer_backend: str | None = None, lora: LoraConfig | None = None,
+                 max_restarts: int = 0, timeout_s: float | None = None, name: str = "the vLLM rollout engine",
                  **engine_kwargs: Any) -> None:
         self.engine: Any = None  # vLLM's AsyncLLMEngine once started; close() is a no-op before
         self.adapter = VllmAdapterSlot(lora) if lora is not None else None
@@ -186,9 +215,24 @@ class VllmServerEngine(RolloutEngine):
                                       enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
                                       logprobs_mode=logprobs_mode, **engine_kwargs)
         kwargs["weight_transfer_config"] = resolve("vllm.config:WeightTransferConfig")(backend=backend)
-        args = resolve("vllm:AsyncEngineArgs")(**kwargs)
-        with isolated_environ(server_process_env(dict(os.environ), devices)):
-            self.engine = self._run(self._start(args))
+        self._engine_args = resolve("vllm:AsyncEngineArgs")(**kwargs)
+        self._devices = devices
+        # Restarts (engine_restart): the bound, the silence that counts as a hang, and who reopens the weight channel.
+        self.name = name
+        self.budget = RestartBudget(max_restarts, name)
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"VllmServerEngine: timeout_s={timeout_s} must be > 0 (rollout.engine_timeout_s)")
+        self.timeout_s = timeout_s
+        self.rejoin: RejoinHook | None = None  # set by the trainer: channel reopened, current weights received
+        self._restart_lock = threading.Lock()  # concurrent generate calls (agents) restart the engine once
+        self._incarnation = 0  # engines started so far - 1: a failure of an older one needs no new restart
+        self._last_output = time.monotonic()  # when the engine last streamed tokens back (or was resumed)
+        self._paused = False  # a weight round holds generation: silence then is no hang
+        self._generate_calls = 0
+        self._fault_hold: threading.Event | None = None  # fault tests only (_hold_for_fault)
+        self._fault_paused = threading.Event()
+        self.fault_rank: int | None = None  # the world rank driving this engine, for fault_point (tests/faults)
+        self._start_engine()
 
     @classmethod
     def from_spec(cls, spec: VllmEngineSpec, local_rank: int | None, **engine_kwargs: Any) -> VllmServerEngine:
@@ -216,16 +260,22 @@ class VllmServerEngine(RolloutEngine):
         # Built on the loop that will drive it: AsyncLLM binds its output handler to the running loop.
         return resolve("vllm:AsyncLLMEngine.from_engine_args")(args)
 
+    def _start_engine(self) -> None:
+        with isolated_environ(server_process_env(dict(os.environ), self._devices)):
+            self.engine = self._run(self._start(self._engine_args))
+        self._last_output = time.monotonic()
+
     def _run(self, coroutine: Any) -> Any:
         """Run ``coroutine`` on the engine's loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     # ------------------------------------------------------------------ generation
-    async def _generate_one(self, request: GenerationRequest) -> Any:
+    async def _stream_one(self, request: GenerationRequest, slots: list[Slot], progress: GenerationProgress) -> None:
+        """One request, its tokens streamed into ``progress`` as vLLM samples them (``DELTA`` outputs), so that a
+        restart keeps what came back (``engine_restart``)."""
         kwargs = vllm_sampling_kwargs(request.params, request.n)
-        kwargs["output_kind"] = resolve("vllm.sampling_params:RequestOutputKind.FINAL_ONLY")
+        kwargs["output_kind"] = resolve("vllm.sampling_params:RequestOutputKind.DELTA")
         request_id = f"hpc-rlhf-{next(self._request_ids)}"
-        final = None
         require_vllm_images_supported([request], torch.cuda.is_available())
         prompt = resolve("vllm:TokensPrompt")(**tokens_prompt_kwargs(request))
         self._in_flight.add(request_id)
@@ -233,22 +283,136 @@ class VllmServerEngine(RolloutEngine):
             async for output in self.engine.generate(prompt=prompt,
                                                      sampling_params=resolve("vllm:SamplingParams")(**kwargs),
                                                      request_id=request_id, **self._adapter_kwargs()):
-                final = output
+                self._last_output = time.monotonic()
+                for completion in output.outputs:
+                    index = getattr(completion, "index", 0)  # test doubles of one-sample outputs may leave it out
+                    ids = [int(t) for t in completion.token_ids]
+                    where = f"request {slots[index][0]} sample {slots[index][1]}"
+                    logprobs = sampled_logprobs(ids, completion.logprobs, where) if ids else []
+                    progress.record(slots[index], ids, logprobs, completion.finish_reason,
+                                    getattr(completion, "routed_experts", None))
+                if self._fault_hold is not None and not self._fault_hold.is_set():
+                    # fault tests: hold the requests right after the first tokens came back (_hold_for_fault)
+                    self._fault_hold.set()
+                    await self.engine.pause_generation(mode=PAUSE_MODE, clear_cache=False)
+                    self._fault_paused.set()
         finally:
             self._in_flight.discard(request_id)
-        return final
 
-    async def _generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        outputs = await asyncio.gather(*(self._generate_one(r) for r in requests))
-        return results_from_vllm_outputs(outputs, requests)
+    async def _stream(self, submissions: list[Submission], progress: GenerationProgress) -> None:
+        await asyncio.gather(*(self._stream_one(request, slots, progress) for request, slots in submissions))
 
     def submit(self, requests: list[GenerationRequest]) -> Future:
         """Start generating ``requests``; the future's result is ``generate(requests)``'s. Weight rounds
-        (:meth:`receive_weights`) may run while it is pending."""
-        return asyncio.run_coroutine_threadsafe(self._generate(requests), self._loop)
+        (:meth:`receive_weights`) may run while it is pending. Runs on a thread of its own, so that a restart
+        (:meth:`generate`) may wait for its weights."""
+        future: Future = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self.generate(requests))
+            except BaseException as err:  # noqa: BLE001 - handed to the future's owner
+                future.set_exception(err)
+
+        threading.Thread(target=run, name="vllm-server-submit", daemon=True).start()
+        return future
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        return self.submit(requests).result() if requests else []
+        """Generate ``requests``. When vLLM's processes die or stop answering (``timeout_s`` without a token), the
+        engine is restarted (at most ``max_restarts`` times over the run), gets its weights again (:attr:`rejoin`)
+        and the unfinished samples continue from the tokens that came back (``engine_restart``)."""
+        if not requests:
+            return []
+        self._generate_calls += 1
+        return generate_with_restarts(requests, self._attempt, self.restart, routes_from_vllm)
+
+    def _attempt(self, submissions: list[Submission], progress: GenerationProgress) -> None:
+        """One try at ``submissions`` on the current engine; raises :class:`EngineFailure` when it dies or is silent
+        for ``timeout_s`` (outside weight rounds)."""
+        incarnation = self._incarnation
+        dead_error = resolve("vllm.v1.engine.exceptions:EngineDeadError")
+        point = (FAULT_PHASE, self._generate_calls, -1 if self.fault_rank is None else self.fault_rank)
+        armed = progress.attempts == 1 and fault_armed(*point)
+        self._fault_hold = threading.Event() if armed else None
+        self._fault_paused.clear()
+        future = asyncio.run_coroutine_threadsafe(self._stream(submissions, progress), self._loop)
+        while True:
+            try:
+                future.result(timeout=0.01 if armed else 1.0 if self.timeout_s is None else min(1.0, self.timeout_s))
+                return
+            except FutureTimeout:
+                if armed and self._fault_paused.is_set():
+                    armed = False
+                    self._hold_for_fault(point)
+                    continue
+                silent = time.monotonic() - self._last_output
+                if self.timeout_s is not None and not self._paused and silent > self.timeout_s:
+                    future.cancel()
+                    raise EngineFailure(f"no token for {silent:.0f} s (rollout.engine_timeout_s={self.timeout_s:g}): "
+                                        "vLLM's processes stopped answering", incarnation) from None
+            except dead_error as err:
+                raise EngineFailure(f"vLLM's engine-core process exited ({type(err).__name__}: {err})",
+                                    incarnation) from err
+
+    def _hold_for_fault(self, point: tuple[str, int, int]) -> None:
+        """Fault tests: the requests in flight are held (paused by :meth:`_stream_one` as the first tokens came back,
+        tokens kept) while the driver kills vLLM's engine core at this fault point, so that the fault lands
+        mid-generation whatever the engine's speed."""
+        self._fault_hold = None
+        fault_point(*point)
+        if not self.engine.errored:  # the driver killed the engine: generate reports it, nothing to resume
+            with contextlib.suppress(Exception):
+                self._run_for(self.engine.resume_generation(), 10.0)
+
+    def restart(self, failure: EngineFailure) -> None:
+        """Replace a failed engine: stop what is left of its processes, start new ones (the checkpoint's weights),
+        then :attr:`rejoin` (the trainer's weight sync reopens the channel with the sender and sends the current
+        weights). Counted against the bound: past it, :class:`EngineRestartLimitError` names this engine and the
+        cause. Thread-safe: a failure of an engine that another call already replaced restarts nothing."""
+        with self._restart_lock:
+            if failure.incarnation is not None and failure.incarnation != self._incarnation:
+                return  # another caller restarted it after this failure
+            try:
+                self.budget.spend(failure)
+            except EngineRestartLimitError as err:
+                if self.rejoin is not None:
+                    self.rejoin.give_up(str(err))
+                raise
+            log.warning("%s: restart %d of at most %d: %s", self.name, self.budget.restarts,
+                        self.budget.max_restarts, failure.cause)
+            self._stop_engine()
+            self._channel_open = False
+            self._start_engine()
+            self._incarnation += 1
+            if self.adapter is not None and self.adapter.loaded:
+                # ds.lora.sync=adapter: the last synced adapter is still in its node-local folder (not run in a test)
+                self._run(self.engine.add_lora(self.adapter.load_request()))
+            if self.rejoin is not None:
+                self.rejoin.rejoin(self, failure.cause)
+            log.warning("%s: restarted (%s)", self.name, "weights received again" if self._channel_open
+                        else "no weight round yet: the checkpoint's weights are current")
+
+    @property
+    def restarts(self) -> int:
+        """Restarts so far (``rollout/engine_restarts``)."""
+        return self.budget.restarts
+
+    def alive(self) -> bool:
+        """Whether vLLM's processes are up (a dead engine-core is noticed by vLLM within a fraction of a second)."""
+        return self.engine is not None and not self.engine.errored
+
+    def _stop_engine(self) -> None:
+        """Stop a failed engine's processes (best effort: some are already gone)."""
+        if self._in_flight:
+            with contextlib.suppress(Exception):
+                self._run_for(self.engine.abort(request_id=list(self._in_flight)), 10.0)
+            self._in_flight.clear()
+        with contextlib.suppress(Exception):
+            self._run_for(self._shutdown(), 60.0)
+        self.engine = None
+
+    def _run_for(self, coroutine: Any, timeout_s: float) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=timeout_s)
 
     # ------------------------------------------------------------------ weights
     def open_weight_channel(self, master_address: str, master_port: int) -> None:
@@ -275,6 +439,7 @@ class VllmServerEngine(RolloutEngine):
                                f"from an actor rank over {self.weight_transfer_backend} (a sender channel there, "
                                "open_weight_channel here), not through this rank")
         update_request = resolve("vllm.distributed.weight_transfer.base:WeightTransferUpdateRequest")
+        self._paused = True
         self._run(self.engine.pause_generation(mode=PAUSE_MODE, clear_cache=True))
         try:
             self._run(self.engine.start_weight_update())
@@ -285,6 +450,8 @@ class VllmServerEngine(RolloutEngine):
             self._run(self.engine.finish_weight_update())
         finally:
             self._run(self.engine.resume_generation())
+            self._last_output = time.monotonic()  # the silence of a round is no hang
+            self._paused = False
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """A round of one bucket (the sender broadcasts exactly these tensors)."""

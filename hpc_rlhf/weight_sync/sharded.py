@@ -18,6 +18,7 @@ Two paths, one interface (``send(actor)`` on actor ranks, ``receive(engine)`` on
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from hpc_rlhf.config.schema import RolloutConfig, resolved_vllm_mode
 from hpc_rlhf.rollout.base import RolloutEngine
+from hpc_rlhf.rollout.engine_restart import EngineFailure, EngineRestartLimitError, Restartable
 from hpc_rlhf.rollout.vllm_server import SenderChannel, transfer_backend  # vLLM itself: only when a channel opens
 from hpc_rlhf.weight_sync.plan import (
     WeightSyncPlan,
@@ -45,6 +47,8 @@ from hpc_rlhf.weight_sync.vllm_gloo_transfer import GlooSenderChannel
 from hpc_rlhf.world.channel import broadcast_to_role
 from hpc_rlhf.world.groups import WorldGroups, comm_device, new_group
 from hpc_rlhf.world.launch_env import free_port, host_address
+
+log = logging.getLogger(__name__)
 
 
 class ActorWeights(Protocol):
@@ -183,6 +187,7 @@ class EngineChannelWeightSync:
         self.bucket_names: list[list[str]] | None = None  # senders' replicas: the buckets, in send order
         self.descriptions: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = []  # per bucket, cached
         self.num_buckets: int | None = None  # rollout ranks: learnt at the rendezvous
+        self.rounds = 0  # weight rounds this rank took part in (engine restarts are served only after the first)
         self._bytes_sent = 0
 
     @property
@@ -205,11 +210,20 @@ class EngineChannelWeightSync:
         replica = next(r for r in self.replicas if rank in r)
         if not any(r in self.engines_of for r in replica):
             return  # this replica feeds no engine
+        self.serve(actor)  # an engine that died since the last service point comes back first
         if self.bucket_names is None:
             self.bucket_names = self._plan_buckets(actor, replica)
         engines = self.engines_of.get(rank, [])
         if engines and not self.channels:
             self._open_sender(engines)
+        self._send_round(actor, engines)
+        self.rounds += 1
+
+    def _send_round(self, actor: ActorWeights, engines: list[int]) -> None:
+        """Every bucket to ``engines`` (this rank's, or none: its replica's peers gather with it)."""
+        if self.bucket_names is None:
+            raise RuntimeError(f"rank {self.world.rank}: a weight round before its buckets were planned")
+        rank = self.world.rank
         # Every rank of the replica gathers (collective over its tp group); only the sender sends.
         for index, bucket in enumerate(actor.gathered_state_dict_items(names=self.bucket_names)):
             if not engines:
@@ -250,7 +264,10 @@ class EngineChannelWeightSync:
             info = self._broadcast(None, sender)
             engine.open_weight_channel(info["address"], info["ports"][self.world.rank])
             self.num_buckets = int(info["num_buckets"])
+        else:
+            self.checkpoint_engine(engine)  # the sender serves restarts before each round
         engine.receive_weights(self._bucket_descriptions(sender, self.num_buckets))
+        self.rounds += 1
 
     def _bucket_descriptions(self, sender: int, num_buckets: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Each bucket as ``(name, meta tensor)`` pairs, in send order (the first sync waits for each one's
@@ -260,6 +277,89 @@ class EngineChannelWeightSync:
                 self.descriptions.append(self._broadcast(None, sender))
             yield [(name, torch.empty(shape, dtype=dtype, device="meta"))
                    for name, shape, dtype in self.descriptions[index]]
+
+
+    # ------------------------------------------------------------------ engine restarts
+    # A restarted engine needs its channel reopened and the current weights, and its sender is an actor rank busy
+    # with its own phases. So restarts are served at two known points where every rank of an engine's channel group
+    # is anyway (``serve`` on the replica, ``checkpoint_engine`` / ``rejoin`` on the engine's rank): before the
+    # trajectories are collected (``PPOTrainer.collect_trajectories``) and at the start of each weight round. A
+    # rollout rank whose engine failed while generating restarts it at once and blocks in ``rejoin`` until its sender
+    # reaches the next service point; then it continues the unfinished requests. Messages go point to point over the
+    # engine's channel group, one engine after another, so no rank waits on a collective that another skips.
+    def _tell(self, message: dict[str, Any], dst: int, sender: int) -> None:
+        dist.send_object_list([message], dst=dst, group=self.groups[sender], device=comm_device())
+
+    def _hear(self, src: int, sender: int) -> dict[str, Any]:
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=src, group=self.groups[sender], device=comm_device())
+        return dict(box[0])
+
+    def serve(self, actor: ActorWeights) -> None:
+        """Actor ranks of a replica that feeds engines, at a service point: hear each of the replica's engines until
+        it reports done; each restarted one gets its channel reopened and a weight round of the actor's current
+        weights. Raises when an engine reports that it is past its restart bound. Nothing before the first round
+        (the engines still hold the checkpoint's weights, which a restarted engine loads by itself)."""
+        rank = self.world.rank
+        replica = next(r for r in self.replicas if rank in r)
+        if not self.rounds or not any(r in self.engines_of for r in replica):
+            return
+        for sender in replica:
+            for engine in self.engines_of.get(sender, []):
+                while True:
+                    event = self._hear(engine, sender) if rank == sender else None
+                    if len(replica) > 1:  # its tp peers gather each bucket with it (never run: no AutoTP test yet)
+                        box = [event]
+                        dist.broadcast_object_list(box, src=sender, group=self.world.roles["actor"].tp_group,
+                                                   device=comm_device())
+                        event = box[0]
+                    if event is None or event["kind"] == "done":
+                        break
+                    if event["kind"] == "failed":
+                        raise EngineRestartLimitError(f"rank {rank}: stopping with rank {engine}, whose rollout "
+                                                      f"engine failed: {event['error']}")
+                    log.warning("rank %d: rank %d's rollout engine was restarted (%s); reopening its weight channel "
+                                "and sending the current weights", rank, engine, event["cause"])
+                    if rank == sender:
+                        self._reopen(engine)
+                    self._send_round(actor, [engine] if rank == sender else [])
+
+    def _reopen(self, engine: int) -> None:
+        """The sender's end of a restarted engine's channel, on a fresh port (the old group is closed)."""
+        old = self.channels.pop(engine, None)
+        close = getattr(old, "close", None)
+        if close is not None:
+            close()
+        address, port = host_address(), free_port()
+        self._tell({"address": address, "port": port}, engine, self.world.rank)
+        self.channels[engine] = self.open_channel(address, port, self.num_workers)
+
+    def rejoin(self, engine: RolloutEngine, cause: str) -> None:
+        """Rollout rank, right after its engine was restarted (``VllmServerEngine.rejoin`` hook): tell the sender,
+        reopen the channel and receive the current weights (blocks until the sender reaches a service point). Before
+        the first round the new engine's checkpoint weights are current: nothing to do."""
+        if self.num_buckets is None:
+            return
+        sender = self.sender_of[self.world.rank]
+        self._tell({"kind": "restarted", "cause": cause}, sender, sender)
+        where = self._hear(sender, sender)
+        engine.open_weight_channel(where["address"], where["port"])
+        engine.receive_weights(self._bucket_descriptions(sender, self.num_buckets))
+
+    def give_up(self, error: str) -> None:
+        """Rollout rank, its engine past the restart bound: the sender raises ``error`` too instead of waiting."""
+        if self.num_buckets is not None:
+            sender = self.sender_of[self.world.rank]
+            self._tell({"kind": "failed", "error": error}, sender, sender)
+
+    def checkpoint_engine(self, engine: RolloutEngine) -> None:
+        """Rollout rank, at a service point: restart an engine that died while idle, then report done."""
+        if self.num_buckets is None:
+            return
+        if isinstance(engine, Restartable) and not engine.alive():
+            engine.restart(EngineFailure("vLLM's engine-core process exited while the engine was idle"))
+        sender = self.sender_of[self.world.rank]
+        self._tell({"kind": "done"}, sender, sender)
 
 
 WeightSync = ShardedWeightSync | EngineChannelWeightSync

@@ -242,3 +242,12 @@ def same_metrics(expected: list[dict], got: list[dict]) -> list[str]:
         return [f"steps differ: {[r['step'] for r in expected]} vs {[r['step'] for r in got]}"]
     return [f"step {a['step']} {key}: {a[key]} vs {b.get(key)}" for a, b in zip(expected, got) for key in COMPARED
             if key in a and (b.get(key) is None or abs(a[key] - b[key]) > 1e-6 + 1e-5 * abs(a[key]))]
+
+
+def engine_core_pid(rank_pid: int) -> int:
+    """The vLLM engine-core process a rank started (``rollout.vllm_mode=server_process``; vLLM titles it
+    ``VLLM::EngineCore``)."""
+    children = psutil.Process(rank_pid).children(recursive=True)
+    cores = [p.pid for p in children if p.name().startswith("VLLM::EngineCore")]
+    assert len(cores) == 1, f"rank pid {rank_pid}: expected one vLLM engine-core child, found {cores}"
+    return cores[0]

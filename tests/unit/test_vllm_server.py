@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 from types import ModuleType, SimpleNamespace
+from typing import ClassVar
 
 import pytest
 import torch
@@ -87,6 +88,10 @@ def test_vllm_mode_auto_follows_the_layout(mode, colocate_all, expected):
     assert resolved_vllm_mode(mode, colocate_all) == expected
 
 
+class FakeEngineDead(Exception):
+    """vLLM's EngineDeadError."""
+
+
 class FakeAsyncEngine:
     """vLLM's AsyncLLMEngine surface as the engine uses it; ``generate`` blocks until ``release`` is set."""
 
@@ -145,7 +150,9 @@ def fake_vllm(monkeypatch):
         "vllm": SimpleNamespace(AsyncEngineArgs=Recording, AsyncLLMEngine=FakeAsyncEngine, SamplingParams=Recording,
                                 TokensPrompt=dict),
         "vllm.config": SimpleNamespace(WeightTransferConfig=Recording),
-        "vllm.sampling_params": SimpleNamespace(RequestOutputKind=SimpleNamespace(FINAL_ONLY="final_only")),
+        "vllm.sampling_params": SimpleNamespace(RequestOutputKind=SimpleNamespace(FINAL_ONLY="final_only",
+                                                                                  DELTA="delta")),
+        "vllm.v1.engine.exceptions": SimpleNamespace(EngineDeadError=FakeEngineDead),
         "vllm.distributed.weight_transfer.base": SimpleNamespace(WeightTransferInitRequest=Recording,
                                                                  WeightTransferUpdateRequest=Recording),
     }
@@ -406,3 +413,108 @@ def test_channels_follow_the_hardware(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     weight_sync._open_vllm_channel("h", 31001, 2)
     assert opened == [("gloo", ("h", 31000, 1)), ("nccl", ("h", 31001, 2))]
+
+
+# ---------------------------------------------------------------------------- restarts (engine_restart)
+
+
+class DyingAsyncEngine(FakeAsyncEngine):
+    """Streams one token per sample (logprob -0.5), then its engine core "dies" (``die=True``), or hangs
+    (``hang=True``); an engine built later (a restart) generates every request to its length with token 9."""
+
+    started: ClassVar[list[DyingAsyncEngine]] = []
+    die = True
+    hang = False
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.requests = []
+        self.errored = False
+        self.first = not DyingAsyncEngine.started
+        DyingAsyncEngine.started.append(self)
+
+    async def generate(self, prompt, sampling_params, request_id):
+        kwargs = sampling_params.kwargs
+        self.requests.append((list(prompt["prompt_token_ids"]), kwargs["max_tokens"], kwargs["n"], kwargs["seed"]))
+        assert kwargs["output_kind"] == "delta"
+        if self.first or DyingAsyncEngine.die == "always":
+            yield FakeRequestOutput(request_id, prompt["prompt_token_ids"],
+                                    [completion(j, [5], [-0.5], None) for j in range(kwargs["n"])])
+            if DyingAsyncEngine.hang:
+                await asyncio.sleep(3600)
+            self.errored = True
+            raise FakeEngineDead("EngineCore encountered an issue.")
+        for j in range(kwargs["n"]):
+            count = kwargs["max_tokens"]
+            yield FakeRequestOutput(request_id, prompt["prompt_token_ids"],
+                                    [completion(j, [9] * count, [-0.125] * count, "length")])
+
+
+class RecordingRejoin:
+    def __init__(self):
+        self.calls = []
+
+    def rejoin(self, engine, cause):
+        self.calls.append(("rejoin", cause))
+        engine.open_weight_channel("10.0.0.1", 31001)
+
+    def give_up(self, error):
+        self.calls.append(("give_up", error))
+
+
+@pytest.fixture()
+def dying_vllm(fake_vllm, monkeypatch):
+    DyingAsyncEngine.started = []
+    monkeypatch.setattr(DyingAsyncEngine, "die", True)
+    monkeypatch.setattr(DyingAsyncEngine, "hang", False)
+    fake_vllm["vllm"].AsyncLLMEngine = DyingAsyncEngine
+    monkeypatch.setattr(sys.modules["vllm"], "AsyncLLMEngine", DyingAsyncEngine)
+    return DyingAsyncEngine
+
+
+def test_a_dead_engine_is_restarted_and_its_requests_continue(dying_vllm):
+    engine = VllmServerEngine("/models/tiny", max_restarts=1, name="rank 1's engine")
+    hook = engine.rejoin = RecordingRejoin()
+    try:
+        results = engine.generate([GenerationRequest([1, 2], SamplingParams(max_new_tokens=4, seed=10), n=2),
+                                   GenerationRequest([3], SamplingParams(max_new_tokens=3, seed=None))])
+    finally:
+        engine.close()
+    first, second = dying_vllm.started
+    assert engine.restarts == 1 and first.calls[-1] == ("shutdown",)
+    assert [c[0] for c in hook.calls] == ["rejoin"] and "engine-core process exited" in hook.calls[0][1]
+    assert second.calls[0] == ("init", 2)  # the channel was opened again, before any request
+    # each unfinished sample continues from the token that came back, asks for the rest, with its own seed
+    assert sorted(second.requests) == [([1, 2, 5], 3, 1, 10), ([1, 2, 5], 3, 1, 11), ([3, 5], 2, 1, None)]
+    assert [(r.request_index, r.output_ids, r.output_logprobs, r.finish_reason) for r in results] == [
+        (0, [5, 9, 9, 9], [-0.5, -0.125, -0.125, -0.125], "length")] * 2 + [
+        (1, [5, 9, 9], [-0.5, -0.125, -0.125], "length")]
+
+
+def test_past_the_bound_the_engine_error_ends_the_call(dying_vllm, monkeypatch):
+    from hpc_rlhf.rollout.engine_restart import EngineRestartLimitError
+
+    monkeypatch.setattr(DyingAsyncEngine, "die", "always")
+    engine = VllmServerEngine("/models/tiny", max_restarts=2, name="rank 1's engine")
+    hook = engine.rejoin = RecordingRejoin()
+    try:
+        with pytest.raises(EngineRestartLimitError, match=r"rank 1's engine failed: vLLM's engine-core process exited"
+                           r".*restarted 2 time\(s\), the bound rollout.max_engine_restarts=2") as err:
+            engine.generate([GenerationRequest([1], SamplingParams(max_new_tokens=4))])
+    finally:
+        engine.close()
+    assert isinstance(err.value.__cause__.__cause__, FakeEngineDead)  # the engine's own error stays attached
+    assert [c[0] for c in hook.calls] == ["rejoin", "rejoin", "give_up"]
+    assert len(dying_vllm.started) == 3
+
+
+def test_a_silent_engine_counts_as_hung(dying_vllm, monkeypatch):
+    monkeypatch.setattr(DyingAsyncEngine, "hang", True)
+    engine = VllmServerEngine("/models/tiny", max_restarts=1, timeout_s=0.2)
+    hook = engine.rejoin = RecordingRejoin()
+    try:
+        results = engine.generate([GenerationRequest([1], SamplingParams(max_new_tokens=2))])
+    finally:
+        engine.close()
+    assert "no token for" in hook.calls[0][1] and "rollout.engine_timeout_s=0.2" in hook.calls[0][1]
+    assert results[0].output_ids == [5, 9]

@@ -37,6 +37,7 @@ from hpc_rlhf.models.loading import load_tokenizer
 from hpc_rlhf.resilience.fault_injection import fault_point
 from hpc_rlhf.resilience.stall_guard import StallGuard
 from hpc_rlhf.rollout.base import SamplingParams, Trajectory
+from hpc_rlhf.rollout.vllm_server import VllmServerEngine
 from hpc_rlhf.trainers import run_skeleton
 from hpc_rlhf.trainers.rl import checkpoint as rl_checkpoint
 from hpc_rlhf.trainers.rl import setup as rl_setup
@@ -58,7 +59,7 @@ from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
 from hpc_rlhf.utils.seeding import seed_rank
 from hpc_rlhf.weight_sync.adapter import AdapterCollector, AdapterWeights
 from hpc_rlhf.weight_sync.colocated import colocated_weight_sync
-from hpc_rlhf.weight_sync.sharded import ShardedWeightSync, WeightSync
+from hpc_rlhf.weight_sync.sharded import EngineChannelWeightSync, ShardedWeightSync, WeightSync
 from hpc_rlhf.world.groups import WorldGroups
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,12 @@ class PPOTrainer(RunHooks):
         self.weight_sync = rl_setup.weight_sync(cfg, world)
         self.roles = rl_setup.build_roles(cfg, world, self.tokenizer, self.num_steps)  # this rank's engines
         self.handles = RoleHandles.build(cfg, world, self.roles)  # every role, and the moves over it
+        # server_process engines: a restarted engine gets its weights again over its channel (engine_restart)
+        self.engine_channels = self.weight_sync if isinstance(self.weight_sync, EngineChannelWeightSync) else None
+        engine = self.roles.rollout.engine if self.roles.rollout is not None else None
+        if self.engine_channels is not None and isinstance(engine, VllmServerEngine):
+            engine.rejoin = self.engine_channels
+        self.engine_restarts = 0  # rank 0: restarts of every rollout engine so far (rollout/engine_restarts)
         if world.is_controller:
             save_resolved_config(cfg, cfg.train.output_dir)
         self.metrics = MetricsLogger(cfg.train.output_dir, cfg.logger, cfg.model_dump(mode="json"),
@@ -146,6 +153,8 @@ class PPOTrainer(RunHooks):
         if result is None:  # rows live on the controller
             return None
         row = {**result, **timer.metrics(), "kl_coef": self.controller.kl_controller.value}
+        if self.engine_channels is not None:
+            row["rollout/engine_restarts"] = float(self.engine_restarts)
         self.controller.after_step(row)
         if eval_row is not None:
             row.update(eval_row)
@@ -341,10 +350,28 @@ class PPOTrainer(RunHooks):
 
     def collect_trajectories(self, result: Generated | None) -> tuple[list[Trajectory] | None, float]:
         """Rollout ranks -> rank 0: all trajectories in prompt order, and the slowest engine's seconds."""
-        gathered = self.handles.rollout.collect(result)
+        gathered = self.collect_rollouts(result)
         if gathered is None:
             return None, 0.0
         return [t for part, _ in gathered for t in part], max(seconds for _, seconds in gathered)
+
+    def collect_rollouts(self, result: Generated | None) -> list[Generated] | None:
+        """The rollout role's collect, after the engines' service point: with ``server_process`` engines, an engine
+        restarted during this generation gets its weights there from its sender (``EngineChannelWeightSync.serve``),
+        and rank 0 learns the restart count. Collective (every rank)."""
+        channels, rollout = self.engine_channels, self.handles.rollout
+        if channels is None:
+            return rollout.collect(result)
+        if self.handles.actor.hosts:
+            channels.serve(self.handles.actor.require_engine())
+        elif rollout.side is not None:
+            channels.checkpoint_engine(rollout.side.engine)
+        gathered = rollout.collect(result)
+        engine = rollout.side.engine if rollout.side is not None else None
+        counts = rollout.collect(([], float(engine.restarts)) if isinstance(engine, VllmServerEngine) else None)
+        if counts is not None:
+            self.engine_restarts = int(sum(count for _, count in counts))
+        return gathered
 
     def score(self, trajectories: list[Trajectory] | None) -> list[Trajectory] | None:
         """Rewards from a function, a remote server, a reward-model role, or the agent's environment."""
@@ -367,7 +394,7 @@ class PPOTrainer(RunHooks):
         if rollout.side is not None:
             sampling = eval_sampling(self.cfg, rollout.side.stop_token_ids, rollout.engine_index)
             result = self._run_executor(mine, step, sampling, ev.n_samples_per_prompt)
-        gathered = rollout.collect(result)
+        gathered = self.collect_rollouts(result)
         per_prompt, trajectories = group_by_prompt(rollout.shares(self.eval_prompts), gathered) \
             if gathered is not None else ([], None)
         self.score(trajectories)  # collective over a reward-model role; sets reward/score in place on rank 0

@@ -368,12 +368,18 @@ def weight_sync(cfg: RunConfig, world: WorldGroups) -> WeightSync | None:
     return build_weight_sync(cfg.rollout, world, adapter=lora_sync_mode(cfg) == "adapter")
 
 
-def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool, actor: TrainEngine | None = None) -> RolloutEngine:
+def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool, actor: TrainEngine | None = None,
+                    rank: int = 0) -> RolloutEngine:
     """The rollout engine of this rank; with ``actor`` (:func:`rollout_shares_actor`) it runs on its module."""
     dtype = resolve_dtype(cfg.ds.param_dtype, on_gpu)
     if cfg.rollout.backend == "vllm":
         if resolved_vllm_mode(cfg.rollout.vllm_mode, cfg.train.colocate_all) == "server_process":
-            return VllmServerEngine.from_spec(vllm_engine_spec(cfg), torch.cuda.current_device() if on_gpu else None)
+            engine = VllmServerEngine.from_spec(
+                vllm_engine_spec(cfg), torch.cuda.current_device() if on_gpu else None,
+                max_restarts=cfg.rollout.max_engine_restarts, timeout_s=cfg.rollout.engine_timeout_s,
+                name=f"rank {rank}'s vLLM rollout engine (rollout.vllm_mode=server_process)")
+            engine.fault_rank = rank
+            return engine
         return VllmRolloutEngine.from_spec(vllm_engine_spec(cfg))
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     record = records_routes(cfg)
@@ -443,7 +449,8 @@ def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
 
 def _rollout_side(cfg: RunConfig, world: WorldGroups, tokenizer: Any, on_gpu: bool,
                   actor: TrainEngine | None = None) -> RolloutSide:
-    side = RolloutSide(_rollout_engine(cfg, tokenizer, on_gpu, actor), _executor(cfg, tokenizer), cfg.rollout,
+    side = RolloutSide(_rollout_engine(cfg, tokenizer, on_gpu, actor, world.rank), _executor(cfg, tokenizer),
+                       cfg.rollout,
                        [tokenizer.eos_token_id])
     # A rollout engine may seed the global RNGs itself, the same on every rank (vLLM's worker calls
     # set_random_seed(engine seed)): give each rank its own streams back, whatever the engine.
