@@ -26,7 +26,7 @@ from hpc_rlhf.config.schema import (
     StallLimits,
 )
 
-SyntheticTask = Literal["sft_arithmetic", "preference_arithmetic", "kto_arithmetic"]
+SyntheticTask = Literal["sft_arithmetic", "preference_arithmetic", "kto_arithmetic", "sft_colour"]
 
 
 class SupervisedDataConfig(Section):
@@ -40,6 +40,15 @@ class SupervisedDataConfig(Section):
     output_key: str = Field("output", description="SFT response")
     messages_key: str | None = Field(None, description="SFT chat rows: list of {role, content}; loss on assistant")
     pretrain_mode: bool = Field(False, description="SFT: loss on every token of input_key")
+    # SFT with images (vision-language models, docs/vlm.md)
+    images_key: str = Field(
+        "images", description="SFT: column holding a row's images (paths relative to the data file, file:// or "
+        "base64 data URLs, HF datasets.Image values); image content parts in chat messages are read too")
+    min_pixels: int | None = Field(
+        None, ge=1, description="vision-language models: smallest image area in pixels (null: the processor's own)")
+    max_pixels: int | None = Field(
+        None, ge=1, description="vision-language models: largest image area in pixels; larger images are scaled "
+        "down by the model's image processor (null: the processor's own)")
     # preference (RM, DPO) and KTO
     prompt_key: str | None = Field("prompt", description="None: chosen/rejected are full chat message lists")
     chosen_key: str = "chosen"
@@ -53,7 +62,8 @@ class SupervisedDataConfig(Section):
     max_len: int = Field(512, ge=2, description="tokens per sample (prompt + response); longer are truncated")
     skip_bad_rows: bool = False
     synthetic_task: SyntheticTask | None = Field(
-        None, description="write seeded arithmetic data to train_data[0] / eval_data[0] if missing (CPU recipes)")
+        None, description="write seeded arithmetic data (sft_colour: the colour images task with answers) to "
+        "train_data[0] / eval_data[0] if missing (CPU recipes)")
     synthetic_num_samples: int = Field(512, ge=1)
     synthetic_eval_samples: int = Field(128, ge=1)
     synthetic_max_operand: int = Field(9, ge=1)
@@ -63,6 +73,8 @@ class SupervisedDataConfig(Section):
         if self.train_data_probs is not None and len(self.train_data_probs) != len(self.train_data):
             raise ValueError(f"data.train_data_probs has {len(self.train_data_probs)} entries but data.train_data "
                              f"has {len(self.train_data)}; give one probability per dataset")
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ValueError(f"data.min_pixels={self.min_pixels} is larger than data.max_pixels={self.max_pixels}")
         return self
 
 
