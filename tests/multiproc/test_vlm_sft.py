@@ -16,6 +16,12 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _sft_then_grpo(rank, world_size, sft_overrides, grpo_overrides):
+    """Both stages in one spawn (starting the ranks costs more than 4 steps of either)."""
+    _sft(rank, world_size, sft_overrides)
+    _grpo(rank, world_size, grpo_overrides)
+
+
 def _sft(rank, world_size, overrides):
     import torch.distributed as dist
 
@@ -55,22 +61,21 @@ def _loads_with_processor(folder: Path) -> None:
 
 
 def test_sft_then_grpo_with_images(tmp_path):
-    sft = tmp_path / "sft"
-    run_on_ranks(_sft, 2, [f"model.pretrain={tmp_path / 'model'}", f"train.output_dir={sft}",
-                           f"data.train_data=[{tmp_path / 'data' / 'sft.jsonl'}]",
-                           f"data.eval_data=[{tmp_path / 'data' / 'sft_eval.jsonl'}]"])
-    evals = [r["eval_loss"] for r in read_metrics(sft) if "eval_loss" in r]
-    assert evals[-1] < 0.5 * evals[0], evals
-    _loads_with_processor(sft / "model")
-
-    grpo = tmp_path / "grpo"
-    run_on_ranks(_grpo, 2, [
+    sft, grpo = tmp_path / "sft", tmp_path / "grpo"
+    run_on_ranks(_sft_then_grpo, 2, [
+        f"model.pretrain={tmp_path / 'model'}", f"train.output_dir={sft}",
+        f"data.train_data=[{tmp_path / 'data' / 'sft.jsonl'}]", f"data.eval_data=[{tmp_path / 'data' / 'sft_eval.jsonl'}]",
+        "data.synthetic_num_samples=128", "data.synthetic_eval_samples=32"], [
         f"actor.pretrain={sft / 'model'}", "actor.build_tiny=false", f"train.output_dir={grpo}",
         f"data.prompt_data=[{tmp_path / 'data' / 'train.jsonl'}]", f"eval.data=[{tmp_path / 'data' / 'heldout.jsonl'}]",
         f"reward.reward_func_path={ROOT / 'examples' / 'reward_funcs' / 'colour.py'}", "logger.use_tensorboard=false",
-        "train.max_steps=4", "eval.steps=4", "ckpt.save_hf=true", "ckpt.save_steps=4"])
+        "data.synthetic_num_samples=64", "eval.max_samples=32", "train.max_steps=2", "eval.steps=2",
+        "ckpt.save_hf=true", "ckpt.save_steps=2"])
+    evals = [r["eval_loss"] for r in read_metrics(sft) if "eval_loss" in r]
+    assert evals[-1] < 0.5 * evals[0], evals
+    _loads_with_processor(sft / "model")
     heldout = [r["eval/heldout/pass@1"] for r in read_metrics(grpo) if "eval/heldout/pass@1" in r]
     # the random tiny model answers no image right (0.000, docs/vlm.md); after 4 SFT steps most are right
     assert heldout[0] >= 0.5, heldout
     _loads_with_processor(grpo / "model")
-    _loads_with_processor(grpo / "hf" / "step_4")
+    _loads_with_processor(grpo / "hf" / "step_2")
