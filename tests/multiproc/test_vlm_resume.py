@@ -40,7 +40,8 @@ def _overrides(assets: Path, out: Path, *extra: str) -> list[str]:
     return [f"actor.pretrain={assets / 'model'}", f"train.output_dir={out}",
             f"data.prompt_data=[{assets / 'data' / 'train.jsonl'}]", "eval.data=[]",
             f"reward.reward_func_path={ROOT / 'examples' / 'reward_funcs' / 'colour.py'}",
-            "logger.use_tensorboard=false", "train.max_steps=4", "ckpt.save_steps=3", *extra]
+            "logger.use_tensorboard=false", "train.max_steps=4", "ckpt.save_steps=3", "data.synthetic_num_samples=64",
+            "rollout.rollout_batch_size=4", "train.train_batch_size=32", "train.micro_train_batch_size=16", *extra]
 
 
 def _assert_same_rows(full: Path, cut: Path, steps) -> None:
@@ -65,7 +66,7 @@ def test_sync_resume_with_image_rollouts(tmp_path):
 def test_async_resume_keeps_the_image_rollouts_of_the_queue(tmp_path):
     assets = tmp_path / "assets"
     extra = ("train.colocate_all=false", "train.async_train=true", "actor.num_ranks=2", "rollout.num_engines=1",
-             "algo.is_correction=tis", "train.train_batch_size=64", "train.micro_train_batch_size=16")
+             "algo.is_correction=tis")
     full, cut = _overrides(assets, tmp_path / "full", *extra), _overrides(assets, tmp_path / "cut", *extra)
     # Stop after step 2: the ready queue holds batch 3 (image rollouts, generated, not trained): it goes into the
     # checkpoint, and the resumed run trains on it without generating it again.
