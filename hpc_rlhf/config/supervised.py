@@ -40,9 +40,9 @@ class SupervisedDataConfig(Section):
     output_key: str = Field("output", description="SFT response")
     messages_key: str | None = Field(None, description="SFT chat rows: list of {role, content}; loss on assistant")
     pretrain_mode: bool = Field(False, description="SFT: loss on every token of input_key")
-    # SFT with images (vision-language models, docs/vlm.md)
+    # SFT / DPO with images (vision-language models, docs/vlm.md)
     images_key: str = Field(
-        "images", description="SFT: column holding a row's images (paths relative to the data file, file:// or "
+        "images", description="SFT / DPO: column holding a row's images (paths relative to the data file, file:// or "
         "base64 data URLs, HF datasets.Image values); image content parts in chat messages are read too")
     min_pixels: int | None = Field(
         None, ge=1, description="vision-language models: smallest image area in pixels (null: the processor's own)")

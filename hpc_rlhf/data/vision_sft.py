@@ -176,3 +176,51 @@ def refuse_images(make: Callable[[Any, str, int], Any], data: Any,
         return make(row, path, index)
 
     return checked
+
+
+def make_vision_pair(formatter: TextFormatter, data: Any,
+                     encoder: VisionPromptEncoder) -> Callable[[Any, str, int], Any]:
+    """Row -> :class:`hpc_rlhf.data.preference.PreferencePair` whose chosen and rejected samples carry the prompt's
+    images (DPO with images): the prompt (``data.prompt_key``, chat messages with image parts and / or the
+    ``images_key`` column) is shared, each answer is trained as for SFT; a row without images is a text pair."""
+    from hpc_rlhf.data.preference import PreferencePair, _response_pieces, make_pair
+
+    text_make = make_pair(formatter, data)
+
+    def make(row: Any, path: str, index: int) -> Any:
+        key = data.prompt_key or data.chosen_key
+        if not isinstance(row, dict):
+            return text_make(row, path, index)
+        refs = row_images(row.get(key), row.get(data.images_key), path, index, key, data.images_key)
+        if not refs:
+            return text_make(row, path, index)
+        if data.prompt_key is None:
+            raise row_error(path, index, data.images_key, "preference rows with images need data.prompt_key (the "
+                            "shared prompt that holds the images)")
+        grid = encoder.encode_images([ref.load() for ref in refs])[1]
+        prompted = dict(row)
+        prompted[data.prompt_key] = with_image_parts(row[data.prompt_key], len(refs))
+        num_image_tokens = int(grid.prod(dim=-1).sum()) // encoder.merge_size ** 2
+        samples = []
+        for answer_key in (data.chosen_key, data.rejected_key):
+            pieces = _response_pieces(formatter, prompted, data, answer_key, path, index)
+            try:
+                pieces = expand_pieces(pieces, encoder, grid)
+            except ValueError as err:
+                raise row_error(path, index, refs[0].key, str(err)) from None
+            sample = tokenize_with_images(formatter, pieces, encoder.image_token_id, num_image_tokens)
+            if sample is None:
+                raise row_error(path, index, answer_key, f"no answer token fits in data.max_len={formatter.max_len} "
+                                "with the prompt's images (image tokens are never cut): raise data.max_len or lower "
+                                "data.max_pixels")
+            samples.append(VisionTokenSample(sample.input_ids, sample.loss_mask, refs,
+                                             tuple((int(t), int(h), int(w)) for t, h, w in grid.tolist())))
+        margin = 0.0
+        if data.margin_key is not None:
+            value = row.get(data.margin_key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise row_error(path, index, data.margin_key, f"margin must be a number, got {value!r:.40}")
+            margin = float(value)
+        return PreferencePair(samples[0], samples[1], margin)
+
+    return make

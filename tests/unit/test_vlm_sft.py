@@ -187,3 +187,40 @@ def test_copy_processor_files_beside_an_export(tiny, tmp_path):
     from transformers import LlamaConfig
 
     assert copy_processor_files(LlamaConfig(), out / "none") == []
+
+
+def test_preference_pairs_share_the_prompts_images(tiny, tmp_path):
+    from hpc_rlhf.data.vision_sft import make_vision_pair
+
+    path, model, tok = tiny
+    rows = _rows(tmp_path)
+    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
+    pairs = [{"prompt": prompt, "images": ["img/a.png"], "chosen": "red", "rejected": "blue"},
+             {"prompt": "colour?", "images": ["img/b.png"], "chosen": "blue", "rejected": "red"},
+             {"prompt": "hi", "chosen": "yo", "rejected": "no"}]
+    assert rows  # the images exist
+    data = SupervisedDataConfig(train_data=[_write(tmp_path / "pref.jsonl", pairs)], apply_chat_template=True,
+                                max_len=64)
+    encoder = sft_vision_encoder(path, tok, data)
+    first, second, text = load_examples(data.train_data, make_vision_pair(TextFormatter.from_config(data, tok), data,
+                                                                          encoder))
+    image_id = model.config.image_token_id
+    for pair in (first, second):
+        chosen, rejected = pair.chosen, pair.rejected
+        assert isinstance(chosen, VisionTokenSample) and chosen.images == rejected.images
+        assert chosen.image_grid_thw == rejected.image_grid_thw
+        prompt_len = chosen.loss_mask.index(True)
+        assert chosen.input_ids[:prompt_len] == rejected.input_ids[:prompt_len]
+        assert sum(i == image_id for i in chosen.input_ids[:prompt_len]) == sum(
+            t * h * w for t, h, w in chosen.image_grid_thw) // 4
+        assert not any(m for i, m in zip(chosen.input_ids, chosen.loss_mask, strict=True) if i == image_id)
+    assert tok.decode([i for i, m in zip(first.chosen.input_ids, first.chosen.loss_mask, strict=True) if m]) \
+        .startswith("red")
+    assert not isinstance(text.chosen, VisionTokenSample)
+    no_prompt = SupervisedDataConfig(train_data=[_write(tmp_path / "chat.jsonl", [
+        {"chosen": [*prompt, {"role": "assistant", "content": "a"}], "rejected": [*prompt, {"role": "assistant",
+                                                                                           "content": "b"}],
+         "images": ["img/a.png"]}])], apply_chat_template=True, prompt_key=None)
+    with pytest.raises(DataError, match="need data.prompt_key"):
+        load_examples(no_prompt.train_data, make_vision_pair(TextFormatter.from_config(no_prompt, tok), no_prompt,
+                                                             encoder))
