@@ -27,6 +27,7 @@ from hpc_rlhf.config import load_config
 from hpc_rlhf.config.loader import RESOLVED_CONFIG_NAME
 from hpc_rlhf.models.loading import load_causal_lm, load_value_model
 from hpc_rlhf.models.lora import apply_lora, load_trainable_state, merged_named_tensors, save_adapter
+from hpc_rlhf.models.vision import copy_processor_files
 
 log = logging.getLogger(__name__)
 # The tag the RL trainer's checkpoints are saved under (hpc_rlhf.trainers.rl.checkpoint.DS_TAG); a copy, so that
@@ -121,6 +122,7 @@ def export(ckpt: str, output: str, config: str | None = None, role: str = "actor
                          f"{missing[:3]}: it was written for another model")
     model.save_pretrained(tmp, safe_serialization=True)
     AutoTokenizer.from_pretrained(cfg.actor.pretrain).save_pretrained(tmp)
+    copy_processor_files(model.config, tmp)  # a vision-language model's image processor beside its weights
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

@@ -45,6 +45,7 @@ from hpc_rlhf.planning.time_budget import (
     read_sbatch_budget,
     time_lines,
 )
+from hpc_rlhf.planning.vision_memory import VLLM_MULTIMODAL_LINE, vision_lines
 from hpc_rlhf.training.optimizer_choice import adam_implementation, optimizer_offloaded
 from hpc_rlhf.world.placement import PlacementError, build_placement
 
@@ -212,6 +213,14 @@ def _resume_line(path: str | None, cfg, wanted) -> str | None:
         return f"resume: no checkpoint under {root} yet; the run starts fresh"
 
 
+def _vision(section, data, micro_batch: int, ds, role: str, vllm: bool = False) -> list[str]:
+    """The vision tower's lines of a vision-language model (none for a text model); vLLM's caveat with ``vllm``."""
+    hf = local_hf_config(section)
+    bytes_per_value = 2 if resolved_param_dtype(ds.param_dtype, True) == "bf16" else 4
+    lines = vision_lines(hf or {}, data.max_pixels, micro_batch, bytes_per_value, section.freeze_vision_tower, role)
+    return [*lines, VLLM_MULTIMODAL_LINE] if lines and vllm else lines
+
+
 def plan_supervised(args, kind: str, world_size: int) -> int:
     try:
         cfg = load_supervised_config(kind, args.config, args.overrides)
@@ -219,6 +228,7 @@ def plan_supervised(args, kind: str, world_size: int) -> int:
         with _sized_tiny_model(cfg.model):
             check_moe_tensor_parallel(local_hf_config(cfg.model), cfg.ds.tensor_parallel_size, "model.pretrain")
             roles = supervised_memory(cfg, kind, world_size)
+            vision = _vision(cfg.model, cfg.data, cfg.train.micro_train_batch_size, cfg.ds, "model")
             resume = _resume_line(args.resume, cfg, supervised_layout(cfg, world_size))
     except (ConfigError, ModelSizeError) as err:
         print(f"plan: invalid layout: {err}", file=sys.stderr)
@@ -232,6 +242,8 @@ def plan_supervised(args, kind: str, world_size: int) -> int:
         print(resume)
     rows = [[name, "-" if name == "model" else "frozen", *_role_row(name, mem)] for name, mem in roles.items()]
     print(_table(rows, ["role", "", *MEMORY_HEADER]))
+    if vision:
+        print("\n".join(vision))
     print("\n".join(optimizer_lines(cfg.ds, {"model": world_size // cfg.ds.tensor_parallel_size})))
     peak = peak_gib(list(roles.values()))
     budget = args.gpu_mem_gb * (1 - args.headroom)
@@ -264,6 +276,8 @@ def plan(argv: list[str] | None = None) -> int:
             sizes = {r: role_num_params(cfg, r) for r in roles_mem}
             shapes = {r: role_shape(cfg, r) for r in roles_mem}
             per_rank = rank_memory(cfg, placement, args.gpu_mem_gb)
+            vision = _vision(cfg.actor, cfg.data, cfg.train.micro_train_batch_size, cfg.ds, "actor",
+                             vllm=cfg.rollout.backend == "vllm")
             resume = _resume_line(args.resume, cfg, rl_layout(cfg, placement))
     except (ConfigError, PlacementError, ModelSizeError) as err:
         print(f"plan: invalid layout: {err}", file=sys.stderr)
@@ -291,6 +305,8 @@ def plan(argv: list[str] | None = None) -> int:
         tp = placement.roles[name].tp_size
         split = f"; tp {tp}: layer projections and their activations split {tp} ways" if tp > 1 else ""
         print(f"  {name}: {'; '.join(mem.notes)}{split}; shape {shapes[name].describe()}")
+    if vision:
+        print("\n".join(vision))
     zero_ranks: dict[str, int] = {r: placement.roles[r].dp_size * placement.roles[r].sp_size
                                   for r in ("actor", "critic") if r in roles_mem}
     print("\n".join(optimizer_lines(cfg.ds, zero_ranks)))

@@ -26,7 +26,7 @@ from hpc_rlhf.config.schema import (
     StallLimits,
 )
 
-SyntheticTask = Literal["sft_arithmetic", "preference_arithmetic", "kto_arithmetic"]
+SyntheticTask = Literal["sft_arithmetic", "preference_arithmetic", "kto_arithmetic", "sft_colour"]
 
 
 class SupervisedDataConfig(Section):
@@ -40,6 +40,15 @@ class SupervisedDataConfig(Section):
     output_key: str = Field("output", description="SFT response")
     messages_key: str | None = Field(None, description="SFT chat rows: list of {role, content}; loss on assistant")
     pretrain_mode: bool = Field(False, description="SFT: loss on every token of input_key")
+    # SFT / DPO with images (vision-language models, docs/vlm.md)
+    images_key: str = Field(
+        "images", description="SFT / DPO: column holding a row's images (paths relative to the data file, file:// or "
+        "base64 data URLs, HF datasets.Image values); image content parts in chat messages are read too")
+    min_pixels: int | None = Field(
+        None, ge=1, description="vision-language models: smallest image area in pixels (null: the processor's own)")
+    max_pixels: int | None = Field(
+        None, ge=1, description="vision-language models: largest image area in pixels; larger images are scaled "
+        "down by the model's image processor (null: the processor's own)")
     # preference (RM, DPO) and KTO
     prompt_key: str | None = Field("prompt", description="None: chosen/rejected are full chat message lists")
     chosen_key: str = Field("chosen", description="RM / DPO: column of the preferred response")
@@ -56,7 +65,8 @@ class SupervisedDataConfig(Section):
         description="skip and count rows that fail validation instead of stopping with an error naming the file and "
         "row")
     synthetic_task: SyntheticTask | None = Field(
-        None, description="write seeded arithmetic data to train_data[0] / eval_data[0] if missing (CPU recipes)")
+        None, description="write seeded arithmetic data (sft_colour: the colour images task with answers) to "
+        "train_data[0] / eval_data[0] if missing (CPU recipes)")
     synthetic_num_samples: int = Field(512, ge=1, description="data.synthetic_task: training samples written")
     synthetic_eval_samples: int = Field(128, ge=1, description="data.synthetic_task: evaluation samples written")
     synthetic_max_operand: int = Field(
@@ -67,6 +77,8 @@ class SupervisedDataConfig(Section):
         if self.train_data_probs is not None and len(self.train_data_probs) != len(self.train_data):
             raise ValueError(f"data.train_data_probs has {len(self.train_data_probs)} entries but data.train_data "
                              f"has {len(self.train_data)}; give one probability per dataset")
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ValueError(f"data.min_pixels={self.min_pixels} is larger than data.max_pixels={self.max_pixels}")
         return self
 
 

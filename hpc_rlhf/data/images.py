@@ -180,12 +180,12 @@ def with_image_parts(value: Any, num_images: int) -> Any:
     return value
 
 
-def require_no_images(refs: tuple[ImageRef, ...], model_path: str | None) -> None:
+def require_no_images(refs: tuple[ImageRef, ...], model_path: str | None, model_key: str = "actor.pretrain") -> None:
     """Refuse image prompts for a text-only model, naming the row and the key that holds them."""
     if refs:
         first = refs[0]
         raise row_error(first.source, first.row, first.key,
-                        f"this prompt has {len(refs)} image(s) but actor.pretrain={model_path!r} is a text-only model: "
+                        f"this row has {len(refs)} image(s) but {model_key}={model_path!r} is a text-only model: "
                         "use a vision-language model (e.g. Qwen2.5-VL / Qwen3-VL) or drop the images")
 
 

@@ -40,3 +40,12 @@ def colour_task_rows(path: str | Path, num_samples: int, seed: int) -> list[dict
     """Rows of the ``colour`` task for the prompt file ``path`` (images in ``<stem>_images/`` beside it)."""
     path = Path(path)
     return colour_rows(num_samples, seed, path.parent / f"{path.stem}_images")
+
+
+def colour_sft_rows(path: str | Path, num_samples: int, seed: int) -> list[dict]:
+    """SFT rows of the ``colour`` task (``data.synthetic_task: sft_colour``): the prompt rows of
+    :func:`colour_task_rows` with the answer (the colour's initial) as the assistant's turn."""
+    rows = colour_task_rows(path, num_samples, seed)
+    for row in rows:
+        row["messages"].append({"role": "assistant", "content": row["label"]})
+    return rows

@@ -13,7 +13,10 @@ forward's input ids show the images.
 
 from __future__ import annotations
 
+import logging
+import shutil
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,8 +24,13 @@ import torch
 from hpc_rlhf.models.mrope import padded_mrope_positions
 from hpc_rlhf.rollout.visual import PromptVisual
 
+log = logging.getLogger(__name__)
+
 # Step-batch fields of a batch with images (``hpc_rlhf.trainers.rl.step_batch``).
 VISUAL_FIELDS = ("pixel_values", "image_grid_thw", "mrope_position_ids")
+# The processor's files of a model folder (``AutoImageProcessor`` / ``AutoProcessor`` read them); an HF export of a
+# vision-language model copies them from the folder the model was loaded from.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
 
 def is_vision_language(config: Any) -> bool:
@@ -104,3 +112,22 @@ def pad_visual_field(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     that parts built from different prompts concatenate."""
     width = max(int(v.shape[1]) for v in values)
     return [torch.nn.functional.pad(v, (0, 0, 0, width - v.shape[1])) for v in values]
+
+
+def copy_processor_files(config: Any, output_dir: str | Path) -> list[str]:
+    """Copy a vision-language model's processor files (:data:`PROCESSOR_FILES`) from the folder it was loaded from
+    (``config._name_or_path``) into the export ``output_dir``, so that the export loads with its processor. Returns
+    the files copied; a text model copies nothing, and a source folder without them is logged, not fatal (the
+    weights are still a valid export)."""
+    if not is_vision_language(config):
+        return []
+    source = Path(str(getattr(config, "_name_or_path", "") or ""))
+    copied = []
+    for name in PROCESSOR_FILES:
+        if (source / name).is_file() and source.resolve() != Path(output_dir).resolve():
+            shutil.copyfile(source / name, Path(output_dir) / name)
+            copied.append(name)
+    if "preprocessor_config.json" not in copied and not (Path(output_dir) / "preprocessor_config.json").is_file():
+        log.warning("the export %s of a vision-language model has no image processor: %s holds no "
+                    "preprocessor_config.json; copy it there by hand", output_dir, source)
+    return copied

@@ -10,6 +10,9 @@ scored, so they never enter the loss.
 Packed: the rows' real tokens go into one row (:func:`hpc_rlhf.models.forward.pack_actions`) with a block-causal
 mask; each token keeps its sample's M-RoPE position, and the images are handed over in the order their samples sit
 in the packed row, which is the order the model scatters image features into image tokens.
+
+:func:`vision_causal_lm_forward` is the offline trainers' counterpart (SFT with images) over a
+:class:`hpc_rlhf.data.packing.CollatedBatch`, padded or packed.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from typing import Any
 
 import torch
 
+from hpc_rlhf.data.packing import CollatedBatch
 from hpc_rlhf.models.chunked_logprobs import linear_logprobs
 from hpc_rlhf.models.forward import (
     _layout_of,
     _scatter_actions,
+    _unflatten,
     chunked_head_weight,
     logits_entropy,
     model_inputs,
@@ -118,3 +123,34 @@ def vision_policy_logprobs(model: ModelOrEngine, sequences: torch.Tensor, attent
     if entropy is not None and not entropy_grad:
         entropy = entropy.detach()
     return scatter(logprobs), (scatter(entropy) if entropy is not None else None)
+
+
+def vision_causal_lm_forward(model: ModelOrEngine, batch: CollatedBatch, visual: dict[str, torch.Tensor]
+                             ) -> torch.Tensor:
+    """Per-target-token log-probabilities (R, T) fp32 (0 where there is no target) of a vision-language model over
+    a collated micro-batch (:func:`hpc_rlhf.models.forward.causal_lm_forward` for rows with images).
+
+    ``visual``: :func:`hpc_rlhf.data.vision_sft.visual_inputs` of the batch: ``mrope_position_ids`` (R, T, 3) and,
+    when a sample has images, ``pixel_values`` (N, D) / ``image_grid_thw`` (I, 3) in the batch's row-major order.
+    The LM head runs only on the target positions (in vocabulary chunks when the head allows).
+    """
+    module, attn, dtype, device = _layout_of(model)
+    inputs = model_inputs(batch, attn, dtype, device)
+    mrope = visual["mrope_position_ids"].permute(2, 0, 1)  # (3, R, T), transformers' Qwen-VL layout
+    if inputs["attention_mask"] is None:  # flash-attention, rows flattened: text positions as a 4th row
+        flat = mrope.reshape(3, 1, -1).to(device)
+        inputs["position_ids"] = torch.cat([inputs["position_ids"].reshape(1, 1, -1), flat])
+    else:
+        inputs["position_ids"] = mrope.to(device)
+    images = {k: visual[k].to(device) for k in ("pixel_values", "image_grid_thw") if k in visual}
+    out = multimodal_model(module)(**inputs, use_cache=False, **images)
+    hidden = _unflatten(out.last_hidden_state, batch, attn)
+    mask = batch["target_mask"].to(device)
+    targets = batch["target_ids"].to(device)[mask]
+    weight = chunked_head_weight(module)
+    if weight is not None:
+        logprobs, _ = linear_logprobs(hidden[mask], weight, targets, 1.0, False)
+    else:
+        logprobs = logprobs_from_logits(module.get_output_embeddings()(hidden[mask]).float(), targets, 1.0)
+    out_logps = torch.zeros(mask.shape, dtype=torch.float32, device=device)
+    return out_logps.masked_scatter(mask, logprobs.float())

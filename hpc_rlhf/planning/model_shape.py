@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_rlhf.config.schema import ModelRole, RunConfig
+from hpc_rlhf.planning.vision_memory import vision_params
 
 # The projections of a Llama / Qwen / Mistral decoder layer, by module name (what peft's target_modules match).
 LAYER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -86,7 +87,7 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> ModelShape:
         if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
-            # a vision-language model (Qwen-VL): its language model; the vision tower is not sized yet (docs/vlm.md)
+            # a vision-language model (Qwen-VL): its language model; the vision tower: planning.vision_memory
             cfg = {"model_type": cfg.get("model_type", ""), **cfg["text_config"]}
         try:
             hidden, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
@@ -107,9 +108,12 @@ class ModelShape:
         model_type = cfg.get("model_type", "")
         attention_bias = bool(cfg.get("attention_bias", False))
         # transformers' Qwen2 attention always has q/k/v biases; Qwen2-MoE's follow qkv_bias (default true).
-        qkv_bias = bool(cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe"))) or attention_bias
+        # A vision-language model's text model is its family's (Qwen2.5-VL: Qwen2's biases, Qwen3-VL: Qwen3's norms).
+        family = model_type.removesuffix("_text")
+        qkv_bias = bool(cfg.get("qkv_bias", family in ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl"))) \
+            or attention_bias
         attention = {"qkv_bias": qkv_bias, "o_bias": attention_bias,
-                     "qk_norm": model_type in ("qwen3", "qwen3_moe"),
+                     "qk_norm": family in ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe"),
                      "num_kv_heads": cfg.get("num_key_value_heads") or heads,
                      "head_dim": cfg.get("head_dim") or hidden // heads}
         if cfg.get("kv_lora_rank"):
@@ -344,8 +348,9 @@ def nearest_reference_shape(num_params: int) -> ModelShape:
 
 def count_params_from_hf_config(cfg: dict) -> int:
     """Parameter count of a decoder-only transformer from its ``config.json`` (Llama/Qwen/Mistral shape; every
-    expert of an MoE model: :attr:`ModelShape.active_params` counts those a token runs)."""
-    return ModelShape.from_hf_config(cfg).num_params
+    expert of an MoE model: :attr:`ModelShape.active_params` counts those a token runs); a vision-language model's
+    vision tower is added (:mod:`hpc_rlhf.planning.vision_memory`)."""
+    return ModelShape.from_hf_config(cfg).num_params + vision_params(cfg)
 
 
 def local_hf_config(section: ModelRole) -> dict | None:

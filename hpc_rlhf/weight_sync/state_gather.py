@@ -26,6 +26,7 @@ from hpc_rlhf.models.lora import (  # peft itself: lazily, inside
     save_adapter,
 )
 from hpc_rlhf.models.quantization import is_quantized, plain_config, plain_copy, quant_state
+from hpc_rlhf.models.vision import copy_processor_files
 from hpc_rlhf.weight_sync.plan import pack_consecutive
 
 
@@ -207,6 +208,7 @@ def write_hf_folder(module: torch.nn.Module, buckets: Iterator[list[tuple[str, t
         save_torch_state_dict(state_dict, output_dir, max_shard_size="5GB")
         if tokenizer is not None:
             tokenizer.save_pretrained(output_dir)
+        copy_processor_files(module.config, output_dir)  # a vision-language model's processor beside its weights
     if lora:  # the merged weights above, plus the adapter alone for peft / `hpc-rlhf lora-merge`
         import deepspeed
 

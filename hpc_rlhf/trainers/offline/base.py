@@ -143,7 +143,8 @@ class SupervisedTrainer(RunHooks, Generic[RunConfigT]):
     def model_factory(self) -> torch.nn.Module:
         ds = self.cfg.ds
         return load_causal_lm(self.cfg.model.pretrain_path("model.pretrain"), self.dtype, self.attn,
-                              ds.use_liger_kernel, ds.lora.load_in_4bit)
+                              ds.use_liger_kernel, ds.lora.load_in_4bit,
+                              freeze_vision_tower=self.cfg.model.freeze_vision_tower)
 
     def global_counts(self, batch: list) -> dict[str, int]:
         """Loss normalisers of the whole step batch (every rank sees the same batch)."""
