@@ -8,8 +8,8 @@ the uninterrupted one. The transformers engine here; vLLM (colocated and in proc
 ``test_lora_adapter_sync_vllm.py``.
 
 The tiny model is drawn with ``initializer_range=0.1`` (LORA_INIT): with Llama's 0.02 its tied embeddings, frozen
-under LoRA, keep every logit within about +-1 and the reward did not rise in 30-40 LoRA steps at any learning rate
-tried; with 0.1 the shaped arithmetic reward rises within ten steps (``LORA_LEARNS``).
+under LoRA, keep every logit within about +-1 and the reward does not rise (``LORA_LEARNS`` from std 0.02: steps 1-5
+vs 26-30 0.07 -> 0.08); with 0.1 the shaped arithmetic reward rises within ten steps (0.17 -> 0.43).
 """
 
 from __future__ import annotations
