@@ -12,8 +12,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SHAPED_REWARD = str(ROOT / "examples/reward_funcs/arithmetic_shaped.py")
 
 
-def make_assets(base: Path) -> dict[str, str]:
-    model = build_tiny_model(base / "tiny-model", seed=0)
+def make_assets(base: Path, initializer_range: float = 0.02) -> dict[str, str]:
+    """The tiny model and the arithmetic prompts under ``base``. ``initializer_range``: the model's init std
+    (``build_tiny_model``: LoRA runs that must learn need a larger one than Llama's 0.02)."""
+    model = build_tiny_model(base / "tiny-model", seed=0, initializer_range=initializer_range)
     data = write_task_if_missing("arithmetic", base / "arith.jsonl", 256, seed=0)
     return {"model": str(model), "data": str(data)}
 
