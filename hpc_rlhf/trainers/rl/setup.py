@@ -120,9 +120,12 @@ def check_vision_language(cfg: RunConfig, on_gpu: bool) -> None:
             raise SetupError(f"actor.freeze_vision_tower=true but actor.pretrain={cfg.actor.pretrain} is a text-only "
                              "model")
         return
-    if cfg.critic.pretrain is not None or cfg.algo.advantage_estimator == "gae":
-        raise SetupError("a vision-language actor with a critic (critic.pretrain / algo.advantage_estimator=gae) "
-                         "is not supported yet: use a critic-free estimator (group_norm, reinforce_baseline, ...)")
+    # A critic (PPO with GAE) is built from the VLM like the actor and its forward takes the images
+    # (hpc_rlhf.models.vision.vision_value_class); a text-only critic.pretrain would not see them.
+    if cfg.critic.pretrain is not None and not is_vision_language(local_hf_config(cfg.critic) or {}):
+        raise SetupError(f"critic.pretrain={cfg.critic.pretrain} is a text-only model but actor.pretrain is a "
+                         "vision-language model: the critic must read the rows' images; leave critic.pretrain unset "
+                         "(the critic starts from actor.pretrain) or give a vision-language model")
     if cfg.reward.pretrain is not None:
         raise SetupError("a vision-language actor with a reward model (reward.pretrain) is not supported yet: use "
                          "reward.reward_func_path")
