@@ -87,10 +87,10 @@ def test_ppo_gae_with_a_vlm_critic_updates_and_the_critic_learns(tmp_path):
 
 def _frozen_scores(rank, world_size, overrides):
     """Before any update: the actor's, the reference's and the teacher's log-probs of one step's image rows, and the
-    reference's with every pixel zeroed (rank 0; None elsewhere). Then the run trains a few steps."""
+    reference's and the teacher's with every pixel zeroed (rank 0; None elsewhere). Then the run trains a few
+    steps."""
     from dataclasses import replace
 
-    import torch
     import torch.distributed as dist
 
     from hpc_rlhf.cli.startup import prepare_local_assets
@@ -109,7 +109,8 @@ def _frozen_scores(rank, world_size, overrides):
     assert handles.ref is not None and handles.teacher is not None
     zeroed = None if batch is None else replace(batch, pixel_values=torch.zeros_like(batch.pixel_values))
     scores = {"actor": handles.actor.logprobs(batch), "ref": handles.ref.logprobs(batch),
-              "teacher": handles.teacher.logprobs(batch), "ref_zeroed": handles.ref.logprobs(zeroed)}
+              "teacher": handles.teacher.logprobs(batch), "ref_zeroed": handles.ref.logprobs(zeroed),
+              "teacher_zeroed": handles.teacher.logprobs(zeroed)}
     trainer.fit()
     if batch is None:
         return None
@@ -118,27 +119,34 @@ def _frozen_scores(rank, world_size, overrides):
 
 
 def test_kl_reference_and_distillation_teacher_read_the_images(tmp_path):
+    from hpc_rlhf.models.tiny_vlm import build_tiny_vlm
+
     model = tmp_path / "model"
+    other = build_tiny_vlm(tmp_path / "teacher", "qwen2_5_vl", seed=1, initializer_range=0.1)  # same tokenizer
+    common = ("eval.at_start=false", "eval.steps=100", "algo.kl.init_coef=0.01", f"actor.pretrain={model}")
     runs = {
-        # the KL reference (GRPO's KL loss) and a teacher adding its distillation advantage to the task's
-        "kl_distill_coef": _overrides(tmp_path / "kl", "train.max_steps=3", "eval.at_start=false", "eval.steps=100",
-                                      "algo.kl.init_coef=0.01", f"teacher.pretrain={model}", "algo.distill_coef=0.5",
-                                      f"actor.pretrain={model}"),
-        # on-policy distillation alone
-        "distill": _overrides(tmp_path / "distill", "train.max_steps=2", "eval.at_start=false", "eval.steps=100",
-                              "algo.advantage_estimator=distill", "algo.kl.init_coef=0.01", f"teacher.pretrain={model}",
-                              f"actor.pretrain={model}"),
+        # the KL reference (GRPO's KL loss) and, as teacher, the initial actor adding its distillation advantage
+        "kl": _overrides(tmp_path / "kl", "train.max_steps=3", *common, f"teacher.pretrain={model}",
+                         "algo.distill_coef=0.5"),
+        # on-policy distillation alone, from a teacher of other weights
+        "distill": _overrides(tmp_path / "distill", "train.max_steps=2", *common, f"teacher.pretrain={other}",
+                              "algo.advantage_estimator=distill"),
     }
     results = run_each_on_ranks(_frozen_scores, 2, {name: (overrides,) for name, overrides in runs.items()})
     for name, per_rank in results.items():
         out = per_rank[0]
         mask = out["mask"]
         assert out["image_rows"] == mask.shape[0], name  # every row of the colour task holds an image
-        # step 0: the reference and the teacher are the actor's initial weights, and see the same images
+        # step 0: the reference is the actor's initial weights, and sees the same images
         torch.testing.assert_close(out["ref"][mask], out["actor"][mask], atol=1e-5, rtol=0)
-        torch.testing.assert_close(out["teacher"][mask], out["actor"][mask], atol=1e-5, rtol=0)
-        # the reference's forward reads the pixels: zeroing them moves its log-probs
+        # the frozen forwards read the pixels: zeroing them moves the log-probs
         assert (out["ref_zeroed"][mask] - out["ref"][mask]).abs().max() > 1e-3, name
-        rows = [r for r in read_metrics(tmp_path / name.split("_")[0] / "run") if "policy_loss" in r]
+        assert (out["teacher_zeroed"][mask] - out["teacher"][mask]).abs().max() > 1e-3, name
+        rows = [r for r in read_metrics(tmp_path / name / "run") if "policy_loss" in r]
         assert rows and all(math.isfinite(r["actor_grad_norm"]) and abs(r["is/rollout_kl_k3"]) < 1e-6 for r in rows)
-        assert "distill/teacher_logprob" in rows[0] and "kl" in rows[0], sorted(rows[0])
+        assert "distill/teacher_logprob" in rows[0] and rows[0]["kl"] == pytest.approx(0.0, abs=1e-6), rows[0]
+    kl, distill = results["kl"][0], results["distill"][0]
+    torch.testing.assert_close(kl["teacher"][kl["mask"]], kl["actor"][kl["mask"]], atol=1e-5, rtol=0)
+    assert (distill["teacher"] - distill["actor"])[distill["mask"]].abs().max() > 1e-2
+    # the teacher's per-token scores alone move the student from the first step
+    assert read_metrics(tmp_path / "distill" / "run")[0]["actor_grad_norm"] > 0
