@@ -91,3 +91,21 @@ def test_saved_critic_loads_back_with_its_head(tiny, tmp_path):
     critic.save_pretrained(tmp_path / "critic")
     again = load_value_model(str(tmp_path / "critic"), torch.float32, "sdpa", require_head=True)
     torch.testing.assert_close(again.score.weight, critic.score.weight, rtol=0, atol=0)
+
+
+def test_lora_critic_adapts_the_language_model_and_trains_the_head(tiny):
+    from hpc_rlhf.config.schema import LoraConfig
+    from hpc_rlhf.models.lora import apply_lora
+
+    path, _, tok, processor = tiny
+    critic = apply_lora(load_value_model(str(path), torch.float32, "sdpa"), LoraConfig(rank=4, alpha=8))
+    trainable = {n for n, p in critic.named_parameters() if p.requires_grad}
+    adapted = {n for n in trainable if "lora_" in n}
+    assert adapted and all(n.startswith("model.language_model.") for n in adapted)
+    assert trainable - adapted and all("score" in n for n in trainable - adapted), sorted(trainable - adapted)
+    seq, mask, r, _, fields = _rows(critic, tok, processor)
+    rows = {"sequences": seq, "attention_mask": mask, "action_mask": mask[:, -r:], **fields}
+    with forward_scope(critic, rows, packed=True) as fwd:
+        fwd.critic_values().sum().backward()
+    assert all(p.grad is not None for n, p in critic.named_parameters()
+               if "lora_B" in n or ("score" in n and p.requires_grad))
