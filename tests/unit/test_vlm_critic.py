@@ -109,3 +109,24 @@ def test_lora_critic_adapts_the_language_model_and_trains_the_head(tiny):
         fwd.critic_values().sum().backward()
     assert all(p.grad is not None for n, p in critic.named_parameters()
                if "lora_B" in n or ("score" in n and p.requires_grad))
+
+
+def test_text_only_critic_reference_or_teacher_beside_a_vlm_actor_is_refused(tmp_path):
+    import json
+
+    from hpc_rlhf.config import load_config
+    from hpc_rlhf.trainers.rl.setup import SetupError, check_vision_language
+
+    for name, config in (("vlm", {"model_type": "qwen2_5_vl", "vision_config": {"depth": 1}, "image_token_id": 3}),
+                         ("text", {"model_type": "llama"})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    vlm, text = tmp_path / "vlm", tmp_path / "text"
+    base = [f"actor.pretrain={vlm}", "algo.advantage_estimator=gae", "rollout.n_samples_per_prompt=1"]
+    check_vision_language(load_config(None, base), on_gpu=False)  # the critic starts from the actor
+    check_vision_language(load_config(None, [*base, f"critic.pretrain={vlm}", f"teacher.pretrain={vlm}",
+                                             "algo.kl.init_coef=0.01", f"ref.pretrain={vlm}"]), on_gpu=False)
+    for key in ("critic.pretrain", "ref.pretrain", "teacher.pretrain"):
+        with pytest.raises(SetupError, match=rf"{key}=.*text.* is a text-only model but actor.pretrain"):
+            check_vision_language(load_config(None, [*base, "algo.kl.init_coef=0.01", f"{key}={text}"]),
+                                  on_gpu=False)

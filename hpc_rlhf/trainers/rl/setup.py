@@ -120,12 +120,16 @@ def check_vision_language(cfg: RunConfig, on_gpu: bool) -> None:
             raise SetupError(f"actor.freeze_vision_tower=true but actor.pretrain={cfg.actor.pretrain} is a text-only "
                              "model")
         return
-    # A critic (PPO with GAE) is built from the VLM like the actor and its forward takes the images
-    # (hpc_rlhf.models.vision.vision_value_class); a text-only critic.pretrain would not see them.
-    if cfg.critic.pretrain is not None and not is_vision_language(local_hf_config(cfg.critic) or {}):
-        raise SetupError(f"critic.pretrain={cfg.critic.pretrain} is a text-only model but actor.pretrain is a "
-                         "vision-language model: the critic must read the rows' images; leave critic.pretrain unset "
-                         "(the critic starts from actor.pretrain) or give a vision-language model")
+    # The critic (PPO with GAE; hpc_rlhf.models.vision.vision_value_class), the reference and the teacher run their
+    # forwards with the rows' images: a text-only model of their own would not see them.
+    for key, section in (("critic.pretrain", cfg.critic), ("ref.pretrain", cfg.ref),
+                         ("teacher.pretrain", cfg.teacher)):
+        hf = local_hf_config(section)
+        if hf is not None and not is_vision_language(hf):
+            raise SetupError(f"{key}={section.pretrain} is a text-only model but actor.pretrain={cfg.actor.pretrain} "
+                             f"is a vision-language model: it must read the rows' images; give a vision-language "
+                             f"model of the actor's family" + (" or leave it unset (it starts from actor.pretrain)"
+                                                                if key != "teacher.pretrain" else ""))
     if cfg.reward.pretrain is not None:
         raise SetupError("a vision-language actor with a reward model (reward.pretrain) is not supported yet: use "
                          "reward.reward_func_path")
