@@ -98,10 +98,13 @@ def _share_checkpoint_renamings(generation_class: type, name: str) -> None:
     """Give the class ``name`` the checkpoint key renamings transformers keeps for ``generation_class`` (older key
     layouts of the model type, e.g. Qwen2.5-VL's ``model.layers`` -> ``model.language_model.layers``): they are
     looked up by class name, or by model type for transformers' own classes only."""
-    from transformers.conversion_mapping import (
-        get_checkpoint_conversion_mapping,
-        register_checkpoint_conversion_mapping,
-    )
+    try:
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+    except ImportError:  # transformers 4 (not tried here) keeps them in the class attribute
+        return  # ``_checkpoint_conversion_mapping``, which the subclass inherits
 
     model_type = getattr(getattr(generation_class, "config_class", None), "model_type", None)
     renamings = get_checkpoint_conversion_mapping(generation_class.__name__) or (
