@@ -70,7 +70,8 @@ PPO = ("algo.advantage_estimator=gae", "rollout.n_samples_per_prompt=1", "rollou
 def test_ppo_gae_with_a_vlm_critic_updates_and_the_critic_learns(tmp_path):
     runs = {"padded": _overrides(tmp_path / "padded", "train.max_steps=8", "eval.steps=100", *PPO),
             "packed_zero3": _overrides(tmp_path / "packed", "train.max_steps=2", "eval.steps=100", *PPO,
-                                       "train.packing_samples=true", "ds.zero_stage=3")}
+                                       "train.packing_samples=true", "ds.zero_stage=3", "ckpt.save_steps=2",
+                                       "ckpt.save_hf=true", "ckpt.save_critic_hf=true")}
     run_each_on_ranks(_fit, 2, {name: (overrides,) for name, overrides in runs.items()})
     for name, steps in (("padded", 8), ("packed", 2)):
         rows = [r for r in read_metrics(tmp_path / name / "run") if "critic_loss" in r]
@@ -78,6 +79,12 @@ def test_ppo_gae_with_a_vlm_critic_updates_and_the_critic_learns(tmp_path):
         for r in rows:
             assert math.isfinite(r["critic_loss"]) and math.isfinite(r["actor_grad_norm"]) and r["actor_grad_norm"] > 0
             assert abs(r["is/rollout_kl_k3"]) < 1e-6, (name, r["is/rollout_kl_k3"])
+    # the critic's HF export (gathered from ZeRO-3) loads back with its trained head, processor beside it
+    from hpc_rlhf.models.loading import load_value_model
+
+    export = tmp_path / "packed" / "run" / "hf" / "step_2" / "critic"
+    critic = load_value_model(str(export), torch.float32, "sdpa", require_head=True)
+    assert critic.score.weight.abs().sum() > 0 and (export / "preprocessor_config.json").is_file()
     rows = [r for r in read_metrics(tmp_path / "padded" / "run") if "critic_loss" in r]
     losses = [r["critic_loss"] for r in rows]
     assert sum(losses[-3:]) / 3 < 0.5 * losses[0], losses  # the critic fits the returns of the images it sees
