@@ -45,7 +45,7 @@ from hpc_rlhf.planning.time_budget import (
     read_sbatch_budget,
     time_lines,
 )
-from hpc_rlhf.planning.vision_memory import VLLM_MULTIMODAL_LINE, vision_lines
+from hpc_rlhf.planning.vision_memory import vision_lines, vllm_multimodal_lines
 from hpc_rlhf.training.optimizer_choice import adam_implementation, optimizer_offloaded
 from hpc_rlhf.world.placement import PlacementError, build_placement
 
@@ -214,11 +214,14 @@ def _resume_line(path: str | None, cfg, wanted) -> str | None:
 
 
 def _vision(section, data, micro_batch: int, ds, role: str, vllm: bool = False) -> list[str]:
-    """The vision tower's lines of a vision-language model (none for a text model); vLLM's caveat with ``vllm``."""
+    """The vision tower's lines of a vision-language model (none for a text model); with ``vllm``, vLLM's caveat
+    and its multimodal caches (an estimate)."""
     hf = local_hf_config(section)
     bytes_per_value = 2 if resolved_param_dtype(ds.param_dtype, True) == "bf16" else 4
     lines = vision_lines(hf or {}, data.max_pixels, micro_batch, bytes_per_value, section.freeze_vision_tower, role)
-    return [*lines, VLLM_MULTIMODAL_LINE] if lines and vllm else lines
+    if not (lines and vllm):
+        return lines
+    return [*lines, *vllm_multimodal_lines(hf or {}, data.max_pixels, bytes_per_value)]
 
 
 def plan_supervised(args, kind: str, world_size: int) -> int:

@@ -25,7 +25,7 @@ from hpc_rlhf.models.kernels import apply_liger_kernel, resolve_attn_implementat
 from hpc_rlhf.models.quantization import bnb_4bit_load_kwargs, keep_cpu_numerics_exact, warn_unquantized_weights
 from hpc_rlhf.models.value_head import check_value_head
 from hpc_rlhf.models.vision import freeze_vision_tower as freeze_tower
-from hpc_rlhf.models.vision import is_vision_language
+from hpc_rlhf.models.vision import is_vision_language, vision_value_class
 
 
 def require_local_model(path: str | None, key: str) -> None:
@@ -138,13 +138,23 @@ def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "
     ``value_head_prefix``: the head's name in the checkpoint, loaded into ``score`` (renamed while the
     weights load, so it works under ZeRO-3's partitioned init too). A name other than ``score`` must exist
     in the checkpoint, and so must ``score`` with ``require_head``; otherwise a missing ``score`` head starts
-    fresh, as a critic initialised from a causal LM needs. ``key``: the option named in errors.
+    fresh, as a critic initialised from a causal LM needs. ``key``: the option named in errors. A vision-language
+    checkpoint (``hpc_rlhf.models.vision``) loads as its multimodal model with a ``score`` head
+    (:func:`hpc_rlhf.models.vision.vision_value_class`), whose forward takes the rows' images.
     """
     kwargs = {}
     if value_head_prefix != "score" or require_head:
         check_value_head(path, value_head_prefix, key)
     if value_head_prefix != "score":
         kwargs["key_mapping"] = {rf"^{re.escape(value_head_prefix)}\.": "score."}
+    config = AutoConfig.from_pretrained(path)
+    if is_vision_language(config):
+        # the VLM's multimodal model with a ``score`` head (transformers has no sequence classifier for Qwen-VL)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+        value_class = vision_value_class(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)])
+        return _from_pretrained(value_class, path, dtype, attn_implementation, use_liger_kernel, load_in_4bit,
+                                **kwargs)
     model = _from_pretrained(AutoModelForSequenceClassification, path, dtype, attn_implementation, use_liger_kernel,
                              load_in_4bit, num_labels=1, **kwargs)
     if model.config.pad_token_id is None:

@@ -34,6 +34,7 @@ from hpc_rlhf.models.sequence_parallel import (
     sp_token_values,
 )
 from hpc_rlhf.models.vision import VISUAL_FIELDS
+from hpc_rlhf.models.vision_forward import vision_critic_values
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,9 @@ class MicroForward:
 
     def critic_values(self) -> torch.Tensor:
         """(B, R) fp32 value of the state before each response token."""
-        self._text_only("a critic's values")
+        if self.visual is not None:
+            return vision_critic_values(self.model, self.sequences, self.attention_mask, self.visual,
+                                        self._num_actions, packed=self.packed)
         if self.sp is None:
             return critic_values(self.model, self.sequences, self.attention_mask, self._num_actions,
                                  packed=self.packed)
@@ -141,8 +144,8 @@ class MicroForward:
 
     def _text_only(self, what: str) -> None:
         if self.visual is not None:
-            raise NotImplementedError(f"{what} of rows with images are not supported yet (use a reward function and "
-                                      "a critic-free estimator such as GRPO / REINFORCE++ with vision-language models)")
+            raise NotImplementedError(f"{what} of rows with images are not supported yet (use a reward function with "
+                                      "vision-language models)")
 
     def _chunk_router(self, layers: tuple[torch.Tensor, ...]) -> RouterLogits:
         """:class:`RouterLogits` of this rank's chunk: its real tokens, and the positions that predict a response

@@ -13,6 +13,7 @@ forward's input ids show the images.
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 from collections.abc import Sequence
@@ -60,6 +61,56 @@ def freeze_vision_tower(module: Any) -> int:
             param.requires_grad_(False)
             frozen += param.numel()
     return frozen
+
+
+@functools.cache
+def vision_value_class(generation_class: type) -> type:
+    """A value model (critic) built from a vision-language ``*ForConditionalGeneration`` class: the same multimodal
+    model (``model``: vision tower, projector, language model) with a one-output linear ``score`` head in place of
+    the LM head, as ``AutoModelForSequenceClassification`` builds a text critic from a causal LM.
+
+    ``from_pretrained`` of the returned class loads a VLM checkpoint's ``model.*`` weights and starts ``score``
+    fresh (the checkpoint's ``lm_head`` is dropped); a checkpoint saved from it loads ``score`` back. Cached per class,
+    so every critic of a run is of one class.
+    """
+    if not hasattr(generation_class, "base_model_prefix"):
+        raise TypeError(f"{generation_class!r} is not a transformers model class")
+
+    base: Any = generation_class  # a transformers class: its __init__ takes the config
+
+    def __init__(self: Any, config: Any) -> None:
+        base.__init__(self, config)
+        del self.lm_head  # a critic predicts no tokens: no vocabulary-sized head to keep, train or offload
+        self.score = torch.nn.Linear(config.text_config.hidden_size, 1, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self: Any) -> None:
+        return None
+
+    name = generation_class.__name__.replace("ForConditionalGeneration", "") + "ForValue"
+    _share_checkpoint_renamings(generation_class, name)
+    # no LM head: nothing is tied to the input embeddings
+    return type(name, (generation_class,), {"__init__": __init__, "get_output_embeddings": get_output_embeddings,
+                                            "_tied_weights_keys": {}, "__module__": __name__})
+
+
+def _share_checkpoint_renamings(generation_class: type, name: str) -> None:
+    """Give the class ``name`` the checkpoint key renamings transformers keeps for ``generation_class`` (older key
+    layouts of the model type, e.g. Qwen2.5-VL's ``model.layers`` -> ``model.language_model.layers``): they are
+    looked up by class name, or by model type for transformers' own classes only."""
+    try:
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+    except ImportError:  # transformers 4 (not tried here) keeps them in the class attribute
+        return  # ``_checkpoint_conversion_mapping``, which the subclass inherits
+
+    model_type = getattr(getattr(generation_class, "config_class", None), "model_type", None)
+    renamings = get_checkpoint_conversion_mapping(generation_class.__name__) or (
+        get_checkpoint_conversion_mapping(model_type) if model_type else None)
+    if renamings:
+        register_checkpoint_conversion_mapping(name, renamings, overwrite=True)
 
 
 def visual_row_fields(visuals: Sequence[PromptVisual | None], sequences: torch.Tensor,

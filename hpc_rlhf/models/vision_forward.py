@@ -17,6 +17,7 @@ in the packed row, which is the order the model scatters image features into ima
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from hpc_rlhf.models.forward import (
     model_inputs,
     pack_actions,
 )
-from hpc_rlhf.models.hf_module import ModelOrEngine
+from hpc_rlhf.models.hf_module import ModelOrEngine, child_module
 from hpc_rlhf.models.logprobs import logprobs_from_logits
 from hpc_rlhf.models.vision import flat_images, multimodal_model
 
@@ -75,15 +76,13 @@ def _images(visual: dict[str, torch.Tensor], rows: list[int] | None, device: Any
     return {"pixel_values": pixels.to(device), "image_grid_thw": grid.to(device)}
 
 
-def vision_policy_logprobs(model: ModelOrEngine, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                           visual: dict[str, torch.Tensor], num_actions: int, temperature: float = 1.0, *,
-                           packed: bool = False, with_entropy: bool = False,
-                           entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and optionally the entropy) of the response tokens of rows with images: two (B, R) fp32, 0 on
-    response padding (as :func:`hpc_rlhf.models.forward.policy_logprobs`, which calls this for such rows).
+def _action_hidden(model: ModelOrEngine, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                   visual: dict[str, torch.Tensor], num_actions: int, packed: bool
+                   ) -> tuple[Any, torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """The multimodal model's last hidden states at the K positions that predict a real response token.
 
-    ``visual``: the rows' ``pixel_values`` (B, N_max, D), ``image_grid_thw`` (B, I_max, 3) and
-    ``mrope_position_ids`` (B, P+R, 3) (:func:`hpc_rlhf.models.vision.visual_row_fields`).
+    Returns ``(module, hidden (K, H), targets (K,), scatter)``: ``scatter`` puts (K,) values back into the (B, R)
+    layout (0 on response padding). Padded rows run as they are; packed rows as one row (module docstring).
     """
     module, attn, dtype, device = _layout_of(model)
     multimodal = multimodal_model(module)
@@ -97,21 +96,30 @@ def vision_policy_logprobs(model: ModelOrEngine, sequences: torch.Tensor, attent
         inputs["position_ids"] = mrope if inputs["attention_mask"] is not None else torch.cat(
             [inputs["position_ids"].reshape(1, 1, -1), mrope])
         out = multimodal(**inputs, use_cache=False, **_images(visual, packed_order(segment), device))
-        hidden = out.last_hidden_state[0, pack.positions.to(device)]
-        targets = pack.targets.to(device)
+        return module, out.last_hidden_state[0, pack.positions.to(device)], pack.targets.to(device), pack.scatter
+    out = multimodal(input_ids=sequences.to(device), attention_mask=attention_mask.to(device),
+                     position_ids=positions.permute(2, 0, 1).to(device), use_cache=False,
+                     **_images(visual, None, device))
+    mask = attention_mask[:, -num_actions:].bool().to(device)  # real response tokens
+    hidden = out.last_hidden_state[:, -num_actions - 1 : -1][mask]
 
-        def scatter(values: torch.Tensor) -> torch.Tensor:
-            return pack.scatter(values)
-    else:
-        out = multimodal(input_ids=sequences.to(device), attention_mask=attention_mask.to(device),
-                         position_ids=positions.permute(2, 0, 1).to(device), use_cache=False,
-                         **_images(visual, None, device))
-        mask = attention_mask[:, -num_actions:].bool().to(device)  # real response tokens
-        hidden = out.last_hidden_state[:, -num_actions - 1 : -1][mask]
-        targets = sequences[:, -num_actions:].to(device)[mask]
+    def scatter(values: torch.Tensor) -> torch.Tensor:
+        return _scatter_actions(values, mask)
 
-        def scatter(values: torch.Tensor) -> torch.Tensor:
-            return _scatter_actions(values, mask)
+    return module, hidden, sequences[:, -num_actions:].to(device)[mask], scatter
+
+
+def vision_policy_logprobs(model: ModelOrEngine, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                           visual: dict[str, torch.Tensor], num_actions: int, temperature: float = 1.0, *,
+                           packed: bool = False, with_entropy: bool = False,
+                           entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and optionally the entropy) of the response tokens of rows with images: two (B, R) fp32, 0 on
+    response padding (as :func:`hpc_rlhf.models.forward.policy_logprobs`, which calls this for such rows).
+
+    ``visual``: the rows' ``pixel_values`` (B, N_max, D), ``image_grid_thw`` (B, I_max, 3) and
+    ``mrope_position_ids`` (B, P+R, 3) (:func:`hpc_rlhf.models.vision.visual_row_fields`).
+    """
+    module, hidden, targets, scatter = _action_hidden(model, sequences, attention_mask, visual, num_actions, packed)
     weight = chunked_head_weight(module)
     if weight is not None:
         logprobs, entropy = linear_logprobs(hidden, weight, targets, temperature, with_entropy)
@@ -123,6 +131,18 @@ def vision_policy_logprobs(model: ModelOrEngine, sequences: torch.Tensor, attent
     if entropy is not None and not entropy_grad:
         entropy = entropy.detach()
     return scatter(logprobs), (scatter(entropy) if entropy is not None else None)
+
+
+def vision_critic_values(model: ModelOrEngine, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                         visual: dict[str, torch.Tensor], num_actions: int, *, packed: bool = False) -> torch.Tensor:
+    """A vision-language critic's value of the state before each response token of rows with images: (B, P+R) ->
+    (B, R) fp32, 0 on response padding (:func:`hpc_rlhf.models.forward.critic_values` for such rows).
+
+    ``model``: :func:`hpc_rlhf.models.vision.vision_value_class` (the multimodal model and a ``score`` head); the
+    images and M-RoPE positions of ``visual`` go through its multimodal model as in :func:`vision_policy_logprobs`.
+    """
+    module, hidden, _, scatter = _action_hidden(model, sequences, attention_mask, visual, num_actions, packed)
+    return scatter(child_module(module, "score")(hidden).squeeze(-1).float())
 
 
 def vision_causal_lm_forward(model: ModelOrEngine, batch: CollatedBatch, visual: dict[str, torch.Tensor]

@@ -160,3 +160,49 @@ def vision_lines(cfg: dict, max_pixels: int | None, micro_batch: int, bytes_per_
 VLLM_MULTIMODAL_LINE = ("  vLLM with images: GPU only (vLLM's CPU build cannot load Qwen-VL without torchvision, "
                         "docs/vlm.md); that its GPU path computes the trainer's image tokens and log-probs is a "
                         "hypothesis: nothing has run it")
+
+# vLLM 0.32's default ``max_num_batched_tokens`` for its ``LLM`` class (the rollout engines build one and set none):
+# 16384 on GPUs of >= 70 GiB other than the A100 (H100, H200), 8192 below (A100 included); ``EngineArgs``'s defaults.
+VLLM_BATCHED_TOKENS_LARGE_GPU = 16384
+VLLM_BATCHED_TOKENS_OTHER_GPU = 8192
+# ``mm_processor_cache_gb``'s default: host memory per engine process for processed images (vLLM 0.32).
+VLLM_PROCESSOR_CACHE_GIB = 4
+
+
+def vllm_encoder_cache_tokens(shape: VisionShape, max_pixels: int, max_num_batched_tokens: int) -> int:
+    """Tokens vLLM's multimodal encoder cache holds: ``max(max_num_batched_tokens, one image's tokens)``
+    (``vllm.v1.core.encoder_cache_manager.compute_mm_encoder_budget``, vLLM 0.32)."""
+    return max(max_num_batched_tokens, shape.tokens_per_image(max_pixels))
+
+
+def vllm_encoder_cache_bytes(shape: VisionShape, max_pixels: int, max_num_batched_tokens: int,
+                             bytes_per_value: int) -> int:
+    """GPU bytes of vLLM's encoder cache when full: each cached image token is the vision output handed to the
+    language model, ``out_hidden_size`` wide, times ``1 + deepstack`` levels for Qwen3-VL (vLLM concatenates the
+    deepstack features to it), in the model dtype. vLLM fills it with dummy images during its memory profiling, so
+    it comes out of ``vllm.gpu_memory_utilization`` (less KV cache), not on top."""
+    width = shape.out_hidden_size * (1 + shape.num_deepstack_mergers)
+    return vllm_encoder_cache_tokens(shape, max_pixels, max_num_batched_tokens) * width * bytes_per_value
+
+
+def vllm_multimodal_lines(cfg: dict, max_pixels: int | None, bytes_per_value: int) -> list[str]:
+    """``plan``'s lines about vLLM with a vision-language actor (none for a text model): the GPU-only caveat and an
+    estimate of vLLM's multimodal caches at its default ``max_num_batched_tokens`` (read from vLLM 0.32's code; no
+    GPU run has measured them)."""
+    shape = VisionShape.from_hf_config(cfg)
+    if shape is None:
+        return []
+    lines = [VLLM_MULTIMODAL_LINE]
+    processor = (f"; its processor cache: up to {VLLM_PROCESSOR_CACHE_GIB} GiB of host memory per engine process "
+                 "(mm_processor_cache_gb)")
+    if max_pixels is None:
+        lines.append("  vLLM multimodal encoder cache: set data.max_pixels to size it" + processor)
+        return lines
+    large, other = (_size(vllm_encoder_cache_bytes(shape, max_pixels, tokens, bytes_per_value))
+                    for tokens in (VLLM_BATCHED_TOKENS_LARGE_GPU, VLLM_BATCHED_TOKENS_OTHER_GPU))
+    lines.append(f"  vLLM multimodal encoder cache (estimate, GPU only, unmeasured): "
+                 f"{vllm_encoder_cache_tokens(shape, max_pixels, VLLM_BATCHED_TOKENS_LARGE_GPU)} image tokens, "
+                 f"~{large} on H100 / H200 (vLLM's default max_num_batched_tokens {VLLM_BATCHED_TOKENS_LARGE_GPU}; "
+                 f"~{other} at {VLLM_BATCHED_TOKENS_OTHER_GPU} on A100 and smaller GPUs), within "
+                 f"vllm.gpu_memory_utilization (less KV cache){processor}")
+    return lines

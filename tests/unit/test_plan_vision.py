@@ -12,7 +12,13 @@ import pytest
 
 from hpc_rlhf.cli.plan import plan
 from hpc_rlhf.planning.model_shape import ModelShape, count_params_from_hf_config
-from hpc_rlhf.planning.vision_memory import VisionShape, vision_lines
+from hpc_rlhf.planning.vision_memory import (
+    VisionShape,
+    vision_lines,
+    vllm_encoder_cache_bytes,
+    vllm_encoder_cache_tokens,
+    vllm_multimodal_lines,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,6 +117,28 @@ def test_lines_and_frozen_tower():
     assert "set data.max_pixels" in vision_lines(_config("qwen3_vl"), None, 8, 2, False, "model")[1]
 
 
+def test_vllm_encoder_cache_by_hand():
+    qwen25 = VisionShape.from_hf_config(_config("qwen2_5_vl"))
+    assert qwen25 is not None
+    # max(max_num_batched_tokens, one image's tokens): 1003520 px / 28^2 = 1280 tokens < 16384
+    assert vllm_encoder_cache_tokens(qwen25, 1003520, 16384) == 16384
+    # an image of 20000 tokens (28^2 * 20000 px) needs the cache to hold it whole
+    assert vllm_encoder_cache_tokens(qwen25, 784 * 20000, 16384) == 20000
+    # each token: out_hidden_size 128 values, bf16: 16384 * 128 * 2 bytes
+    assert vllm_encoder_cache_bytes(qwen25, 1003520, 16384, 2) == 16384 * 128 * 2
+    # Qwen3-VL: one deepstack level is concatenated to each token: 2 x 128 values
+    qwen3 = VisionShape.from_hf_config(_config("qwen3_vl"))
+    assert qwen3 is not None and vllm_encoder_cache_bytes(qwen3, 1003520, 8192, 2) == 8192 * 256 * 2
+    # Qwen2.5-VL-7B's widths (out_hidden_size 3584): 16384 * 3584 * 2 bytes = 0.11 GiB on an H100, 56 MiB at 8192
+    big = dict(_config("qwen2_5_vl"), vision_config=dict(_config("qwen2_5_vl")["vision_config"], out_hidden_size=3584))
+    lines = vllm_multimodal_lines(big, 1003520, 2)
+    assert "GPU only" in lines[0]
+    assert "16384 image tokens, ~0.11 GiB on H100 / H200" in lines[1] and "~56.00 MiB at 8192" in lines[1], lines
+    assert "estimate" in lines[1] and "4 GiB of host memory" in lines[1]
+    assert "set data.max_pixels" in vllm_multimodal_lines(big, None, 2)[1]
+    assert vllm_multimodal_lines({"hidden_size": 8}, 1003520, 2) == []
+
+
 def test_plan_prints_the_vision_tower_and_vllms_caveat(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code = plan(["--config", str(ROOT / "configs" / "grpo_vlm_tiny_cpu.yaml"), "--nodes", "1", "--gpus-per-node",
@@ -120,6 +148,7 @@ def test_plan_prints_the_vision_tower_and_vllms_caveat(capsys, tmp_path, monkeyp
     assert "actor vision tower (qwen2_5_vl): 0.26M params" in out
     assert "per image at data.max_pixels=1003520: <= 5120 patches -> 1280 tokens" in out
     assert "vLLM with images: GPU only" in out and "hypothesis" in out
+    assert "vLLM multimodal encoder cache (estimate, GPU only, unmeasured): 16384 image tokens" in out
     code = plan(["--config", str(ROOT / "configs" / "sft_vlm_tiny_cpu.yaml"), "--nodes", "1", "--gpus-per-node", "2"])
     out = capsys.readouterr().out
     assert code == 0 and "model vision tower (qwen2_5_vl)" in out and "vLLM" not in out

@@ -120,9 +120,16 @@ def check_vision_language(cfg: RunConfig, on_gpu: bool) -> None:
             raise SetupError(f"actor.freeze_vision_tower=true but actor.pretrain={cfg.actor.pretrain} is a text-only "
                              "model")
         return
-    if cfg.critic.pretrain is not None or cfg.algo.advantage_estimator == "gae":
-        raise SetupError("a vision-language actor with a critic (critic.pretrain / algo.advantage_estimator=gae) "
-                         "is not supported yet: use a critic-free estimator (group_norm, reinforce_baseline, ...)")
+    # The critic (PPO with GAE; hpc_rlhf.models.vision.vision_value_class), the reference and the teacher run their
+    # forwards with the rows' images: a text-only model of their own would not see them.
+    for key, section in (("critic.pretrain", cfg.critic), ("ref.pretrain", cfg.ref),
+                         ("teacher.pretrain", cfg.teacher)):
+        hf = local_hf_config(section)
+        if hf is not None and not is_vision_language(hf):
+            raise SetupError(f"{key}={section.pretrain} is a text-only model but actor.pretrain={cfg.actor.pretrain} "
+                             f"is a vision-language model: it must read the rows' images; give a vision-language "
+                             f"model of the actor's family" + (" or leave it unset (it starts from actor.pretrain)"
+                                                                if key != "teacher.pretrain" else ""))
     if cfg.reward.pretrain is not None:
         raise SetupError("a vision-language actor with a reward model (reward.pretrain) is not supported yet: use "
                          "reward.reward_func_path")
