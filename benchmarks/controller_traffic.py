@@ -1,4 +1,4 @@
-"""What rank 0 sends to move one RL step's batches, before and after the replica path, on gloo ranks of this machine.
+"""What rank 0 sends to move one RL step's batches, with a copy per rank and through replica leaders, on gloo ranks.
 
     python benchmarks/controller_traffic.py --ranks 16              # ~2 minutes on 2 cores
     python benchmarks/controller_traffic.py --ranks 8 --layouts dp,tp2 --repeats 1
@@ -10,9 +10,10 @@ reference log-probs, plus the loss-normalising counts) and its statistics back (
 7B GRPO step (grpo_qwen2.5_7b: 1024 samples of 1024 + 2048 tokens) scaled down to ``--samples`` x
 (``--prompt-len`` + ``--response-len``).
 
-"before" is the channel as it was at ``--before`` (default 40b1f6c), read from git into a temporary module for
-this run only: one send per rank of the role and per tensor, one after another. "after" is the package's
-channel. Both run in the same world on the same layouts. Per layout and channel:
+"per-rank" is the baseline (``benchmarks/per_rank_channel.py``): one send per rank of the role and per tensor,
+one after another. "replica leaders" is the package's channel (one packed buffer per message, to each replica's
+leader, which broadcasts it inside the replica). Both run in the same world on the same layouts. Per layout and
+channel:
 
 - rank-0 messages: calls into torch.distributed that send (a point-to-point send, or a collective rank 0 is
   the root of), counted by wrapping those functions; a gloo collective may be several writes underneath;
@@ -22,21 +23,19 @@ channel. Both run in the same world on the same layouts. Per layout and channel:
   gloo's binomial-tree broadcasts and headers); max other MB: the most any other rank wrote;
 - wall ms: median over ``--repeats`` steps, barrier to barrier on rank 0 (indicative only: 16 processes
   share 2 cores here, and gloo over loopback is not NCCL over InfiniBand);
-- model: whether the messages agree with ``hpc_rlhf.world.traffic``: for "after" every rank's ledger
+- model: whether the messages agree with ``hpc_rlhf.world.traffic``: for "replica leaders" every rank's ledger
   (``channel.count_traffic``) equals the layout's listed messages byte for byte and the wrapped calls equal
-  the ledger; for "before" rank 0's count of sends equals ``per_rank_scatter_messages``.
+  the ledger; for "per-rank" rank 0's count of sends equals ``per_rank_scatter_messages``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import os
 import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -113,19 +112,6 @@ def written_bytes() -> int:
     raise RuntimeError("/proc/self/io has no wchar line")
 
 
-def load_channel_at(ref: str, where: Path):
-    """The channel module as it was at git ``ref``, imported from a temporary file (never kept in the package)."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:hpc_rlhf/world/channel.py"],
-                            check=True, capture_output=True, text=True).stdout
-    path = where / f"channel_at_{ref}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"channel_at_{ref}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 # ---- the step ----------------------------------------------------------------------------------------------
 
 def step_batch(samples: int, prompt_len: int, response_len: int) -> dict[str, torch.Tensor]:
@@ -199,13 +185,12 @@ def run_rank(rank: int, world_size: int, port: int, args: argparse.Namespace, re
     grids = {name: RoleGrid(name, tuple(range(world_size)), *LAYOUTS[name]) for name in args.layouts}
     world = build_world_groups(Placement(world_size, "benchmark", grids))
     batch = step_batch(args.samples, args.prompt_len, args.response_len) if rank == 0 else None
-    with tempfile.TemporaryDirectory() as tmp:
-        before = load_channel_at(args.before, Path(tmp))
+    before = importlib.import_module("per_rank_channel")
     rows, tap = [], Tap()
     for name, grid in grids.items():
         groups = world.roles[name]
         tap.own_replica = {r for r in grid.ranks if grid.dp_rank(r) == 0}
-        for label, channel in (("before", before), ("after", after)):
+        for label, channel in (("per-rank", before), ("replica leaders", after)):
             times, check = [], None
             for repeat in range(args.repeats + 1):  # the first step also opens gloo's connections: not timed
                 tap.reset()
@@ -224,7 +209,7 @@ def run_rank(rank: int, world_size: int, port: int, args: argparse.Namespace, re
             dist.all_gather_object(sent, first)
             if rank == 0:
                 messages, out_b, in_b, wrote, _ = first
-                if label == "after":
+                if label == "replica leaders":
                     every = sorted((m for s in sent for m in s[4]), key=repr)
                     taps_match = all(s[0] == len(s[4]) and s[1] + s[2] == sum(m.num_bytes for m in s[4])
                                      for s in sent)
@@ -255,7 +240,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--response-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per layout and channel")
-    parser.add_argument("--before", default="40b1f6c", help="git revision of the channel to compare with")
     args = parser.parse_args(argv)
     args.layouts = [name.strip() for name in args.layouts.split(",")]
     unknown = [name for name in args.layouts if name not in LAYOUTS]
