@@ -59,6 +59,16 @@ def _fit(formatter: TextFormatter, pieces: list[Piece], path: str, index: int, k
     return sample
 
 
+def row_margin(row: dict, data: Any, path: str, index: int) -> float:
+    """The pair's reward margin from ``data.margin_key`` (0 without one); a non-number names the row and key."""
+    if data.margin_key is None:
+        return 0.0
+    value = row.get(data.margin_key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise row_error(path, index, data.margin_key, f"margin must be a number, got {value!r:.40}")
+    return float(value)
+
+
 def make_pair(formatter: TextFormatter, data: Any):
     def make(row: Any, path: str, index: int) -> PreferencePair:
         if not isinstance(row, dict):
@@ -67,13 +77,7 @@ def make_pair(formatter: TextFormatter, data: Any):
                       data.chosen_key)
         rejected = _fit(formatter, _response_pieces(formatter, row, data, data.rejected_key, path, index), path,
                         index, data.rejected_key)
-        margin = 0.0
-        if data.margin_key is not None:
-            value = row.get(data.margin_key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise row_error(path, index, data.margin_key, f"margin must be a number, got {value!r:.40}")
-            margin = float(value)
-        return PreferencePair(chosen, rejected, margin)
+        return PreferencePair(chosen, rejected, row_margin(row, data, path, index))
 
     return make
 

@@ -183,7 +183,7 @@ def make_vision_pair(formatter: TextFormatter, data: Any,
     """Row -> :class:`hpc_rlhf.data.preference.PreferencePair` whose chosen and rejected samples carry the prompt's
     images (DPO with images): the prompt (``data.prompt_key``, chat messages with image parts and / or the
     ``images_key`` column) is shared, each answer is trained as for SFT; a row without images is a text pair."""
-    from hpc_rlhf.data.preference import PreferencePair, _response_pieces, make_pair
+    from hpc_rlhf.data.preference import PreferencePair, _response_pieces, make_pair, row_margin
 
     text_make = make_pair(formatter, data)
 
@@ -215,12 +215,6 @@ def make_vision_pair(formatter: TextFormatter, data: Any,
                                 "data.max_pixels")
             samples.append(VisionTokenSample(sample.input_ids, sample.loss_mask, refs,
                                              tuple((int(t), int(h), int(w)) for t, h, w in grid.tolist())))
-        margin = 0.0
-        if data.margin_key is not None:
-            value = row.get(data.margin_key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise row_error(path, index, data.margin_key, f"margin must be a number, got {value!r:.40}")
-            margin = float(value)
-        return PreferencePair(samples[0], samples[1], margin)
+        return PreferencePair(samples[0], samples[1], row_margin(row, data, path, index))
 
     return make
