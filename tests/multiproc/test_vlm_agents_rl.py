@@ -9,30 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from hpc_rlhf.config.loader import load_config
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.multiproc.spawn import run_on_ranks
+from tests.multiproc.test_vlm_rl import _fit  # the VLM recipe's run on each rank
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "configs" / "grpo_vlm_tiny_cpu.yaml"
-
-
-def _fit(rank, world_size, overrides):
-    from hpc_rlhf.cli.startup import prepare_local_assets
-    from hpc_rlhf.trainers.rl.async_loop import trainer_class
-    from hpc_rlhf.world.groups import build_world_groups
-    from hpc_rlhf.world.placement import build_placement
-
-    cfg = load_config(str(RECIPE), overrides)
-    if rank == 0:
-        prepare_local_assets(cfg)
-    import torch.distributed as dist
-
-    dist.barrier()
-    trainer = trainer_class(cfg)(cfg, build_world_groups(build_placement(cfg, world_size)))
-    trainer.fit()
-    return None
 
 
 def _text_prompts(path: Path, num: int = 256) -> Path:
