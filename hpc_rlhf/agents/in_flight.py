@@ -15,7 +15,7 @@ oldest token's, which the trainer's staleness bound (``train.max_staleness``) ap
 
 Checkpoints: agent objects are user code and are not pickled. :meth:`InFlightEpisodes.state` keeps each batch's
 prompts, sampling parameters and the trajectories of its finished episodes; after a resume the unfinished
-episodes start again from their first turn with the same per-episode, per-turn seeds (``multi_turn._derive_seed``
+episodes start again from their first turn with the same per-episode, per-turn seeds (``episodes.derive_seed``
 of the same step seed, episode index and turn), so nothing finished is regenerated and no prompt is skipped.
 """
 
@@ -27,11 +27,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpc_rlhf.agents.episodes import Episode, EpisodeDriver, RunStats, new_episodes
 from hpc_rlhf.agents.executor import GenerateFn, check_samples_per_prompt
-from hpc_rlhf.agents.multi_turn import MultiTurnAgentExecutor, _Episode, _RunStats
+from hpc_rlhf.agents.multi_turn import MultiTurnAgentExecutor
 from hpc_rlhf.data.prompts import Prompt
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams, Trajectory
-from hpc_rlhf.utils.user_calls import UserCallRunner, run_to_completion
+from hpc_rlhf.utils.user_calls import run_to_completion
 
 
 @dataclass
@@ -42,7 +43,7 @@ class _Batch:
     prompts: list[Prompt]
     sampling: SamplingParams
     n: int
-    episodes: list[_Episode]
+    episodes: list[Episode]
     versions: dict[int, list[int]] = field(default_factory=dict)  # episode index -> version per response token
     done: dict[int, Trajectory] = field(default_factory=dict)  # episode index -> its finished trajectory
     started: set[int] = field(default_factory=set)  # episodes whose agent was built and reset
@@ -68,30 +69,29 @@ class InFlightEpisodes:
     """The episodes a rollout rank carries across weight updates (see the module docstring).
 
     Args:
-        executor: the run's reset/step agent executor (``MultiTurnAgentExecutor``); its episode logic is used
-            as is, one round at a time. Executors overriding ``execute`` are refused: their override holds an
-            episode inside one call of the executor.
+        executor: the run's reset/step agent executor (``MultiTurnAgentExecutor``); its settings drive the
+            episodes through the same ``agents.episodes`` logic as its ``run``, one round at a time. Executors
+            overriding ``execute`` are refused: their override holds an episode inside one call of the executor.
     """
 
     def __init__(self, executor: MultiTurnAgentExecutor) -> None:
-        if executor._overrides_execute():
+        if executor.overrides_execute():
             raise ValueError(f"{type(executor).__name__} overrides execute(): its episodes cannot wait between calls "
                              "for a weight update; with train.partial_rollout=true write the per-turn logic in "
                              "AgentInstance.step, or set train.partial_rollout=false")
-        executor._validate()
+        executor.validate_settings()
         self.executor = executor
         self.batches: list[_Batch] = []
-        self.stats = _RunStats()
+        self.stats = RunStats()
         self.generate_seconds = 0.0  # inside the engine's generate calls, over all calls so far
-        self._runner: UserCallRunner | None = None
+        self._driver: EpisodeDriver | None = None  # lives as long as the agents it runs
 
     # ------------------------------------------------------------------ batches
     def add(self, prompts: list[Prompt], sampling: SamplingParams, n: int, step: int,
             done: dict[int, Trajectory] | None = None) -> None:
         """Queue a batch's episodes (``done``: trajectories of episodes already finished, e.g. restored)."""
         check_samples_per_prompt(n)
-        episodes = [_Episode(index=g * n + s, group_index=g, prompt=p, params=sampling)
-                    for g, p in enumerate(prompts) for s in range(n)]
+        episodes = new_episodes(prompts, sampling, n)
         batch = _Batch(step=step, prompts=list(prompts), sampling=sampling, n=n, episodes=episodes,
                        done=dict(done or {}))
         self.stats.num_episodes += len(episodes) - len(batch.done)
@@ -116,9 +116,9 @@ class InFlightEpisodes:
         return out
 
     def close(self) -> None:
-        if self._runner is not None:
-            self._runner.close()
-            self._runner = None
+        if self._driver is not None:
+            self._driver.close()
+            self._driver = None
 
     # ------------------------------------------------------------------ checkpoints
     def state(self) -> list[dict[str, Any]]:
@@ -143,33 +143,29 @@ class InFlightEpisodes:
         return timed
 
     async def _rounds(self, generate: GenerateFn, version: int, finish_all: bool) -> None:
-        executor = self.executor
-        if self._runner is None:
-            self._runner = UserCallRunner()  # lives as long as the agents it runs
-        saved, executor._runner = executor._runner, self._runner
-        try:
-            rounds = 0
-            while True:
-                await self._admit()
-                active = [(b, e) for b in self.batches for e in b.episodes
-                          if e.index in b.started and e.index not in b.done]
-                older_running = any(not b.finished for b in (self.batches if finish_all else self.batches[:-1]))
-                if not active or not (older_running or rounds == 0):
-                    break
-                self.stats.max_active = max(self.stats.max_active, len(active))
-                episodes = [e for _, e in active]
-                executor._generate_round(episodes, generate, self.stats)
-                await _gather(executor._step(e, self.stats) for e in episodes)
-                for batch, episode in active:
-                    stamped = batch.versions.setdefault(episode.index, [])
-                    stamped += [version] * (len(episode.response_ids) - len(stamped))
-                    if episode.finished:
-                        self._finish(batch, episode, version)
-                rounds += 1
-        finally:
-            executor._runner = saved
+        if self._driver is None:
+            self._driver = EpisodeDriver(self.executor, self.stats)
+        driver = self._driver
+        rounds = 0
+        while True:
+            await self._admit(driver)
+            active = [(b, e) for b in self.batches for e in b.episodes
+                      if e.index in b.started and e.index not in b.done]
+            older_running = any(not b.finished for b in (self.batches if finish_all else self.batches[:-1]))
+            if not active or not (older_running or rounds == 0):
+                break
+            self.stats.max_active = max(self.stats.max_active, len(active))
+            episodes = [e for _, e in active]
+            driver.generate_round(episodes, generate)
+            await _gather(driver.step(e) for e in episodes)
+            for batch, episode in active:
+                stamped = batch.versions.setdefault(episode.index, [])
+                stamped += [version] * (len(episode.response_ids) - len(stamped))
+                if episode.finished:
+                    self._finish(driver, batch, episode, version)
+            rounds += 1
 
-    async def _admit(self) -> None:
+    async def _admit(self, driver: EpisodeDriver) -> None:
         """Build and reset queued episodes while fewer than ``num_concurrent`` run."""
         alive = sum(len(b.started) - len(b.done.keys() & b.started) for b in self.batches)
         room = self.executor.num_concurrent - alive
@@ -177,14 +173,14 @@ class InFlightEpisodes:
                 if e.index not in b.started and e.index not in b.done][:max(room, 0)]
         if not todo:
             return
-        await _gather(self.executor._start(e, self.stats) for _, e in todo)
+        await _gather(driver.start(e) for _, e in todo)
         for batch, episode in todo:
             batch.started.add(episode.index)
             if episode.finished:  # reset failed
-                self._finish(batch, episode, None)
+                self._finish(driver, batch, episode, None)
 
-    def _finish(self, batch: _Batch, episode: _Episode, version: int | None) -> None:
-        trajectory = self.executor._trajectory(episode)
+    def _finish(self, driver: EpisodeDriver, batch: _Batch, episode: Episode, version: int | None) -> None:
+        trajectory = driver.trajectory(episode)
         stamped = batch.versions.get(episode.index, [])
         fill = stamped[-1] if stamped else (version if version is not None else 0)
         versions = stamped + [fill] * (len(trajectory.response_ids) - len(stamped))

@@ -133,3 +133,64 @@ def test_execute_overrides_and_openai_agents_are_refused_clearly(tok):
         InFlightEpisodes(Wrapping(TurnsAgent, tok, 16))
     with pytest.raises(ValueError, match="OpenAI-client"):
         in_flight_pool(object())
+
+
+class SeededEngine:
+    """Answers sample j of a request from the request's seed and prompt alone (digits of seed * (j + 1), as many as
+    the prompt length picks), so the trajectories show which seed every turn of every episode was sampled with."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __call__(self, requests):
+        results = []
+        for i, request in enumerate(requests):
+            for j in range(request.n):
+                text = str(request.params.seed * (j + 1))[: 2 + len(request.prompt_ids) % 5]
+                ids = self.tok.encode(text, add_special_tokens=False)
+                results.append(GenerationResult(prompt_ids=list(request.prompt_ids), output_ids=ids,
+                                                output_logprobs=[-t / 100 for t in ids], finish_reason="stop",
+                                                request_index=i))
+        return results
+
+
+class DigitAgent(AgentInstanceBase):
+    """Done when the action starts with the label's digit or after 4 turns; raises on a "7" action (a failure)."""
+
+    def __init__(self):
+        self.turn = 0
+
+    async def step(self, states):
+        self.turn += 1
+        action = states["action_text"]
+        if "7" in action[:1]:
+            raise RuntimeError("seven")
+        done = action.startswith(states["label"]) or self.turn >= 4
+        return {"rewards": float(self.turn) + len(action) / 10, "environment_feedback": "" if done else "+",
+                "done": done}
+
+
+def test_in_flight_episodes_match_the_executor_run_token_for_token(tok):
+    """The asynchronous trainer's episodes and ``MultiTurnAgentExecutor.run`` share one episode logic: the same
+    prompts and step seed give the same trajectories, failures included."""
+    batch = [Prompt(text=f"{i}{'=' * i}", label=str(i % 10), source="t", index=i) for i in range(6)]
+    sampling = SamplingParams(max_new_tokens=6, seed=1234)
+
+    def make():
+        return MultiTurnAgentExecutor(DigitAgent, tok, 16, max_len=40, max_turns=4, step_timeout_s=5.0)
+
+    ran = make().run(batch, SeededEngine(tok), sampling, 3)
+    pool = InFlightEpisodes(make())
+    pool.add(batch, sampling, 3, step=1)
+    carried = pool.advance(SeededEngine(tok), version=0, finish_all=True)
+    pool.close()
+
+    assert len(carried) == len(ran) == 18
+    for a, b in zip(ran, carried, strict=True):
+        assert b.token_versions == [0] * len(b.response_ids) and b.policy_version == 0
+        b.token_versions, b.policy_version = a.token_versions, a.policy_version  # what only the pool stamps
+        assert a == b
+    # Not a vacuous match: each sample drew its own seeds, episodes ran several turns, and some failed.
+    assert len({tuple(t.response_ids) for t in ran}) == len(ran)
+    assert max(t.extra_logs["num_turns"] for t in ran) > 1
+    assert 0 < sum(t.failure is not None for t in ran) < len(ran)
