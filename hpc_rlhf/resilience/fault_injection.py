@@ -3,7 +3,8 @@
     fault_point("generation", step, rank)
 
 does nothing unless ``HPC_RLHF_FAULT_DIR`` is set (one environment lookup per call). With it set, and
-``HPC_RLHF_FAULT_AT`` naming this point as ``<phase>:<step>:<rank>``, the rank:
+``HPC_RLHF_FAULT_AT`` naming this point as ``<phase>:<step>:<rank>`` (or as one of several, comma-separated: a run
+that is to take more than one fault, each at its own point), the rank:
 
 1. writes ``<dir>/at_<phase>_<step>_<rank>`` (its pid and the time) -- the driver waits for this file;
 2. waits until the driver removes that file (or ``HPC_RLHF_FAULT_WAIT_S`` passes), so the driver's signal
@@ -32,11 +33,16 @@ WAIT_ENV = "HPC_RLHF_FAULT_WAIT_S"
 _registered: set[int] = set()
 
 
+def armed_points(value: str | None) -> set[str]:
+    """The points ``HPC_RLHF_FAULT_AT`` names: ``<phase>:<step>:<rank>``, comma-separated."""
+    return {point.strip() for point in (value or "").split(",") if point.strip()}
+
+
 def fault_armed(phase: str, step: int, rank: int) -> bool:
     """Whether :func:`fault_point` would stop at this point (a caller may prepare for it, e.g. hold an engine's
     generation so that the fault lands while requests are in flight)."""
     root = os.environ.get(DIR_ENV)
-    if not root or os.environ.get(AT_ENV) != f"{phase}:{step}:{rank}":
+    if not root or f"{phase}:{step}:{rank}" not in armed_points(os.environ.get(AT_ENV)):
         return False
     return not (Path(root) / f"done_{phase}_{step}_{rank}").exists()
 
@@ -50,7 +56,7 @@ def fault_point(phase: str, step: int, rank: int) -> None:
     if rank not in _registered:
         _registered.add(rank)
         (root_dir / f"pid_{rank}").write_text(f"{os.getpid()}\n")
-    if os.environ.get(AT_ENV) != f"{phase}:{step}:{rank}":
+    if f"{phase}:{step}:{rank}" not in armed_points(os.environ.get(AT_ENV)):
         return
     name = f"{phase}_{step}_{rank}"
     done = root_dir / f"done_{name}"

@@ -248,6 +248,7 @@ def engine_core_pid(rank_pid: int) -> int:
     """The vLLM engine-core process a rank started (``rollout.vllm_mode=server_process``; vLLM titles it
     ``VLLM::EngineCore``)."""
     children = psutil.Process(rank_pid).children(recursive=True)
-    cores = [p.pid for p in children if p.name().startswith("VLLM::EngineCore")]
+    # a core killed earlier may linger as a zombie until it is reaped
+    cores = [p.pid for p in children if p.name().startswith("VLLM::EngineCore") and _alive(p.pid)]
     assert len(cores) == 1, f"rank pid {rank_pid}: expected one vLLM engine-core child, found {cores}"
     return cores[0]
