@@ -31,6 +31,14 @@ of the current weights, continues its requests, and says ``done`` when its gener
 collective that another rank skips, so nothing deadlocks; the cost when nothing fails is one small message per
 engine at each point.
 
+An engine that dies during a weight round goes the same way, one step later
+(:mod:`hpc_rlhf.rollout.weight_round_failure` says which transports allow it and why): the round goes on without it
+on both ends (the sender skips it, its rank lets the rest of the round go by), the engine is left dead, so that a
+partial round never generates, and the restart happens where a death while idle would be noticed: at the rank's
+next ``generate`` (the first attempt fails at once with the round's failure) or its next service point
+(``checkpoint_engine``), whichever comes first; the new engine gets the whole current round there. The restart is
+counted against the same bound, and a new engine that dies in the round that rejoins it is restarted again.
+
 Resubmitted samples are not bit-identical to what an uninterrupted engine would have sampled: the seeded generator
 of a continued request starts again at its seed. They are sampled with the same weights (the restarted engine
 receives the weights the dead one had, in the synchronous trainer) and their logprobs are the ones they were
@@ -72,6 +80,9 @@ class Restartable(Protocol):
     """An engine that can be restarted in place (``vllm_server.VllmServerEngine``)."""
 
     def alive(self) -> bool: ...
+
+    def round_failure(self) -> EngineFailure | None:
+        """The engine's death during the last weight round, until a restart (its cause names the round)."""
 
     def restart(self, failure: EngineFailure) -> None: ...
 

@@ -43,7 +43,12 @@ when vLLM's engine-core process exits (``EngineDeadError``) or no token comes ba
 its ``rejoin`` hook (the trainer's ``EngineChannelWeightSync``) reopens the weight channel with the sender and
 receives the current weights; the unfinished samples then continue from their tokens, at most
 ``rollout.max_engine_restarts`` times over the run (:mod:`hpc_rlhf.rollout.engine_restart` says where in the
-step and why). A failure during a weight round still ends the job.
+step and why). An engine that dies during a weight round is restarted too, within the same bound, where the
+transport allows it (:mod:`hpc_rlhf.rollout.weight_round_failure`): over ``gloo`` the round goes on without it
+(the sender skips it, this rank lets the rest of the round go by), the engine is left dead, and at its next
+generation or service point the new engine gets the whole current round before it generates; over ``nccl`` a death
+before the round's last bucket ends the job with a ``WeightRoundError`` naming the engine (the sender would be left
+in its broadcast).
 
 Everything that does not need vLLM (environment isolation, payloads, request ids, the backend choice) is a pure
 helper, unit-tested without vLLM; :mod:`hpc_rlhf.rollout.vllm_contract` checks every vLLM name used here.
@@ -90,11 +95,17 @@ from hpc_rlhf.rollout.vllm_external_launcher import (
 )
 from hpc_rlhf.rollout.vllm_images import require_vllm_images_supported, tokens_prompt_kwargs
 from hpc_rlhf.rollout.vllm_lora import VllmAdapterSlot
+from hpc_rlhf.rollout.weight_round_failure import receive_round
 from hpc_rlhf.weight_sync.vllm_gloo_transfer import gloo_worker_init_info  # imports no vLLM
 
 log = logging.getLogger(__name__)
 # Fault tests (tests/faults) stop here, once tokens of a generate call came back, to kill the engine-core process.
 FAULT_PHASE = "engine_generating"
+# ... and here, in a weight round (its n-th on this engine object), just before the engine is told about the first
+# bucket: the sender is then waiting in that bucket's broadcast.
+ROUND_FAULT_PHASE = "engine_weight_round"
+# How often a weight round's engine call checks that the engine is still alive (vLLM's engine-dead flag).
+ROUND_POLL_S = 0.2
 
 # Our launch layer's variables (torchrun / srun via hpc_rlhf.world): vLLM's processes must not see
 # them, or they would read our world's rank and size as theirs.
@@ -224,7 +235,11 @@ class VllmServerEngine(RolloutEngine):
             raise ValueError(f"VllmServerEngine: timeout_s={timeout_s} must be > 0 (rollout.engine_timeout_s)")
         self.timeout_s = timeout_s
         self.rejoin: RejoinHook | None = None  # set by the trainer: channel reopened, current weights received
-        self._restart_lock = threading.Lock()  # concurrent generate calls (agents) restart the engine once
+        # Concurrent generate calls (agents) restart the engine once, and not in the middle of a weight round; a
+        # restart's own round (rejoin) takes it again on the same thread.
+        self._restart_lock = threading.RLock()
+        self._round_failure: EngineFailure | None = None  # the engine died in a weight round; not restarted yet
+        self._weight_rounds = 0  # receive_weights calls so far (fault tests count rounds by it)
         self._incarnation = 0  # engines started so far - 1: a failure of an older one needs no new restart
         self._last_output = time.monotonic()  # when the engine last streamed tokens back (or was resumed)
         self._paused = False  # a weight round holds generation: silence then is no hang
@@ -329,6 +344,9 @@ class VllmServerEngine(RolloutEngine):
     def _attempt(self, submissions: list[Submission], progress: GenerationProgress) -> None:
         """One try at ``submissions`` on the current engine; raises :class:`EngineFailure` when it dies or is silent
         for ``timeout_s`` (outside weight rounds)."""
+        lost = self._round_failure
+        if lost is not None:  # the engine died in the last weight round: restarted (whole round) before generating
+            raise EngineFailure(lost.cause, lost.incarnation)
         incarnation = self._incarnation
         dead_error = resolve("vllm.v1.engine.exceptions:EngineDeadError")
         point = (FAULT_PHASE, self._generate_calls, -1 if self.fault_rank is None else self.fault_rank)
@@ -367,28 +385,34 @@ class VllmServerEngine(RolloutEngine):
     def restart(self, failure: EngineFailure) -> None:
         """Replace a failed engine: stop what is left of its processes, start new ones (the checkpoint's weights),
         then :attr:`rejoin` (the trainer's weight sync reopens the channel with the sender and sends the current
-        weights). Counted against the bound: past it, :class:`EngineRestartLimitError` names this engine and the
-        cause. Thread-safe: a failure of an engine that another call already replaced restarts nothing."""
+        weights). A new engine that dies in that round is replaced again. Counted against the bound: past it,
+        :class:`EngineRestartLimitError` names this engine and the cause. Thread-safe: a failure of an engine that
+        another call already replaced restarts nothing; a restart waits for a weight round in progress to end."""
         with self._restart_lock:
             if failure.incarnation is not None and failure.incarnation != self._incarnation:
                 return  # another caller restarted it after this failure
-            try:
-                self.budget.spend(failure)
-            except EngineRestartLimitError as err:
+            while True:
+                try:
+                    self.budget.spend(failure)
+                except EngineRestartLimitError as err:
+                    if self.rejoin is not None:
+                        self.rejoin.give_up(str(err))
+                    raise
+                log.warning("%s: restart %d of at most %d: %s", self.name, self.budget.restarts,
+                            self.budget.max_restarts, failure.cause)
+                self._stop_engine()
+                self._channel_open = False
+                self._round_failure = None
+                self._start_engine()
+                self._incarnation += 1
+                if self.adapter is not None and self.adapter.loaded:
+                    # ds.lora.sync=adapter: the last synced adapter is still in its node-local folder (never run)
+                    self._run(self.engine.add_lora(self.adapter.load_request()))
                 if self.rejoin is not None:
-                    self.rejoin.give_up(str(err))
-                raise
-            log.warning("%s: restart %d of at most %d: %s", self.name, self.budget.restarts,
-                        self.budget.max_restarts, failure.cause)
-            self._stop_engine()
-            self._channel_open = False
-            self._start_engine()
-            self._incarnation += 1
-            if self.adapter is not None and self.adapter.loaded:
-                # ds.lora.sync=adapter: the last synced adapter is still in its node-local folder (not run in a test)
-                self._run(self.engine.add_lora(self.adapter.load_request()))
-            if self.rejoin is not None:
-                self.rejoin.rejoin(self, failure.cause)
+                    self.rejoin.rejoin(self, failure.cause)
+                if self._round_failure is None:
+                    break
+                failure = self._round_failure  # the new engine died while its weights were sent: once more
             log.warning("%s: restarted (%s)", self.name, "weights received again" if self._channel_open
                         else "no weight round yet: the checkpoint's weights are current")
 
@@ -398,8 +422,13 @@ class VllmServerEngine(RolloutEngine):
         return self.budget.restarts
 
     def alive(self) -> bool:
-        """Whether vLLM's processes are up (a dead engine-core is noticed by vLLM within a fraction of a second)."""
-        return self.engine is not None and not self.engine.errored
+        """Whether vLLM's processes are up (a dead engine-core is noticed by vLLM within a fraction of a second) and
+        did not die in the last weight round."""
+        return self.engine is not None and not self.engine.errored and self._round_failure is None
+
+    def round_failure(self) -> EngineFailure | None:
+        """The engine's death in the last weight round, until it is restarted (the cause names the round)."""
+        return self._round_failure
 
     def _stop_engine(self) -> None:
         """Stop a failed engine's processes (best effort: some are already gone)."""
@@ -433,25 +462,74 @@ class VllmServerEngine(RolloutEngine):
 
         ``buckets`` is consumed on the calling thread, one bucket per transfer, so it may wait for a bucket's
         description (``hpc_rlhf.weight_sync.sharded`` receives them over the control plane on the first sync)
-        without holding the engine's event loop."""
+        without holding the engine's event loop.
+
+        When the engine dies during the round (``weight_round_failure.receive_round``): over ``gloo`` the rest of
+        ``buckets`` is consumed, the engine is left dead (:meth:`alive` is false, :meth:`round_failure` says why)
+        and this returns; its next generation or service point restarts it, and the new engine gets the whole
+        current round before it generates. Over ``nccl``, a death before the last bucket raises
+        ``WeightRoundError``. Any other error propagates, generation resumed."""
         if not self._channel_open:
             raise RuntimeError("VllmServerEngine: no weight channel; the weights of an out-of-process engine come "
                                f"from an actor rank over {self.weight_transfer_backend} (a sender channel there, "
                                "open_weight_channel here), not through this rank")
         update_request = resolve("vllm.distributed.weight_transfer.base:WeightTransferUpdateRequest")
-        self._paused = True
-        self._run(self.engine.pause_generation(mode=PAUSE_MODE, clear_cache=True))
-        try:
-            self._run(self.engine.start_weight_update())
-            for bucket in buckets:
+        with self._restart_lock:  # a generation that sees the engine die restarts it once the round is over
+            self._weight_rounds += 1
+            incarnation = self._incarnation
+            point = (ROUND_FAULT_PHASE, self._weight_rounds, -1 if self.fault_rank is None else self.fault_rank)
+            told = 0  # buckets the engine was told about
+
+            def begin() -> None:
+                self._call_in_round(self.engine.pause_generation(mode=PAUSE_MODE, clear_cache=True), incarnation)
+                self._call_in_round(self.engine.start_weight_update(), incarnation)
+
+            def load(bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
+                nonlocal told
                 info = bucket_update_info(bucket)
                 if info["names"]:
-                    self._run(self.engine.update_weights(update_request(update_info=info)))
-            self._run(self.engine.finish_weight_update())
-        finally:
-            self._run(self.engine.resume_generation())
-            self._last_output = time.monotonic()  # the silence of a round is no hang
-            self._paused = False
+                    if not told:
+                        fault_point(*point)  # fault tests kill the engine core here
+                    told += 1
+                    self._call_in_round(self.engine.update_weights(update_request(update_info=info)), incarnation)
+
+            def finish() -> None:
+                self._call_in_round(self.engine.finish_weight_update(), incarnation)
+                self._call_in_round(self.engine.resume_generation(), incarnation)
+
+            self._paused = True
+            try:
+                failure = receive_round(buckets, begin=begin, load=load, finish=finish, engine_name=self.name,
+                                        backend=self.weight_transfer_backend)
+            except BaseException:
+                if self.alive():  # a failed round still resumes generation; the round's error is the one reported
+                    with contextlib.suppress(Exception):
+                        self._run_for(self.engine.resume_generation(), 10.0)
+                raise
+            finally:
+                self._last_output = time.monotonic()  # the silence of a round is no hang
+                self._paused = False
+            if failure is not None:
+                self._round_failure = failure
+                log.warning("%s died %s; the rest of the round went by without it, and it is restarted, with the "
+                            "whole current round, before it generates again", self.name, failure.cause)
+
+    def _call_in_round(self, coroutine: Any, incarnation: int) -> Any:
+        """One engine call of a weight round; raises :class:`EngineFailure` when the engine dies meanwhile. vLLM
+        may leave a call pending for good when its engine core dies under it (vLLM 0.32 fails no pending utility
+        call then), so the wait checks vLLM's engine-dead flag every ``ROUND_POLL_S``."""
+        dead_error = resolve("vllm.v1.engine.exceptions:EngineDeadError")
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        while True:
+            try:
+                return future.result(timeout=ROUND_POLL_S)
+            except FutureTimeout:
+                if self.engine.errored:
+                    future.cancel()
+                    raise EngineFailure("vLLM's engine-core process exited", incarnation) from None
+            except dead_error as err:
+                raise EngineFailure(f"vLLM's engine-core process exited ({type(err).__name__}: {err})",
+                                    incarnation) from err
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """A round of one bucket (the sender broadcasts exactly these tensors)."""
@@ -484,7 +562,8 @@ class VllmServerEngine(RolloutEngine):
         """No-op, see :meth:`sleep`."""
 
     def reset_prefix_cache(self) -> None:
-        self._run(self.engine.reset_prefix_cache())
+        if self.alive():  # an engine lost in a weight round is restarted with empty caches
+            self._run(self.engine.reset_prefix_cache())
 
     async def _drained(self, timeout_s: float) -> None:
         """Wait until every aborted generation has returned its last output."""
@@ -500,10 +579,13 @@ class VllmServerEngine(RolloutEngine):
             self.adapter.remove()
         if self.engine is None:
             return
-        if self._in_flight:
-            self._run(self.engine.abort(request_id=list(self._in_flight)))
-            self._run(self._drained(timeout_s=30.0))
-        self._run(self._shutdown())
+        if not self.alive():
+            self._stop_engine()  # what is left of a dead engine (e.g. one lost in the run's last weight round)
+        else:
+            if self._in_flight:
+                self._run(self.engine.abort(request_id=list(self._in_flight)))
+                self._run(self._drained(timeout_s=30.0))
+            self._run(self._shutdown())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
@@ -542,6 +624,10 @@ class SenderChannel:
     """One engine's NCCL communicator seen from its sending actor rank: opened once (collective with the engine's
     :meth:`VllmServerEngine.open_weight_channel`), then one :meth:`send` per bucket of every weight round.
     Never run on a GPU yet (module docstring)."""
+
+    # A broadcast whose receivers died mid-round is expected to wait without end, with no abort in vLLM's
+    # communicator (a hypothesis, never run on a GPU): such a failure ends the job (weight_round_failure).
+    survives_lost_receiver = False
 
     def __init__(self, master_address: str, master_port: int, num_workers: int):
         self.communicator = open_sender_channel(master_address, master_port, num_workers)

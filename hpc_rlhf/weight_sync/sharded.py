@@ -29,6 +29,7 @@ from hpc_rlhf.config.schema import RolloutConfig, resolved_vllm_mode
 from hpc_rlhf.rollout.base import RolloutEngine
 from hpc_rlhf.rollout.engine_restart import EngineFailure, EngineRestartLimitError, Restartable
 from hpc_rlhf.rollout.vllm_server import SenderChannel, transfer_backend  # vLLM itself: only when a channel opens
+from hpc_rlhf.rollout.weight_round_failure import LostReceivers
 from hpc_rlhf.weight_sync.plan import (
     WeightSyncPlan,
     assign_engine_senders,
@@ -122,7 +123,9 @@ class ShardedWeightSync:
 
 class EngineChannel(Protocol):
     """The sending actor rank's end of one engine's communicator (``vllm_server.SenderChannel``,
-    ``vllm_gloo_transfer.GlooSenderChannel``)."""
+    ``vllm_gloo_transfer.GlooSenderChannel``). A channel whose ``send`` fails at once, and leaves it free, when the
+    engine's workers died may say so with ``survives_lost_receiver = True``: the sender then goes on with the round
+    without that engine (``weight_round_failure.LostReceivers``); without it, such a failure ends the job."""
 
     def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -188,6 +191,7 @@ class EngineChannelWeightSync:
         self.descriptions: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = []  # per bucket, cached
         self.num_buckets: int | None = None  # rollout ranks: learnt at the rendezvous
         self.rounds = 0  # weight rounds this rank took part in (engine restarts are served only after the first)
+        self.lost = LostReceivers(world.rank)  # senders: engines whose last round failed, until they restart
         self._bytes_sent = 0
 
     @property
@@ -231,7 +235,13 @@ class EngineChannelWeightSync:
             if index == len(self.descriptions):  # first sync: the engines learn what this bucket holds
                 self.descriptions.append(self._broadcast(_describe(bucket), rank))
             for engine in engines:
-                self.channels[engine].send(bucket)
+                if self.lost.skips(engine):  # its workers died earlier in this round
+                    continue
+                try:
+                    self.channels[engine].send(bucket)
+                except RuntimeError as err:  # the workers are gone (gloo: "Connection closed by peer")
+                    self.lost.send_failed(engine, self.channels[engine], err, index, len(self.bucket_names))
+                    continue
                 self._bytes_sent += sum(t.numel() * t.element_size() for _, t in bucket)
 
     def _plan_buckets(self, actor: ActorWeights, replica: tuple[int, ...]) -> list[list[str]]:
@@ -286,7 +296,10 @@ class EngineChannelWeightSync:
     # trajectories are collected (``PPOTrainer.collect_trajectories``) and at the start of each weight round. A
     # rollout rank whose engine failed while generating restarts it at once and blocks in ``rejoin`` until its sender
     # reaches the next service point; then it continues the unfinished requests. Messages go point to point over the
-    # engine's channel group, one engine after another, so no rank waits on a collective that another skips.
+    # engine's channel group, one engine after another, so no rank waits on a collective that another skips. An engine
+    # that died during a weight round (``weight_round_failure``) is left out of the rest of that round on both ends
+    # and restarted the same way at its rank's next generation or service point; its sender holds it in ``lost``
+    # until then, and refuses a ``done`` from it before a ``restarted``.
     def _tell(self, message: dict[str, Any], dst: int, sender: int) -> None:
         dist.send_object_list([message], dst=dst, group=self.groups[sender], device=comm_device())
 
@@ -314,6 +327,8 @@ class EngineChannelWeightSync:
                                                    device=comm_device())
                         event = box[0]
                     if event is None or event["kind"] == "done":
+                        if rank == sender:
+                            self.lost.reported_done(engine)  # an engine lost mid-round must have been restarted
                         break
                     if event["kind"] == "failed":
                         raise EngineRestartLimitError(f"rank {rank}: stopping with rank {engine}, whose rollout "
@@ -321,6 +336,7 @@ class EngineChannelWeightSync:
                     log.warning("rank %d: rank %d's rollout engine was restarted (%s); reopening its weight channel "
                                 "and sending the current weights", rank, engine, event["cause"])
                     if rank == sender:
+                        self.lost.restarted(engine)
                         self._reopen(engine)
                     self._send_round(actor, [engine] if rank == sender else [])
 
@@ -353,11 +369,13 @@ class EngineChannelWeightSync:
             self._tell({"kind": "failed", "error": error}, sender, sender)
 
     def checkpoint_engine(self, engine: RolloutEngine) -> None:
-        """Rollout rank, at a service point: restart an engine that died while idle, then report done."""
+        """Rollout rank, at a service point: restart an engine that died while idle or in the last weight round,
+        then report done."""
         if self.num_buckets is None:
             return
         if isinstance(engine, Restartable) and not engine.alive():
-            engine.restart(EngineFailure("vLLM's engine-core process exited while the engine was idle"))
+            engine.restart(engine.round_failure()
+                           or EngineFailure("vLLM's engine-core process exited while the engine was idle"))
         sender = self.sender_of[self.world.rank]
         self._tell({"kind": "done"}, sender, sender)
 

@@ -216,6 +216,11 @@ class GlooSenderChannel:
     ``init_weight_transfer_engine`` (``VllmServerEngine.open_weight_channel``), then one :meth:`send` per bucket of
     every round, in the order the engine is told about them."""
 
+    # A broadcast to workers that died fails at once ("Connection closed by peer") and never completes into a peer
+    # that did not take the data: the sender can leave a dead engine out of the rest of a round
+    # (hpc_rlhf.rollout.weight_round_failure).
+    survives_lost_receiver = True
+
     def __init__(self, master_address: str, master_port: int, num_workers: int,
                  timeout_s: float = DEFAULT_TIMEOUT_S):
         if num_workers < 1:

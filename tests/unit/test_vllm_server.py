@@ -95,6 +95,8 @@ class FakeEngineDead(Exception):
 class FakeAsyncEngine:
     """vLLM's AsyncLLMEngine surface as the engine uses it; ``generate`` blocks until ``release`` is set."""
 
+    errored = False  # vLLM's engine-dead flag
+
     def __init__(self, args):
         self.args = args
         self.calls = []
@@ -518,3 +520,112 @@ def test_a_silent_engine_counts_as_hung(dying_vllm, monkeypatch):
         engine.close()
     assert "no token for" in hook.calls[0][1] and "rollout.engine_timeout_s=0.2" in hook.calls[0][1]
     assert results[0].output_ids == [5, 9]
+
+
+# ---------------------------------------------------------------------------- a death during a weight round
+
+
+class RoundDyingEngine(FakeAsyncEngine):
+    """Dies in its first ``update_weights`` while ``RoundDyingEngine.deaths`` is above 0: vLLM's engine-dead flag
+    set, the call left pending (vLLM fails no pending call when its engine core dies)."""
+
+    started: ClassVar[list[RoundDyingEngine]] = []
+    deaths = 1
+
+    def __init__(self, args):
+        super().__init__(args)
+        RoundDyingEngine.started.append(self)
+
+    async def update_weights(self, request):
+        if RoundDyingEngine.deaths > 0:
+            RoundDyingEngine.deaths -= 1
+            self.calls.append(("dies", request.update_info["names"]))
+            self.errored = True
+            await asyncio.sleep(3600)
+        await super().update_weights(request)
+
+    async def reset_prefix_cache(self):
+        self.calls.append(("reset",))
+
+
+ROUND = [[("a", torch.empty(2, device="meta"))], [("b", torch.empty(3, device="meta"))]]
+WHOLE_ROUND = [("pause", "keep", True), ("start",), ("update", ["a"]), ("update", ["b"]), ("finish",), ("resume",)]
+
+
+class RoundRejoin(RecordingRejoin):
+    """The sender's side of a rejoin: the channel reopened and the whole current round sent."""
+
+    def rejoin(self, engine, cause):
+        super().rejoin(engine, cause)
+        engine.receive_weights(ROUND)
+
+
+@pytest.fixture()
+def round_dying_vllm(fake_vllm, monkeypatch):
+    RoundDyingEngine.started = []
+    monkeypatch.setattr(RoundDyingEngine, "deaths", 1)
+    monkeypatch.setattr(sys.modules["vllm"], "AsyncLLMEngine", RoundDyingEngine)
+    return RoundDyingEngine
+
+
+def _taken(drawn):
+    """ROUND, each bucket's first name noted in ``drawn`` as the engine takes it (the sender's descriptions)."""
+    for bucket in ROUND:
+        drawn.append(bucket[0][0])
+        yield bucket
+
+
+def test_an_engine_lost_in_a_weight_round_generates_only_after_a_restart_with_the_whole_round(round_dying_vllm):
+    engine = VllmServerEngine("/models/tiny", max_restarts=1, weight_transfer_backend="gloo", name="rank 1's engine")
+    hook = engine.rejoin = RoundRejoin()
+    try:
+        engine.open_weight_channel("10.0.0.1", 31000)
+        drawn = []
+        engine.receive_weights(_taken(drawn))  # returns although the engine died in it
+        cause = "during a weight round (0 of 2 bucket(s) loaded), vLLM's engine-core process exited"
+        assert drawn == ["a", "b"]  # the rest of the round went by: the sender finishes it
+        assert not engine.alive() and engine.round_failure().cause == cause
+        engine.reset_prefix_cache()  # nothing to reset on a dead engine
+        results = engine.generate([GenerationRequest([1, 2], SamplingParams(max_new_tokens=4, seed=1), n=2)])
+        assert engine.alive() and engine.round_failure() is None
+    finally:
+        engine.close()
+    first, second = round_dying_vllm.started
+    assert first.calls == [("init", 2), ("pause", "keep", True), ("start",), ("dies", ["a"]), ("shutdown",)]
+    assert engine.restarts == 1 and hook.calls == [("rejoin", cause)]
+    # the new engine: channel, the whole round, and only then its requests
+    assert second.calls[:7] == [("init", 2), *WHOLE_ROUND] and second.calls[7][0] == "generate"
+    assert [r.output_ids for r in results] == [[7], [7]]
+
+
+def test_an_engine_lost_again_while_it_rejoins_is_restarted_again_within_the_bound(round_dying_vllm, monkeypatch):
+    monkeypatch.setattr(RoundDyingEngine, "deaths", 2)
+    engine = VllmServerEngine("/models/tiny", max_restarts=2, weight_transfer_backend="gloo", name="rank 1's engine")
+    hook = engine.rejoin = RoundRejoin()
+    try:
+        engine.open_weight_channel("10.0.0.1", 31000)
+        engine.receive_weights(ROUND)
+        engine.generate([GenerationRequest([1], SamplingParams(max_new_tokens=2))])
+    finally:
+        engine.close()
+    assert engine.restarts == 2 and len(round_dying_vllm.started) == 3
+    assert [c[0] for c in hook.calls] == ["rejoin", "rejoin"]
+    assert round_dying_vllm.started[1].calls[-2:] == [("dies", ["a"]), ("shutdown",)]
+    assert round_dying_vllm.started[2].calls[1:7] == WHOLE_ROUND
+
+
+def test_over_nccl_an_engine_lost_mid_round_ends_the_job_at_once(round_dying_vllm):
+    from hpc_rlhf.rollout.weight_round_failure import WeightRoundError
+
+    engine = VllmServerEngine("/models/tiny", max_restarts=3, weight_transfer_backend="nccl", name="rank 1's engine")
+    engine.rejoin = RoundRejoin()
+    try:
+        engine.open_weight_channel("10.0.0.1", 31000)
+        drawn = []
+        with pytest.raises(WeightRoundError, match=r"rank 1's engine died during a weight round, after 0 bucket\(s\) "
+                           r"were loaded: vLLM's engine-core process exited\. Its workers share a nccl communicator"):
+            engine.receive_weights(_taken(drawn))
+    finally:
+        engine.close()
+    assert drawn == ["a"]  # nothing more is waited for from a sender left in its broadcast
+    assert engine.restarts == 0 and len(round_dying_vllm.started) == 1
