@@ -6,7 +6,9 @@ sync writes the adapter the trainer sent (``hpc_rlhf.models.lora.write_adapter_f
 run on node-local storage (``$SLURM_TMPDIR``, else the system temporary directory), then asks vLLM to load it
 again under the same id (``add_lora`` with ``load_inplace=True``). Requests carry that id (``load_inplace`` off,
 or every scheduling step would reload it): requests in flight during a sync continue under the new adapter, as
-under a full weight update. The folder is removed when the engine closes.
+under a full weight update. The folder is removed when the engine closes, not when its processes die: a restarted
+engine (``vllm_server.VllmServerEngine.restart``) loads the last adapter written there again before it generates
+(:class:`AdapterFolderLostError` when something else removed it).
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ if TYPE_CHECKING:
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ADAPTER_NAME = "policy"
 ADAPTER_ID = 1  # one adapter, loaded again in place at every sync
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what vLLM reads from the folder
+
+
+class AdapterFolderLostError(RuntimeError):
+    """A restarted engine cannot get its LoRA adapter back: the node-local folder of the last synced adapter lost
+    its files. Only the trainer holds the adapter then; generating without it would sample from another policy."""
 
 
 def vllm_max_lora_rank(rank: int) -> int:
@@ -56,18 +64,37 @@ class VllmAdapterSlot:
     """One engine's adapter: the folder vLLM loads it from and the ``LoRARequest`` every request carries.
 
     ``write`` replaces the folder's adapter (returns its bytes); ``load_request`` asks vLLM to load it again in
-    place; ``request`` (None before the first sync: the engine then samples from the base, which an adapter whose
-    ``lora_B`` starts at zero equals) goes with every generation; ``remove`` deletes the folder (idempotent)."""
+    place; ``request`` (None until an adapter was loaded: before the first sync the engine samples from the base,
+    which an adapter whose ``lora_B`` starts at zero equals) goes with every generation; ``require_files`` checks
+    that a restarted engine can load the folder's adapter again; ``remove`` deletes the folder (idempotent).
+
+    ``written`` counts the adapters written (the folder holds the latest: the one a restarted engine loads, also
+    when its predecessor died while loading it); ``loaded`` says that an engine has loaded one."""
 
     def __init__(self, lora: LoraConfig, parent: str | None = None) -> None:
         self.lora = lora
         self.folder = tempfile.mkdtemp(prefix="hpc-rlhf-lora-", dir=parent or node_local_dir())
+        self.written = 0
         self.loaded = False
 
     def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         from hpc_rlhf.models.lora import write_adapter_folder  # torch and safetensors: only once an adapter comes
 
-        return write_adapter_folder(self.folder, self.lora, named_tensors)
+        num_bytes = write_adapter_folder(self.folder, self.lora, named_tensors)
+        self.written += 1
+        return num_bytes
+
+    def require_files(self, engine_name: str) -> None:
+        """Raise :class:`AdapterFolderLostError` naming ``engine_name``, the folder and the missing files when the
+        folder no longer holds the last adapter written (a restarted engine could not load it)."""
+        missing = [name for name in ADAPTER_FILES if not os.path.isfile(os.path.join(self.folder, name))]
+        if missing:
+            raise AdapterFolderLostError(
+                f"{engine_name} was restarted, but the folder of its LoRA adapter {self.folder} lost "
+                f"{', '.join(missing)} (ds.lora.sync=adapter): the last adapter synced to it is gone from this rank, "
+                "and generating without it would sample from another policy. Something removed the folder "
+                "while the run went on (a cleaner of $SLURM_TMPDIR or of the temporary directory?); keep it for "
+                "the run's duration and resume from the last checkpoint (ckpt.load=true)")
 
     def _request(self, load_inplace: bool) -> Any:
         return resolve("vllm.lora.request:LoRARequest")(lora_name=ADAPTER_NAME, lora_int_id=ADAPTER_ID,

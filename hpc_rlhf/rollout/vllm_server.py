@@ -48,7 +48,10 @@ transport allows it (:mod:`hpc_rlhf.rollout.weight_round_failure`): over ``gloo`
 (the sender skips it, this rank lets the rest of the round go by), the engine is left dead, and at its next
 generation or service point the new engine gets the whole current round before it generates; over ``nccl`` a death
 before the round's last bucket ends the job with a ``WeightRoundError`` naming the engine (the sender would be left
-in its broadcast).
+in its broadcast). Under ``ds.lora.sync=adapter`` no weight channel is involved: the new engine loads the base from
+its model folder (training never changes it) and the last synced adapter again from its node-local folder
+(:mod:`hpc_rlhf.rollout.vllm_lora`), before it generates; an engine that dies during an adapter load, or is found
+dead at one, is restarted there the same way.
 
 Everything that does not need vLLM (environment isolation, payloads, request ids, the backend choice) is a pure
 helper, unit-tested without vLLM; :mod:`hpc_rlhf.rollout.vllm_contract` checks every vLLM name used here.
@@ -94,7 +97,7 @@ from hpc_rlhf.rollout.vllm_external_launcher import (
     vllm_sampling_kwargs,
 )
 from hpc_rlhf.rollout.vllm_images import require_vllm_images_supported, tokens_prompt_kwargs
-from hpc_rlhf.rollout.vllm_lora import VllmAdapterSlot
+from hpc_rlhf.rollout.vllm_lora import AdapterFolderLostError, VllmAdapterSlot
 from hpc_rlhf.rollout.weight_round_failure import receive_round
 from hpc_rlhf.weight_sync.vllm_gloo_transfer import gloo_worker_init_info  # imports no vLLM
 
@@ -384,10 +387,12 @@ class VllmServerEngine(RolloutEngine):
 
     def restart(self, failure: EngineFailure) -> None:
         """Replace a failed engine: stop what is left of its processes, start new ones (the checkpoint's weights),
-        then :attr:`rejoin` (the trainer's weight sync reopens the channel with the sender and sends the current
-        weights). A new engine that dies in that round is replaced again. Counted against the bound: past it,
-        :class:`EngineRestartLimitError` names this engine and the cause. Thread-safe: a failure of an engine that
-        another call already replaced restarts nothing; a restart waits for a weight round in progress to end."""
+        load the last synced LoRA adapter again under ``ds.lora.sync=adapter`` (:meth:`_reload_adapter`), then
+        :attr:`rejoin` (the trainer's weight sync reopens the channel with the sender and sends the current
+        weights). A new engine that dies in that round or that load is replaced again. Counted against the bound:
+        past it, :class:`EngineRestartLimitError` names this engine and the cause. Thread-safe: a failure of an
+        engine that another call already replaced restarts nothing; a restart waits for a weight round or an adapter
+        load in progress to end."""
         with self._restart_lock:
             if failure.incarnation is not None and failure.incarnation != self._incarnation:
                 return  # another caller restarted it after this failure
@@ -405,16 +410,46 @@ class VllmServerEngine(RolloutEngine):
                 self._round_failure = None
                 self._start_engine()
                 self._incarnation += 1
-                if self.adapter is not None and self.adapter.loaded:
-                    # ds.lora.sync=adapter: the last synced adapter is still in its node-local folder (never run)
-                    self._run(self.engine.add_lora(self.adapter.load_request()))
-                if self.rejoin is not None:
+                lost = self._reload_adapter()
+                if lost is None and self.rejoin is not None:
                     self.rejoin.rejoin(self, failure.cause)
-                if self._round_failure is None:
+                    lost = self._round_failure
+                if lost is None:
                     break
-                failure = self._round_failure  # the new engine died while its weights were sent: once more
-            log.warning("%s: restarted (%s)", self.name, "weights received again" if self._channel_open
-                        else "no weight round yet: the checkpoint's weights are current")
+                failure = lost  # the new engine died while its weights or its adapter were loaded: once more
+            log.warning("%s: restarted (%s)", self.name, self._restored())
+
+    def _reload_adapter(self) -> EngineFailure | None:
+        """``ds.lora.sync=adapter``, on a restarted engine: load the last adapter written to the node-local folder
+        (the dead engine's, or the one it died loading) before anything generates; the new engine's requests then
+        carry it under the same name and id. Returns the new engine's own death during that load, else None.
+        Nothing before the first sync: the base is the policy then (``lora_B`` starts at zero). Raises
+        :class:`AdapterFolderLostError` when the folder lost the adapter: nothing on this rank can restore it."""
+        slot = self.adapter
+        if slot is None or not slot.written:
+            return None
+        try:
+            slot.require_files(self.name)
+        except AdapterFolderLostError as err:
+            if self.rejoin is not None:
+                self.rejoin.give_up(str(err))
+            raise
+        try:
+            self._call_in_round(self.engine.add_lora(slot.load_request()), self._incarnation)
+        except EngineFailure as failure:
+            return EngineFailure(f"while the restarted engine loaded the LoRA adapter again, {failure.cause}",
+                                 failure.incarnation)
+        slot.loaded = True
+        return None
+
+    def _restored(self) -> str:
+        """What a restarted engine got back, for the log."""
+        if self.adapter is not None:
+            if self.adapter.written:
+                return f"the base, and the last synced LoRA adapter loaded again from {self.adapter.folder}"
+            return "the base; no LoRA adapter synced yet, so the base is the policy"
+        return "weights received again" if self._channel_open \
+            else "no weight round yet: the checkpoint's weights are current"
 
     @property
     def restarts(self) -> int:
@@ -542,18 +577,47 @@ class VllmServerEngine(RolloutEngine):
     def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """``ds.lora.sync=adapter``: the adapter (received over the main world, ``hpc_rlhf.weight_sync.adapter``)
         written to this engine's node-local folder and loaded again in place, requests in flight paused (kept)
-        meanwhile, as in a weight round. Returns the adapter's bytes."""
+        meanwhile, as in a weight round. Returns the adapter's bytes.
+
+        An engine found dead here (it died while idle: adapter sync has no service point that would have noticed)
+        or that dies during the load is restarted, within ``max_restarts``, and the new engine loads this adapter
+        from the folder before it generates (:meth:`restart`). Holds the restart lock throughout, so a generation
+        that sees the engine die restarts it only once the folder holds this adapter."""
         if self.adapter is None:
             raise RuntimeError("VllmServerEngine.update_adapter: the engine was built without a LoRA adapter "
                                "(ds.lora.sync resolved to merged)")
-        num_bytes = self.adapter.write(named_tensors)
-        self._run(self.engine.pause_generation(mode=PAUSE_MODE, clear_cache=True))
-        try:
-            self._run(self.engine.add_lora(self.adapter.load_request()))
-            self.adapter.loaded = True
-        finally:
-            self._run(self.engine.resume_generation())
+        with self._restart_lock:
+            num_bytes = self.adapter.write(named_tensors)  # from here on a restart loads this adapter
+            failure = self._load_adapter(self.adapter) if self.alive() else self._round_failure or EngineFailure(
+                "vLLM's engine-core process exited while the engine was idle, found at a LoRA adapter sync",
+                self._incarnation)
+            if failure is not None:
+                self.restart(failure)
         return num_bytes
+
+    def _load_adapter(self, slot: VllmAdapterSlot) -> EngineFailure | None:
+        """Load the folder's adapter in place, generation paused (kept) meanwhile. Returns the engine's death during
+        the load (vLLM may leave a call pending for good then: ``_call_in_round`` watches its engine-dead flag);
+        any other error propagates, generation resumed."""
+        incarnation = self._incarnation
+        self._paused = True
+        try:
+            self._call_in_round(self.engine.pause_generation(mode=PAUSE_MODE, clear_cache=True), incarnation)
+            try:
+                self._call_in_round(self.engine.add_lora(slot.load_request()), incarnation)
+            except Exception as err:
+                if not isinstance(err, EngineFailure) and self.alive():  # an adapter vLLM refused: reported as is
+                    self._call_in_round(self.engine.resume_generation(), incarnation)
+                raise
+            self._call_in_round(self.engine.resume_generation(), incarnation)
+        except EngineFailure as failure:
+            # (noticed here: it may have died while idle before this sync, vLLM's engine-dead flag not set yet)
+            return EngineFailure(f"at a LoRA adapter load, {failure.cause}", incarnation)
+        finally:
+            self._last_output = time.monotonic()  # the silence of a load is no hang
+            self._paused = False
+        slot.loaded = True
+        return None
 
     def sleep(self) -> None:
         """No-op: this engine owns its GPUs (no training states share them)."""

@@ -144,6 +144,13 @@ class FakeAsyncEngine:
 
 @pytest.fixture()
 def fake_vllm(monkeypatch):
+    return install_fake_vllm(monkeypatch)
+
+
+def install_fake_vllm(monkeypatch):
+    """vLLM's modules as the engine resolves them, with :class:`FakeAsyncEngine` (also used by
+    ``test_vllm_lora_restart.py``)."""
+
     class Recording:
         def __init__(self, **kwargs):
             self.kwargs = kwargs
