@@ -32,6 +32,7 @@ from hpc_rlhf.agents.executor import GenerateFn
 from hpc_rlhf.ckpt.hf_exports import HFExports
 from hpc_rlhf.ckpt.layout import rl_layout
 from hpc_rlhf.config import RunConfig, save_resolved_config
+from hpc_rlhf.config.schema import resolved_vllm_mode
 from hpc_rlhf.data.prompts import Prompt, source_name
 from hpc_rlhf.models.loading import load_tokenizer
 from hpc_rlhf.resilience.fault_injection import fault_point
@@ -102,6 +103,11 @@ class PPOTrainer(RunHooks):
         engine = self.roles.rollout.engine if self.roles.rollout is not None else None
         if self.engine_channels is not None and isinstance(engine, VllmServerEngine):
             engine.rejoin = self.engine_channels
+        # Engines that restart in place (rollout/engine_restarts): with the channels above, and under
+        # ds.lora.sync=adapter without them (a restarted engine loads its adapter again by itself). The same on
+        # every rank: the count is collected collectively.
+        self.restartable_engines = cfg.rollout.backend == "vllm" and \
+            resolved_vllm_mode(cfg.rollout.vllm_mode, cfg.train.colocate_all) == "server_process"
         self.engine_restarts = 0  # rank 0: restarts of every rollout engine so far (rollout/engine_restarts)
         if world.is_controller:
             save_resolved_config(cfg, cfg.train.output_dir)
@@ -153,7 +159,7 @@ class PPOTrainer(RunHooks):
         if result is None:  # rows live on the controller
             return None
         row = {**result, **timer.metrics(), "kl_coef": self.controller.kl_controller.value}
-        if self.engine_channels is not None:
+        if self.restartable_engines:
             row["rollout/engine_restarts"] = float(self.engine_restarts)
         self.controller.after_step(row)
         if eval_row is not None:
@@ -357,14 +363,14 @@ class PPOTrainer(RunHooks):
 
     def collect_rollouts(self, result: Generated | None) -> list[Generated] | None:
         """The rollout role's collect, after the engines' service point: with ``server_process`` engines, an engine
-        restarted during this generation gets its weights there from its sender (``EngineChannelWeightSync.serve``),
-        and rank 0 learns the restart count. Collective (every rank)."""
+        restarted during this generation gets its weights there from its sender (``EngineChannelWeightSync.serve``;
+        none under adapter sync), and rank 0 learns the restart count. Collective (every rank)."""
         channels, rollout = self.engine_channels, self.handles.rollout
-        if channels is None:
+        if not self.restartable_engines:
             return rollout.collect(result)
-        if self.handles.actor.hosts:
+        if channels is not None and self.handles.actor.hosts:
             channels.serve(self.handles.actor.require_engine())
-        elif rollout.side is not None:
+        elif channels is not None and rollout.side is not None:
             channels.checkpoint_engine(rollout.side.engine)
         gathered = rollout.collect(result)
         engine = rollout.side.engine if rollout.side is not None else None
