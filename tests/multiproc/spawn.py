@@ -1,13 +1,34 @@
-"""Run a function on N gloo ranks in fresh processes (one torch.distributed world per call)."""
+"""Run a function on N gloo ranks in fresh processes (one torch.distributed world per call).
+
+The ranks are forked from a fork server that imported torch, transformers, deepspeed and peft once per test session
+(where torch is a CPU-only build), not started as new interpreters that import them again: those imports are ~4 s
+of CPU per rank, paid by every rank of every spawn at once on a 2-core machine. Nothing else runs in the server,
+so each rank still starts from a clean interpreter state. As with spawn, a rank has the caller's sys.path, working
+directory and environment at the time of the call (the server's environment is that of its start: it is replaced
+before the function and its arguments are unpickled, which imports the test module). A torch built with CUDA (or
+ROCm) keeps the spawn start method: deepspeed's accelerator detection would initialise the CUDA driver in the
+server, and a process forked after that cannot use CUDA.
+"""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import pickle
 import socket
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
+
+# What the ranks import anyway (trainers, engine, the tiny models' classes, LoRA), imported once in the server.
+PRELOADED = ("torch", "torch.distributed", "transformers", "transformers.modeling_utils",
+             "transformers.models.llama.modeling_llama", "transformers.models.auto.modeling_auto", "deepspeed",
+             "peft")
+START_METHOD = "spawn" if torch.backends.cuda.is_built() else "forkserver"
+if START_METHOD == "forkserver":
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOADED))
 
 
 def _free_port() -> int:
@@ -16,7 +37,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple, results: Any) -> None:
+def _entry(rank: int, environ: dict[str, str], call: bytes, world_size: int, port: int, results: Any) -> None:
+    os.environ.clear()  # the caller's environment now, not the fork server's at its start
+    os.environ.update(environ)
+    fn, args = pickle.loads(call)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
@@ -44,7 +68,9 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     """
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_entry, args=(fn, world_size, _free_port(), args, results), nprocs=world_size, join=True)
+    call = pickle.dumps((fn, args))
+    mp.start_processes(_entry, args=(dict(os.environ), call, world_size, _free_port(), results), nprocs=world_size,
+                       join=True, start_method=START_METHOD)
     return [results[r] for r in range(world_size)]
 
 

@@ -8,8 +8,8 @@ gathered ZeRO-3 parameters, activations of one micro-batch, a 4-bit layer's dequ
 ``REL_TOL`` = 10% of the measured peak of every rank. Measured on DeepSpeed 0.19.8 / transformers 5.23 /
 torch 2.13 / peft 0.21 / bitsandbytes 0.50: within 1.6% (see docs/memory.md for the numbers).
 
-How the peak is measured, and why this way. Each rank is a fresh spawned process. It first trains a
-tiny model of the same architecture through the same engine (for QLoRA a tiny 4-bit one), so torch /
+How the peak is measured, and why this way. Each rank is a fresh process (tests/multiproc/spawn.py). It first
+trains a tiny model of the same architecture through the same engine (for QLoRA a tiny 4-bit one), so torch /
 DeepSpeed / bitsandbytes code pages and the JIT-built comm op are already resident (they would otherwise
 count as the run's memory). It takes ``VmRSS`` as the baseline and builds the measured engine; then it
 resets the kernel's high-water mark (``/proc/self/clear_refs`` = 5: ``VmHWM`` restarts from the current
