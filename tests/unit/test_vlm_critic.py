@@ -10,7 +10,7 @@ import torch
 from hpc_rlhf.models.loading import load_causal_lm, load_value_model
 from hpc_rlhf.models.micro_forward import forward_scope
 from hpc_rlhf.models.tiny_vlm import build_tiny_vlm
-from tests.unit.test_vlm_forward import _rows
+from tests.unit.test_vlm_forward import _rows, row_inputs
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
@@ -28,11 +28,7 @@ def _reference(critic, seq, mask, num_actions, visuals):
     """Each row alone through the multimodal model's own forward (its own M-RoPE): (B, R) values, 0 on padding."""
     out = torch.zeros(seq.shape[0], num_actions)
     for b in range(seq.shape[0]):
-        ids = seq[b][mask[b].bool()][None]
-        extra = {}
-        if visuals[b] is not None:
-            extra = {"pixel_values": visuals[b].pixel_values, "image_grid_thw": visuals[b].image_grid_thw,
-                     "mm_token_type_ids": (ids == critic.config.image_token_id).int()}
+        ids, extra = row_inputs(seq, mask, visuals, b, critic.config.image_token_id)
         hidden = critic.model(input_ids=ids, **extra).last_hidden_state[0]
         resp = int(mask[b, -num_actions:].sum())
         out[b, :resp] = critic.score(hidden[-resp - 1:-1]).squeeze(-1)

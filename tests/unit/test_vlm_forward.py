@@ -58,15 +58,20 @@ def test_mrope_matches_the_models_get_rope_index(tiny):
         assert torch.equal(fields["mrope_position_ids"][b][mask[b].bool()], theirs[:, 0].T)
 
 
+def row_inputs(seq, mask, visuals, b, image_token_id):
+    """Row ``b`` alone, unpadded, as the multimodal model's own forward takes it: ((1, T) ids, its image inputs)."""
+    ids = seq[b][mask[b].bool()][None]
+    if visuals[b] is None:
+        return ids, {}
+    return ids, {"pixel_values": visuals[b].pixel_values, "image_grid_thw": visuals[b].image_grid_thw,
+                 "mm_token_type_ids": (ids == image_token_id).int()}
+
+
 def _reference(model, seq, mask, num_actions, visuals):
     """Each row alone through the model's own forward (its own M-RoPE): (B, R) log-probs of the response."""
     out = torch.zeros(seq.shape[0], num_actions)
     for b in range(seq.shape[0]):
-        ids = seq[b][mask[b].bool()][None]
-        extra = {}
-        if visuals[b] is not None:
-            extra = {"pixel_values": visuals[b].pixel_values, "image_grid_thw": visuals[b].image_grid_thw,
-                     "mm_token_type_ids": (ids == model.config.image_token_id).int()}
+        ids, extra = row_inputs(seq, mask, visuals, b, model.config.image_token_id)
         logits = model(input_ids=ids, **extra).logits[0].log_softmax(-1)
         resp = int(mask[b, -num_actions:].sum())
         targets = ids[0, -resp:]
