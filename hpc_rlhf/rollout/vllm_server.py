@@ -24,9 +24,10 @@ both ends at its first weight sync and picks each engine's sender
   by :mod:`hpc_rlhf.rollout.vllm_plugin`); buckets packed one flat buffer per dtype. Runs on CPU and is tested
   there against a real vLLM (``tests/multiproc/test_vllm_server_cpu.py``).
 - ``nccl`` on CUDA: vLLM's own (``WeightTransferConfig(backend="nccl")``; vLLM's ``StatelessProcessGroup``),
-  the sender packing with vLLM's ``packed_nccl_broadcast_producer``. This path has never run on a GPU: only
-  against fakes (``tests/unit/test_vllm_server.py``) and vLLM's API contract
-  (:mod:`hpc_rlhf.rollout.vllm_contract`); run it on a GPU node before relying on it.
+  the sender (:mod:`hpc_rlhf.weight_sync.vllm_nccl_transfer`) packing with vLLM's
+  ``packed_nccl_broadcast_producer``. This path has never run on a GPU: only against fakes
+  (``tests/unit/test_vllm_server.py``) and vLLM's API contract (:mod:`hpc_rlhf.rollout.vllm_contract`); run it on
+  a GPU node before relying on it.
 
 Weight updates during generation (async and partial rollouts): generation runs on a private asyncio
 loop in a background thread, so :meth:`submit` returns at once and a weight round can run while
@@ -481,8 +482,8 @@ class VllmServerEngine(RolloutEngine):
     # ------------------------------------------------------------------ weights
     def open_weight_channel(self, master_address: str, master_port: int) -> None:
         """Join this engine's workers to the communicator of their sender (collective with the sender's
-        :class:`SenderChannel` or ``vllm_gloo_transfer.GlooSenderChannel``; the sender hosts the rendezvous
-        store). Returns once the sender and every worker have joined."""
+        ``vllm_nccl_transfer.SenderChannel`` or ``vllm_gloo_transfer.GlooSenderChannel``; the sender hosts the
+        rendezvous store). Returns once the sender and every worker have joined."""
         request = resolve("vllm.distributed.weight_transfer.base:WeightTransferInitRequest")(
             init_info=worker_init_info(master_address, master_port, self.tensor_parallel_size,
                                        self.weight_transfer_backend))
@@ -662,39 +663,3 @@ class VllmServerEngine(RolloutEngine):
         # On the engine's loop: vLLM stops its engine core before cancelling its output handler, which, if it ran in
         # between, would report the stopped core as an engine failure.
         self.engine.shutdown()
-
-
-# ---------------------------------------------------------------------------- sender side (an actor rank)
-# The NCCL sender below has never run on a GPU (see the module docstring); the gloo one is
-# hpc_rlhf.weight_sync.vllm_gloo_transfer.GlooSenderChannel.
-
-
-def open_sender_channel(master_address: str, master_port: int, num_workers: int) -> Any:
-    """The sending actor rank's end of one engine's NCCL communicator (rank 0; hosts the rendezvous store).
-    Collective with that engine's :meth:`VllmServerEngine.open_weight_channel`. Uses the current CUDA device."""
-    trainer_init = resolve("vllm.distributed.weight_transfer.nccl_common:trainer_init")
-    return trainer_init(init_info={"master_address": master_address, "master_port": master_port,
-                                   "world_size": 1 + num_workers}, rank=0)
-
-
-def send_bucket(communicator: Any, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Broadcast one bucket's tensors (CUDA, in the order the engine was told) packed, as the workers unpack."""
-    producer = resolve("vllm.distributed.weight_transfer.packed_tensor:packed_nccl_broadcast_producer")
-    producer(iterator=iter(bucket), group=communicator, src=0, post_iter_func=lambda item: item[1],
-             buffer_size_bytes=PACKED_BUFFER_BYTES, num_buffers=PACKED_NUM_BUFFERS)
-
-
-class SenderChannel:
-    """One engine's NCCL communicator seen from its sending actor rank: opened once (collective with the engine's
-    :meth:`VllmServerEngine.open_weight_channel`), then one :meth:`send` per bucket of every weight round.
-    Never run on a GPU yet (module docstring)."""
-
-    # A broadcast whose receivers died mid-round is expected to wait without end, with no abort in vLLM's
-    # communicator (a hypothesis, never run on a GPU): such a failure ends the job (weight_round_failure).
-    survives_lost_receiver = False
-
-    def __init__(self, master_address: str, master_port: int, num_workers: int):
-        self.communicator = open_sender_channel(master_address, master_port, num_workers)
-
-    def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
-        send_bucket(self.communicator, bucket)

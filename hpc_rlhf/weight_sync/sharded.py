@@ -28,7 +28,7 @@ import torch.distributed as dist
 from hpc_rlhf.config.schema import RolloutConfig, resolved_vllm_mode
 from hpc_rlhf.rollout.base import RolloutEngine
 from hpc_rlhf.rollout.engine_restart import EngineFailure, EngineRestartLimitError, Restartable
-from hpc_rlhf.rollout.vllm_server import SenderChannel, transfer_backend  # vLLM itself: only when a channel opens
+from hpc_rlhf.rollout.vllm_server import transfer_backend
 from hpc_rlhf.rollout.weight_round_failure import LostReceivers
 from hpc_rlhf.weight_sync.plan import (
     WeightSyncPlan,
@@ -45,6 +45,7 @@ from hpc_rlhf.weight_sync.transport import (
     sender_groups,
 )
 from hpc_rlhf.weight_sync.vllm_gloo_transfer import GlooSenderChannel
+from hpc_rlhf.weight_sync.vllm_nccl_transfer import SenderChannel  # vLLM itself: only when a channel opens
 from hpc_rlhf.world.channel import broadcast_to_role
 from hpc_rlhf.world.groups import WorldGroups, comm_device, new_group
 from hpc_rlhf.world.launch_env import free_port, host_address
@@ -122,7 +123,7 @@ class ShardedWeightSync:
 
 
 class EngineChannel(Protocol):
-    """The sending actor rank's end of one engine's communicator (``vllm_server.SenderChannel``,
+    """The sending actor rank's end of one engine's communicator (``vllm_nccl_transfer.SenderChannel``,
     ``vllm_gloo_transfer.GlooSenderChannel``). A channel whose ``send`` fails at once, and leaves it free, when the
     engine's workers died may say so with ``survives_lost_receiver = True``: the sender then goes on with the round
     without that engine (``weight_round_failure.LostReceivers``); without it, such a failure ends the job."""
