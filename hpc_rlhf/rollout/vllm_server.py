@@ -533,22 +533,30 @@ class VllmServerEngine(RolloutEngine):
                 self._call_in_round(self.engine.finish_weight_update(), incarnation)
                 self._call_in_round(self.engine.resume_generation(), incarnation)
 
-            self._paused = True
-            try:
-                failure = receive_round(buckets, begin=begin, load=load, finish=finish, engine_name=self.name,
-                                        backend=self.weight_transfer_backend)
-            except BaseException:
-                if self.alive():  # a failed round still resumes generation; the round's error is the one reported
-                    with contextlib.suppress(Exception):
-                        self._run_for(self.engine.resume_generation(), 10.0)
-                raise
-            finally:
-                self._last_output = time.monotonic()  # the silence of a round is no hang
-                self._paused = False
+            with self._generation_held():
+                try:
+                    failure = receive_round(buckets, begin=begin, load=load, finish=finish, engine_name=self.name,
+                                            backend=self.weight_transfer_backend)
+                except BaseException:
+                    if self.alive():  # a failed round still resumes generation; the round's error is the one reported
+                        with contextlib.suppress(Exception):
+                            self._run_for(self.engine.resume_generation(), 10.0)
+                    raise
             if failure is not None:
                 self._round_failure = failure
                 log.warning("%s died %s; the rest of the round went by without it, and it is restarted, with the "
                             "whole current round, before it generates again", self.name, failure.cause)
+
+    @contextmanager
+    def _generation_held(self) -> Iterator[None]:
+        """A weight round or an adapter load holds generation: the silence meanwhile is no hang
+        (``rollout.engine_timeout_s`` counts from its end)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._last_output = time.monotonic()
+            self._paused = False
 
     def _call_in_round(self, coroutine: Any, incarnation: int) -> Any:
         """One engine call of a weight round; raises :class:`EngineFailure` when the engine dies meanwhile. vLLM
@@ -601,22 +609,19 @@ class VllmServerEngine(RolloutEngine):
         the load (vLLM may leave a call pending for good then: ``_call_in_round`` watches its engine-dead flag);
         any other error propagates, generation resumed."""
         incarnation = self._incarnation
-        self._paused = True
         try:
-            self._call_in_round(self.engine.pause_generation(mode=PAUSE_MODE, clear_cache=True), incarnation)
-            try:
-                self._call_in_round(self.engine.add_lora(slot.load_request()), incarnation)
-            except Exception as err:
-                if not isinstance(err, EngineFailure) and self.alive():  # an adapter vLLM refused: reported as is
-                    self._call_in_round(self.engine.resume_generation(), incarnation)
-                raise
-            self._call_in_round(self.engine.resume_generation(), incarnation)
+            with self._generation_held():
+                self._call_in_round(self.engine.pause_generation(mode=PAUSE_MODE, clear_cache=True), incarnation)
+                try:
+                    self._call_in_round(self.engine.add_lora(slot.load_request()), incarnation)
+                except Exception as err:
+                    if not isinstance(err, EngineFailure) and self.alive():  # an adapter vLLM refused: as is
+                        self._call_in_round(self.engine.resume_generation(), incarnation)
+                    raise
+                self._call_in_round(self.engine.resume_generation(), incarnation)
         except EngineFailure as failure:
             # (noticed here: it may have died while idle before this sync, vLLM's engine-dead flag not set yet)
             return EngineFailure(f"at a LoRA adapter load, {failure.cause}", incarnation)
-        finally:
-            self._last_output = time.monotonic()  # the silence of a load is no hang
-            self._paused = False
         slot.loaded = True
         return None
 
