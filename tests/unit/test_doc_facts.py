@@ -4,9 +4,14 @@ docs/slurm.md, and every configuration default a guide writes next to its key.""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -145,3 +150,69 @@ def test_every_default_a_guide_states_is_the_schemas():
     wrong = [f"{page}: `{key}` says {value}, the code's default is {defaults[key]}"
              for page, key, value in checked if not _same(value, defaults[key])]
     assert not wrong, "\n".join(wrong)
+
+
+# ----------------------------------------------------------------------------- resubmitting (docs/checkpoints.md)
+
+
+def _doc_commands(page: str, start: str) -> list[list[str]]:
+    """The shell commands (backslash continuations joined, split by shlex) of ``page``'s bash blocks that begin
+    with ``start``."""
+    import shlex
+
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", (DOCS / page).read_text(), flags=re.DOTALL):
+        line = block.replace("\\\n", " ").strip()
+        if line.startswith(start):
+            commands.append(shlex.split(line))
+    return commands
+
+
+def _run_sbatch_here(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``[VAR=value ...] sbatch [--nodes N] [other flags] slurm/<recipe>.sbatch [overrides]`` as SLURM would start
+    it on N nodes of 8 GPUs, with ``srun`` stubbed to print its command line (the plan guard runs for real)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in ("CONFIG", "PLAN_ARGS")}
+    while "=" in argv[0]:
+        key, value = argv.pop(0).split("=", 1)
+        env[key] = value
+    assert argv.pop(0) == "sbatch"
+    nodes = 1
+    while argv[0].startswith("--"):
+        flag = argv.pop(0)
+        if flag.startswith("--nodes"):
+            nodes = int(flag.split("=", 1)[1]) if "=" in flag else int(argv.pop(0))
+    script, overrides = argv[0], argv[1:]
+    env.update(PYTHON=sys.executable, SLURM_JOB_NUM_NODES=str(nodes), SLURM_NTASKS_PER_NODE="8",
+               SLURM_TASKS_PER_NODE=f"8(x{nodes})" if nodes > 1 else "8", SLURM_NTASKS=str(8 * nodes),
+               SLURM_JOB_ID="7", SLURM_JOB_NODELIST="gpu01", SLURM_CPUS_PER_TASK="12", SLURM_RESTART_COUNT="0",
+               SLURM_SUBMIT_DIR=str(cwd))
+    stub = 'srun() { echo "SRUN $*"; }; export -f srun; bash "$0" "$@"'
+    return subprocess.run(["bash", "-c", stub, str(ROOT / script), *overrides], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_the_resubmit_commands_start_a_job_that_loads_the_checkpoint():
+    sbatch = [c for c in _doc_commands("checkpoints.md", "PLAN_ARGS=") if "sbatch" in c]
+    assert sbatch, "docs/checkpoints.md lost its sbatch resubmit command"
+    out = _run_sbatch_here(list(sbatch[0]), ROOT)
+    srun = [line for line in out.stdout.splitlines() if line.startswith("SRUN ")]
+    assert out.returncode == 0 and srun, out.stdout[-2000:] + out.stderr[-2000:]
+    assert srun[0].endswith("ckpt.load=true")
+    # without PLAN_ARGS the guard checks the recipe's own, shorter warning and refuses: why the doc gives it
+    refused = _run_sbatch_here([arg for arg in sbatch[0] if not arg.startswith("PLAN_ARGS=")], ROOT)
+    assert refused.returncode != 0 and "USR1 warning comes" in refused.stdout + refused.stderr
+
+
+def test_the_submitit_resubmit_command_submits_a_resuming_job(monkeypatch):
+    from hpc_rlhf.cli.submit import main as submit
+
+    monkeypatch.chdir(ROOT)  # the doc's paths are relative to the repository root
+    commands = _doc_commands("checkpoints.md", "hpc-rlhf submit")
+    assert commands, "docs/checkpoints.md lost its submitit resubmit command"
+    args = [a.replace("<p>", "gpu") for a in commands[0][2:]]
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        submit([*args, "--dry-run"])  # a refused plan exits non-zero (SystemExit)
+    printed = buffer.getvalue()
+    assert '"signal": "USR1@2400"' in printed
+    assert re.search(r"train_ppo --config \S+ .*ckpt\.load=true", printed)
