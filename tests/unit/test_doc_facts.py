@@ -216,3 +216,20 @@ def test_the_submitit_resubmit_command_submits_a_resuming_job(monkeypatch):
     printed = buffer.getvalue()
     assert '"signal": "USR1@2400"' in printed
     assert re.search(r"train_ppo --config \S+ .*ckpt\.load=true", printed)
+
+
+# ----------------------------------------------------------------------------- test paths the docs cite
+
+_TEST_REF = re.compile(r"(tests/[\w/]+\.py)(?:::(\w+))?")
+
+
+def test_every_test_the_docs_cite_exists():
+    missing = []
+    for page in sorted(DOCS.rglob("*.md")):
+        for path, function in set(_TEST_REF.findall(page.read_text())):
+            source = ROOT / path
+            if not source.is_file():
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+            elif function and not re.search(rf"^(?:async )?def {function}\(", source.read_text(), flags=re.MULTILINE):
+                missing.append(f"{page.relative_to(ROOT)}: {path}::{function}")
+    assert not missing, "\n".join(missing)
