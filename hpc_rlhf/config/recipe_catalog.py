@@ -183,6 +183,17 @@ RECIPES: tuple[Recipe, ...] = (
 )
 
 
+def untried_recipe_note(config: str | Path) -> str | None:
+    """For ``plan``: a line saying that a GPU recipe of ``configs/`` has never finished a run on GPUs (None for any
+    other file, or once a GPU run is recorded)."""
+    path = Path(config).resolve()
+    recipe = next((r for r in RECIPES if (ROOT / "configs" / r.file).resolve() == path), None)
+    if recipe is None or not recipe.on_gpu or recipe.gpu_runs:
+        return None
+    return (f"note: configs/{recipe.file} has never finished a run on GPUs (docs/recipes.md); a first run of it "
+            "tests the recipe as well as your cluster")
+
+
 # ----------------------------------------------------------------------------- rendering
 
 

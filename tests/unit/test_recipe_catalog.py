@@ -84,3 +84,19 @@ def test_generated_blocks_are_current():
 def test_a_page_without_its_block_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"docs/index\.md has no <!-- recipe-catalog:status-home -->"):
         recipe_catalog.render_file(ROOT / "docs/index.md", "# hpc-rlhf\n")
+
+
+def test_plan_says_when_a_gpu_recipe_never_ran(capsys):
+    from hpc_rlhf.cli.plan import plan
+
+    assert plan(["--config", str(ROOT / "configs/grpo_qwen2.5_7b.yaml"), "--nodes", "1", "--gpus-per-node", "8"]) == 0
+    assert "note: configs/grpo_qwen2.5_7b.yaml has never finished a run on GPUs" in capsys.readouterr().out
+    assert recipe_catalog.untried_recipe_note(ROOT / "configs/grpo_tiny_cpu.yaml") is None  # CPU recipes: no note
+    assert recipe_catalog.untried_recipe_note("my_recipe.yaml") is None
+
+
+def test_a_recorded_gpu_run_silences_the_note(monkeypatch):
+    ran = replace(BY_FILE["sft_llama3_8b.yaml"], gpu_runs=(GpuRun("2027-01-02", "8x H100 80GB", "1 epoch"),))
+    monkeypatch.setattr(recipe_catalog, "RECIPES", tuple(ran if r.file == ran.file else r for r in RECIPES))
+    assert recipe_catalog.untried_recipe_note(ROOT / "configs/sft_llama3_8b.yaml") is None
+    assert recipe_catalog.untried_recipe_note(ROOT / "configs/dpo_llama3_8b.yaml") is not None
