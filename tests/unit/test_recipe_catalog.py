@@ -100,3 +100,46 @@ def test_a_recorded_gpu_run_silences_the_note(monkeypatch):
     monkeypatch.setattr(recipe_catalog, "RECIPES", tuple(ran if r.file == ran.file else r for r in RECIPES))
     assert recipe_catalog.untried_recipe_note(ROOT / "configs/sft_llama3_8b.yaml") is None
     assert recipe_catalog.untried_recipe_note(ROOT / "configs/dpo_llama3_8b.yaml") is not None
+
+
+def _resolved(recipe: Recipe):
+    from hpc_rlhf.config import load_config
+    from hpc_rlhf.config.supervised import load_supervised_config
+
+    path = ROOT / "configs" / recipe.file
+    kind = recipe.entry.removeprefix("train_")
+    return load_config(path) if kind == "ppo" else load_supervised_config(kind, path)
+
+
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if r.on_gpu], ids=lambda r: r.file)
+def test_the_numbers_a_gpu_recipe_summary_gives_are_the_files(recipe: Recipe):
+    """ZeRO stage, vLLM TP and engines, samples per prompt, lengths, ring size, host Adam, colocation: what the
+    recipes table says of a GPU recipe is what its file runs."""
+    cfg = _resolved(recipe)
+    text = recipe.summary
+    claims = 0
+    if m := re.search(r"ZeRO-(\d)", text):
+        assert int(m.group(1)) == cfg.ds.zero_stage
+        claims += 1
+    if m := re.search(r"vLLM TP (\d+)", text):
+        assert int(m.group(1)) == cfg.rollout.tensor_parallel_size
+        claims += 1
+    if m := re.search(r"(\d+) engines", text):
+        assert int(m.group(1)) == recipe.nodes * 8 // cfg.rollout.tensor_parallel_size  # type: ignore[operator]
+        claims += 1
+    if m := re.search(r"(\d+) samples per prompt", text):
+        assert int(m.group(1)) == cfg.rollout.n_samples_per_prompt
+        claims += 1
+    if m := re.search(r"(\d+)k-token responses", text):
+        assert int(m.group(1)) * 1024 == cfg.rollout.generate_max_len
+        claims += 1
+    if m := re.search(r"(\d+)k-token samples", text):
+        assert int(m.group(1)) * 1024 == cfg.data.max_len
+        claims += 1
+    if m := re.search(r"ring attention over (\d+) GPUs", text):
+        assert int(m.group(1)) == cfg.ds.ring_attn_size
+        claims += 1
+    assert ("Adam states on the host" in text) == bool(cfg.ds.adam_offload)
+    if recipe.entry == "train_ppo":
+        assert ("colocated" in text) == cfg.train.colocate_all
+    assert claims >= 1, f"{recipe.file}: the summary states no number this test checks"
