@@ -7,8 +7,9 @@ paragraph each) carry blocks generated from ``RECIPES`` between ``<!-- recipe-ca
 every recipe is listed, and every CI run named here is a test that exists and reads that recipe.
 
 A recipe's label says where it has *run*, not what could run: ``CI`` entries name the test that trains with the
-recipe file itself (shortened with overrides: fewer steps, a locally built model), ``GPU`` entries a run on a
-GPU machine with its date and card. A recipe with neither says so. Record a GPU run here when one finishes, then
+recipe file itself (shortened with overrides: fewer steps, a locally built model, and what else it changes),
+``GPU`` entries a run on a GPU machine with its date and cards, ``ManualRun`` entries a run by hand whose numbers a
+docs page holds. A recipe with none of them reads "never run". Record a GPU run here when one finishes, then
 regenerate.
 """
 
@@ -26,9 +27,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @dataclass(frozen=True)
 class CiRun:
-    """The recipe file trains in the CPU test suite (``.ci/run``): ``test`` is ``path::function``."""
+    """The recipe file trains in the CPU test suite (``.ci/run``): ``test`` is ``path::function``; ``changes`` names
+    what the test runs differently beyond fewer steps and a locally built model (another rollout engine, an added
+    role), so that the label does not claim more than the test shows."""
 
     test: str
+    changes: str = ""
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,7 @@ class Recipe:
         """Where the recipe has run, in a few words (a table cell)."""
         parts = [f"GPU {run.date}, {run.cards}: {run.result}" for run in self.gpu_runs]
         if self.ci is not None:
-            parts.append("CI on CPU (shortened)")
+            parts.append(f"CI on CPU (shortened{'; ' + self.ci.changes if self.ci.changes else ''})")
         parts += [f"by hand on CPU, {run.date} ([{run.what}]({run.page}))" for run in self.manual_runs]
         if not self.ci and self.covered_by:
             parts.append(f"not in CI: {self.covered_by}")
@@ -99,7 +103,8 @@ RECIPES: tuple[Recipe, ...] = (
            ci=CiRun("tests/slurm/test_slurm_jobs.py::test_submitit_submission_completes")),
     Recipe("ppo_tiny_cpu.yaml", "train_ppo", "PPO: GAE with a critic, KL to a frozen reference in the reward, ZeRO-3; "
            "actor, critic, ref and rollout on both ranks", ranks=2,
-           ci=CiRun("tests/multiproc/test_vllm_colocated.py::test_ppo_with_zero3_gathers_inside_the_engine_reload")),
+           ci=CiRun("tests/multiproc/test_vllm_colocated.py::test_ppo_with_zero3_gathers_inside_the_engine_reload",
+                    "rollouts on vLLM")),
     Recipe("grpo_async_tiny_cpu.yaml", "train_ppo", "asynchronous GRPO, disaggregated: actor on ranks 0-1, rollout on "
            "rank 2, one policy version of staleness", ranks=3, covered_by=_SAME_SETUP,
            manual_runs=(ManualRun("2026-11-22", "a benchmark on 2 ranks, with overrides",
@@ -115,7 +120,8 @@ RECIPES: tuple[Recipe, ...] = (
            "OpenRLHF-style `AgentInstance`): the environment checks the answer and asks again; feedback tokens "
            "masked", ranks=2,
            ci=CiRun("tests/multiproc/test_vllm_colocated.py::"
-                    "test_distillation_teacher_scores_the_models_tokens_of_agent_episodes_on_vllm")),
+                    "test_distillation_teacher_scores_the_models_tokens_of_agent_episodes_on_vllm",
+                    "rollouts on vLLM, a distillation teacher added")),
     Recipe("grpo_async_agent_tiny_cpu.yaml", "train_ppo", "asynchronous multi-turn agent: episodes of 1-10 turns, "
            "weight updates land between turns (`train.partial_rollout`); actor on ranks 0-1, rollout on rank 2",
            ranks=3, covered_by=_SAME_SETUP,
@@ -124,7 +130,8 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe("grpo_openai_agent_tiny_cpu.yaml", "train_ppo", "an agent written against the OpenAI API "
            "(`examples/agents/openai_math_agent.py`): answers, is asked \"are you sure?\", answers again; extra "
            "`agents`", ranks=2,
-           ci=CiRun("tests/multiproc/test_vllm_colocated.py::test_openai_client_agent_rolls_out_on_vllm")),
+           ci=CiRun("tests/multiproc/test_vllm_colocated.py::test_openai_client_agent_rolls_out_on_vllm",
+                    "rollouts on vLLM")),
     Recipe("grpo_agents_sdk_tiny_cpu.yaml", "train_ppo", "an OpenAI Agents SDK agent with a `function_tool` "
            "(`Runner.run`); RL learns to call the tool; extra `agents-sdk`", ranks=2,
            covered_by=_SAME_SETUP),
@@ -137,7 +144,8 @@ RECIPES: tuple[Recipe, ...] = (
            ci=CiRun("tests/multiproc/test_reasoning_gym_rl.py::test_reasoning_gym_recipe_runs")),
     Recipe("grpo_moe_tiny_cpu.yaml", "train_ppo", "GRPO on a tiny Qwen3-MoE (4 experts, top-2) with the router's "
            "load-balancing loss and rollout routing replay (R3); routing statistics logged", ranks=2,
-           ci=CiRun("tests/multiproc/test_vllm_colocated.py::test_moe_grpo_with_vllm_every_sync_reaches_the_experts")),
+           ci=CiRun("tests/multiproc/test_vllm_colocated.py::test_moe_grpo_with_vllm_every_sync_reaches_the_experts",
+                    "rollouts on vLLM, routes measured, not replayed")),
     Recipe("grpo_vlm_tiny_cpu.yaml", "train_ppo", "GRPO on a tiny Qwen2.5-VL naming the colour of a drawn square "
            "(only the image tells the answer); held-out accuracy every 20 steps", ranks=2,
            ci=CiRun("tests/multiproc/test_vlm_rl.py::test_grpo_vlm_learns_the_colour_task")),
