@@ -198,6 +198,8 @@ def test_the_resubmit_commands_start_a_job_that_loads_the_checkpoint():
     srun = [line for line in out.stdout.splitlines() if line.startswith("SRUN ")]
     assert out.returncode == 0 and srun, out.stdout[-2000:] + out.stderr[-2000:]
     assert srun[0].endswith("ckpt.load=true")
+    # the guard checked how this layout loads the checkpoint (none written here yet: a fresh start)
+    assert re.search(r"^resume: ", out.stdout, flags=re.MULTILINE), out.stdout[-2000:]
     # without PLAN_ARGS the guard checks the recipe's own, shorter warning and refuses: why the doc gives it
     refused = _run_sbatch_here([arg for arg in sbatch[0] if not arg.startswith("PLAN_ARGS=")], ROOT)
     assert refused.returncode != 0 and "USR1 warning comes" in refused.stdout + refused.stderr
