@@ -137,8 +137,11 @@ TIME_ARGS=()
 if [ -n "$RECIPE_FILE" ] && [ -r "$RECIPE_FILE" ]; then TIME_ARGS+=(--sbatch "$RECIPE_FILE"); fi
 if [ "$GPU_JOB" = 0 ]; then TIME_ARGS+=(--gpu cpu); fi
 # A requeued job may run on another allocation: plan --resume says how it loads the checkpoint (resharded when the
-# layout differs) and stops the job here if it cannot (another model, LoRA adapter, ...).
-if [ "${#RESUME[@]}" -gt 0 ]; then TIME_ARGS+=(--resume auto); fi
+# layout differs) and stops the job here if it cannot (another model, LoRA adapter, ...). So does a new job told to
+# resume (ckpt.load=true among its overrides: a resubmission on fewer or more nodes).
+RESUMING=${#RESUME[@]}
+for arg in "$@"; do if [ "$arg" = "ckpt.load=true" ]; then RESUMING=1; fi; done
+if [ "$RESUMING" -gt 0 ]; then TIME_ARGS+=(--resume auto); fi
 # shellcheck disable=SC2086  # PLAN_ARGS is a list of flags
 ${CONTAINER_ONCE[@]+"${CONTAINER_ONCE[@]}"} "$PYTHON" -m hpc_rlhf.cli.plan --config "$CONFIG" --kind "$PLAN_KIND" \
     --nodes "$SLURM_JOB_NUM_NODES" --gpus-per-node "$SLURM_NTASKS_PER_NODE" ${TIME_ARGS[@]+"${TIME_ARGS[@]}"} \

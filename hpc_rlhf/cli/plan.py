@@ -19,6 +19,7 @@ import yaml
 
 from hpc_rlhf.ckpt.layout import CheckpointLayoutError, describe_resume, rl_layout, supervised_layout
 from hpc_rlhf.config import ConfigError, load_config
+from hpc_rlhf.config.recipe_catalog import untried_recipe_note
 from hpc_rlhf.config.schema import resolved_param_dtype
 from hpc_rlhf.config.supervised import CONFIG_CLASSES, load_supervised_config
 from hpc_rlhf.planning.devices import DEVICES, get_device
@@ -267,6 +268,9 @@ def plan(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"plan: invalid layout: {err}", file=sys.stderr)
         return 1
+    note = untried_recipe_note(args.config)  # a GPU recipe that never ran on GPUs says so before it queues
+    if note:
+        print(note)
     if kind != "rl":
         return plan_supervised(args, kind, world_size)
     try:

@@ -27,6 +27,10 @@ def _overrides(base: Path, kind: str, *extra: str) -> list[str]:
             f"data.eval_data=[{base / f'{data}_eval.jsonl'}]", f"train.output_dir={base / kind}", *extra]
 
 
+# The recipe each trainer runs, named in full (docs/recipes.md's "CI on CPU" labels point here).
+RECIPES = {"sft": "sft_tiny_cpu.yaml", "rm": "rm_tiny_cpu.yaml", "dpo": "dpo_tiny_cpu.yaml", "kto": "kto_tiny_cpu.yaml"}
+
+
 def _build(kind: str, overrides: list[str]):
     import importlib
 
@@ -35,7 +39,7 @@ def _build(kind: str, overrides: list[str]):
     from hpc_rlhf.config.supervised import load_supervised_config
     from hpc_rlhf.data.synthetic_preference import prepare_supervised_assets
 
-    cfg = load_supervised_config(kind, ROOT / f"configs/{kind}_tiny_cpu.yaml", overrides)
+    cfg = load_supervised_config(kind, ROOT / "configs" / RECIPES[kind], overrides)
     if dist.get_rank() == 0:
         prepare_supervised_assets(cfg)
     dist.barrier()
