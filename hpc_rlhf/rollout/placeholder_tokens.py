@@ -10,8 +10,10 @@ it is refused by the engine. Hence two lines of defence:
    engines give them a logit bias of ``-100`` (vLLM clamps biases to +-100; the token's probability is then
    ``e^-100`` times the next best's, never drawn in practice). With vLLM's ``processed_logprobs`` the reported
    log-prob of a sampled token is then renormalised over the other tokens: it exceeds the trainer's full-vocabulary
-   log-prob by ``-log(1 - p)``, ``p`` the placeholders' probability mass, which a trained model puts next to 0
-   (vLLM with images runs on a GPU only; that this holds there is a hypothesis no GPU run has checked yet);
+   log-prob by ``-log(1 - p)``, ``p`` the placeholders' probability mass, which a trained model puts next to 0.
+   Both (no forbidden token drawn, the ``-log(1 - p)`` offset to 1e-6) were measured on vLLM's CPU build with a
+   text model whose likeliest tokens stood in for the placeholders; vLLM runs vision-language models on a GPU only,
+   where the same is expected but no GPU run has checked it yet;
 2. a sample that still carries one is cut just before it and marked ``finish_reason="placeholder"``
    (:func:`cut_at_placeholders`): the executors end it as a failure of that sample alone (no gradient, reward 0,
    counted in ``rollout/placeholder_fraction``), never of the step.
