@@ -90,6 +90,26 @@ RULES: tuple[SwitchedOff, ...] = (
                 "set logger.use_wandb=true to log to Weights & Biases"),
     SwitchedOff("logger.wandb_run_name", "logger.use_wandb", lambda c: not c.logger.use_wandb, False,
                 "set logger.use_wandb=true to log to Weights & Biases"),
+    SwitchedOff("train.partial_rollout", "train.async_train", lambda c: not c.train.async_train, True,
+                "weight updates land during generation only in asynchronous training; set train.async_train=true"),
+    *(SwitchedOff(f"train.{key}", "train.async_train", lambda c: not c.train.async_train, False,
+                  "synchronous training generates each batch with the current weights; set train.async_train=true")
+      for key in ("async_queue_size", "max_staleness", "staleness_policy")),
+    SwitchedOff("rollout.partial_chunk_tokens", "train.partial_rollout", lambda c: not c.train.partial_rollout,
+                False, "the chunk size belongs to train.partial_rollout=true"),
+    *(SwitchedOff(f"eval.{key}", "eval.data", lambda c: not c.eval.data, False,
+                  "nothing is evaluated without eval.data (held-out prompt files)")
+      for key in ("steps", "n_samples_per_prompt", "temperature", "max_samples", "at_start", "pass_threshold")),
+    SwitchedOff("ckpt.best_mode", "ckpt.best_metric", lambda c: c.ckpt.best_metric is None, False,
+                "set ckpt.best_metric to keep the best checkpoint"),
+    SwitchedOff("algo.distill_coef", "teacher.pretrain", lambda c: c.teacher.pretrain is None, False,
+                "the distillation advantage needs a teacher; set teacher.pretrain"),
+    *(SwitchedOff(f"ds.lora.{key}", "ds.lora.rank", lambda c: c.ds.lora.rank == 0, False,
+                  "ds.lora.rank=0 trains no adapters; set ds.lora.rank > 0 (e.g. 16)")
+      for key in ("alpha", "dropout", "target_modules")),
+    *(SwitchedOff(f"train.{key}", "train.agent_func_path", lambda c: c.train.agent_func_path is None, False,
+                  "single-turn rollouts run no agent; set train.agent_func_path")
+      for key in ("agent_max_turns", "agent_step_timeout_s", "agent_episode_timeout_s", "agent_kwargs")),
 )
 
 

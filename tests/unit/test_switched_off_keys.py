@@ -9,6 +9,8 @@ from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.config.advice import config_warnings
 from hpc_rlhf.config.switched_off import RULES
 
+# a valid asynchronous layout
+ASYNC = ["train.async_train=true", "train.colocate_all=false", "actor.num_ranks=1", "rollout.num_engines=1"]
 # dependent key -> (a non-default value, overrides that switch its gate on)
 CASES = {
     "algo.kl.use_loss": ("true", ["algo.kl.init_coef=0.01"]),
@@ -26,6 +28,26 @@ CASES = {
     "vllm.sleep_level": ("2", []),
     "logger.wandb_project": ("mine", ["logger.use_wandb=true"]),
     "logger.wandb_run_name": ("run1", ["logger.use_wandb=true"]),
+    "train.partial_rollout": ("true", [*ASYNC, "train.max_staleness=2"]),
+    "train.async_queue_size": ("2", [*ASYNC, "train.max_staleness=2"]),
+    "train.max_staleness": ("3", ASYNC),
+    "train.staleness_policy": ("drop", ASYNC),
+    "rollout.partial_chunk_tokens": ("4", [*ASYNC, "train.partial_rollout=true", "train.max_staleness=2"]),
+    "eval.steps": ("5", ["eval.data=[held.jsonl]"]),
+    "eval.n_samples_per_prompt": ("4", ["eval.data=[held.jsonl]"]),
+    "eval.temperature": ("0.3", ["eval.data=[held.jsonl]"]),
+    "eval.max_samples": ("10", ["eval.data=[held.jsonl]"]),
+    "eval.at_start": ("true", ["eval.data=[held.jsonl]"]),
+    "eval.pass_threshold": ("0.9", ["eval.data=[held.jsonl]"]),
+    "ckpt.best_mode": ("min", ["ckpt.best_metric=eval/reward", "ckpt.save_hf=true"]),
+    "algo.distill_coef": ("2.0", ["teacher.pretrain=/models/teacher"]),
+    "ds.lora.alpha": ("32", ["ds.lora.rank=8"]),
+    "ds.lora.dropout": ("0.1", ["ds.lora.rank=8"]),
+    "ds.lora.target_modules": ("[q_proj]", ["ds.lora.rank=8"]),
+    "train.agent_max_turns": ("3", ["train.agent_func_path=agent.py"]),
+    "train.agent_step_timeout_s": ("5", ["train.agent_func_path=agent.py"]),
+    "train.agent_episode_timeout_s": ("50", ["train.agent_func_path=agent.py"]),
+    "train.agent_kwargs": ("{a: 1}", ["train.agent_func_path=agent.py"]),
 }
 # what switches each one off, where the default does not
 GATE_OFF = {"algo.eps_clip_low": ["algo.policy_loss_type=sapo"], "algo.eps_clip_high": ["algo.policy_loss_type=sapo"],
