@@ -95,3 +95,19 @@ def test_cispo_with_a_lower_bound_warns_and_without_one_does_not():
     assert len(warned) == 1 and "algo.eps_clip_low=0.2" in warned[0] and "0.8" in warned[0]
     assert not config_warnings(load_config(None, ["algo.policy_loss_type=cispo", "algo.eps_clip_low=1",
                                                   "algo.eps_clip_high=4"]))
+
+
+def test_plan_prints_the_warnings_and_refuses_the_refused(capsys):
+    from pathlib import Path
+
+    from hpc_rlhf.cli.plan import plan
+
+    recipe = str(Path(__file__).resolve().parents[2] / "configs/ppo_70b.yaml")
+    plan(["--config", recipe, "--nodes", "8", "--gpus-per-node", "8", "algo.policy_loss_type=cispo",
+          "algo.sapo_tau_pos=2"])
+    out = capsys.readouterr().out
+    assert "plan: warning: algo.sapo_tau_pos=2.0 has no effect with algo.policy_loss_type='cispo'" in out
+    assert "plan: warning: algo.policy_loss_type=cispo with algo.eps_clip_low=0.2" in out
+    assert plan(["--config", recipe, "--nodes", "8", "--gpus-per-node", "8", "algo.kl.init_coef=0",
+                 "algo.kl.use_loss=true"]) == 1
+    assert "algo.kl.use_loss=True has no effect with algo.kl.init_coef=0.0" in capsys.readouterr().err
