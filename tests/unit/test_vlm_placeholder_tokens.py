@@ -14,7 +14,7 @@ from PIL import Image
 
 from hpc_rlhf.agents.executor import SingleTurnExecutor
 from hpc_rlhf.agents.multi_turn import AgentInstanceBase, MultiTurnAgentExecutor
-from hpc_rlhf.data.prompts import PromptDataset
+from hpc_rlhf.data.prompts import Prompt, PromptDataset
 from hpc_rlhf.data.vision_prompts import VisionPromptEncoder
 from hpc_rlhf.models.tiny_vlm import build_tiny_vlm
 from hpc_rlhf.rollout import vllm_external_launcher
@@ -202,3 +202,41 @@ def test_agent_text_with_the_placeholder_string_fails_its_episode_not_the_step(v
     assert (failed.prompt_ids + failed.response_ids).count(model.config.image_token_id) \
         == failed.visual.num_image_tokens()
     assert kept.failure is None and kept.reward == 1.0
+
+
+async def one_call(client, prompt, label):
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": prompt}],
+                                         max_tokens=2)
+    return 1.0
+
+
+def test_an_openai_agent_call_cut_at_a_placeholder_fails_its_episode_alone(vlm):
+    pytest.importorskip("openai")
+    from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor
+
+    _, model, tok, vision, _ = vlm
+    real = TransformersRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, seed=0)
+    cut = []
+
+    def generate(requests):  # the first call the engine serves: cut at a sampled placeholder
+        results = real.generate(requests)
+        if not cut:
+            first = results[0]
+            first.output_ids, first.output_logprobs = first.output_ids[:1], first.output_logprobs[:1]
+            first.finish_reason = "placeholder"
+            cut.append(results[0].prompt_ids)
+        return results
+
+    executor = OpenAIAgentExecutor(one_call, tok, prompt_max_len=64, max_len=256, num_concurrent=1)
+    executor.vision = vision
+    try:
+        sampling = SamplingParams(max_new_tokens=2, temperature=1.0, stop_token_ids=[tok.eos_token_id], seed=0)
+        trajectories = executor.run([Prompt(text="look", label="r", source="t", index=0)], generate, sampling,
+                                    n_samples_per_prompt=2)
+    finally:
+        executor.close()
+    failed = [t for t in trajectories if t.failure is not None]
+    assert len(failed) == 1 and "placeholder" in (failed[0].failure or "")
+    assert failed[0].reward == 0.0 and not any(failed[0].action_mask)
+    kept = [t for t in trajectories if t.failure is None]
+    assert len(kept) == 1 and kept[0].reward == 1.0 and any(kept[0].action_mask)
