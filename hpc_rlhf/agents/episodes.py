@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from hpc_rlhf.agents.executor import GenerateFn
-from hpc_rlhf.agents.images import AgentImageError, encode_observation, feedback_tokens
+from hpc_rlhf.agents.images import AgentImageError, encode_observation, feedback_tokens, refuse_stray_placeholders
 from hpc_rlhf.agents.step_output import AgentOutputError, apply_sampling, parse_step_output
 from hpc_rlhf.data.prompts import Prompt, source_name, tokenize_prompts
 from hpc_rlhf.data.vision_prompts import VisionPromptEncoder
 from hpc_rlhf.models.routing_replay import continue_routes, pad_routes
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams, Trajectory
+from hpc_rlhf.rollout.placeholder_tokens import PLACEHOLDER_FINISH
 from hpc_rlhf.utils.user_calls import UserCallRunner, UserCallTimeout
 from hpc_rlhf.utils.user_code import accepted_kwargs
 
@@ -45,6 +46,10 @@ logger = logging.getLogger("hpc_rlhf.agents.multi_turn")
 
 class AgentTimeoutError(TimeoutError):
     """An agent call ran past ``step_timeout_s``."""
+
+
+class SampledPlaceholderError(RuntimeError):
+    """The rollout engine sampled a vision placeholder token in an episode's turn (``rollout.placeholder_tokens``)."""
 
 
 @dataclass
@@ -157,13 +162,16 @@ class EpisodeDriver:
             result = await self._agent_call(reset, states, **extra) if reset is not None else states
             if not isinstance(result, dict) or not isinstance(result.get("observation"), str):
                 raise AgentOutputError(f"reset must return a dict with a str 'observation', got {result!r:.200}")
+            # The observation is the agent's text: its image placeholders must match the row's images.
+            prompt_ids, visual = self.encode_prompt(episode.prompt, result["observation"])
+            refuse_stray_placeholders(prompt_ids, visual, settings.vision, "the reset observation")
             episode.prompt_text = result["observation"]
         except Exception as err:  # noqa: BLE001 - any agent failure ends only this episode
             episode.prompt_text = episode.prompt.text
             episode.prompt_ids, episode.visual = self.encode_prompt(episode.prompt, episode.prompt_text)
             self.fail(episode, "reset", err)
             return
-        episode.prompt_ids, episode.visual = self.encode_prompt(episode.prompt, episode.prompt_text)
+        episode.prompt_ids, episode.visual = prompt_ids, visual
         episode.observation_text = episode.prompt_text
 
     def encode_prompt(self, prompt: Prompt, text: str) -> tuple[list[int], Any]:
@@ -224,10 +232,18 @@ class EpisodeDriver:
         episode.num_turns += 1
         episode.last_finish = result.finish_reason
         episode.action_text = self.settings.tokenizer.decode(output_ids, skip_special_tokens=True)
+        if result.finish_reason == PLACEHOLDER_FINISH:  # the turn was cut before it (rollout.placeholder_tokens)
+            self.fail(episode, "generate", SampledPlaceholderError(
+                "the engine sampled a vision placeholder token, which only the image processor may place; the turn "
+                "was cut before it and the episode ends here (a later turn's prompt could not carry it)"))
+            episode.finish_reason = PLACEHOLDER_FINISH
 
     async def step(self, episode: Episode) -> None:
         """The agent's ``step`` on the latest turn: takes its reward, then ends the episode (done, out of turns or
-        of ``max_len``, failure) or appends its feedback for the next turn."""
+        of ``max_len``, failure) or appends its feedback for the next turn. An episode that ended in its turn (a
+        sampled placeholder) takes no step."""
+        if episode.finished:
+            return
         settings, stats = self.settings, self.stats
         stats.num_turns += 1
         states = {

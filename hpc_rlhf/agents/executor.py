@@ -22,9 +22,14 @@ from typing import Any
 from hpc_rlhf.data.prompts import Prompt, source_name, tokenize_prompts
 from hpc_rlhf.data.vision_prompts import VisionPromptEncoder, encode_prompts
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams, Trajectory
+from hpc_rlhf.rollout.placeholder_tokens import PLACEHOLDER_FINISH
 from hpc_rlhf.rollout.visual import PromptVisual
 
 GenerateFn = Callable[[list[GenerationRequest]], list[GenerationResult]]
+
+# ``Trajectory.failure`` of a sample the engine cut at a vision placeholder token it sampled.
+PLACEHOLDER_FAILURE = ("generate: the engine sampled a vision placeholder token (which only the image processor "
+                       "may place); the sample was cut before it and fails alone")
 
 # The source name of a trajectory whose executor did not set ``Trajectory.data_source``.
 UNKNOWN_SOURCE = "unknown"
@@ -96,7 +101,8 @@ class SingleTurnExecutor(AgentExecutor):
 
     Each prompt becomes one request with ``n = n_samples_per_prompt`` (the engine shares the
     prefix); every response token is an action; a sample is ``truncated`` when the engine stopped
-    it for length (``finish_reason == "length"``).
+    it for length (``finish_reason == "length"``). A sample the engine cut at a sampled vision placeholder
+    (``finish_reason == "placeholder"``, ``rollout.placeholder_tokens``) fails alone: reward 0, no action token.
     """
 
     def run(self, prompts: list[Prompt], generate: GenerateFn, sampling: SamplingParams,
@@ -119,12 +125,13 @@ class SingleTurnExecutor(AgentExecutor):
                     raise RuntimeError(
                         f"rollout engine returned {len(output_ids)} tokens but {len(logprobs)} logprobs "
                         f"for request {group_index}")
+                failed = result.finish_reason == PLACEHOLDER_FINISH
                 trajectory = Trajectory(
                     prompt=prompt.text,
                     label=prompt.label,
                     prompt_ids=list(ids),
                     response_ids=output_ids,
-                    action_mask=[1] * len(output_ids),
+                    action_mask=[0 if failed else 1] * len(output_ids),
                     rollout_logprobs=logprobs,
                     truncated=result.finish_reason == "length",
                     finish_reason=result.finish_reason,
@@ -133,6 +140,9 @@ class SingleTurnExecutor(AgentExecutor):
                     routed_experts=result.routed_experts,
                     visual=visual,
                 )
+                if failed:
+                    trajectory.reward = trajectory.score = 0.0
+                    trajectory.failure = PLACEHOLDER_FAILURE
                 trajectory.check()
                 trajectories.append(trajectory)
         return trajectories

@@ -112,7 +112,9 @@ def feedback_tokens(vision: VisionPromptEncoder | None, tokenizer: Any, feedback
     """
     refs = feedback_image_refs(values, prompt)
     if not refs:
-        return (list(tokenizer.encode(feedback, add_special_tokens=False)) if feedback else []), visual
+        ids = list(tokenizer.encode(feedback, add_special_tokens=False)) if feedback else []
+        refuse_stray_placeholders(ids, None, vision, f"environment_feedback without {FEEDBACK_IMAGES_KEY}")
+        return ids, visual
     if vision is None:
         raise AgentImageError(f"step returned {len(refs)} {FEEDBACK_IMAGES_KEY} but the actor is a text-only model "
                               "(actor.pretrain): images need a vision-language model")
@@ -128,5 +130,21 @@ def feedback_tokens(vision: VisionPromptEncoder | None, tokenizer: Any, feedback
     return ids, extend_visual(visual, vision, pixel_values, grid, [r.describe() for r in refs], images)
 
 
+def refuse_stray_placeholders(ids: Sequence[int], visual: PromptVisual | None, vision: VisionPromptEncoder | None,
+                              what: str) -> None:
+    """Raise :class:`AgentImageError` when agent text tokenized to ``ids`` holds image placeholder tokens that no
+    image of ``visual`` stands behind (the placeholder string in a ``reset`` observation or a text feedback): the
+    step batch's M-RoPE positions and the engines' prefill would fail on them for the whole step, not this
+    episode. No-op for a text-only model (``vision`` None)."""
+    if vision is None:
+        return
+    expected = visual.num_image_tokens() if visual is not None else 0
+    found = sum(1 for token in ids if token == vision.image_token_id)
+    if found != expected:
+        raise AgentImageError(f"{what} holds {found - expected} image placeholder token(s) ({vision.image_token!r}) "
+                              "with no image behind them; only the image processor may place them: remove the "
+                              f"placeholder from the text, or pass the image in {FEEDBACK_IMAGES_KEY}")
+
+
 __all__ = ["FEEDBACK_IMAGES_KEY", "AgentImageError", "encode_observation", "extend_visual", "feedback_image_refs",
-           "feedback_tokens", "image_placeholder"]
+           "feedback_tokens", "image_placeholder", "refuse_stray_placeholders"]

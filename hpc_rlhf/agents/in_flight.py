@@ -148,7 +148,7 @@ class InFlightEpisodes:
         driver = self._driver
         rounds = 0
         while True:
-            await self._admit(driver)
+            await self._admit(driver, version)
             active = [(b, e) for b in self.batches for e in b.episodes
                       if e.index in b.started and e.index not in b.done]
             older_running = any(not b.finished for b in (self.batches if finish_all else self.batches[:-1]))
@@ -165,8 +165,9 @@ class InFlightEpisodes:
                     self._finish(driver, batch, episode, version)
             rounds += 1
 
-    async def _admit(self, driver: EpisodeDriver) -> None:
-        """Build and reset queued episodes while fewer than ``num_concurrent`` run."""
+    async def _admit(self, driver: EpisodeDriver, version: int) -> None:
+        """Build and reset queued episodes while fewer than ``num_concurrent`` run. An episode whose ``reset``
+        fails ends here and is stamped ``version`` (the weights current now), like any episode finished now."""
         alive = sum(len(b.started) - len(b.done.keys() & b.started) for b in self.batches)
         room = self.executor.num_concurrent - alive
         todo = [(b, e) for b in self.batches for e in b.episodes
@@ -177,12 +178,12 @@ class InFlightEpisodes:
         for batch, episode in todo:
             batch.started.add(episode.index)
             if episode.finished:  # reset failed
-                self._finish(driver, batch, episode, None)
+                self._finish(driver, batch, episode, version)
 
-    def _finish(self, driver: EpisodeDriver, batch: _Batch, episode: Episode, version: int | None) -> None:
+    def _finish(self, driver: EpisodeDriver, batch: _Batch, episode: Episode, version: int) -> None:
         trajectory = driver.trajectory(episode)
         stamped = batch.versions.get(episode.index, [])
-        fill = stamped[-1] if stamped else (version if version is not None else 0)
+        fill = stamped[-1] if stamped else version
         versions = stamped + [fill] * (len(trajectory.response_ids) - len(stamped))
         trajectory.token_versions = versions
         trajectory.policy_version = min(versions, default=fill)  # the oldest token's

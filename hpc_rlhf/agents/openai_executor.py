@@ -62,6 +62,7 @@ from hpc_rlhf.agents.openai_recording import CompletionRecord, TokenSequence, ep
 from hpc_rlhf.agents.tool_parsers import OutputParser
 from hpc_rlhf.data.prompts import Prompt, source_name
 from hpc_rlhf.rollout.base import SamplingParams, Trajectory
+from hpc_rlhf.rollout.placeholder_tokens import PLACEHOLDER_FINISH
 from hpc_rlhf.utils.user_calls import run_to_completion
 from hpc_rlhf.utils.user_code import accepted_kwargs
 
@@ -258,6 +259,10 @@ class OpenAIAgentExecutor(AgentExecutor):
             return 0.0, 0.0, {}, f"run_episode: {type(err).__name__}: {str(err)[:300]}"
         if not episode.records:
             return 0.0, 0.0, {}, "run_episode: made no model call (nothing to train)"
+        if any(record.finish_reason == PLACEHOLDER_FINISH for record in episode.records):
+            return 0.0, 0.0, {}, ("generate: the engine sampled a vision placeholder token "
+                                  "(rollout.placeholder_tokens); the call's completion was cut before it and the "
+                                  "episode fails alone")
         result = episode.result
         if result is None:
             return None, None, {}, None

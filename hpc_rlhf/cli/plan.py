@@ -19,6 +19,7 @@ import yaml
 
 from hpc_rlhf.ckpt.layout import CheckpointLayoutError, describe_resume, rl_layout, supervised_layout
 from hpc_rlhf.config import ConfigError, load_config
+from hpc_rlhf.config.advice import config_warnings
 from hpc_rlhf.config.recipe_catalog import untried_recipe_note
 from hpc_rlhf.config.schema import resolved_param_dtype
 from hpc_rlhf.config.supervised import CONFIG_CLASSES, load_supervised_config
@@ -293,6 +294,8 @@ def plan(argv: list[str] | None = None) -> int:
         print(f"plan: cannot resume: {err}", file=sys.stderr)
         return 1
 
+    for line in config_warnings(cfg):
+        print(f"plan: warning: {line}")
     print(f"world: {args.nodes} nodes x {args.gpus_per_node} GPUs = {world_size} ranks, "
           f"layout {placement.layout}, controller rank {placement.controller_rank}")
     if resume:

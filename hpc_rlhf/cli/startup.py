@@ -23,6 +23,7 @@ from typing import Any
 # installs the preemption guard before the seconds of importing torch (a SLURM signal then is remembered, not
 # fatal). torch, the process groups and the tiny model load inside the functions that need them.
 from hpc_rlhf.config import ConfigError, RunConfig
+from hpc_rlhf.config.advice import config_warnings
 from hpc_rlhf.config.supervised import load_supervised_config
 from hpc_rlhf.data.synthetic import write_task_if_missing
 from hpc_rlhf.data.synthetic_preference import prepare_supervised_assets
@@ -76,6 +77,9 @@ def start_run(prog: str, argv: list[str] | None, load: Callable[[str | None, lis
                         format=f"[rank{env.rank}] %(asctime)s %(name)s: %(message)s")
     retain_freed_host_memory(on_gpu=torch.cuda.is_available())
     if env.rank == 0:
+        if isinstance(cfg, RunConfig):
+            for line in config_warnings(cfg):
+                logging.getLogger(prog).warning("config: %s", line)
         prepare_local_assets(cfg)
     dist.barrier()
     return cfg, env

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hpc_rlhf.config.switched_off import refuse_switched_off
+
 AdvantageEstimator = Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo", "distill"]
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
 
@@ -311,10 +313,11 @@ class AlgoConfig(Section):
     sapo_tau_neg: float = Field(1.05, gt=0, description="policy_loss_type=sapo: gate temperature where the "
                                 "advantage is zero or negative (paper: 1.05, above sapo_tau_pos)")
     loss_agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-                           "seq_mean_token_sum_norm"] = Field(
-        "token_mean",
+                           "seq_mean_token_sum_norm"] | None = Field(
+        None,
         description="how per-token losses become one number: token_mean (over all tokens), seq_mean_token_mean, "
-        "seq_mean_token_sum, seq_mean_token_sum_norm (Dr. GRPO)")
+        "seq_mean_token_sum, seq_mean_token_sum_norm (Dr. GRPO); null: the policy loss's own choice, "
+        "seq_mean_token_mean for sapo (its paper, veRL and TRL average per sequence), token_mean for the others")
     entropy_loss_coef: float = Field(
         0.0, ge=0, description="weight of an entropy bonus in the actor loss (0: entropy only logged)")
     aux_loss_coef: float = Field(
@@ -366,6 +369,14 @@ class AlgoConfig(Section):
     @property
     def needs_critic(self) -> bool:
         return self.advantage_estimator == "gae"
+
+    @property
+    def agg_mode(self) -> str:
+        """``loss_agg_mode``, or the policy loss's own when it is unset: SAPO's paper (arXiv:2511.20347, eq. 5),
+        veRL and TRL average each sequence's tokens, then the sequences; every other loss here a token mean."""
+        if self.loss_agg_mode is not None:
+            return self.loss_agg_mode
+        return "seq_mean_token_mean" if self.policy_loss_type == "sapo" else "token_mean"
 
     @property
     def needs_ref(self) -> bool:
@@ -589,6 +600,7 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _cross_section_rules(self) -> RunConfig:
+        refuse_switched_off(self)  # a key that another key switched off and that can only be a mistake
         groups = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
         if groups % self.train.train_batch_size != 0:
             raise ValueError(

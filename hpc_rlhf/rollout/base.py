@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from hpc_rlhf.config.schema import RolloutConfig
     from hpc_rlhf.rollout.visual import PromptVisual
 
-FinishReason = Literal["stop", "length"]
+# "placeholder": cut before a vision placeholder token the engine sampled (hpc_rlhf.rollout.placeholder_tokens)
+FinishReason = Literal["stop", "length", "placeholder"]
 # What ``RolloutEngine.wake_up`` can restore separately (vLLM's sleep-mode tags).
 WAKE_TAGS = ("weights", "kv_cache")
 

@@ -59,6 +59,7 @@ from hpc_rlhf.models.moe import moe_spec
 from hpc_rlhf.models.routing_replay import RouteRecorder, not_recorded
 from hpc_rlhf.models.vision import flat_images, visual_row_fields
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
+from hpc_rlhf.rollout.placeholder_tokens import placeholder_token_ids
 
 
 @dataclass
@@ -154,12 +155,10 @@ def sample_tokens(
 
 
 def vision_placeholder_mask(config, device: torch.device) -> torch.Tensor | None:
-    """[V] bool: a vision-language model's image / video placeholder and boundary tokens (never sampled: the
-    training forward would look for image features behind a generated placeholder); None for a text model."""
-    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    ids = [getattr(config, n, None) for n in names]
-    ids = [i for i in ids if i is not None]
-    if not ids or getattr(config, "vision_config", None) is None:
+    """[V] bool: a vision-language model's image / video placeholder and boundary tokens
+    (``rollout.placeholder_tokens``: never sampled); None for a text model."""
+    ids = placeholder_token_ids(config)
+    if not ids:
         return None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     banned = torch.zeros(int(text.vocab_size), dtype=torch.bool, device=device)

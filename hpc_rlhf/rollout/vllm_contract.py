@@ -221,7 +221,8 @@ def derived_checks() -> list[Check]:
     server["weight_transfer_config"] = None
     checks.append(_accepts("AsyncEngineArgs keywords (vllm_server.server_engine_kwargs)", set(server),
                            "vllm:AsyncEngineArgs"))
-    sampling = vllm_sampling_kwargs(SamplingParams(max_new_tokens=4, top_k=5, stop_token_ids=[2], seed=1), n=2)
+    sampling = vllm_sampling_kwargs(SamplingParams(max_new_tokens=4, top_k=5, stop_token_ids=[2], seed=1), n=2,
+                                    forbidden_token_ids=[3])  # logit_bias: a vision model's placeholders
     sampling["output_kind"] = resolve("vllm.sampling_params:RequestOutputKind.FINAL_ONLY")
     checks.append(_accepts("SamplingParams fields (vllm_external_launcher.vllm_sampling_kwargs + output_kind)",
                            set(sampling), "vllm:SamplingParams", construct=sampling))

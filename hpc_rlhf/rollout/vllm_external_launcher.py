@@ -57,6 +57,7 @@ from hpc_rlhf.rollout.base import (
     RolloutEngine,
     SamplingParams,
 )
+from hpc_rlhf.rollout.placeholder_tokens import cut_at_placeholders, placeholder_logit_bias, read_placeholder_token_ids
 from hpc_rlhf.rollout.vllm_api import resolve
 from hpc_rlhf.rollout.vllm_images import require_vllm_images_supported, tokens_prompt_kwargs
 from hpc_rlhf.rollout.vllm_lora import VllmAdapterSlot, lora_engine_kwargs
@@ -88,9 +89,12 @@ def import_vllm() -> Any:
 # ---------------------------------------------------------------------------- pure helpers
 
 
-def vllm_sampling_kwargs(params: SamplingParams, n: int) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.SamplingParams`` for one request (no vLLM needed)."""
-    return {
+def vllm_sampling_kwargs(params: SamplingParams, n: int, forbidden_token_ids: Sequence[int] = ()) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` for one request (no vLLM needed); ``forbidden_token_ids``
+    (a vision-language model's placeholders, ``rollout.placeholder_tokens``) get a ``logit_bias`` that keeps
+    them from being sampled."""
+    bias = placeholder_logit_bias(forbidden_token_ids)
+    return {**({"logit_bias": bias} if bias else {}),
         "n": n,
         "temperature": params.temperature,
         "top_p": params.top_p,
@@ -103,11 +107,12 @@ def vllm_sampling_kwargs(params: SamplingParams, n: int) -> dict[str, Any]:
     }
 
 
-def to_vllm_sampling_params(params: SamplingParams, n: int = 1, *, sampling_params_cls: Any = None) -> Any:
+def to_vllm_sampling_params(params: SamplingParams, n: int = 1, *, sampling_params_cls: Any = None,
+                            forbidden_token_ids: Sequence[int] = ()) -> Any:
     """A ``vllm.SamplingParams`` (or ``sampling_params_cls(**kwargs)``, for tests) for one request."""
     if sampling_params_cls is None:
         sampling_params_cls = import_vllm().SamplingParams
-    return sampling_params_cls(**vllm_sampling_kwargs(params, n))
+    return sampling_params_cls(**vllm_sampling_kwargs(params, n, forbidden_token_ids))
 
 
 def sampled_logprobs(token_ids: Sequence[int], logprobs: Any, where: str) -> list[float]:
@@ -364,6 +369,7 @@ class VllmRolloutEngine(RolloutEngine):
         self._sleeping: set[str] = set()  # WAKE_TAGS parts now asleep
         self._weights_discarded = False
         self._prefix_cache_stale = False
+        self.placeholder_ids = read_placeholder_token_ids(model_path)  # never sampled (vision-language models)
         self.llm = vllm.LLM(**llm_kwargs(
             model_path, tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=enable_sleep_mode,
             gpu_memory_utilization=gpu_memory_utilization, seed=seed, enforce_eager=enforce_eager,
@@ -412,11 +418,13 @@ class VllmRolloutEngine(RolloutEngine):
 
         require_vllm_images_supported(requests, torch.cuda.is_available())
         prompts = [self._vllm.TokensPrompt(**tokens_prompt_kwargs(r)) for r in requests]
-        sampling = [to_vllm_sampling_params(r.params, r.n, sampling_params_cls=self._vllm.SamplingParams)
-                    for r in requests]
+        sampling = [to_vllm_sampling_params(r.params, r.n, sampling_params_cls=self._vllm.SamplingParams,
+                                            forbidden_token_ids=self.placeholder_ids) for r in requests]
         adapter = {"lora_request": self.adapter.request} if self.adapter is not None else {}
         outputs = self.llm.generate(prompts, sampling_params=sampling, use_tqdm=False, **adapter)
-        return results_from_vllm_outputs(outputs, requests)
+        results = results_from_vllm_outputs(outputs, requests)
+        cut_at_placeholders(results, self.placeholder_ids)  # the bias makes them ~impossible, not impossible
+        return results
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """One whole weight round (every tensor of the model, in any bucketing): consumed lazily inside one vLLM

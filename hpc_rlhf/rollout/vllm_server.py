@@ -88,6 +88,7 @@ from hpc_rlhf.rollout.engine_restart import (
     Submission,
     generate_with_restarts,
 )
+from hpc_rlhf.rollout.placeholder_tokens import cut_at_placeholders, read_placeholder_token_ids
 from hpc_rlhf.rollout.vllm_api import PAUSE_MODE, resolve
 from hpc_rlhf.rollout.vllm_external_launcher import (
     VllmEngineSpec,
@@ -221,6 +222,7 @@ class VllmServerEngine(RolloutEngine):
         self.weight_transfer_backend = backend
         self._channel_open = False  # open_weight_channel done: a sender can reach the workers
         self._request_ids = itertools.count()
+        self.placeholder_ids = read_placeholder_token_ids(model_path)  # never sampled (vision-language models)
         self._in_flight: set[str] = set()  # request ids of generations not finished yet
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-server-loop", daemon=True)
@@ -292,7 +294,7 @@ class VllmServerEngine(RolloutEngine):
     async def _stream_one(self, request: GenerationRequest, slots: list[Slot], progress: GenerationProgress) -> None:
         """One request, its tokens streamed into ``progress`` as vLLM samples them (``DELTA`` outputs), so that a
         restart keeps what came back (``engine_restart``)."""
-        kwargs = vllm_sampling_kwargs(request.params, request.n)
+        kwargs = vllm_sampling_kwargs(request.params, request.n, self.placeholder_ids)
         kwargs["output_kind"] = resolve("vllm.sampling_params:RequestOutputKind.DELTA")
         request_id = f"hpc-rlhf-{next(self._request_ids)}"
         require_vllm_images_supported([request], torch.cuda.is_available())
@@ -343,7 +345,9 @@ class VllmServerEngine(RolloutEngine):
         if not requests:
             return []
         self._generate_calls += 1
-        return generate_with_restarts(requests, self._attempt, self.restart, routes_from_vllm)
+        results = generate_with_restarts(requests, self._attempt, self.restart, routes_from_vllm)
+        cut_at_placeholders(results, self.placeholder_ids)  # the bias makes them ~impossible, not impossible
+        return results
 
     def _attempt(self, submissions: list[Submission], progress: GenerationProgress) -> None:
         """One try at ``submissions`` on the current engine; raises :class:`EngineFailure` when it dies or is silent

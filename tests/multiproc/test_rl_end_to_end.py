@@ -45,18 +45,26 @@ def test_grpo_colocated_reward_rises_and_export_loads(assets, tmp_path):
 
 @pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
 def test_cispo_and_sapo_reward_rises(assets, tmp_path, loss_type):
-    """Each of the two losses trains the tiny GRPO task with the reward rising, and logs what its weight did."""
-    band = ["algo.eps_clip_low=1.0", "algo.eps_clip_high=0.28"] if loss_type == "cispo" else []  # MiniMax-M1: no low
+    """Each of the two losses trains the tiny GRPO task with the reward rising, off-policy, and its weight acts.
+
+    Two epochs over each step's rollouts (``train.max_epochs=2``): the second epoch's ratio to the rollout policy
+    is not 1. On-policy (ratio exactly 1) PPO, CISPO and SAPO have the same gradient, so a run there cannot tell a
+    wrong CISPO cap or SAPO gate (or a loss that ignores the old log-probs) from a right one."""
+    band = ["algo.eps_clip_low=1.0", "algo.eps_clip_high=0.05"] if loss_type == "cispo" else []  # MiniMax-M1: no low
     run_on_ranks(_fit, 2, grpo_overrides(assets, tmp_path, "train.max_steps=30", f"algo.policy_loss_type={loss_type}",
-                                         *band))
+                                         "train.max_epochs=2", *band))
     rows = read_metrics(tmp_path)
     first = sum(r["reward"] for r in rows[:5]) / 5
     last = sum(r["reward"] for r in rows[-5:]) / 5
     assert last > first + 0.15, (first, last)
-    gated = "clip_fraction" if loss_type == "cispo" else "gate_fraction"
-    assert all(0 <= r[gated] <= 1 for r in rows), gated
-    if loss_type == "sapo":
+    # off-policy: the update moved the policy away from the one that sampled (the loss's ratio saw it)
+    assert max(abs(r["ratio_mean"] - 1) for r in rows) > 1e-3, [r["ratio_mean"] for r in rows]
+    if loss_type == "cispo":  # the cap bound some tokens' weights (their ratio rose past 1 + eps_clip_high)
+        assert all(0 <= r["clip_fraction"] <= 1 for r in rows)
+        assert max(r["clip_fraction"] for r in rows) > 0, [r["clip_fraction"] for r in rows]
+    else:  # the gate faded some tokens' gradients (weight 4 s (1 - s) < 1 away from ratio 1)
         assert all(0 < r["gate_weight_mean"] <= 1 for r in rows)
+        assert min(r["gate_weight_mean"] for r in rows) < 1 - 1e-4, [r["gate_weight_mean"] for r in rows]
 
 
 def _check_step_signals(rows: list[dict], vocab_size: int, generate_max_len: int, source: str) -> None:

@@ -194,3 +194,26 @@ def test_in_flight_episodes_match_the_executor_run_token_for_token(tok):
     assert len({tuple(t.response_ids) for t in ran}) == len(ran)
     assert max(t.extra_logs["num_turns"] for t in ran) > 1
     assert 0 < sum(t.failure is not None for t in ran) < len(ran)
+
+
+class ResetFailsAgent(TurnsAgent):
+    """``reset`` raises for the prompt labelled "x"; otherwise a ``TurnsAgent``."""
+
+    async def reset(self, states, **kwargs):
+        if states["label"] == "x":
+            raise RuntimeError("environment unavailable")
+        return {"observation": states["observation"]}
+
+
+def test_an_episode_whose_reset_fails_is_stamped_the_current_version_not_zero(tok):
+    """A reset failure admitted after a weight update is as fresh as any episode finished then: version 0 would
+    inflate ``async/staleness_max`` and, under ``staleness_policy=drop``, drop the episode out of its group."""
+    pool = InFlightEpisodes(MultiTurnAgentExecutor(ResetFailsAgent, tok, 16, max_turns=10, step_timeout_s=5.0))
+    engine = Engine(tok)
+    engine.version = 3
+    pool.add([Prompt(text="0=", label="x", source="t", index=0), Prompt(text="1=", label="1", source="t", index=1)],
+             SamplingParams(max_new_tokens=4, seed=7), 1, step=4)
+    out = pool.advance(engine, version=3, finish_all=True)
+    assert [t.finish_reason for t in out] == ["agent_error", "stop"]
+    assert [t.policy_version for t in out] == [3, 3]
+    assert out[0].token_versions == [3] * len(out[0].response_ids)

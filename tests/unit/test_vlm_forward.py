@@ -98,23 +98,59 @@ def test_padded_and_packed_logprobs_and_gradients_agree_with_the_model(tiny):
         torch.testing.assert_close(grads[False][name], grads[True][name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+def _feedback_image_rows(model, tok, processor):
+    """Two trajectories as a multi-turn agent leaves them: row 0's prompt holds an image and its response a second
+    one (a screenshot in the environment's feedback, ``action_mask`` 0) between generated tokens; row 1 is text."""
+    from hpc_rlhf.rollout.base import Trajectory
+
+    out = processor(images=[Image.new("RGB", (56, 56), (255, 0, 0)), Image.new("RGB", (56, 84), (0, 255, 0))],
+                    return_tensors="pt")
+    visual = PromptVisual(out["pixel_values"].float(), out["image_grid_thw"], model.config.image_token_id,
+                          model.config.vision_config.spatial_merge_size)
+    first, second = (int(g.prod()) // visual.spatial_merge_size ** 2 for g in visual.image_grid_thw)
+
+    def ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    prompt = ids("Q: <|vision_start|>" + IMAGE_PAD * first + "<|vision_end|>hi?\nA: ")
+    feedback = ids("\nsee: <|vision_start|>" + IMAGE_PAD * second + "<|vision_end|>\nA: ")
+    response = [30] + feedback + [31, 2]
+    mask = [1] + [0] * len(feedback) + [1, 1]
+    rows = [Trajectory("q0", None, prompt, response, mask, [-1.0] * len(response), reward=1.0, visual=visual),
+            Trajectory("q1", None, ids("Q: hi?\nA: "), [40, 41], [1, 1], [-1.0, -1.0], reward=0.0)]
+    return rows, second
+
+
 def test_image_tokens_never_enter_the_loss(tiny):
-    """By hand: a response that itself holds image tokens (feedback-like) still scores only real response columns,
-    and a loss over the log-probs has no gradient from the positions predicting prompt image tokens."""
+    """A response that holds image tokens (a feedback screenshot, as multi-turn agents append it): the step batch
+    masks them, and the policy loss has exactly zero gradient through their columns, while every generated token
+    has some. Checked on a loss over the real step batch and the model's log-probs, so a mask that let feedback
+    (image) tokens in would fail here."""
+    from hpc_rlhf.algos.aggregation import aggregate_loss
+    from hpc_rlhf.algos.losses import policy_loss
+    from hpc_rlhf.trainers.rl.step_batch import StepBatch
+
     model, tok, processor = tiny
-    seq, mask, r, visuals, fields = _rows(model, tok, processor)
     image_id = model.config.image_token_id
-    prompt = seq[:, :-r]
-    assert int((prompt == image_id).sum()) == sum(v.num_image_tokens() for v in visuals if v)
-    lp, _ = policy_logprobs(model, seq, mask, r, visual=fields)
-    # only the response columns are scored: exactly the real response tokens are non-zero, none is an image token
-    scored = lp != 0
-    assert torch.equal(scored, mask[:, -r:].bool())
-    assert not bool((seq[:, -r:][scored] == image_id).any())
-    # the hidden state of every prompt image position gets a gradient only through later tokens' attention: the
-    # loss's gradient w.r.t. the image-token logits is zero because no image token is ever a target
-    targets = seq[:, -r:][scored]
-    assert image_id not in targets.tolist()
+    rows, num_feedback_image_tokens = _feedback_image_rows(model, tok, processor)
+    batch = StepBatch.from_trajectories(rows, tok.pad_token_id)
+    r = batch.action_mask.shape[1]
+    responses = batch.sequences[:, -r:]
+    image_columns = responses == image_id
+    assert int(image_columns.sum()) == num_feedback_image_tokens > 0  # the response really holds image tokens
+    fields = {k: v for k, v in batch.forward_inputs().items()
+              if k in ("pixel_values", "image_grid_thw", "mrope_position_ids")}
+    logprobs, _ = policy_logprobs(model, batch.sequences, batch.attention_mask, r, visual=fields)
+    logprobs.retain_grad()
+    advantages = torch.ones_like(logprobs)
+    per_token, _ = policy_loss(logprobs, logprobs.detach(), advantages, batch.action_mask)
+    aggregate_loss(per_token, batch.action_mask, "token_mean",
+                   global_num_tokens=int(batch.action_mask.sum())).backward()
+    grad = logprobs.grad
+    assert grad is not None
+    assert bool((grad[image_columns] == 0).all()), "an image token of the response entered the loss"
+    assert bool((grad[batch.action_mask] != 0).all()), "every generated token is trained"
+    assert not bool(batch.action_mask[image_columns].any())
 
 
 def test_flat_images_orders_rows(tiny):

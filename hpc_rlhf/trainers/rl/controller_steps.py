@@ -29,6 +29,7 @@ from hpc_rlhf.algos import (
 from hpc_rlhf.config.schema import RunConfig
 from hpc_rlhf.rewards.scoring import score_trajectories
 from hpc_rlhf.rollout.base import Trajectory
+from hpc_rlhf.rollout.placeholder_tokens import PLACEHOLDER_FINISH
 from hpc_rlhf.trainers.rl.rollout_health import extra_log_metrics, first_rows
 from hpc_rlhf.trainers.rl.step_batch import StepBatch, episode_index_of
 
@@ -212,6 +213,9 @@ def rollout_metrics(trajectories: list[Trajectory], batch: StepBatch | None, gen
         "num_samples": float(len(trajectories)),
         "num_episodes": float(rewards.shape[0]),
         "num_trained_samples": float(0 if batch is None else batch.num_rows),
+        # rows the engine cut at a vision placeholder it sampled; each failed alone (rollout.placeholder_tokens)
+        "placeholder_fraction": sum(t.finish_reason == PLACEHOLDER_FINISH for t in trajectories)
+        / max(len(trajectories), 1),
     }
     if batch is not None and batch.kl is not None:
         row["kl"] = float(masked_mean(batch.kl, batch.action_mask))

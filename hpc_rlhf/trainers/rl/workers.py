@@ -216,11 +216,11 @@ def _actor_micro_step(engine: Any, fwd: Any, rows: StepBatch, counts: dict[str, 
         clip_eps_low=algo.eps_clip_low, clip_eps_high=algo.eps_clip_high,
         dual_clip=algo.dual_clip, importance_weights=is_weights, sapo_tau_pos=algo.sapo_tau_pos,
         sapo_tau_neg=algo.sapo_tau_neg)
-    pg_loss = aggregate_loss(pg, mask, algo.loss_agg_mode, **counts)
+    pg_loss = aggregate_loss(pg, mask, algo.agg_mode, **counts)
     kl_loss = None
     if algo.kl.use_loss and rows.ref_logprobs is not None:
         kl = kl_estimate(logprobs, rows.ref_logprobs, mask, algo.kl.estimator)
-        kl_loss = aggregate_loss(kl, mask, algo.loss_agg_mode, **counts)
+        kl_loss = aggregate_loss(kl, mask, algo.agg_mode, **counts)
         stats["kl_loss_share"].append(float(kl_loss.detach()))
         if rows.old_logprobs is None:
             # On-policy: no old-logprob forward ran, so the controller could not measure the KL to the
@@ -228,7 +228,7 @@ def _actor_micro_step(engine: Any, fwd: Any, rows: StepBatch, counts: dict[str, 
             kl_mean = aggregate_loss(kl.detach(), mask, "token_mean", **counts)
             stats["kl_share"].append(float(kl_mean))
     _log_entropy(entropy_per_token, mask, counts, stats)
-    entropy = aggregate_loss(entropy_per_token, mask, algo.loss_agg_mode, **counts) if entropy_bonus else None
+    entropy = aggregate_loss(entropy_per_token, mask, algo.agg_mode, **counts) if entropy_bonus else None
     loss = total_loss(pg_loss, kl_loss=kl_loss, kl_coef=kl_coef, entropy=entropy,
                       entropy_coef=algo.entropy_loss_coef, aux_loss=aux, aux_loss_coef=algo.aux_loss_coef,
                       aux_weight=aux_weight)
