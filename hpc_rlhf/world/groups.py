@@ -17,7 +17,13 @@ from torch.distributed import distributed_c10d as c10d
 
 from hpc_rlhf.world.job_secret import job_secret
 from hpc_rlhf.world.launch_env import LaunchEnv, detect_launch_env, listen_on_master_port
-from hpc_rlhf.world.network import RankPeer, configure_socket_interfaces, describe_peers, this_rank_peer
+from hpc_rlhf.world.network import (
+    RankPeer,
+    configure_socket_interfaces,
+    describe_peers,
+    learn_interface_from_peers,
+    this_rank_peer,
+)
 from hpc_rlhf.world.placement import Placement, RoleGrid
 from hpc_rlhf.world.sealed_store import sealed_tcp_store
 
@@ -72,6 +78,7 @@ def init_world(timeout_s: int = 1800, env: LaunchEnv | None = None, backend: str
     _world_store = sealed_tcp_store(env.master_addr, env.master_port, rank=env.rank, world_size=env.world_size,
                                     secret=secret, namespace="world", timeout=_collective_timeout, is_master=hosts,
                                     listen_fd=listen_fd)
+    interface = learn_interface_from_peers(env, interface, _world_store)
     dist.init_process_group(
         backend=backend,
         store=_world_store,

@@ -26,6 +26,7 @@ import socket
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 from hpc_rlhf.world.launch_env import LaunchEnv
 
@@ -34,6 +35,14 @@ log = logging.getLogger(__name__)
 WORLD_RECORD_NAME = "world.json"
 # Any port does: connecting a UDP socket sends nothing, it only asks the kernel for the route and source address.
 _ROUTE_PROBE_PORT = 9
+
+
+class StoreLike(Protocol):
+    """The two calls of a ``torch.distributed.Store`` used here (typed without importing torch)."""
+
+    def set(self, key: str, value: str) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -157,12 +166,45 @@ def configure_socket_interfaces(env: LaunchEnv, environ: MutableMapping[str, str
         env_vars.setdefault("NCCL_SOCKET_IFNAME", choice.interface)  # hypothesis: not exercised on a GPU here
         log.info("rank %d: collectives use interface %s (%s, %s); set GLOO_SOCKET_IFNAME to choose another",
                  env.rank, choice.interface, choice.address, choice.source)
-    elif choice.source == "unknown":
-        log.warning("rank %d of a %d-node job: no route from this node to another node of the job (master %s, "
-                    "nodes %s) was found, so gloo binds to the address %s resolves to; if the start-up hangs, "
-                    "export GLOO_SOCKET_IFNAME=<the interface the nodes share> (docs/troubleshooting.md)",
-                    env.rank, env.num_nodes, env.master_addr, ",".join(env.nodes) or "?", socket.gethostname())
     return choice
+
+
+def node_address_key(node_rank: int) -> str:
+    return f"hpc_rlhf/net/node_address/{node_rank}"
+
+
+def learn_interface_from_peers(env: LaunchEnv, choice: SocketInterface, store: StoreLike,
+                               environ: MutableMapping[str, str] | None = None) -> SocketInterface:
+    """Exchange the nodes' addresses over the (sealed) rendezvous store, so that a rank that could not find another
+    node by name finds it by the address that node reported. Collective over the nodes' local rank 0s; call after
+    ``configure_socket_interfaces`` and before the first process group.
+
+    The case it is for: ``torchrun --nnodes N`` started by hand gives no node list, and on the master's own node the
+    master name may resolve to 127.0.1.1; the other nodes know their own address (they route to the master).
+    """
+    if env.num_nodes <= 1:
+        return choice
+    if env.local_rank == 0:
+        store.set(node_address_key(env.node_rank), choice.address or "")
+    if choice.source != "unknown":
+        return choice
+    other = (env.node_rank + 1) % env.num_nodes
+    address = store.get(node_address_key(other)).decode()
+    source = source_address_towards(address) if address else None
+    name = interface_of(source, interface_addresses()) if source else None
+    if name is None or source is None or ipaddress.ip_address(source).is_loopback:
+        log.warning("rank %d of a %d-node job: no route from this node to another node of the job (master %s, "
+                    "nodes %s, node %d's reported address %r) was found, so gloo binds to the address %s resolves "
+                    "to; if the start-up hangs, export GLOO_SOCKET_IFNAME=<the interface the nodes share> "
+                    "(docs/troubleshooting.md)", env.rank, env.num_nodes, env.master_addr,
+                    ",".join(env.nodes) or "?", other, address, socket.gethostname())
+        return choice
+    env_vars = os.environ if environ is None else environ
+    env_vars["GLOO_SOCKET_IFNAME"] = name
+    env_vars.setdefault("NCCL_SOCKET_IFNAME", name)  # hypothesis: not exercised on a GPU here
+    learned = SocketInterface(name, source, f"route to node {other} ({address}, from the store)")
+    log.info("rank %d: collectives use interface %s (%s, %s)", env.rank, name, source, learned.source)
+    return learned
 
 
 def this_rank_peer(env: LaunchEnv, choice: SocketInterface) -> RankPeer:

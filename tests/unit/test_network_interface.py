@@ -58,11 +58,41 @@ def test_one_node_sets_nothing():
     assert choice.source == "one node" and environ == {}
 
 
-def test_no_route_to_another_node_leaves_gloo_alone_with_a_warning(monkeypatch, caplog):
+class DictStore:
+    def __init__(self, values: dict[str, str] | None = None):
+        self.values = dict(values or {})
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def get(self, key: str) -> bytes:
+        return self.values[key].encode()
+
+
+def test_torchrun_master_node_learns_the_other_nodes_address_from_the_store():
+    # torchrun by hand: no node list, and the master's name is 127.0.1.1 on the master's node
+    env = _env(0, nodes=())
+    env = LaunchEnv(**{**env.__dict__, "num_nodes": 2})
+    environ: dict[str, str] = {}
+    choice = configure_socket_interfaces(env, environ)
+    assert choice.source == "unknown" and environ == {}
+    store = DictStore({network.node_address_key(1): "10.0.0.12"})
+    learned = network.learn_interface_from_peers(env, choice, store, environ)
+    assert learned == SocketInterface("eth0", "10.0.0.11", "route to node 1 (10.0.0.12, from the store)")
+    assert environ == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
+    assert store.values[network.node_address_key(0)] == ""  # node 0's leader published what it knew
+
+
+def test_every_node_leader_publishes_its_address_and_no_route_warns(monkeypatch, caplog):
+    store = DictStore()
+    network.learn_interface_from_peers(_env(0), choose_socket_interface(_env(0), {}, INTERFACES), store, {})
+    assert store.values == {network.node_address_key(0): "10.0.0.11"}
     monkeypatch.setattr(network, "_resolve", {"node1": "127.0.1.1", "node2": "127.0.1.1"}.get)
     environ: dict[str, str] = {}
     choice = configure_socket_interfaces(_env(0), environ)
-    assert choice.source == "unknown" and "GLOO_SOCKET_IFNAME" not in environ
+    learned = network.learn_interface_from_peers(_env(0), choice, DictStore({network.node_address_key(1): ""}),
+                                                 environ)
+    assert learned.source == "unknown" and "GLOO_SOCKET_IFNAME" not in environ
     assert "export GLOO_SOCKET_IFNAME=" in caplog.text
 
 

@@ -1,0 +1,169 @@
+"""Real jobs on the several-node cluster of ``.ci/setup_multinode.sh`` (two nodes, each a network namespace with its
+own address and slurmd; node hpcmn1 resolves its own name to 127.0.1.1, as Debian images do).
+
+What these show that one node cannot: ranks on two nodes meet over the nodes' addresses (from the job's own
+``world.json``, written from what every rank reported), the time-limit signal and a requeue reach ranks on both
+nodes, ``hpc-rlhf submit`` and ``torchrun --nnodes 2`` started by hand work across the network. What they cannot
+show: NCCL, InfiniBand, GPUs, real latency (docs/slurm.md, "Several nodes").
+
+The recipe's steps take tens of milliseconds here, so one job of a few hundred steps is cheap; every job writes to a
+shared directory (each node's /tmp is its own).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ..conftest import ROOT
+from .conftest import ADDRESSES, NODES, in_node, job_info, sbatch, slurm, slurm_env, wait_job
+
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("multinode_cluster")]
+TWO_NODES = ["-p", "nodes", "-N", "2", "--ntasks-per-node=1"]
+STEPS = 300
+LONG = [f"train.max_steps={STEPS}", "train.num_episodes=20", "ckpt.save_steps=100"]
+COMPARED = ("reward", "score", "response_length", "policy_loss", "actor_grad_norm", "actor_lr")
+
+
+def _read(log: Path) -> str:
+    return log.read_text(errors="replace") if log.exists() else ""
+
+
+def _rows(metrics: Path) -> list[dict]:
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def _assert_met_over_node_addresses(run: Path, ranks_per_node: int = 1) -> list[dict]:
+    """The job's own record (world.json: what each rank reported after init) shows one rank per node, each on the
+    node's bridge address and interface, not loopback and not 127.0.1.1."""
+    ranks = json.loads((run / "world.json").read_text())["ranks"]
+    assert [r["host"] for r in ranks] == [n for n in NODES for _ in range(ranks_per_node)], ranks
+    assert [r["address"] for r in ranks] == [ADDRESSES[r["host"]] for r in ranks], ranks
+    assert {r["interface"] for r in ranks} == {"eth0"}, ranks
+    # derived from the route to the other node, on the node whose name is 127.0.1.1 to itself too
+    assert all(r["interface_source"].startswith("route to ") for r in ranks), ranks
+    assert [r["local_rank"] for r in ranks] == [i % ranks_per_node for i in range(len(ranks))], ranks
+    return ranks
+
+
+def _wait_for_steps(job: str, metrics: Path, log: Path, at_least: int, restarts: int) -> None:
+    deadline = time.monotonic() + 240
+    while True:
+        info = job_info(job)
+        lines = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        if lines >= at_least and info.get("Restarts") == str(restarts) and info.get("JobState") == "RUNNING":
+            return
+        assert time.monotonic() < deadline, f"no progress to step {at_least}: " + _read(log)[-3000:]
+        assert info.get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED"), _read(log)[-3000:]
+        time.sleep(0.05)
+
+
+def test_two_node_recipe_learns_exports_and_resumes_exactly_after_preemption(shared_dir):
+    """Two jobs of the CPU recipe on two nodes at once: one runs through (it learns, checkpoints, exports), the
+    other is preempted (USR1 to every rank on both nodes -> one checkpoint -> requeue) and must end with the first
+    one's metrics, step for step."""
+    ref_log, ref_run = shared_dir / "ref.out", shared_dir / "ref"
+    log, run = shared_dir / "job.out", shared_dir / "run"
+    reference = sbatch("-o", str(ref_log), *TWO_NODES, "slurm/cpu_debug.sbatch", *LONG, f"train.output_dir={ref_run}")
+    job = sbatch("-o", str(log), *TWO_NODES, "slurm/cpu_debug.sbatch", *LONG, f"train.output_dir={run}")
+
+    metrics = run / "metrics.jsonl"
+    _wait_for_steps(job, metrics, log, at_least=3, restarts=0)
+    slurm("scancel", "--signal=USR1", job)  # to every task of the job's running steps, on both nodes
+    info = wait_job(job, 400, log)
+    text = _read(log)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", text[-4000:]
+    for rank in (0, 1):  # the signal reached the rank on each node (rank 0's line may follow a progress bar)
+        assert re.search(rf"\[rank{rank}\] [^\n]* received SIGUSR1", text), text[-4000:]
+    assert f"job {job} restart 1: 2 ranks on hpcmn[1-2]" in text and text.count("resumed from") == 1, text[-4000:]
+    assert [r["step"] for r in _rows(metrics)] == list(range(1, STEPS + 1))  # nothing lost, nothing repeated
+    _assert_met_over_node_addresses(run)  # the restarted world met over the nodes' addresses again
+
+    ref_info = wait_job(reference, 300, ref_log)
+    assert ref_info["JobState"] == "COMPLETED" and ref_info["NodeList"] == "hpcmn[1-2]", _read(ref_log)[-3000:]
+    _assert_met_over_node_addresses(ref_run)
+    want = _rows(ref_run / "metrics.jsonl")
+    first, last = want[:20], want[-20:]
+    assert sum(r["reward"] for r in last) / 20 > sum(r["reward"] for r in first) / 20 + 0.1  # GRPO learns
+    assert (ref_run / "ckpt/LATEST").read_text().strip() == f"step_{STEPS}"
+    assert (ref_run / "model/config.json").exists() and (ref_run / "model/model.safetensors").exists()
+    for a, b in zip(want, _rows(metrics), strict=True):
+        for key in COMPARED:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+
+
+def test_time_limit_signal_reaches_every_rank_on_every_node(shared_dir):
+    """--signal=USR1@55 with --time=1: the scheduler signals the step's tasks on both nodes, not the batch shell."""
+    log = shared_dir / "sig.out"
+    probe = ("import os, signal, socket, sys, time\n"
+             "def h(s, f): print(f'task {os.environ[\"SLURM_PROCID\"]} on {socket.gethostname()} got USR1', "
+             "flush=True); sys.exit(0)\n"
+             "signal.signal(signal.SIGUSR1, h)\ntime.sleep(58)\nprint('no signal', flush=True)\nsys.exit(3)\n")
+    (shared_dir / "probe.py").write_text(probe)
+    script = shared_dir / "sig.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH --time=1\n#SBATCH --signal=USR1@55\n"
+                      "trap 'echo batch shell got USR1' USR1\n"
+                      f"srun --kill-on-bad-exit=1 {sys.executable} {shared_dir / 'probe.py'}\necho batch done\n")
+    job = sbatch("-o", str(log), *TWO_NODES, str(script))
+    info = wait_job(job, 150, log)
+    text = _read(log)
+    assert info["JobState"] == "COMPLETED", text
+    assert "task 0 on hpcmn1 got USR1" in text and "task 1 on hpcmn2 got USR1" in text, text
+    assert "batch shell got USR1" not in text and "batch done" in text
+
+
+def test_submit_from_the_login_namespace_runs_on_two_nodes(shared_dir):
+    """`hpc-rlhf submit` (submitit) from the root namespace, which is no node of the cluster."""
+    run = shared_dir / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "hpc_rlhf.cli.submit", "--config", "configs/grpo_tiny_cpu.yaml",
+         "--partition", "nodes", "--nodes", "2", "--gpus-per-node", "0", "--tasks-per-node", "1",
+         "--time", "00:20:00", "--wait", "train.max_steps=4", f"train.output_dir={run}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=slurm_env())
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    _assert_met_over_node_addresses(run)
+    assert (run / "model/config.json").exists()
+
+
+def test_torchrun_started_by_hand_on_two_nodes(shared_dir):
+    """`torchrun --nnodes 2` typed on each node by a user logged in there, with the first node's name as the master
+    (which that node resolves to 127.0.1.1 itself): the ranks meet over the nodes' addresses."""
+    run = shared_dir / "run"
+    subprocess.run([sys.executable, "-c", "import sys; from hpc_rlhf.cli.startup import prepare_local_assets; "
+                    "from hpc_rlhf.config import load_config; "
+                    "prepare_local_assets(load_config('configs/grpo_tiny_cpu.yaml', []))"],
+                   cwd=ROOT, check=True, timeout=300)
+    port = "29631"
+    procs = []
+    for node_rank, node in enumerate(NODES):
+        cmd = ["nsenter", "-t", Path(f"/run/slurm/slurmd-multinode-{node}.pid").read_text().strip(), "-n", "-u",
+               "-m", f"--wd={ROOT}", sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
+               "--nproc-per-node", "1", "--master-addr", NODES[0], "--master-port", port,
+               "-m", "hpc_rlhf.cli.train_ppo", "--config", "configs/grpo_tiny_cpu.yaml", "train.max_steps=3",
+               f"train.output_dir={run}", "train.collective_timeout_s=120"]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=300)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(o[-3000:] for o in outputs)
+    assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1, 2, 3]
+    _assert_met_over_node_addresses(run)
+
+
+def test_the_node_resolves_its_own_name_to_127_0_1_1():
+    """The premise of the tests above: on hpcmn1 its own name is 127.0.1.1 (Debian), elsewhere its address."""
+    assert in_node(NODES[0], "getent", "hosts", NODES[0]).stdout.split()[0] == "127.0.1.1"
+    assert in_node(NODES[1], "getent", "hosts", NODES[0]).stdout.split()[0] == ADDRESSES[NODES[0]]
+    assert in_node(NODES[1], "hostname").stdout.strip() == NODES[1]
