@@ -11,8 +11,8 @@
 # separate from the one-node cluster of .ci/setup_slurm.sh (its own slurm.conf, ports, state and pid files), whose
 # munged it shares (run setup_slurm.sh first); both may run at once.
 #
-#   hpcmn1 10.77.0.11   its own name resolves to 127.0.1.1 on itself, as on Debian/Ubuntu images
-#   hpcmn2 10.77.0.12
+#   hpcmn1 10.77.0.11   each node resolves its own name to 127.0.1.1 (only), as Debian/Ubuntu images do,
+#   hpcmn2 10.77.0.12   and the other nodes' names to their addresses
 #   hpcmnx 10.77.0.13   no slurmd: "another user's node" on the same network (tests/slurm/multinode security test)
 #
 # The kernel here has no sch_netem (no tc delay or loss): faults are a link down (`ip link set hpcmn2-br down`),
@@ -115,12 +115,14 @@ if ! grep -qF "$HOSTS_MARKER" /etc/hosts; then
 fi
 mkdir -p "$CONF_DIR"
 for node in "${NODES[@]}"; do
-    # The node's own view of /etc/hosts (bind-mounted in its mount namespace). hpcmn1 resolves its own name to
-    # 127.0.1.1 first, as Debian/Ubuntu images do: the launcher must not tell the other nodes to call it there.
+    # The node's own view of /etc/hosts (bind-mounted in its mount namespace): its own name resolves to 127.0.1.1
+    # only, as on Debian/Ubuntu images, and the other nodes' names to their addresses (as a cluster's DNS would).
+    # gloo, left to itself, then binds to 127.0.1.1 and tells the other nodes to connect there: the job hangs at its
+    # first collective between nodes.
     {
         echo "127.0.0.1 localhost"
-        [ "$node" = hpcmn1 ] && echo "127.0.1.1 $node"
-        grep -F "$HOSTS_MARKER" /etc/hosts | awk '{print $1, $2}'
+        echo "127.0.1.1 $node"
+        grep -F "$HOSTS_MARKER" /etc/hosts | awk -v self="$node" '$2 != self {print $1, $2}'
     } >"$CONF_DIR/hosts.$node"
 done
 
