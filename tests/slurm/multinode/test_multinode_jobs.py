@@ -14,15 +14,28 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
-from ..conftest import ROOT
-from .conftest import ADDRESSES, NODES, in_node, job_info, sbatch, slurm, slurm_env, wait_job
+from ..conftest import FINAL, ROOT
+from .conftest import (
+    ADDRESSES,
+    NODES,
+    SHARED_ROOT,
+    in_node,
+    job_info,
+    node_states,
+    sbatch,
+    slurm,
+    slurm_env,
+    wait_job,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("multinode_cluster")]
 TWO_NODES = ["-p", "nodes", "-N", "2", "--ntasks-per-node=1"]
@@ -64,13 +77,50 @@ def _wait_for_steps(job: str, metrics: Path, log: Path, at_least: int, restarts:
         time.sleep(0.05)
 
 
-def test_two_node_recipe_learns_exports_and_resumes_exactly_after_preemption(shared_dir):
+class ReferenceRun:
+    """The CPU recipe run through on two nodes, once per module: the run the interrupted ones must reproduce."""
+
+    def __init__(self, folder: Path):
+        self.log, self.run = folder / "ref.out", folder / "ref"
+        self.job = sbatch("-o", str(self.log), *TWO_NODES, "slurm/cpu_debug.sbatch", *LONG,
+                          f"train.output_dir={self.run}")
+        self.info: dict[str, str] | None = None
+
+    def finished(self) -> Path:
+        """Wait for it (once); return its run folder."""
+        if self.info is None:
+            self.info = wait_job(self.job, 300, self.log)
+            assert self.info["JobState"] == "COMPLETED", _read(self.log)[-3000:]
+        return self.run
+
+
+@pytest.fixture(scope="module")
+def reference_run(multinode_cluster):
+    folder = SHARED_ROOT / f"reference-{uuid.uuid4().hex[:8]}"
+    folder.mkdir(parents=True)
+    reference = ReferenceRun(folder)
+    yield reference
+    if job_info(reference.job).get("JobState") not in FINAL:
+        slurm("scancel", reference.job, check=False)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _assert_same_metrics(run: Path, reference: Path) -> None:
+    """The run's metrics equal the reference's, step for step; a step logged twice (before a loss and again after
+    the resume) counts with its last value."""
+    got = {r["step"]: r for r in _rows(run / "metrics.jsonl")}
+    want = _rows(reference / "metrics.jsonl")
+    assert sorted(got) == [r["step"] for r in want]
+    for a in want:
+        for key in COMPARED:
+            assert got[a["step"]][key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+
+
+def test_two_node_recipe_learns_exports_and_resumes_exactly_after_preemption(shared_dir, reference_run):
     """Two jobs of the CPU recipe on two nodes at once: one runs through (it learns, checkpoints, exports), the
     other is preempted (USR1 to every rank on both nodes -> one checkpoint -> requeue) and must end with the first
     one's metrics, step for step."""
-    ref_log, ref_run = shared_dir / "ref.out", shared_dir / "ref"
     log, run = shared_dir / "job.out", shared_dir / "run"
-    reference = sbatch("-o", str(ref_log), *TWO_NODES, "slurm/cpu_debug.sbatch", *LONG, f"train.output_dir={ref_run}")
     job = sbatch("-o", str(log), *TWO_NODES, "slurm/cpu_debug.sbatch", *LONG, f"train.output_dir={run}")
 
     metrics = run / "metrics.jsonl"
@@ -85,17 +135,117 @@ def test_two_node_recipe_learns_exports_and_resumes_exactly_after_preemption(sha
     assert [r["step"] for r in _rows(metrics)] == list(range(1, STEPS + 1))  # nothing lost, nothing repeated
     _assert_met_over_node_addresses(run)  # the restarted world met over the nodes' addresses again
 
-    ref_info = wait_job(reference, 300, ref_log)
-    assert ref_info["JobState"] == "COMPLETED" and ref_info["NodeList"] == "hpcmn[1-2]", _read(ref_log)[-3000:]
+    ref_run = reference_run.finished()
+    assert reference_run.info and reference_run.info["NodeList"] == "hpcmn[1-2]"
     _assert_met_over_node_addresses(ref_run)
     want = _rows(ref_run / "metrics.jsonl")
     first, last = want[:20], want[-20:]
     assert sum(r["reward"] for r in last) / 20 > sum(r["reward"] for r in first) / 20 + 0.1  # GRPO learns
     assert (ref_run / "ckpt/LATEST").read_text().strip() == f"step_{STEPS}"
     assert (ref_run / "model/config.json").exists() and (ref_run / "model/model.safetensors").exists()
-    for a, b in zip(want, _rows(metrics), strict=True):
-        for key in COMPARED:
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    _assert_same_metrics(run, ref_run)
+
+
+# A step's watchdog limit in the node-loss test: max(this floor, 4 x the slowest step); steps take ~0.05 s here.
+WATCHDOG_S = 10
+# docs/reliability.md: a rank that sees no progress for its limit dumps its stacks, waits up to 5 s for its peers'
+# dumps and exits 124. The margin covers the dumps and a loaded 2-core machine; a hang would run to the 1800 s
+# collective timeout.
+EXIT_BOUND_S = WATCHDOG_S + 5 + 45
+
+
+def _rank_pids(run: Path) -> list[int]:
+    """PIDs of this run's rank processes on every node (no PID namespaces here: all are visible from the root)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        is_python = Path(cmdline[0].decode(errors="replace")).name.startswith("python")  # not srun's own process
+        if is_python and b"hpc_rlhf.cli.train_ppo" in cmdline and f"train.output_dir={run}".encode() in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+def _pids_alive(pids: list[int]) -> list[int]:
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+
+
+def _wait_for_state(job: str, state: str, log: Path, timeout_s: float) -> dict[str, str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = job_info(job)
+        if info.get("JobState") == state:
+            return info
+        assert time.monotonic() < deadline, (f"job {job} not {state} after {timeout_s:.0f}s "
+                                             f"({info.get('JobState')}, {info.get('Reason')}): " + _read(log)[-3000:])
+        time.sleep(0.2)
+
+
+def _node_back(node: str) -> None:
+    """Link up, node resumed and idle again (for the tests after this one)."""
+    subprocess.run(["ip", "link", "set", f"{node}-br", "up"], check=False, timeout=30)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        state = node_states().get(node, "")
+        if state.startswith("idle"):
+            return
+        if state.startswith(("down", "drain", "fail")):
+            slurm("scontrol", "update", f"nodename={node}", "state=resume", check=False)
+        time.sleep(1)
+
+
+def test_node_lost_mid_run_ends_every_rank_and_resumes_on_the_node_left(shared_dir, reference_run):
+    """hpcmn2's link goes down mid-run (after the step-100 checkpoint): the ranks on both sides of the cut end within
+    the watchdog's bound (no hang), SLURM requeues the job when it declares the node down, the last complete
+    checkpoint stays LATEST, and the job, given one node, resumes there on 2 ranks and ends with the uninterrupted
+    run's metrics."""
+    log, run = shared_dir / "job.out", shared_dir / "run"
+    metrics = run / "metrics.jsonl"
+    job = sbatch("-o", str(log), *TWO_NODES, "slurm/cpu_debug.sbatch", *LONG, f"train.watchdog_timeout_s={WATCHDOG_S}",
+                 f"train.output_dir={run}")
+    lost = NODES[1]
+    try:
+        _wait_for_steps(job, metrics, log, at_least=105, restarts=0)
+        pids = _rank_pids(run)
+        assert len(pids) == 2, pids
+        cut = time.monotonic()
+        subprocess.run(["ip", "link", "set", f"{lost}-br", "down"], check=True, timeout=30)
+        while _pids_alive(pids) and time.monotonic() - cut < EXIT_BOUND_S + 60:
+            time.sleep(0.2)
+        ended_after = time.monotonic() - cut
+        assert not _pids_alive(pids), f"ranks {_pids_alive(pids)} still running {ended_after:.0f}s after the cut"
+        assert ended_after < EXIT_BOUND_S, f"the ranks took {ended_after:.0f}s to end (bound {EXIT_BOUND_S}s)"
+        text = _read(log)
+        assert "watchdog: no progress" in text, text[-4000:]
+
+        # SLURM declares the node down (SlurmdTimeout) and requeues the job; it waits for two nodes
+        pending = _wait_for_state(job, "PENDING", log, 180)
+        assert pending["Restarts"] == "1", pending
+        assert node_states().get(lost, "").startswith(("down", "idle*", "fail")), node_states()
+        latest = (run / "ckpt/LATEST").read_text().strip()
+        assert latest == "step_100", latest  # the last complete checkpoint; nothing half-written became LATEST
+        assert (run / "ckpt/step_100/layout.json").exists()
+
+        # the operator gives it the node that is left: 2 ranks on hpcmn1 (same data-parallel size)
+        slurm("scontrol", "update", f"JobId={job}", "NumNodes=1", "NumTasks=2", "TasksPerNode=2", "NumCPUs=2",
+              f"ExcNodeList={lost}")
+        info = wait_job(job, 300, log)
+    finally:
+        if job_info(job).get("JobState") not in FINAL:
+            slurm("scancel", job, check=False)
+        _node_back(lost)
+    print(f"node loss: every rank ended {ended_after:.1f}s after the cut (bound {EXIT_BOUND_S}s)")
+    text = _read(log)
+    assert info["JobState"] == "COMPLETED" and info["NodeList"] == NODES[0], text[-4000:]
+    assert f"job {job} restart 1: 2 ranks on {NODES[0]}" in text, text[-4000:]
+    assert f"resumed from {run / 'ckpt/step_100'} (step 100)" in text, text[-4000:]
+    ranks = json.loads((run / "world.json").read_text())["ranks"]
+    assert [r["host"] for r in ranks] == [NODES[0], NODES[0]] and [r["local_rank"] for r in ranks] == [0, 1]
+    _assert_same_metrics(run, reference_run.finished())
 
 
 def test_time_limit_signal_reaches_every_rank_on_every_node(shared_dir):
