@@ -198,20 +198,40 @@ def _node_back(node: str) -> None:
         time.sleep(1)
 
 
-def test_node_lost_mid_run_ends_every_rank_and_resumes_on_the_node_left(shared_dir, reference_run):
-    """hpcmn2's link goes down mid-run (after the step-100 checkpoint): the ranks on both sides of the cut end within
-    the watchdog's bound (no hang), SLURM requeues the job when it declares the node down, the last complete
-    checkpoint stays LATEST, and the job, given one node, resumes there on 2 ranks and ends with the uninterrupted
-    run's metrics."""
-    log, run = shared_dir / "job.out", shared_dir / "run"
-    metrics = run / "metrics.jsonl"
-    job = sbatch("-o", str(log), *TWO_NODES, "slurm/cpu_debug.sbatch", *LONG, f"train.watchdog_timeout_s={WATCHDOG_S}",
-                 f"train.output_dir={run}")
+def test_node_lost_mid_step_and_mid_checkpoint_write(shared_dir, reference_run):
+    """hpcmn2's link goes down under two jobs at once: one mid-step, one whose rank on hpcmn2 is inside the write of
+    the step-100 checkpoint (held there by the fault hook, hpc_rlhf.resilience.fault_injection). Every rank on both
+    sides of the cut ends within the watchdog's bound (no hang); SLURM requeues both when it declares the node down;
+    the last complete checkpoint stays LATEST (step_50 for the job cut mid-write); each job, given the node left,
+    resumes there on 2 ranks and ends with the uninterrupted run's metrics."""
+    reference = reference_run.finished()  # first: the cut would hit it too
     lost = NODES[1]
+    faults = shared_dir / "faults"
+    faults.mkdir()
+    held = faults / "at_checkpoint_write_100_1"
+    common = [*LONG, "ckpt.save_steps=50", f"train.watchdog_timeout_s={WATCHDOG_S}",
+              f"train.watchdog_checkpoint_s={WATCHDOG_S}"]
+    runs = {kind: shared_dir / kind for kind in ("mid_step", "mid_write")}
+    logs = {kind: shared_dir / f"{kind}.out" for kind in runs}
+    jobs = {
+        "mid_step": sbatch("-o", str(logs["mid_step"]), *TWO_NODES, "slurm/cpu_debug.sbatch", *common,
+                           f"train.output_dir={runs['mid_step']}"),
+        "mid_write": sbatch("-o", str(logs["mid_write"]), *TWO_NODES,
+                            f"--export=ALL,HPC_RLHF_FAULT_DIR={faults},HPC_RLHF_FAULT_AT=checkpoint_write:100:1,"
+                            "HPC_RLHF_FAULT_WAIT_S=600", "slurm/cpu_debug.sbatch", *common,
+                            f"train.output_dir={runs['mid_write']}"),
+    }
+    infos: dict[str, dict[str, str]] = {}
     try:
-        _wait_for_steps(job, metrics, log, at_least=105, restarts=0)
-        pids = _rank_pids(run)
-        assert len(pids) == 2, pids
+        _wait_for_steps(jobs["mid_step"], runs["mid_step"] / "metrics.jsonl", logs["mid_step"], 55, restarts=0)
+        deadline = time.monotonic() + 240
+        while not held.exists():
+            assert time.monotonic() < deadline, _read(logs["mid_write"])[-3000:]
+            assert job_info(jobs["mid_write"]).get("JobState") not in FINAL, _read(logs["mid_write"])[-3000:]
+            time.sleep(0.05)
+        pids = _rank_pids(runs["mid_step"]) + _rank_pids(runs["mid_write"])
+        assert len(pids) == 4, pids
+        assert job_info(jobs["mid_step"]).get("JobState") == "RUNNING"
         cut = time.monotonic()
         subprocess.run(["ip", "link", "set", f"{lost}-br", "down"], check=True, timeout=30)
         while _pids_alive(pids) and time.monotonic() - cut < EXIT_BOUND_S + 60:
@@ -219,33 +239,41 @@ def test_node_lost_mid_run_ends_every_rank_and_resumes_on_the_node_left(shared_d
         ended_after = time.monotonic() - cut
         assert not _pids_alive(pids), f"ranks {_pids_alive(pids)} still running {ended_after:.0f}s after the cut"
         assert ended_after < EXIT_BOUND_S, f"the ranks took {ended_after:.0f}s to end (bound {EXIT_BOUND_S}s)"
-        text = _read(log)
-        assert "watchdog: no progress" in text, text[-4000:]
 
-        # SLURM declares the node down (SlurmdTimeout) and requeues the job; it waits for two nodes
-        pending = _wait_for_state(job, "PENDING", log, 180)
-        assert pending["Restarts"] == "1", pending
+        latest = {}
+        for kind, job in jobs.items():
+            assert "watchdog: no progress" in _read(logs[kind]), _read(logs[kind])[-4000:]
+            # SLURM declares the node down (SlurmdTimeout) and requeues the job, which then waits for two nodes
+            pending = _wait_for_state(job, "PENDING", logs[kind], 180)
+            assert pending["Restarts"] == "1", pending
+            latest[kind] = (runs[kind] / "ckpt/LATEST").read_text().strip()
+            assert (runs[kind] / "ckpt" / latest[kind] / "layout.json").exists(), latest  # a complete checkpoint
         assert node_states().get(lost, "").startswith(("down", "idle*", "fail")), node_states()
-        latest = (run / "ckpt/LATEST").read_text().strip()
-        assert latest == "step_100", latest  # the last complete checkpoint; nothing half-written became LATEST
-        assert (run / "ckpt/step_100/layout.json").exists()
+        assert latest["mid_write"] == "step_50", latest  # the cut step-100 write never became LATEST
+        logged = [r["step"] for r in _rows(runs["mid_step"] / "metrics.jsonl")]
+        assert latest["mid_step"] == f"step_{max(logged) // 50 * 50}" or \
+            latest["mid_step"] == f"step_{max(logged) // 50 * 50 - 50}", (latest, max(logged))
 
-        # the operator gives it the node that is left: 2 ranks on hpcmn1 (same data-parallel size)
-        slurm("scontrol", "update", f"JobId={job}", "NumNodes=1", "NumTasks=2", "TasksPerNode=2", "NumCPUs=2",
-              f"ExcNodeList={lost}")
-        info = wait_job(job, 300, log)
+        # the operator gives each job the node that is left: 2 ranks on hpcmn1 (the same data-parallel size)
+        for job in jobs.values():
+            slurm("scontrol", "update", f"JobId={job}", "NumNodes=1", "NumTasks=2", "TasksPerNode=2", "NumCPUs=2",
+                  f"ExcNodeList={lost}")
+        infos = {kind: wait_job(job, 300, logs[kind]) for kind, job in jobs.items()}
     finally:
-        if job_info(job).get("JobState") not in FINAL:
-            slurm("scancel", job, check=False)
+        for job in jobs.values():
+            if job_info(job).get("JobState") not in FINAL:
+                slurm("scancel", job, check=False)
         _node_back(lost)
-    print(f"node loss: every rank ended {ended_after:.1f}s after the cut (bound {EXIT_BOUND_S}s)")
-    text = _read(log)
-    assert info["JobState"] == "COMPLETED" and info["NodeList"] == NODES[0], text[-4000:]
-    assert f"job {job} restart 1: 2 ranks on {NODES[0]}" in text, text[-4000:]
-    assert f"resumed from {run / 'ckpt/step_100'} (step 100)" in text, text[-4000:]
-    ranks = json.loads((run / "world.json").read_text())["ranks"]
-    assert [r["host"] for r in ranks] == [NODES[0], NODES[0]] and [r["local_rank"] for r in ranks] == [0, 1]
-    _assert_same_metrics(run, reference_run.finished())
+    print(f"node loss: every rank of both jobs ended {ended_after:.1f}s after the cut (bound {EXIT_BOUND_S}s)")
+    for kind, job in jobs.items():
+        text = _read(logs[kind])
+        assert infos[kind]["JobState"] == "COMPLETED" and infos[kind]["NodeList"] == NODES[0], text[-4000:]
+        assert f"job {job} restart 1: 2 ranks on {NODES[0]}" in text, text[-4000:]
+        step = int(latest[kind].removeprefix("step_"))
+        assert f"resumed from {runs[kind] / 'ckpt' / latest[kind]} (step {step})" in text, text[-4000:]
+        ranks = json.loads((runs[kind] / "world.json").read_text())["ranks"]
+        assert [r["host"] for r in ranks] == [NODES[0], NODES[0]] and [r["local_rank"] for r in ranks] == [0, 1]
+        _assert_same_metrics(runs[kind], reference)
 
 
 def test_time_limit_signal_reaches_every_rank_on_every_node(shared_dir):
