@@ -89,8 +89,6 @@ def init_world(timeout_s: int = 1800, env: LaunchEnv | None = None, backend: str
     log.info("rank %d/%d up (%s, %s, master %s:%d, sealed store)", env.rank, env.world_size, env.launcher,
              backend, env.master_addr, env.master_port)
     _world_peers = _gather_peers(this_rank_peer(env, interface), env.world_size, backend)
-    if env.rank == 0:
-        log.info("world of %d ranks on %d nodes:\n%s", env.world_size, env.num_nodes, describe_peers(_world_peers))
     return env
 
 
@@ -107,6 +105,12 @@ def _gather_peers(mine: RankPeer, world_size: int, backend: str) -> tuple[RankPe
         data = bytes(tensor.cpu().tolist()).rstrip(b"\0")
         peers.append(RankPeer(**json.loads(data)))
     return tuple(peers)
+
+
+def log_world_peers(env: LaunchEnv) -> None:
+    """Rank 0 logs where every rank is (host, interface, address); call once logging is set up."""
+    if env.rank == 0 and _world_peers:
+        log.info("world of %d ranks on %d nodes:\n%s", env.world_size, env.num_nodes, describe_peers(_world_peers))
 
 
 def world_peers() -> tuple[RankPeer, ...]:
