@@ -23,10 +23,14 @@ from pathlib import Path
 
 import pytest
 
+from hpc_rlhf.world.launch_env import port_from_job_id
+from hpc_rlhf.world.sealed_store import SEALED_KEY_PREFIX, SECRET_CHECK_PREFIX
+
 from ..conftest import FINAL, ROOT
 from .conftest import (
     ADDRESSES,
     NODES,
+    OUTSIDER,
     SHARED_ROOT,
     in_node,
     job_info,
@@ -114,6 +118,39 @@ def _assert_same_metrics(run: Path, reference: Path) -> None:
     for a in want:
         for key in COMPARED:
             assert got[a["step"]][key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+
+
+def test_another_users_node_cannot_read_inject_or_join(shared_dir, reference_run):
+    """From hpcmnx (a namespace on the same bridge, no part of the job), while the reference job runs: the master
+    port is reachable over the network (the job's store listens on every interface), but the stranger lists only
+    sealed names, reads nothing in plain text (not even the nodes' addresses the ranks exchange there), its writes
+    where torch's keys would be are ignored (the job ends with the same metrics as the preempted run's, compared in
+    the next test), and its attempt to join the world as rank 1 is refused."""
+    go = shared_dir / "go"
+    port = port_from_job_id(reference_run.job)
+    stranger = subprocess.Popen(["ip", "netns", "exec", OUTSIDER, sys.executable, str(Path(__file__).parent /
+                                 "stranger.py"), NODES[0], str(port), str(go)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = reference_run.run / "metrics.jsonl"
+        _wait_for_steps(reference_run.job, metrics, reference_run.log, at_least=1, restarts=0)
+        go.write_text("go\n")
+        out, err = stranger.communicate(timeout=120)
+    finally:
+        if stranger.poll() is None:
+            stranger.kill()
+    assert stranger.returncode == 0, err[-3000:]
+    seen = json.loads(out.strip().splitlines()[-1])
+    print(f"stranger on {OUTSIDER}: {len(seen['keys'])} sealed keys listed, join refused: {seen.get('join_error')}")
+    still_running = len(_rows(metrics)) < STEPS and job_info(reference_run.job).get("JobState") == "RUNNING"
+    assert still_running, "the job ended before the stranger was done: nothing was shown"
+    assert seen["keys"], "the stranger did not reach the store"
+    assert [key for key in seen["keys"] if not key.startswith((SEALED_KEY_PREFIX, SECRET_CHECK_PREFIX))] == []
+    assert not seen["plain_text_seen"], "the store showed the nodes' addresses in plain text"
+    assert seen["joined"] is False, seen
+    ref_run = reference_run.finished()
+    ranks = json.loads((ref_run / "world.json").read_text())["ranks"]
+    assert [r["host"] for r in ranks] == list(NODES), ranks
 
 
 def test_two_node_recipe_learns_exports_and_resumes_exactly_after_preemption(shared_dir, reference_run):
