@@ -382,3 +382,21 @@ def test_the_node_resolves_its_own_name_to_127_0_1_1():
     assert in_node(NODES[0], "getent", "hosts", NODES[0]).stdout.split()[0] == "127.0.1.1"
     assert in_node(NODES[1], "getent", "hosts", NODES[0]).stdout.split()[0] == ADDRESSES[NODES[0]]
     assert in_node(NODES[1], "hostname").stdout.strip() == NODES[1]
+
+
+def test_controller_traffic_across_the_nodes(shared_dir):
+    """benchmarks/controller_traffic.py with one rank per node (srun): every message rank 0 sends crosses the link,
+    and the bytes equal the model `plan` uses (hpc_rlhf.world.traffic; the table's `model` column)."""
+    log = shared_dir / "traffic.out"
+    script = shared_dir / "traffic.sbatch"
+    script.write_text("#!/bin/bash\n"
+                      f"srun --kill-on-bad-exit=1 {sys.executable} benchmarks/controller_traffic.py --layouts dp "
+                      "--samples 16 --prompt-len 16 --response-len 32 --repeats 2\n")
+    job = sbatch("-o", str(log), *TWO_NODES, str(script))
+    info = wait_job(job, 180, log)
+    text = _read(log)
+    assert info["JobState"] == "COMPLETED", text[-3000:]
+    assert "2 gloo ranks on hpcmn1, hpcmn2" in text, text
+    rows = [line for line in text.splitlines() if line.startswith("| dp |")]
+    assert len(rows) == 2 and all(row.rstrip(" |").endswith("yes") for row in rows), text
+    print("\n".join(line for line in text.splitlines() if line.startswith("|") or "gloo ranks" in line))
