@@ -295,6 +295,8 @@ def test_node_lost_mid_step_and_mid_checkpoint_write(shared_dir, reference_run):
         for job in jobs.values():
             slurm("scontrol", "update", f"JobId={job}", "NumNodes=1", "NumTasks=2", "TasksPerNode=2", "NumCPUs=2",
                   f"ExcNodeList={lost}")
+        # the link comes back while they run (they exclude the node): it rejoins by the time they end
+        subprocess.run(["ip", "link", "set", f"{lost}-br", "up"], check=True, timeout=30)
         infos = {kind: wait_job(job, 300, logs[kind]) for kind, job in jobs.items()}
     finally:
         for job in jobs.values():
