@@ -293,8 +293,15 @@ def test_node_lost_mid_step_and_mid_checkpoint_write(shared_dir, reference_run):
 
         # the operator gives each job the node that is left: 2 ranks on hpcmn1 (the same data-parallel size)
         for job in jobs.values():
-            slurm("scontrol", "update", f"JobId={job}", "NumNodes=1", "NumTasks=2", "TasksPerNode=2", "NumCPUs=2",
+            slurm("scontrol", "update", f"JobId={job}", "NumTasks=2", "TasksPerNode=2", "NumCPUs=2",
                   f"ExcNodeList={lost}")
+            # slurmctld sometimes keeps the job's 2 nodes right after a requeue (the update returns 0): until it
+            # takes, ask again
+            deadline = time.monotonic() + 60
+            while (info := job_info(job)).get("NumNodes") != "1" and info.get("NodeList") != NODES[0]:
+                assert time.monotonic() < deadline, info
+                slurm("scontrol", "update", f"JobId={job}", "NumNodes=1")
+                time.sleep(1)
         # the link comes back while they run (they exclude the node): it rejoins by the time they end
         subprocess.run(["ip", "link", "set", f"{lost}-br", "up"], check=True, timeout=30)
         infos = {kind: wait_job(job, 300, logs[kind]) for kind, job in jobs.items()}
@@ -402,3 +409,54 @@ def test_controller_traffic_across_the_nodes(shared_dir):
     rows = [line for line in text.splitlines() if line.startswith("| dp |")]
     assert len(rows) == 2 and all(row.rstrip(" |").endswith("yes") for row in rows), text
     print("\n".join(line for line in text.splitlines() if line.startswith("|") or "gloo ranks" in line))
+
+
+def test_another_users_node_cannot_use_the_reward_server(shared_dir):
+    """`hpc-rlhf serve-rm --host 0.0.0.0` on hpcmn1 with its key in the environment: a rank on hpcmn2 holding the
+    key is served; another user's node (hpcmnx) reaches the port but gets 401 without the key or with a wrong one."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tiny = ROOT / "runs/models/tiny-char-llama"
+    if not (tiny / "config.json").exists():
+        pytest.skip("the CPU recipe's tiny model is built by the jobs above (runs/models/tiny-char-llama)")
+    rm_dir = shared_dir / "rm"
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny, num_labels=1)
+    rm.config.pad_token_id = rm.config.eos_token_id
+    rm.save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(rm_dir)
+    key, port = uuid.uuid4().hex, 29711
+    url = f"http://{ADDRESSES[NODES[0]]}:{port}/get_reward"
+    pid = Path(f"/run/slurm/slurmd-multinode-{NODES[0]}.pid").read_text().strip()
+    # nsenter execs the server (no fork): this Popen's pid is the server's, stopped by that pid below
+    server = subprocess.Popen(["nsenter", "-t", pid, "-n", "-u", "-m", f"--wd={ROOT}", sys.executable, "-m",
+                               "hpc_rlhf.cli.serve_rm", "--reward_pretrain", str(rm_dir), "--host", "0.0.0.0",
+                               "--port", str(port), "--max_len", "32"],
+                              env={**slurm_env(), "HPC_RLHF_RM_API_KEY": key}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    probe = str(Path(__file__).parent / "probe_http.py")
+
+    def ask(where: list[str], *key_arg: str) -> dict:
+        out = subprocess.run([*where, sys.executable, probe, url, *key_arg], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    rank_node = ["nsenter", "-t", Path(f"/run/slurm/slurmd-multinode-{NODES[1]}.pid").read_text().strip(), "-n"]
+    outsider = ["ip", "netns", "exec", OUTSIDER]
+    try:
+        deadline = time.monotonic() + 120
+        while (served := ask(rank_node, key))["status"] != 200:
+            assert server.poll() is None and time.monotonic() < deadline, served
+            time.sleep(1)
+        without, wrong = ask(outsider), ask(outsider, "not-the-key")
+    finally:
+        server.terminate()
+        try:
+            server.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    assert '"rewards"' in served["body"], served
+    assert without["status"] == 401 and "missing or wrong API key" in without["body"], without
+    assert wrong["status"] == 401, wrong
+    print(f"reward server on {NODES[0]}: {OUTSIDER} without the key -> {without['status']}, wrong key -> "
+          f"{wrong['status']}; {NODES[1]} with the key -> {served['status']}")
