@@ -2,6 +2,8 @@
 
     python benchmarks/controller_traffic.py --ranks 16              # ~2 minutes on 2 cores
     python benchmarks/controller_traffic.py --ranks 8 --layouts dp,tp2 --repeats 1
+    srun -N 2 --ntasks-per-node=1 python benchmarks/controller_traffic.py --layouts dp   # one rank per task, over
+                                                                                          # the nodes' network
 
 One step here is what the trainer's controller moves for one scoring role and one trained role: the forward
 inputs of every replica out and its (B, R) log-probs back (``_role_forward``), then every replica's training
@@ -173,9 +175,12 @@ def expected_before_count(groups, batch: dict, dp: int) -> int:
             + count(per_rank_scatter_messages(layout, [payload_of(s) for s in train])))
 
 
-def run_rank(rank: int, world_size: int, port: int, args: argparse.Namespace, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+def run_rank(rank: int, world_size: int, port: int | None, args: argparse.Namespace, results) -> None:
+    """One rank of the benchmark: spawned here on loopback (``port``), or started by srun / torchrun (``port`` None:
+    the launcher's variables say where rank 0 is, on another node possibly)."""
+    if port is not None:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     from hpc_rlhf.world import channel as after
     from hpc_rlhf.world.groups import build_world_groups, init_world
@@ -220,8 +225,11 @@ def run_rank(rank: int, world_size: int, port: int, args: argparse.Namespace, re
                              f"{out_b / 1e6:.2f}", f"{in_b / 1e6:.2f}", f"{wrote / 1e6:.2f}",
                              f"{max(s[3] for s in sent[1:]) / 1e6:.2f}", f"{statistics.median(times) * 1e3:.0f}",
                              "yes" if check else "NO"])
+    hosts = [None] * world_size
+    dist.all_gather_object(hosts, socket.gethostname())
     if rank == 0:
         results["rows"] = rows
+        results["hosts"] = sorted(set(hosts))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -242,6 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per layout and channel")
     args = parser.parse_args(argv)
     args.layouts = [name.strip() for name in args.layouts.split(",")]
+    launched = "SLURM_STEP_ID" in os.environ or "RANK" in os.environ
+    if launched:
+        # started by srun or torchrun, one process per rank, maybe over several nodes: the launcher says how many
+        from hpc_rlhf.world.launch_env import detect_launch_env
+
+        env = detect_launch_env()
+        args.ranks = env.world_size
     unknown = [name for name in args.layouts if name not in LAYOUTS]
     if unknown:
         parser.error(f"unknown layout(s) {unknown}; choose from {', '.join(LAYOUTS)}")
@@ -249,12 +264,18 @@ def main(argv: list[str] | None = None) -> int:
         tp, sp = LAYOUTS[name]
         if args.ranks % (tp * sp) or args.samples % (args.ranks // (tp * sp)):
             parser.error(f"--ranks {args.ranks} and --samples {args.samples} do not split into layout {name}")
-    results = mp.Manager().dict()
     start = time.perf_counter()
-    mp.spawn(run_rank, args=(args.ranks, free_port(), args, results), nprocs=args.ranks, join=True)
+    if launched:  # this process is one rank; rank 0 reports
+        results: dict = {}
+        run_rank(env.rank, env.world_size, None, args, results)
+        if env.rank != 0:
+            return 0
+    else:
+        results = mp.Manager().dict()
+        mp.spawn(run_rank, args=(args.ranks, free_port(), args, results), nprocs=args.ranks, join=True)
     header = ["layout", "tp x sp", "dp", "channel", "rank-0 messages", "rank-0 MB out of replica",
               "rank-0 MB in replica", "rank-0 MB written", "max other MB written", "wall ms", "model"]
-    print(f"{args.ranks} gloo ranks, {args.samples} samples x ({args.prompt_len} + {args.response_len}) tokens, "
+    print(f"{args.ranks} gloo ranks on {', '.join(results['hosts'])}, {args.samples} samples x ({args.prompt_len} + {args.response_len}) tokens, "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs, {time.perf_counter() - start:.0f} s in all\n")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))

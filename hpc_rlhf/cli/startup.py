@@ -69,12 +69,13 @@ def start_run(prog: str, argv: list[str] | None, load: Callable[[str | None, lis
     import torch
     import torch.distributed as dist
 
-    from hpc_rlhf.world.groups import init_world
+    from hpc_rlhf.world.groups import init_world, log_world_peers
 
     cfg = parse_config_args(prog, argv, load)
     env = init_world(timeout_s=cfg.train.collective_timeout_s)
     logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING,
                         format=f"[rank{env.rank}] %(asctime)s %(name)s: %(message)s")
+    log_world_peers(env)
     retain_freed_host_memory(on_gpu=torch.cuda.is_available())
     if env.rank == 0:
         if isinstance(cfg, RunConfig):

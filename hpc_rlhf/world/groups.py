@@ -4,7 +4,9 @@ placement (``build_world_groups``), or the tp / dp grid over the whole world of 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -15,6 +17,13 @@ from torch.distributed import distributed_c10d as c10d
 
 from hpc_rlhf.world.job_secret import job_secret
 from hpc_rlhf.world.launch_env import LaunchEnv, detect_launch_env, listen_on_master_port
+from hpc_rlhf.world.network import (
+    RankPeer,
+    configure_socket_interfaces,
+    describe_peers,
+    learn_interface_from_peers,
+    this_rank_peer,
+)
 from hpc_rlhf.world.placement import Placement, RoleGrid
 from hpc_rlhf.world.sealed_store import sealed_tcp_store
 
@@ -27,6 +36,10 @@ _collective_timeout: datetime.timedelta | None = None
 # The world's sealed store, referenced here for the life of the process: torch holds it only through C++ (a Python
 # subclass of dist.Store), and on rank 0 it owns the store's server.
 _world_store: dist.Store | None = None
+# Every rank's host, interface and address, as the ranks reported them after init_world (rank order).
+_world_peers: tuple[RankPeer, ...] = ()
+# A rank's report travels as JSON in a fixed-size byte tensor (no pickle of what the wire carries).
+_PEER_RECORD_BYTES = 1024
 
 
 def default_backend() -> str:
@@ -45,7 +58,7 @@ def init_world(timeout_s: int = 1800, env: LaunchEnv | None = None, backend: str
         MasterPortInUseError: rank 0 cannot listen on the master port (naming it and how to choose another).
         JobSecretError: no usable secret, or the ranks do not agree on it.
     """
-    global _collective_timeout, _world_store
+    global _collective_timeout, _world_store, _world_peers
     env = env or detect_launch_env()
     if dist.is_initialized():
         return env
@@ -54,6 +67,8 @@ def init_world(timeout_s: int = 1800, env: LaunchEnv | None = None, backend: str
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    # Before any group exists: gloo reads GLOO_SOCKET_IFNAME when it makes a group's device (hpc_rlhf.world.network).
+    interface = configure_socket_interfaces(env)
     secret = job_secret(env)  # also exported, for the processes this rank starts (vLLM's)
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     hosts = env.rank == 0 and not agent_hosts
@@ -63,6 +78,7 @@ def init_world(timeout_s: int = 1800, env: LaunchEnv | None = None, backend: str
     _world_store = sealed_tcp_store(env.master_addr, env.master_port, rank=env.rank, world_size=env.world_size,
                                     secret=secret, namespace="world", timeout=_collective_timeout, is_master=hosts,
                                     listen_fd=listen_fd)
+    interface = learn_interface_from_peers(env, interface, _world_store)
     dist.init_process_group(
         backend=backend,
         store=_world_store,
@@ -72,7 +88,35 @@ def init_world(timeout_s: int = 1800, env: LaunchEnv | None = None, backend: str
     )
     log.info("rank %d/%d up (%s, %s, master %s:%d, sealed store)", env.rank, env.world_size, env.launcher,
              backend, env.master_addr, env.master_port)
+    _world_peers = _gather_peers(this_rank_peer(env, interface), env.world_size, backend)
     return env
+
+
+def _gather_peers(mine: RankPeer, world_size: int, backend: str) -> tuple[RankPeer, ...]:
+    """Every rank's ``RankPeer``, in rank order (a collective over the world)."""
+    raw = json.dumps(dataclasses.asdict(mine)).encode()[:_PEER_RECORD_BYTES]
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    buf = torch.zeros(_PEER_RECORD_BYTES, dtype=torch.uint8, device=device)
+    buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    gathered = [torch.empty_like(buf) for _ in range(world_size)]
+    dist.all_gather(gathered, buf)
+    peers = []
+    for tensor in gathered:
+        data = bytes(tensor.cpu().tolist()).rstrip(b"\0")
+        peers.append(RankPeer(**json.loads(data)))
+    return tuple(peers)
+
+
+def log_world_peers(env: LaunchEnv) -> None:
+    """Rank 0 logs where every rank is (host, interface, address); call once logging is set up."""
+    if env.rank == 0 and _world_peers:
+        log.info("world of %d ranks on %d nodes:\n%s", env.world_size, env.num_nodes, describe_peers(_world_peers))
+
+
+def world_peers() -> tuple[RankPeer, ...]:
+    """Every rank's host, interface and address as reported at init_world (empty before, or if the world was
+    initialised elsewhere)."""
+    return _world_peers
 
 
 def collective_timeout() -> datetime.timedelta | None:

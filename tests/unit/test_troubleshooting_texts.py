@@ -264,6 +264,26 @@ def master_port_in_use(tmp_path: Path) -> str:
     return f"{type(info.value).__name__}: {info.value}"  # the last line of the traceback
 
 
+def no_route_to_another_node(tmp_path: Path) -> str:
+    from hpc_rlhf.world import network
+    from hpc_rlhf.world.launch_env import LaunchEnv
+
+    env = LaunchEnv(launcher="slurm", rank=0, world_size=2, local_rank=0, local_world_size=1, node_rank=0,
+                    num_nodes=2, master_addr="127.0.0.1", master_port=20001, nodes=("127.0.0.1", "localhost"))
+
+    class Store:  # node 1 reported no address either
+        def set(self, key: str, value: str) -> None:
+            pass
+
+        def get(self, key: str) -> bytes:
+            return b""
+
+    with _logged("hpc_rlhf.world.network") as messages:
+        choice = network.configure_socket_interfaces(env, {})
+        network.learn_interface_from_peers(env, choice, Store(), {})
+    return "\n".join(messages)
+
+
 def _checkpoints(root: Path, *steps: int):
     from hpc_rlhf.ckpt import CheckpointManager
 
@@ -365,6 +385,7 @@ TRIGGERS: dict[str, Callable[[Path], str]] = {
     "data/prompts.jsonl: line 12: invalid JSON": prompt_line_not_json,
     "data/prompts.jsonl: line 3: key 'input': empty prompt": prompt_empty,
     "no reward source": no_reward_source,
+    "rank <r> of a <n>-node job: no route": no_route_to_another_node,
 }
 
 DOC_LINES = quoted_lines(DOC.read_text(encoding="utf-8"))

@@ -52,7 +52,8 @@ from hpc_rlhf.trainers.run_skeleton import RunHooks, RunPlan
 from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine, gradient_accumulation_steps
 from hpc_rlhf.utils.metrics import MetricsLogger, PhaseTimer
 from hpc_rlhf.utils.seeding import seed_rank
-from hpc_rlhf.world.groups import comm_device, tensor_data_parallel_groups
+from hpc_rlhf.world.groups import comm_device, tensor_data_parallel_groups, world_peers
+from hpc_rlhf.world.network import save_world_record
 
 log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
@@ -127,6 +128,7 @@ class SupervisedTrainer(RunHooks, Generic[RunConfigT]):
         resumed = self.maybe_resume()
         if self.rank == 0:
             save_resolved_config(cfg, self.output_dir)
+            save_world_record(world_peers(), self.output_dir)  # where the ranks met (world.json)
             self.metrics = MetricsLogger(self.output_dir, cfg.logger, cfg.model_dump(mode="json"), resume=resumed)
             if resumed:
                 self.metrics.truncate_after(self.step)

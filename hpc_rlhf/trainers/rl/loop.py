@@ -61,7 +61,8 @@ from hpc_rlhf.utils.seeding import seed_rank
 from hpc_rlhf.weight_sync.adapter import AdapterCollector, AdapterWeights
 from hpc_rlhf.weight_sync.colocated import colocated_weight_sync
 from hpc_rlhf.weight_sync.sharded import EngineChannelWeightSync, ShardedWeightSync, WeightSync
-from hpc_rlhf.world.groups import WorldGroups
+from hpc_rlhf.world.groups import WorldGroups, world_peers
+from hpc_rlhf.world.network import save_world_record
 
 log = logging.getLogger(__name__)
 Buffers = dict[str, Any]  # pickled with the checkpoint: trajectories and counters of an asynchronous run
@@ -111,6 +112,7 @@ class PPOTrainer(RunHooks):
         self.engine_restarts = 0  # rank 0: restarts of every rollout engine so far (rollout/engine_restarts)
         if world.is_controller:
             save_resolved_config(cfg, cfg.train.output_dir)
+            save_world_record(world_peers(), cfg.train.output_dir)  # where the ranks met (world.json)
         self.metrics = MetricsLogger(cfg.train.output_dir, cfg.logger, cfg.model_dump(mode="json"),
                                      resume=cfg.ckpt.load) if world.is_controller else None
         self.ckpt = rl_checkpoint.make_manager(cfg)
