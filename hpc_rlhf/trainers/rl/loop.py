@@ -8,7 +8,9 @@ touches (plus rank 0, the controller), so the same script reads as one story on 
 
 The step's data: trajectories become one :class:`StepBatch` on rank 0 (``step_batch``); each role is a typed
 handle (``roles``) whose moves deal the batch's rows to the role's data-parallel replicas (``row_layout``), run
-the role's work there (``workers``) and bring the results back to rank 0; ``controller_steps`` computes rewards,
+the role's work there (``workers``) and bring the results back to rank 0 (the make-experience forwards start
+together and are waited on after, ``experience``: roles on disjoint ranks compute at once, each role's seconds
+logged as ``timing/experience/<role>``); ``controller_steps`` computes rewards,
 advantages and metrics on rank 0. Values only rank 0 holds (the trajectories, the batch, the rows) are ``None``
 on every other rank.
 
@@ -51,6 +53,7 @@ from hpc_rlhf.trainers.rl.controller_steps import (
     select_samples,
 )
 from hpc_rlhf.trainers.rl.evaluation import eval_metrics, eval_sampling, group_by_prompt, load_eval_prompts
+from hpc_rlhf.trainers.rl.experience import experience_forwards
 from hpc_rlhf.trainers.rl.roles import Generated, RoleHandles
 from hpc_rlhf.trainers.rl.rollout_dump import is_dump_step, rollout_records, write_rollouts
 from hpc_rlhf.trainers.rl.rollout_health import AgentFailureLimitError
@@ -123,6 +126,8 @@ class PPOTrainer(RunHooks):
         self.sync_bytes = 0  # payload bytes this rank sent (colocated: loaded into its engine) in the last sync
         self.train_ranks = set(world.train_ranks)  # decisions about the training batch go only to these
         self.train_group = world.train_group
+        # rank 0: each scoring role's forward seconds in the last make-experience (timing/experience/<role>)
+        self.experience_seconds: dict[str, float] = {}
 
     @property
     def controller(self) -> rl_setup.ControllerState:
@@ -159,6 +164,9 @@ class PPOTrainer(RunHooks):
         if result is None:  # rows live on the controller
             return None
         row = {**result, **timer.metrics(), "kl_coef": self.controller.kl_controller.value}
+        # The forwards ran at once where their ranks are disjoint: timing/make_experience is about their maximum.
+        row.update({f"timing/experience/{role}": seconds for role, seconds in self.experience_seconds.items()})
+        self.experience_seconds = {}
         if self.restartable_engines:
             row["rollout/engine_restarts"] = float(self.engine_restarts)
         self.controller.after_step(row)
@@ -247,15 +255,14 @@ class PPOTrainer(RunHooks):
         batch = self._training_batch(trajectories)
         if not self._broadcast_flag(batch is not None, self.train_group):
             return False, None  # dynamic filtering removed every group: skip the update this step
-        roles = self.handles
-        old = roles.actor.logprobs(batch) if self.roles.need_old_logprobs else None
-        # The reference and the distillation teacher score the sampled tokens.
-        ref = roles.ref.logprobs(batch) if roles.ref is not None else None
-        teacher = roles.teacher.logprobs(batch) if roles.teacher is not None else None
-        values = roles.critic.values(batch) if roles.critic is not None else None
+        # Old log-probs, the reference's and the distillation teacher's, the critic's values: started together,
+        # so roles on disjoint ranks compute at once (``experience``).
+        out = experience_forwards(self.handles, batch, self.roles.need_old_logprobs)
+        self.experience_seconds = out.compute_seconds
         if batch is None:  # not the controller
             return True, None
-        batch = replace(batch, old_logprobs=old, ref_logprobs=ref, teacher_logprobs=teacher, values=values)
+        batch = replace(batch, old_logprobs=out.old_logprobs, ref_logprobs=out.ref_logprobs,
+                        teacher_logprobs=out.teacher_logprobs, values=out.values)
         rewards = self.controller.normalized_rewards(batch.scored_rewards)
         return True, make_advantages(batch, self.cfg, rewards, self.controller.kl_controller.value)
 

@@ -13,10 +13,18 @@ moves of the controller over a model role are its methods:
 
 Both are collective over the role's controller ranks (rank 0 plus the role's ranks) and return None at once on
 every other rank, so every rank may call them; only rank 0 passes a batch and gets a result.
+
+A forward is also a future (:meth:`RoleHandle._start_forward`, :class:`PendingForward`): starting it deals the
+rows and runs the replicas' part (the scatter, then the forward on the role's ranks); ``wait()`` gathers the
+outputs on rank 0. The controller starts the forwards of several roles before it waits on any
+(``hpc_rlhf.trainers.rl.experience``), so roles on disjoint ranks compute at once. Collective order: every rank
+starts and waits in the same order, so the scatters and gathers of each role's controller group meet in the
+same order on all of its ranks, whichever other roles a rank hosts.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -113,6 +121,29 @@ def _controller_batch(batch: StepBatch | None, role: str) -> StepBatch:
     return batch
 
 
+class PendingForward:
+    """A started role forward: ``wait()`` gathers its outputs on rank 0 as (B, ...) in the batch's row order (None
+    on every other rank, and at once where the rank takes no part). Waiting twice returns the same outputs."""
+
+    def __init__(self, role: str, finish: Callable[[], tuple[torch.Tensor | None, float]]) -> None:
+        self.role = role
+        self._finish: Callable[[], tuple[torch.Tensor | None, float]] | None = finish
+        self._outputs: torch.Tensor | None = None
+        self.compute_seconds = 0.0
+        """Rank 0, after ``wait()``: the slowest replica's seconds inside the forward (no transfers)."""
+
+    @classmethod
+    def nothing(cls, role: str) -> PendingForward:
+        """The forward of a rank that takes no part in the role's moves."""
+        return cls(role, lambda: (None, 0.0))
+
+    def wait(self) -> torch.Tensor | None:
+        if self._finish is not None:
+            self._outputs, self.compute_seconds = self._finish()
+            self._finish = None
+        return self._outputs
+
+
 class RoleMembership:
     """Where this rank stands in one role: the role's groups and this rank."""
 
@@ -154,37 +185,67 @@ class RoleHandle(RoleMembership, Generic[E]):
     def _offload(self, engine: E) -> None:
         """Let the engine's states leave the device after an update (none by default)."""
 
-    def _run_on_replicas(self, shards: Sequence[StepBatch] | Sequence[TrainShard] | None,
-                         receive: Callable[[Wire], T], run: Callable[[E, T], R], *, offload: bool = False,
-                         ) -> list[R] | None:
+    def _start_on_replicas(self, shards: Sequence[StepBatch] | Sequence[TrainShard] | None,
+                           receive: Callable[[Wire], T], run: Callable[[E, T], R], *, offload: bool = False,
+                           ) -> Callable[[], list[tuple[R, float]] | None]:
         """Rank 0's ``shards`` (one per replica) to the role's ranks, which reload their states, run
-        ``run(engine, shard)`` and (``offload``) offload them again; the results come back to rank 0 in replica
-        order (None elsewhere). Collective over the role's controller ranks."""
+        ``run(engine, shard)`` and (``offload``) offload them again. Returns the gather still to do: calling it
+        brings each replica's ``(result, seconds in run)`` to rank 0 in replica order (None elsewhere).
+        Collective over the role's controller ranks (the scatter here, the gather when called)."""
         wire = scatter_to_role(None if shards is None else [s.to_wire() for s in shards], self.groups)
         result = None
         if self.hosts:
             engine = self.require_engine()
             self._reload(engine)
-            result = run(engine, receive(wire))
+            start = time.perf_counter()
+            result = (run(engine, receive(wire)), time.perf_counter() - start)
             if offload:
                 self._offload(engine)
-        gathered = gather_from_role(result, self.groups)
-        return gathered if self.rank == CONTROLLER else None
+
+        def gather() -> list[tuple[R, float]] | None:
+            gathered = gather_from_role(result, self.groups)
+            return gathered if self.rank == CONTROLLER else None
+
+        return gather
+
+    def _run_on_replicas(self, shards: Sequence[StepBatch] | Sequence[TrainShard] | None,
+                         receive: Callable[[Wire], T], run: Callable[[E, T], R], *, offload: bool = False,
+                         ) -> list[R] | None:
+        """:meth:`_start_on_replicas` and its gather at once: the replicas' results on rank 0 (None elsewhere)."""
+        gathered = self._start_on_replicas(shards, receive, run, offload=offload)()
+        return None if gathered is None else [result for result, _ in gathered]
+
+    def _start_forward(self, batch: StepBatch | None, compute: Callable[[E, StepBatch], torch.Tensor],
+                       fields: tuple[str, ...] = ()) -> PendingForward:
+        """Start the batch's forward inputs (and ``fields``) over the replicas, ``compute(engine, rows) -> (b, ...)``
+        on each; the future's ``wait()`` gives the outputs on rank 0 as (B, ...) in the batch's row order."""
+        if not self.takes_part:
+            return PendingForward.nothing(self.name)
+        if self.rank != CONTROLLER:
+            gather = self._start_on_replicas(None, StepBatch.from_wire, compute)
+
+            def send() -> tuple[torch.Tensor | None, float]:
+                gather()  # this rank's outputs (if it leads a replica) go to rank 0
+                return None, 0.0
+
+            return PendingForward(self.name, send)
+        batch = _controller_batch(batch, self.name)
+        shards, layout = forward_shards(batch, self.num_replicas, self.settings.balance_tokens, fields)
+        gather_outputs = self._start_on_replicas(shards, StepBatch.from_wire, compute)
+        num_rows = batch.num_rows
+
+        def finish() -> tuple[torch.Tensor | None, float]:
+            gathered = gather_outputs()
+            assert gathered is not None  # rank 0 gathers one output per replica
+            outputs = [output for output, _ in gathered]
+            return in_batch_order(outputs, layout, num_rows), max(seconds for _, seconds in gathered)
+
+        return PendingForward(self.name, finish)
 
     def _forward(self, batch: StepBatch | None, compute: Callable[[E, StepBatch], torch.Tensor],
                  fields: tuple[str, ...] = ()) -> torch.Tensor | None:
-        """The batch's forward inputs (and ``fields``) over the replicas, ``compute(engine, rows) -> (b, ...)`` on
-        each, and the outputs on rank 0 as (B, ...) in the batch's row order; None on other ranks."""
-        if not self.takes_part:
-            return None
-        if self.rank != CONTROLLER:
-            self._run_on_replicas(None, StepBatch.from_wire, compute)
-            return None
-        batch = _controller_batch(batch, self.name)
-        shards, layout = forward_shards(batch, self.num_replicas, self.settings.balance_tokens, fields)
-        outputs = self._run_on_replicas(shards, StepBatch.from_wire, compute)
-        assert outputs is not None  # rank 0 gathers one output per replica
-        return in_batch_order(outputs, layout, batch.num_rows)
+        """:meth:`_start_forward` and its wait at once."""
+        return self._start_forward(batch, compute, fields).wait()
 
 
 class ModelRole(RoleHandle[S]):
@@ -202,9 +263,13 @@ class FrozenPolicyRole(ModelRole[FrozenEngine]):
 
     def logprobs(self, batch: StepBatch | None) -> torch.Tensor | None:
         """(B, R) fp32 log-probs of the batch's response tokens on rank 0."""
+        return self.start_logprobs(batch).wait()
+
+    def start_logprobs(self, batch: StepBatch | None) -> PendingForward:
+        """:meth:`logprobs` as a future."""
         s = self.settings
-        return self._forward(batch, lambda engine, rows: forward_logprobs(engine, rows, s.experience, s.temperature,
-                                                                         self.sp))
+        return self._start_forward(batch, lambda engine, rows: forward_logprobs(engine, rows, s.experience,
+                                                                               s.temperature, self.sp))
 
 
 class TrainedRole(ModelRole[TrainEngine]):
@@ -248,10 +313,15 @@ class ActorRole(TrainedRole):
     def logprobs(self, batch: StepBatch | None) -> torch.Tensor | None:
         """(B, R) fp32 log-probs of the response tokens before the update (the old log-probs) on rank 0; with
         ``algo.routing_replay=rollout`` the recorded routes travel along and are replayed."""
+        return self.start_logprobs(batch).wait()
+
+    def start_logprobs(self, batch: StepBatch | None) -> PendingForward:
+        """:meth:`logprobs` as a future."""
         s = self.settings
-        return self._forward(batch, lambda engine, rows: forward_logprobs(engine, rows, s.experience, s.temperature,
-                                                                         self.sp, s.replay_routes),
-                             fields=("routed_experts",) if s.replay_routes else ())
+        return self._start_forward(batch, lambda engine, rows: forward_logprobs(engine, rows, s.experience,
+                                                                               s.temperature, self.sp,
+                                                                               s.replay_routes),
+                                   fields=("routed_experts",) if s.replay_routes else ())
 
 
 class CriticRole(TrainedRole):
@@ -259,8 +329,12 @@ class CriticRole(TrainedRole):
 
     def values(self, batch: StepBatch | None) -> torch.Tensor | None:
         """(B, R) fp32 values before each response token on rank 0."""
+        return self.start_values(batch).wait()
+
+    def start_values(self, batch: StepBatch | None) -> PendingForward:
+        """:meth:`values` as a future."""
         s = self.settings
-        return self._forward(batch, lambda engine, rows: forward_values(engine, rows, s.experience, self.sp))
+        return self._start_forward(batch, lambda engine, rows: forward_values(engine, rows, s.experience, self.sp))
 
 
 class RewardRole(RoleHandle[RewardModelRole]):

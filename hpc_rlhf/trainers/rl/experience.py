@@ -1,0 +1,67 @@
+"""The make-experience forwards of one step, started together and then waited on.
+
+Runs on the training ranks (the actor's, critic's, reference's and teacher's ranks, and rank 0); each role's
+forward is collective over that role's controller ranks only (``roles.RoleHandle._start_forward``).
+
+The controller starts every enabled forward (old log-probs, reference, teacher, critic values) before it waits on
+any, so roles on disjoint ranks compute at once and the phase costs about the slowest rank's forwards, not their
+sum. Start order: the roles rank 0 does not host come first, because rank 0 runs its own share of a role in place
+when it starts it, and would otherwise hold back the scatters to the roles after it; then the roles rank 0 hosts.
+Within each kind the order is fixed (actor, ref, teacher, critic). The order depends on the placement alone, so
+every rank computes the same one: the scatters and gathers of each role's group meet in the same order on all of
+its ranks (``roles`` module docstring). The waits follow the start order. No RNG is drawn here (the forwards are
+deterministic given the weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from hpc_rlhf.trainers.rl.roles import CONTROLLER, PendingForward, RoleHandles, RoleMembership
+from hpc_rlhf.trainers.rl.step_batch import StepBatch
+
+
+@dataclass
+class ExperienceOutputs:
+    """The forwards' outputs on rank 0, each (B, R) fp32 in the batch's row order, or None when the role is off (or
+    on every other rank)."""
+
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    compute_seconds: dict[str, float] = field(default_factory=dict)
+    """Rank 0: per role, the slowest replica's seconds inside its forward (``timing/experience/<role>``)."""
+
+
+Starter = Callable[[StepBatch | None], PendingForward]
+
+
+def start_order(handles: RoleHandles, need_old_logprobs: bool) -> list[tuple[str, RoleMembership, Starter]]:
+    """``(output field, role, its forward's start)`` of the enabled forwards, in the order every rank starts them."""
+    enabled: list[tuple[str, RoleMembership, Starter]] = []
+    if need_old_logprobs:
+        enabled.append(("old_logprobs", handles.actor, handles.actor.start_logprobs))
+    if handles.ref is not None:
+        enabled.append(("ref_logprobs", handles.ref, handles.ref.start_logprobs))
+    if handles.teacher is not None:
+        enabled.append(("teacher_logprobs", handles.teacher, handles.teacher.start_logprobs))
+    if handles.critic is not None:
+        enabled.append(("values", handles.critic, handles.critic.start_values))
+    elsewhere = [entry for entry in enabled if CONTROLLER not in entry[1].groups.ranks]
+    in_place = [entry for entry in enabled if CONTROLLER in entry[1].groups.ranks]
+    return elsewhere + in_place
+
+
+def experience_forwards(handles: RoleHandles, batch: StepBatch | None, need_old_logprobs: bool) -> ExperienceOutputs:
+    """Start every enabled forward over rank 0's ``batch``, then wait on each. Collective over the training ranks
+    that host a scoring role and rank 0; ``batch`` is rank 0's (None elsewhere)."""
+    pending = [(name, start(batch)) for name, _, start in start_order(handles, need_old_logprobs)]
+    out = ExperienceOutputs()
+    for name, forward in pending:
+        setattr(out, name, forward.wait())
+        out.compute_seconds[forward.role] = forward.compute_seconds
+    return out
