@@ -56,10 +56,17 @@ def start_order(handles: RoleHandles, need_old_logprobs: bool) -> list[tuple[str
     return elsewhere + in_place
 
 
-def experience_forwards(handles: RoleHandles, batch: StepBatch | None, need_old_logprobs: bool) -> ExperienceOutputs:
+def experience_forwards(handles: RoleHandles, batch: StepBatch | None, need_old_logprobs: bool, *,
+                        overlap: bool = True) -> ExperienceOutputs:
     """Start every enabled forward over rank 0's ``batch``, then wait on each. Collective over the training ranks
-    that host a scoring role and rank 0; ``batch`` is rank 0's (None elsewhere)."""
-    pending = [(name, start(batch)) for name, _, start in start_order(handles, need_old_logprobs)]
+    that host a scoring role and rank 0; ``batch`` is rank 0's (None elsewhere). ``overlap=False`` waits on each
+    forward before starting the next (one role after another: the baseline ``benchmarks/experience_overlap.py``
+    measures against); every rank of the world must pass the same value."""
+    pending: list[tuple[str, PendingForward]] = []
+    for name, _, start in start_order(handles, need_old_logprobs):
+        pending.append((name, start(batch)))
+        if not overlap:
+            pending[-1][1].wait()
     out = ExperienceOutputs()
     for name, forward in pending:
         setattr(out, name, forward.wait())

@@ -128,6 +128,9 @@ class PPOTrainer(RunHooks):
         self.train_group = world.train_group
         # rank 0: each scoring role's forward seconds in the last make-experience (timing/experience/<role>)
         self.experience_seconds: dict[str, float] = {}
+        # False: each make-experience forward waits for the one before (the baseline of
+        # benchmarks/experience_overlap.py); the same on every rank, as the forwards' collective order depends on it.
+        self.overlap_forwards = True
 
     @property
     def controller(self) -> rl_setup.ControllerState:
@@ -257,7 +260,7 @@ class PPOTrainer(RunHooks):
             return False, None  # dynamic filtering removed every group: skip the update this step
         # Old log-probs, the reference's and the distillation teacher's, the critic's values: started together,
         # so roles on disjoint ranks compute at once (``experience``).
-        out = experience_forwards(self.handles, batch, self.roles.need_old_logprobs)
+        out = experience_forwards(self.handles, batch, self.roles.need_old_logprobs, overlap=self.overlap_forwards)
         self.experience_seconds = out.compute_seconds
         if batch is None:  # not the controller
             return True, None
