@@ -24,8 +24,11 @@ A roofline per phase on one rank, with the device's stated efficiencies (``hpc_r
   ranks, the network beyond);
 - checkpoint: trained roles' weights + Adam states (+ the HF export) over the filesystem bandwidth.
 
-Phases run one after the other (the controller's step does); calibrated against measured CPU phases and
-published GPU numbers in docs/step_time.md.
+Phases run one after the other (the controller's step does), except the make-experience forwards (old actor
+log-probs, reference, teacher, critic values): the controller starts them together, so roles on disjoint ranks
+compute at once and the group costs its busiest rank's forwards (the sum over the roles that rank hosts), not the sum
+over all roles (``StepTime.overlap_s``, :func:`forwards_overlap`); the reward model scores in its own phase before
+them. Calibrated against measured CPU phases and published GPU numbers in docs/step_time.md.
 """
 
 from __future__ import annotations
@@ -83,10 +86,16 @@ class StepTime:
     checkpoint_bytes: float
     checkpoint_save_s: float
     checkpoint_load_s: float
+    overlap: Phase | None = None
+    """The seconds the phases above do not cost because they run at once (:func:`forwards_overlap`), if any."""
+
+    @property
+    def overlap_s(self) -> float:
+        return self.overlap.seconds if self.overlap is not None else 0.0
 
     @property
     def step_s(self) -> float:
-        return sum(p.seconds for p in self.phases)
+        return sum(p.seconds for p in self.phases) - self.overlap_s
 
 
 def _flop(x: float) -> str:
@@ -246,16 +255,41 @@ def _trainable_params(cfg, role: str, num_params: float) -> float:
     return lora_params(role_shape(cfg, role), lora, role == "critic")
 
 
+EXPERIENCE_FORWARDS = (("actor", "old logprob"), ("ref", "ref logprob"), ("teacher", "teacher logprob"),
+                       ("critic", "values"))  # (role, phase): the forwards the controller starts together
+
+
 def scoring_phases(ctx: _Ctx, need_old_logprobs: bool) -> list[Phase]:
     roles = ctx.placement.roles
     out = []
-    for role, label in (("actor", "old logprob"), ("ref", "ref logprob"), ("teacher", "teacher logprob"),
-                        ("critic", "values"), ("reward", "reward model")):
+    for role, label in (*EXPERIENCE_FORWARDS, ("reward", "reward model")):
         if role not in roles or (role == "actor" and not need_old_logprobs):
             continue
         seconds, detail = _role_pass(ctx, role, train=False)
         out.append(Phase(label, seconds, f"{role} forward, {detail}"))
     return out
+
+
+def forwards_overlap(phases: list[Phase], role_ranks: dict[str, tuple[int, ...]]) -> Phase | None:
+    """What running the make-experience forwards at once saves: their sum minus their busiest rank's share (each rank
+    runs the forwards of the roles it hosts one after another; ranks run at once). ``phases``: the step's phases (the
+    forwards among them by their :data:`EXPERIENCE_FORWARDS` names); ``role_ranks``: each role's ranks. None when
+    nothing overlaps (e.g. every role on every rank)."""
+    by_label = {p.name: p for p in phases}
+    forwards = [(role, by_label[label]) for role, label in EXPERIENCE_FORWARDS if label in by_label]
+    if len(forwards) < 2:
+        return None
+    load: dict[int, float] = {}
+    for role, phase in forwards:
+        for rank in role_ranks[role]:
+            load[rank] = load.get(rank, 0.0) + phase.seconds
+    total = sum(phase.seconds for _, phase in forwards)
+    busiest = max(load.values())
+    if total - busiest <= 1e-12:
+        return None
+    names = ", ".join(phase.name for _, phase in forwards)
+    return Phase("forwards at once", total - busiest,
+                 f"{names} start together: the busiest rank's {busiest:.3g} s, not their sum {total:.3g} s")
 
 
 def training_phases(ctx: _Ctx) -> list[Phase]:
@@ -471,7 +505,8 @@ def rl_step_time(cfg: RunConfig, placement: Placement, device: Device, *, nodes:
     phases = [generation_phase(ctx), *scoring_phases(ctx, need_old), *training_phases(ctx), weight_sync_phase(ctx),
               controller_traffic_phase(ctx, need_old)]
     ckpt = checkpoint_bytes(cfg, placement, param_bytes)
-    return StepTime(tuple(phases), ckpt, ckpt / device.fs_bw, ckpt / device.fs_bw)
+    overlap = forwards_overlap(phases, {role: grid.ranks for role, grid in placement.roles.items()})
+    return StepTime(tuple(phases), ckpt, ckpt / device.fs_bw, ckpt / device.fs_bw, overlap)
 
 
 def supervised_step_time(cfg, kind: str, device: Device, *, nodes: int, gpus_per_node: int,
