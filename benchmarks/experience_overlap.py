@@ -1,4 +1,5 @@
-"""Make-experience forwards one after another vs started together, on a disaggregated CPU layout, in one run.
+"""Role moves one after another vs started together, on a disaggregated CPU layout, in one run: the make-experience
+forwards and the critic's and actor's updates.
 
     python benchmarks/experience_overlap.py                       # 5 gloo ranks, 9 steps
     python benchmarks/experience_overlap.py --steps 13 --hidden 384 --layers 6
@@ -12,7 +13,7 @@ forwards (``PPOTrainer.overlap_forwards``), step 1 (warm-up) aside:
 
 - sequential: each forward waits for the one before (what the trainer did before the forwards became futures);
 - overlapped: the controller starts the reference's, the critic's and then its own old-log-prob forward, then
-  waits (``hpc_rlhf.trainers.rl.experience``).
+  waits (``hpc_rlhf.trainers.rl.concurrent_moves``).
 
 Reported from ``metrics.jsonl``, medians per mode: ``timing/make_experience`` (rank 0's wall time of the phase),
 each role's forward seconds (``timing/experience/<role>``, measured on the role's rank), their sum (what a
@@ -36,7 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 NUM_RANKS = 5
-ROLES = ("ref", "critic", "actor")  # the forwards started together, in start order
+PHASES = {"make_experience": ("experience", ("ref", "critic", "actor")),  # started together, in start order
+          "train": ("train", ("critic", "actor"))}
 
 
 def prepare(work: Path, hidden: int, layers: int) -> tuple[Path, Path, Path]:
@@ -104,18 +106,17 @@ def summarise(rows: list[dict]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for mode, flag in (("sequential", 0.0), ("overlapped", 1.0)):
         mine = [r for r in rows[1:] if r["bench/overlapped"] == flag]
-        per_role = {role: statistics.median(r[f"timing/experience/{role}"] for r in mine) for role in ROLES}
-        out[mode] = {
-            "steps": float(len(mine)),
-            "make_experience_s": statistics.median(r["timing/make_experience"] for r in mine),
-            **{f"{role}_s": seconds for role, seconds in per_role.items()},
-            "sum_of_forwards_s": statistics.median(sum(r[f"timing/experience/{role}"] for role in ROLES)
-                                                   for r in mine),
-            "critical_path_s": statistics.median(max(r[f"timing/experience/{role}"] for role in ROLES)
-                                                 for r in mine),
-            "reward_s": statistics.median(r["timing/reward"] for r in mine),
-            "step_s": statistics.median(r["timing/step"] for r in mine),
-        }
+        summary = {"steps": float(len(mine))}
+        for phase, (prefix, roles) in PHASES.items():
+            keys = [f"timing/{prefix}/{role}" for role in roles]
+            summary[f"{phase}_s"] = statistics.median(r[f"timing/{phase}"] for r in mine)
+            summary.update({f"{phase}/{role}_s": statistics.median(r[key] for r in mine)
+                            for role, key in zip(roles, keys, strict=True)})
+            summary[f"{phase}/sum_of_roles_s"] = statistics.median(sum(r[k] for k in keys) for r in mine)
+            summary[f"{phase}/critical_path_s"] = statistics.median(max(r[k] for k in keys) for r in mine)
+        summary["reward_s"] = statistics.median(r["timing/reward"] for r in mine)
+        summary["step_s"] = statistics.median(r["timing/step"] for r in mine)
+        out[mode] = {k: round(v, 4) for k, v in summary.items()}
     return out
 
 

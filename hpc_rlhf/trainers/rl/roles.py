@@ -14,10 +14,10 @@ moves of the controller over a model role are its methods:
 Both are collective over the role's controller ranks (rank 0 plus the role's ranks) and return None at once on
 every other rank, so every rank may call them; only rank 0 passes a batch and gets a result.
 
-A forward is also a future (:meth:`RoleHandle._start_forward`, :class:`PendingForward`): starting it deals the
-rows and runs the replicas' part (the scatter, then the forward on the role's ranks); ``wait()`` gathers the
-outputs on rank 0. The controller starts the forwards of several roles before it waits on any
-(``hpc_rlhf.trainers.rl.experience``), so roles on disjoint ranks compute at once. Collective order: every rank
+A forward and an update are also futures (``start_*`` methods, :class:`Pending`): starting one deals the rows and
+runs the replicas' part (the scatter, then the work on the role's ranks); ``wait()`` gathers the results on rank 0.
+The controller starts the moves of several roles before it waits on any (``hpc_rlhf.trainers.rl.concurrent_moves``), so
+roles on disjoint ranks compute at once. Collective order: every rank
 starts and waits in the same order, so the scatters and gathers of each role's controller group meet in the
 same order on all of its ranks, whichever other roles a rank hosts.
 """
@@ -121,27 +121,31 @@ def _controller_batch(batch: StepBatch | None, role: str) -> StepBatch:
     return batch
 
 
-class PendingForward:
-    """A started role forward: ``wait()`` gathers its outputs on rank 0 as (B, ...) in the batch's row order (None
-    on every other rank, and at once where the rank takes no part). Waiting twice returns the same outputs."""
+class Pending(Generic[T]):
+    """A started move of a role (a forward, an update): ``wait()`` brings its result to rank 0 (None on every other
+    rank, and at once where the rank takes no part). Waiting twice returns the same result."""
 
-    def __init__(self, role: str, finish: Callable[[], tuple[torch.Tensor | None, float]]) -> None:
+    def __init__(self, role: str, finish: Callable[[], tuple[T | None, float]]) -> None:
         self.role = role
-        self._finish: Callable[[], tuple[torch.Tensor | None, float]] | None = finish
-        self._outputs: torch.Tensor | None = None
+        self._finish: Callable[[], tuple[T | None, float]] | None = finish
+        self._result: T | None = None
         self.compute_seconds = 0.0
-        """Rank 0, after ``wait()``: the slowest replica's seconds inside the forward (no transfers)."""
+        """Rank 0, after ``wait()``: the slowest replica's seconds inside the move (no transfers)."""
 
     @classmethod
-    def nothing(cls, role: str) -> PendingForward:
-        """The forward of a rank that takes no part in the role's moves."""
+    def nothing(cls, role: str) -> Pending[T]:
+        """The move of a rank that takes no part in the role's moves."""
         return cls(role, lambda: (None, 0.0))
 
-    def wait(self) -> torch.Tensor | None:
+    def wait(self) -> T | None:
         if self._finish is not None:
-            self._outputs, self.compute_seconds = self._finish()
+            self._result, self.compute_seconds = self._finish()
             self._finish = None
-        return self._outputs
+        return self._result
+
+
+PendingForward = Pending[torch.Tensor]  # (B, ...) outputs in the batch's row order
+PendingUpdate = Pending[dict[str, float]]  # the replicas' metrics, averaged
 
 
 class RoleMembership:
@@ -220,7 +224,7 @@ class RoleHandle(RoleMembership, Generic[E]):
         """Start the batch's forward inputs (and ``fields``) over the replicas, ``compute(engine, rows) -> (b, ...)``
         on each; the future's ``wait()`` gives the outputs on rank 0 as (B, ...) in the batch's row order."""
         if not self.takes_part:
-            return PendingForward.nothing(self.name)
+            return Pending.nothing(self.name)
         if self.rank != CONTROLLER:
             gather = self._start_on_replicas(None, StepBatch.from_wire, compute)
 
@@ -228,7 +232,7 @@ class RoleHandle(RoleMembership, Generic[E]):
                 gather()  # this rank's outputs (if it leads a replica) go to rank 0
                 return None, 0.0
 
-            return PendingForward(self.name, send)
+            return Pending(self.name, send)
         batch = _controller_batch(batch, self.name)
         shards, layout = forward_shards(batch, self.num_replicas, self.settings.balance_tokens, fields)
         gather_outputs = self._start_on_replicas(shards, StepBatch.from_wire, compute)
@@ -240,7 +244,7 @@ class RoleHandle(RoleMembership, Generic[E]):
             outputs = [output for output, _ in gathered]
             return in_batch_order(outputs, layout, num_rows), max(seconds for _, seconds in gathered)
 
-        return PendingForward(self.name, finish)
+        return Pending(self.name, finish)
 
     def _forward(self, batch: StepBatch | None, compute: Callable[[E, StepBatch], torch.Tensor],
                  fields: tuple[str, ...] = ()) -> torch.Tensor | None:
@@ -287,8 +291,13 @@ class TrainedRole(ModelRole[TrainEngine]):
         whole mini-batches per replica; returns the replicas' metrics averaged on rank 0 (None elsewhere).
         ``version``: the policy version this update makes (fault injection counts it); ``kl_coef``: the KL loss
         coefficient the shards carry (actor)."""
+        return self.start_update(batch, version, kl_coef).wait()
+
+    def start_update(self, batch: StepBatch | None, version: int, kl_coef: float = 0.0) -> PendingUpdate:
+        """:meth:`update` as a future: the shards go out and the role's ranks train here; ``wait()`` gathers the
+        metrics."""
         if not self.takes_part:
-            return None
+            return Pending.nothing(self.name)
         s, dp = self.settings, self.num_replicas
         shards = None
         if self.rank == CONTROLLER:
@@ -301,10 +310,17 @@ class TrainedRole(ModelRole[TrainEngine]):
             fault_point("train", version, self.rank)
             return self._train(engine, shard, s.algo, s.update, dp, self.sp)
 
-        gathered = self._run_on_replicas(shards, TrainShard.from_wire, run, offload=s.offload_after_update)
-        if gathered is None:
-            return None
-        return {k: float(np.mean([g[k] for g in gathered])) for k in gathered[0]}
+        gather = self._start_on_replicas(shards, TrainShard.from_wire, run, offload=s.offload_after_update)
+
+        def finish() -> tuple[Metrics | None, float]:
+            gathered = gather()
+            if gathered is None:
+                return None, 0.0
+            metrics = [m for m, _ in gathered]
+            return ({k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]},
+                    max(seconds for _, seconds in gathered))
+
+        return Pending(self.name, finish)
 
 
 class ActorRole(TrainedRole):
