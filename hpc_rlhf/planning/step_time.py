@@ -27,8 +27,9 @@ A roofline per phase on one rank, with the device's stated efficiencies (``hpc_r
 Phases run one after the other (the controller's step does), except the make-experience forwards (old actor
 log-probs, reference, teacher, critic values): the controller starts them together, so roles on disjoint ranks
 compute at once and the group costs its busiest rank's forwards (the sum over the roles that rank hosts), not the sum
-over all roles (``StepTime.overlap_s``, :func:`forwards_overlap`); the reward model scores in its own phase before
-them. Calibrated against measured CPU phases and published GPU numbers in docs/step_time.md.
+over all roles; the same for the critic's and actor's updates (``StepTime.overlap_s``, :func:`forwards_overlap`);
+the reward model scores in its own phase before them. Calibrated against measured CPU phases and published GPU
+numbers in docs/step_time.md; the overlap against benchmarks/experience_overlap.py (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -270,26 +271,36 @@ def scoring_phases(ctx: _Ctx, need_old_logprobs: bool) -> list[Phase]:
     return out
 
 
-def forwards_overlap(phases: list[Phase], role_ranks: dict[str, tuple[int, ...]]) -> Phase | None:
-    """What running the make-experience forwards at once saves: their sum minus their busiest rank's share (each rank
-    runs the forwards of the roles it hosts one after another; ranks run at once). ``phases``: the step's phases (the
-    forwards among them by their :data:`EXPERIENCE_FORWARDS` names); ``role_ranks``: each role's ranks. None when
-    nothing overlaps (e.g. every role on every rank)."""
-    by_label = {p.name: p for p in phases}
-    forwards = [(role, by_label[label]) for role, label in EXPERIENCE_FORWARDS if label in by_label]
-    if len(forwards) < 2:
-        return None
+TRAINING_UPDATES = (("critic", "train critic"), ("actor", "train actor"))  # the updates started together
+
+
+def _saving(phases: dict[str, Phase], group: tuple[tuple[str, str], ...],
+            role_ranks: dict[str, tuple[int, ...]]) -> tuple[float, float, list[str]]:
+    """(sum, busiest rank's share, phase names) of one group of moves started together."""
+    moves = [(role, phases[label]) for role, label in group if label in phases]
     load: dict[int, float] = {}
-    for role, phase in forwards:
+    for role, phase in moves:
         for rank in role_ranks[role]:
             load[rank] = load.get(rank, 0.0) + phase.seconds
-    total = sum(phase.seconds for _, phase in forwards)
-    busiest = max(load.values())
-    if total - busiest <= 1e-12:
+    total = sum(phase.seconds for _, phase in moves)
+    return total, max(load.values(), default=0.0), [phase.name for _, phase in moves]
+
+
+def forwards_overlap(phases: list[Phase], role_ranks: dict[str, tuple[int, ...]]) -> Phase | None:
+    """What starting the moves of several roles together saves: per group (the make-experience forwards,
+    :data:`EXPERIENCE_FORWARDS`; the updates, :data:`TRAINING_UPDATES`), their sum minus their busiest rank's share
+    (each rank runs the moves of the roles it hosts one after another; ranks run at once). ``phases``: the step's
+    phases, found by name; ``role_ranks``: each role's ranks. None when nothing overlaps (every role on every rank)."""
+    by_name = {p.name: p for p in phases}
+    saved, notes = 0.0, []
+    for group in (EXPERIENCE_FORWARDS, TRAINING_UPDATES):
+        total, busiest, names = _saving(by_name, group, role_ranks)
+        if total - busiest > 1e-12:
+            saved += total - busiest
+            notes.append(f"{', '.join(names)}: the busiest rank's {busiest:.3g} s, not their sum {total:.3g} s")
+    if not notes:
         return None
-    names = ", ".join(phase.name for _, phase in forwards)
-    return Phase("forwards at once", total - busiest,
-                 f"{names} start together: the busiest rank's {busiest:.3g} s, not their sum {total:.3g} s")
+    return Phase("moves at once", saved, "; ".join(notes))
 
 
 def training_phases(ctx: _Ctx) -> list[Phase]:

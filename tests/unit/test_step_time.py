@@ -183,6 +183,10 @@ def test_forwards_on_disjoint_ranks_cost_the_busiest_rank():
     assert shared is not None and shared.seconds == pytest.approx(6.0 - 4.0)
     # every role on every rank (colocated): nothing runs at once; the reward model is never counted
     assert forwards_overlap(phases, {"actor": (0, 1), "ref": (0, 1), "critic": (0, 1), "reward": (2,)}) is None
+    # the critic's and the actor's updates on disjoint ranks count once more
+    trained = [*phases, _phase("train critic", 4.0), _phase("train actor", 7.0)]
+    both = forwards_overlap(trained, {"actor": (0, 1), "ref": (2,), "critic": (3,), "reward": (4,)})
+    assert both is not None and both.seconds == pytest.approx((6.0 - 3.0) + (11.0 - 7.0))
 
 
 def test_disaggregated_step_is_shorter_than_the_sum_of_its_phases():
@@ -194,5 +198,6 @@ def test_disaggregated_step_is_shorter_than_the_sum_of_its_phases():
     step = rl_step_time(cfg, placement, get_device("h100"), nodes=4, gpus_per_node=8)
     phases = {p.name: p.seconds for p in step.phases}
     forwards = [phases[name] for name in ("old logprob", "ref logprob", "values")]
-    assert step.overlap_s == pytest.approx(sum(forwards) - max(forwards))
+    updates = [phases[name] for name in ("train critic", "train actor")]
+    assert step.overlap_s == pytest.approx(sum(forwards) - max(forwards) + sum(updates) - max(updates))
     assert step.step_s == pytest.approx(sum(phases.values()) - step.overlap_s)
