@@ -20,6 +20,8 @@ The controller starts the moves of several roles before it waits on any (``hpc_r
 roles on disjoint ranks compute at once. Collective order: every rank
 starts and waits in the same order, so the scatters and gathers of each role's controller group meet in the
 same order on all of its ranks, whichever other roles a rank hosts.
+
+Runs on every rank (each builds every handle); each move is collective over its role's controller ranks.
 """
 
 from __future__ import annotations

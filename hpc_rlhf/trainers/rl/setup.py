@@ -1,6 +1,8 @@
 """Build what a PPO-family run needs on each rank: tokenizer, controller state, role engines.
 
 Kept apart from the loop so ``loop.py`` reads as the step story.
+
+Runs on every rank: each builds the engines of the roles it hosts; rank 0 also the controller state.
 """
 
 from __future__ import annotations
