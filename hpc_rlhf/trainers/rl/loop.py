@@ -35,7 +35,7 @@ from hpc_rlhf.agents.executor import GenerateFn
 from hpc_rlhf.ckpt.hf_exports import HFExports
 from hpc_rlhf.ckpt.layout import rl_layout
 from hpc_rlhf.config import RunConfig, save_resolved_config
-from hpc_rlhf.config.schema import resolved_vllm_mode
+from hpc_rlhf.config.schema import rollout_engine_kind
 from hpc_rlhf.data.prompts import Prompt, source_name
 from hpc_rlhf.models.loading import load_tokenizer
 from hpc_rlhf.resilience.fault_injection import fault_point
@@ -110,8 +110,7 @@ class PPOTrainer(RunHooks):
         # Engines that restart in place (rollout/engine_restarts): with the channels above, and under
         # ds.lora.sync=adapter without them (a restarted engine loads its adapter again by itself). The same on
         # every rank: the count is collected collectively.
-        self.restartable_engines = cfg.rollout.backend == "vllm" and \
-            resolved_vllm_mode(cfg.rollout.vllm_mode, cfg.train.colocate_all) == "server_process"
+        self.restartable_engines = rollout_engine_kind(cfg.rollout, cfg.train.colocate_all) == "vllm_server_process"
         self.engine_restarts = 0  # rank 0: restarts of every rollout engine so far (rollout/engine_restarts)
         if world.is_controller:
             save_resolved_config(cfg, cfg.train.output_dir)
