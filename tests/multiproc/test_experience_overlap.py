@@ -113,3 +113,32 @@ def test_moves_of_disjoint_roles_overlap_and_return_in_row_order(tmp_path):
     # the critic's update started first (its ranks do not include rank 0), the actor's (kl_coef 0.5) in place
     assert controller["updates"] == {"critic": {"critic_loss": 3.0}, "actor": {"policy_loss": 1.5}}
     assert results[2]["updates"] == {"critic": None, "actor": None}
+
+
+def _failing_forward(rank: int, world_size: int) -> str:
+    from hpc_rlhf.trainers.rl import roles as roles_module
+    from hpc_rlhf.trainers.rl.concurrent_moves import experience_forwards
+    from hpc_rlhf.trainers.rl.roles import RoleHandles
+    from hpc_rlhf.trainers.rl.setup import Roles
+    from hpc_rlhf.world.groups import build_world_groups
+    from hpc_rlhf.world.placement import build_placement
+
+    def broken(engine, rows, *args, **kwargs):
+        raise ValueError("reference weights are NaN")
+
+    roles_module.forward_logprobs = broken
+    cfg = load_config(None, ["algo.kl.init_coef=0.01"])  # colocated: the one rank hosts actor and ref
+    world = build_world_groups(build_placement(cfg, world_size))
+    handles = RoleHandles.build(cfg, world, Roles(actor=_FakeEngine(1.0), ref=_FakeEngine(2.0)))  # type: ignore[arg-type]
+    try:
+        experience_forwards(handles, _batch(), need_old_logprobs=False)
+    except ValueError as exc:
+        return "\n".join([str(exc), *getattr(exc, "__notes__", [])])
+    return "no error"
+
+
+@pytest.mark.slow
+def test_a_failing_move_names_its_rank_and_role():
+    message = run_on_ranks(_failing_forward, 1)[0]
+    assert "reference weights are NaN" in message
+    assert "rank 0: failed in role 'ref'" in message

@@ -26,6 +26,7 @@ Runs on every rank (each builds every handle); each move is collective over its 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine
 from hpc_rlhf.world.channel import gather_from_role, scatter_to_role
 from hpc_rlhf.world.groups import RoleGroups, WorldGroups
 
+log = logging.getLogger(__name__)
 CONTROLLER = 0  # the rank that owns the batch (``hpc_rlhf.world.channel``)
 Metrics = dict[str, float]
 Wire = dict[str, Any]  # a shard as it travels (``StepBatch.to_wire`` / ``TrainShard.to_wire``)
@@ -204,7 +206,15 @@ class RoleHandle(RoleMembership, Generic[E]):
             engine = self.require_engine()
             self._reload(engine)
             start = time.perf_counter()
-            result = (run(engine, receive(wire)), time.perf_counter() - start)
+            try:
+                result = (run(engine, receive(wire)), time.perf_counter() - start)
+            except Exception as exc:  # the launcher prints this rank's traceback: say where it failed
+                where = f"rank {self.rank}: failed in role {self.name!r}'s move (role ranks {self.groups.ranks})"
+                log.error("%s: %s: %s", where, type(exc).__name__, exc)
+                add_note = getattr(exc, "add_note", None)  # Python 3.11+: printed with the traceback
+                if add_note is not None:
+                    add_note(where)
+                raise
             if offload:
                 self._offload(engine)
 
