@@ -219,6 +219,20 @@ def resolved_vllm_mode(vllm_mode: str, colocate_all: bool) -> str:
     return vllm_mode
 
 
+EngineKind = Literal["transformers", "vllm_external_launcher", "vllm_server_process"]
+
+
+def rollout_engine_kind(rollout: RolloutConfig, colocate_all: bool) -> EngineKind:
+    """Which rollout engine a run starts, decided once: the transformers engine, vLLM in-process under its external
+    launcher (every rank hosts an engine), or vLLM in processes of its own per rollout rank (``server_process``:
+    weights over each engine's channel, restarts in place). ``rollout``: the rollout section."""
+    if rollout.backend != "vllm":
+        return "transformers"
+    if resolved_vllm_mode(rollout.vllm_mode, colocate_all) == "server_process":
+        return "vllm_server_process"
+    return "vllm_external_launcher"
+
+
 def resolved_param_dtype(param_dtype: str, on_gpu: bool) -> str:
     """``auto`` is ``bf16`` on GPU and ``fp32`` on CPU (bf16 matmul is ~500x slower on our CPUs)."""
     if param_dtype == "auto":

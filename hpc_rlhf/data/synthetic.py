@@ -9,6 +9,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from hpc_rlhf.data.synthetic_images import colour_task_rows  # imports PIL only when it draws (the visual task)
+
 
 def arithmetic_rows(num_samples: int, seed: int, max_operand: int = 9) -> list[dict[str, str]]:
     """``{"input": "3+4=", "label": "7"}`` rows: single-digit addition, answers 0-18."""
@@ -40,8 +42,6 @@ def write_task_if_missing(task: str, path: str | Path, num_samples: int, seed: i
 
     def make_rows() -> list[dict]:
         if task == "colour":
-            from hpc_rlhf.data.synthetic_images import colour_task_rows  # PIL: only for the visual task
-
             return colour_task_rows(path, num_samples, seed)
         if task != "arithmetic":
             raise ValueError(f"unknown data.synthetic_task {task!r}; known: arithmetic, colour")

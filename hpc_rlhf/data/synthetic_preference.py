@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 
 from hpc_rlhf.data.synthetic import write_jsonl_if_missing
+from hpc_rlhf.data.synthetic_images import colour_sft_rows
 
 TASKS = ("sft_arithmetic", "preference_arithmetic", "kto_arithmetic")
 
@@ -45,8 +46,6 @@ def task_rows(task: str, num_samples: int, seed: int, max_operand: int = 9) -> l
 def write_supervised_task_if_missing(task: str, path: str | Path, num_samples: int, seed: int,
                                      max_operand: int = 9) -> Path:
     if task == "sft_colour":  # images drawn with PIL beside the file (hpc_rlhf.data.synthetic_images)
-        from hpc_rlhf.data.synthetic_images import colour_sft_rows
-
         return write_jsonl_if_missing(path, lambda: colour_sft_rows(path, num_samples, seed))
     return write_jsonl_if_missing(path, lambda: task_rows(task, num_samples, seed, max_operand))
 

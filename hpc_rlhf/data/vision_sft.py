@@ -22,12 +22,14 @@ from typing import Any
 
 import torch
 
-from hpc_rlhf.data.images import ImageRef, row_images, with_image_parts
+from hpc_rlhf.data.images import ImageRef, require_no_images, row_images, with_image_parts
 from hpc_rlhf.data.packing import CollatedBatch, TokenSample
+from hpc_rlhf.data.preference import PreferencePair, _response_pieces, make_pair, row_margin
 from hpc_rlhf.data.sft import Piece, TextFormatter, make_sft_example
 from hpc_rlhf.data.sources import row_error
 from hpc_rlhf.data.vision_prompts import VisionPromptEncoder
 from hpc_rlhf.models.mrope import mrope_positions
+from hpc_rlhf.models.vision import is_vision_language
 
 
 @dataclass(frozen=True)
@@ -154,8 +156,6 @@ def sft_vision_encoder(model_dir: str, tokenizer: Any, data: Any) -> VisionPromp
     text-only model."""
     from transformers import AutoConfig
 
-    from hpc_rlhf.models.vision import is_vision_language
-
     config = AutoConfig.from_pretrained(model_dir)
     if not is_vision_language(config):
         return None
@@ -165,8 +165,6 @@ def sft_vision_encoder(model_dir: str, tokenizer: Any, data: Any) -> VisionPromp
 def refuse_images(make: Callable[[Any, str, int], Any], data: Any,
                   model_dir: str) -> Callable[[Any, str, int], Any]:
     """``make`` for a text-only model: a row with images is refused naming its row, key and ``model.pretrain``."""
-    from hpc_rlhf.data.images import require_no_images
-
     def checked(row: Any, path: str, index: int) -> Any:
         if isinstance(row, dict) and not data.pretrain_mode:
             key = data.messages_key or data.input_key
@@ -183,8 +181,6 @@ def make_vision_pair(formatter: TextFormatter, data: Any,
     """Row -> :class:`hpc_rlhf.data.preference.PreferencePair` whose chosen and rejected samples carry the prompt's
     images (DPO with images): the prompt (``data.prompt_key``, chat messages with image parts and / or the
     ``images_key`` column) is shared, each answer is trained as for SFT; a row without images is a text pair."""
-    from hpc_rlhf.data.preference import PreferencePair, _response_pieces, make_pair, row_margin
-
     text_make = make_pair(formatter, data)
 
     def make(row: Any, path: str, index: int) -> Any:

@@ -13,8 +13,12 @@ Where each kind of forward lives:
   vocabulary chunks (no (N, V) logits); ``forward.policy_logprobs`` uses it when the model allows.
 * ``shared_prefix``: a padded GRPO batch's decoder forward with each distinct prompt run once;
   ``forward.policy_logprobs`` uses it when the attention implementation allows.
+* ``vision_forward``: the same forwards of a vision-language model (images through its vision tower).
+* ``token_layout``: what the text and vision forwards share (model inputs of a collated micro-batch, padded rows
+  packed into one row, the chunked head's weight, the entropy over the vocabulary).
 * ``logprobs``: log-probs from logits (pure tensor math).
 
 The rest: ``loading`` (HF causal LMs and value models with the head ``score``), ``value_head``, ``precision``,
-``kernels`` (Liger, attention implementation), ``lora`` / ``quantization`` (LoRA, QLoRA), ``tiny``.
+``kernels`` (Liger, attention implementation), ``lora`` / ``quantization`` (LoRA, QLoRA), ``tiny`` / ``tiny_vlm``
+(tiny local models) and ``tiny_tokenizer`` (their character tokenizer).
 """

@@ -19,23 +19,32 @@ micro-batch's forwards under any of these layouts are in ``hpc_rlhf.models.micro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hpc_rlhf.algos import entropy_from_logits
-from hpc_rlhf.data.packing import CollatedBatch, TokenSample, block_causal_mask, collate
+from hpc_rlhf.data.packing import CollatedBatch
 from hpc_rlhf.models.chunked_logprobs import linear_logprobs
 from hpc_rlhf.models.hf_module import ModelOrEngine, base_model, child_module, hf_model
 from hpc_rlhf.models.logprobs import logprobs_from_logits
 from hpc_rlhf.models.moe import RouterLogits
 from hpc_rlhf.models.shared_prefix import can_share_prompts, distinct_prompts, shared_prefix_hidden
+from hpc_rlhf.models.token_layout import (
+    LOGIT_TRANSFORMS,
+    PackedActions,
+    chunked_head_weight,
+    layout_of,
+    logits_entropy,
+    model_inputs,
+    pack_actions,
+    scatter_actions,
+    unflatten_varlen,
+)
+from hpc_rlhf.models.vision_forward import vision_policy_logprobs
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    pass
 
-FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 
 
 def _router_kwargs(router: list | None) -> dict[str, bool]:
@@ -59,7 +68,7 @@ def _lm_forward(model: ModelOrEngine, inputs: dict[str, Any], router: list | Non
         return out.logits, (out.router_logits if router is not None else ())
     module = hf_model(model)
     config = getattr(module, "config", None)
-    transforms = [name for name in _LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 1.0)]
+    transforms = [name for name in LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 1.0)]
     if transforms:
         raise NotImplementedError(f"router logits of a packed forward of a model that transforms its logits "
                                   f"({', '.join(transforms)})")
@@ -70,35 +79,6 @@ def _lm_forward(model: ModelOrEngine, inputs: dict[str, Any], router: list | Non
 
 
 # ------------------------------------------------------------------ packed or padded micro-batches (collate)
-
-def _flat_varlen(batch: CollatedBatch, attn_implementation: str) -> bool:
-    # transformers' flash-attn path reads packed boundaries from position_ids only for a batch of ONE
-    # row (``_is_packed_sequence``); packed rows are therefore flattened into one row for flash-attn.
-    return bool(batch["packed"]) and attn_implementation in FLASH_IMPLEMENTATIONS
-
-
-def model_inputs(batch: CollatedBatch, attn_implementation: str, dtype: torch.dtype,
-                 device: torch.device | str) -> dict[str, Any]:
-    """Keyword arguments for a HF model (or its base model) for this layout."""
-    kwargs: dict[str, Any] = {"input_ids": batch["input_ids"].to(device),
-                              "position_ids": batch["position_ids"].to(device)}
-    if not batch["packed"]:
-        kwargs["attention_mask"] = (batch["segment_ids"] >= 0).long().to(device)
-    elif _flat_varlen(batch, attn_implementation):
-        # No mask: varlen flash-attn from the restarting position_ids of one flattened row.
-        kwargs = {k: v.reshape(1, -1) for k, v in kwargs.items()}
-        kwargs["attention_mask"] = None
-    else:
-        kwargs["attention_mask"] = block_causal_mask(batch["segment_ids"].to(device), dtype)
-    return kwargs
-
-
-def _unflatten(tensor: torch.Tensor, batch: CollatedBatch, attn_implementation: str) -> torch.Tensor:
-    """(1, R*T, ...) back to (R, T, ...) after a flattened flash-attn forward."""
-    if not _flat_varlen(batch, attn_implementation):
-        return tensor
-    return tensor.reshape(*batch["input_ids"].shape, *tensor.shape[2:])
-
 
 def causal_lm_forward(model: ModelOrEngine, batch: CollatedBatch, attn_implementation: str, dtype: torch.dtype,
                       router: list | None = None) -> torch.Tensor:
@@ -112,7 +92,7 @@ def causal_lm_forward(model: ModelOrEngine, batch: CollatedBatch, attn_implement
     if router is not None:
         router.append(RouterLogits(layers, (batch["segment_ids"] >= 0).reshape(-1).to(device),
                                    batch["target_mask"].reshape(-1).to(device)))
-    logits = _unflatten(logits, batch, attn_implementation)
+    logits = unflatten_varlen(logits, batch, attn_implementation)
     logps = logprobs_from_logits(logits, batch["target_ids"].to(device))
     return torch.where(batch["target_mask"].to(device), logps, torch.zeros((), device=device))
 
@@ -151,7 +131,7 @@ def value_model_forward(model: ModelOrEngine, batch: CollatedBatch, attn_impleme
     if router is not None:
         real = (batch["segment_ids"] >= 0).reshape(-1).to(device)
         router.append(RouterLogits(out.router_logits, real, real))
-    hidden = _unflatten(out.last_hidden_state, batch, attn_implementation)
+    hidden = unflatten_varlen(out.last_hidden_state, batch, attn_implementation)
     values = child_module(module, "score")(hidden).squeeze(-1).float()
     return sequence_last_values(values, batch)
 
@@ -241,89 +221,12 @@ def action_values(model: ModelOrEngine, sequences: torch.Tensor, attention_mask:
     return token_values(model, sequences, attention_mask)[:, -num_actions - 1 : -1]
 
 
-@dataclass
-class PackedActions:
-    """A micro-batch of padded rows packed into one row of its N real tokens, for one forward.
-
-    ``inputs``: :func:`hpc_rlhf.data.packing.collate` output of one packed row (sample boundaries in
-    ``segment_ids``, ``position_ids`` restarting per sample). The K positions whose output belongs to an
-    action column are ``positions`` (K,) in that row: the logits there predict ``targets`` (K,), and a
-    critic's value there is the value of the state before that action. ``rows`` / ``cols`` (K,) place each
-    one back into the (B, R) layout of ``shape``.
-    """
-
-    inputs: CollatedBatch
-    positions: torch.Tensor
-    targets: torch.Tensor
-    rows: torch.Tensor
-    cols: torch.Tensor
-    shape: tuple[int, int]
-
-    def scatter(self, values: torch.Tensor) -> torch.Tensor:
-        """(K,) per-action outputs -> (B, R), zeros elsewhere. Differentiable."""
-        out = values.new_zeros(self.shape)
-        return out.index_put((self.rows.to(values.device), self.cols.to(values.device)), values)
-
-
-def pack_actions(sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int,
-                 pad_token_id: int = 0) -> PackedActions:
-    """(B, P+R) padded rows -> one packed row. Prompt and response tokens of a row are contiguous
-    (left-padded prompt, right-padded response), so each sample is its real tokens in order."""
-    prompt_cols = sequences.shape[1] - num_actions
-    samples, prompt_lens = [], []
-    for ids, real in zip(sequences.tolist(), attention_mask.bool().tolist(), strict=True):
-        tokens = [t for t, keep in zip(ids, real, strict=True) if keep]
-        prompt = sum(real[:prompt_cols])
-        samples.append(TokenSample(tuple(tokens), (False,) * prompt + (True,) * (len(tokens) - prompt)))
-        prompt_lens.append(prompt)
-    inputs = collate(samples, pad_token_id, packing=True, max_tokens_per_row=sum(len(s) for s in samples))
-    positions = inputs["target_mask"][0].nonzero().squeeze(1)
-    rows = inputs["segment_ids"][0, positions]
-    # Position t predicts token t+1 of its sample; response token j sits at sample position prompt + j.
-    cols = inputs["position_ids"][0, positions] + 1 - torch.tensor(prompt_lens, dtype=torch.long)[rows]
-    return PackedActions(inputs, positions, inputs["target_ids"][0, positions], rows, cols,
-                         (sequences.shape[0], num_actions))
-
-
-def _layout_of(model: ModelOrEngine) -> tuple[PreTrainedModel, str, torch.dtype, torch.device]:
-    """(inner module, attention implementation, parameter dtype, device) of a model or engine wrapper."""
-    module = hf_model(model)
-    param = next(iter(module.parameters()))
-    return module, module.config._attn_implementation, param.dtype, param.device
-
-
-# Config fields by which a model transforms its logits after the LM head (softcapping, scaling): the
-# chunked head computes plain ``h @ W^T`` and would silently differ, so such models take the logits path.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
-                     "lm_head_multiplier")
-
-
-def chunked_head_weight(module: torch.nn.Module) -> torch.Tensor | None:
-    """The LM-head weight (V, H) when the chunked log-prob path computes exactly what the model's head
-    would, else None: the head must be a plain bias-free ``nn.Linear`` (not LoRA-adapted or quantized),
-    its weight not partitioned by ZeRO-3 (only gathered inside the head's own forward), and the config
-    must apply nothing to the logits afterwards."""
-    output_embeddings = getattr(module, "get_output_embeddings", None)
-    head = output_embeddings() if output_embeddings is not None else None
-    if type(head) is not torch.nn.Linear or head.bias is not None or hasattr(head.weight, "ds_id"):
-        return None
-    config = getattr(module, "config", None)
-    if any(getattr(config, name, None) not in (None, 1.0) for name in _LOGIT_TRANSFORMS):
-        return None
-    return head.weight
-
-
-def _scatter_actions(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(K,) values of the True positions of ``mask`` (B, R) -> (B, R), zeros elsewhere. Differentiable."""
-    return values.new_zeros(mask.shape).masked_scatter(mask, values)
-
-
 def _chunked_policy_logprobs(model: ModelOrEngine, weight: torch.Tensor, sequences: torch.Tensor,
                              attention_mask: torch.Tensor, num_actions: int, temperature: float, packed: bool,
                              with_entropy: bool, router: list | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`policy_logprobs` from the decoder's hidden states: the LM head runs only on the real
     response tokens, in vocabulary chunks (:func:`linear_logprobs`); no (B, R, V) logits exist."""
-    module, attn, dtype, device = _layout_of(model)
+    module, attn, dtype, device = layout_of(model)
     decoder = module.get_decoder()
     if packed:
         pack = pack_actions(sequences, attention_mask, num_actions)
@@ -350,17 +253,7 @@ def _chunked_policy_logprobs(model: ModelOrEngine, weight: torch.Tensor, sequenc
     mask = attention_mask[:, -num_actions:].bool()  # real response tokens; finished rows are right-padded
     logprobs, entropy = linear_logprobs(predicting[mask], weight, sequences[:, -num_actions:][mask], temperature,
                                         with_entropy)
-    return _scatter_actions(logprobs, mask), (_scatter_actions(entropy, mask) if entropy is not None else None)
-
-
-def logits_entropy(logits: torch.Tensor, temperature: float, mask: torch.Tensor, grad: bool) -> torch.Tensor:
-    """Entropy of ``softmax(logits / temperature)``: (..., V) -> (...) fp32, 0 where ``mask`` (...) is false.
-
-    ``grad=False`` computes it outside autograd: an entropy that is only logged then keeps none of its
-    (..., V) intermediates alive for a backward (on the logits paths they are as large as the logits).
-    """
-    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
-        return entropy_from_logits(logits / temperature, mask)
+    return scatter_actions(logprobs, mask), (scatter_actions(entropy, mask) if entropy is not None else None)
 
 
 def policy_logprobs(model: ModelOrEngine, sequences: torch.Tensor, attention_mask: torch.Tensor,
@@ -386,11 +279,9 @@ def policy_logprobs(model: ModelOrEngine, sequences: torch.Tensor, attention_mas
     if visual is not None:
         if router is not None:
             raise NotImplementedError("router logits of a vision-language forward (MoE vision-language models)")
-        from hpc_rlhf.models.vision_forward import vision_policy_logprobs  # it imports this module
-
         return vision_policy_logprobs(model, sequences, attention_mask, visual, num_actions, temperature,
                                       packed=packed, with_entropy=with_entropy, entropy_grad=entropy_grad)
-    weight = chunked_head_weight(_layout_of(model)[0]) if chunked else None
+    weight = chunked_head_weight(layout_of(model)[0]) if chunked else None
     if weight is not None:
         logprobs, entropy = _chunked_policy_logprobs(model, weight, sequences, attention_mask, num_actions,
                                                      temperature, packed, with_entropy, router)
@@ -401,7 +292,7 @@ def policy_logprobs(model: ModelOrEngine, sequences: torch.Tensor, attention_mas
         return logprobs, (logits_entropy(logits, temperature, attention_mask[:, -num_actions:], entropy_grad)
                           if with_entropy else None)
     pack = pack_actions(sequences, attention_mask, num_actions)
-    _, attn, dtype, device = _layout_of(model)
+    _, attn, dtype, device = layout_of(model)
     logits, layers = _lm_forward(model, model_inputs(pack.inputs, attn, dtype, device), router,
                                  logits_to_keep=pack.positions.to(device))  # (1, K, V)
     if router is not None:
@@ -420,6 +311,6 @@ def critic_values(model: ModelOrEngine, sequences: torch.Tensor, attention_mask:
     if not packed:
         return action_values(model, sequences, attention_mask, num_actions)
     pack = pack_actions(sequences, attention_mask, num_actions)
-    module, attn, dtype, device = _layout_of(model)
+    module, attn, dtype, device = layout_of(model)
     hidden = base_model(module)(**model_inputs(pack.inputs, attn, dtype, device), use_cache=False).last_hidden_state
     return pack.scatter(child_module(module, "score")(hidden[0, pack.positions.to(device)]).squeeze(-1).float())

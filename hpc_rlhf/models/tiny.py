@@ -9,13 +9,11 @@ the same ``from_pretrained`` calls as a real model.
 from __future__ import annotations
 
 import json
-import string
 from pathlib import Path
 from typing import Any
 
 import torch
 from filelock import FileLock
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -23,35 +21,14 @@ from transformers import (
     LlamaForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
-    PreTrainedTokenizerFast,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
 
-PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
-CHARS = string.digits + string.ascii_letters + " +-*/=?.,:;!()'\"\n"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['content'] }}\n"
-    "{% elif m['role'] == 'assistant' %}A: {{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}A: {% endif %}"
-)
-# The tool-calling variant (``build_tiny: tools``): the char tokenizer plus ONE added (not special) token that spells
-# a whole Hermes tool call of a tool named ``solve`` with no arguments, and a template that renders system and tool
-# messages and an assistant's tool calls in that same form. A random tiny model emits that token with probability
-# ~1/vocab per position, so RL can teach it to call the tool within a few steps; the endpoint's Hermes parser reads
-# it from the decoded text like any model's tool call. Other tool calls render with characters the tokenizer
-# lacks (<unk>): this model knows one tool call, no more.
-TOOL_CALL_TOKEN = '<tool_call>{"name": "solve", "arguments": {}}</tool_call>'
-TOOLS_CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'system' %}S: {{ m['content'] }}\n"
-    "{% elif m['role'] == 'user' %}Q: {{ m['content'] }}\n"
-    "{% elif m['role'] == 'assistant' %}A: {{ m['content'] or '' }}"
-    "{% if m['tool_calls'] is defined and m['tool_calls'] %}{% for c in m['tool_calls'] %}"
-    "<tool_call>{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] | tojson }}}"
-    "</tool_call>{% endfor %}{% endif %}{{ eos_token }}\n"
-    "{% elif m['role'] == 'tool' %}T: {{ m['content'] }}\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}A: {% endif %}"
-)
+from hpc_rlhf.models.tiny_tokenizer import TOOL_CALL_TOKEN as TOOL_CALL_TOKEN  # where the tests and recipes read it
+from hpc_rlhf.models.tiny_tokenizer import build_char_tokenizer
+from hpc_rlhf.models.tiny_vlm import VLM_FAMILIES, build_tiny_vlm
+
 DEFAULT_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                  "num_attention_heads": 4, "num_key_value_heads": 2}
 # vLLM's CPU attention refuses head_dim 16 (DEFAULT_SIZES: 64 / 4 heads); head_dim 64 runs. Used when the rollout
@@ -67,23 +44,6 @@ MOE_FAMILIES = {"qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "mixtral": (
 def tiny_sizes(rollout_backend: str) -> dict[str, int]:
     """The tiny model's sizes for a rollout backend: one vLLM's CPU attention supports when it is ``vllm``."""
     return dict(VLLM_CPU_SIZES if rollout_backend == "vllm" else DEFAULT_SIZES)
-
-
-def build_char_tokenizer(tools: bool = False) -> PreTrainedTokenizerFast:
-    """Each character is a token; special tokens for padding, begin and end of sequence. ``tools``: also the
-    one-token tool call :data:`TOOL_CALL_TOKEN` and :data:`TOOLS_CHAT_TEMPLATE`."""
-    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, UNK, *CHARS])}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS,
-                                  unk_token=UNK, padding_side="left")
-    tok.chat_template = CHAT_TEMPLATE
-    if tools:
-        # Not special: decoding with skip_special_tokens (as the endpoint does) keeps it in the text.
-        tok.add_tokens([TOOL_CALL_TOKEN], special_tokens=False)
-        tok.chat_template = TOOLS_CHAT_TEMPLATE
-    return tok
 
 
 def build_tiny_model(path: str | Path, seed: int = 0, max_position_embeddings: int = 512,
@@ -173,8 +133,6 @@ def build_tiny_for(path: str | Path, kind: bool | str, seed: int = 0, rollout_ba
     tool-calling tokenizer, a family name of :data:`MOE_FAMILIES` the mixture-of-experts model; sized for
     ``rollout_backend`` (:func:`tiny_sizes`). ``qwen2_5_vl`` / ``qwen3_vl``: the vision-language model of
     :mod:`hpc_rlhf.models.tiny_vlm` (one size, head_dim 64), drawn with std 0.1 so greedy answers have a margin."""
-    from hpc_rlhf.models.tiny_vlm import VLM_FAMILIES, build_tiny_vlm  # it imports this module
-
     if kind in VLM_FAMILIES:
         return build_tiny_vlm(path, str(kind), seed=seed, initializer_range=0.1)
     sizes = tiny_sizes(rollout_backend)

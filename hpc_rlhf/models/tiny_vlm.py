@@ -25,7 +25,7 @@ import torch
 from filelock import FileLock
 from transformers import PreTrainedTokenizerFast
 
-from hpc_rlhf.models.tiny import build_char_tokenizer
+from hpc_rlhf.models.tiny_tokenizer import build_char_tokenizer
 
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
 VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)

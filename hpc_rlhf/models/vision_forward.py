@@ -24,17 +24,17 @@ import torch
 
 from hpc_rlhf.data.packing import CollatedBatch
 from hpc_rlhf.models.chunked_logprobs import linear_logprobs
-from hpc_rlhf.models.forward import (
-    _layout_of,
-    _scatter_actions,
-    _unflatten,
+from hpc_rlhf.models.hf_module import ModelOrEngine, child_module
+from hpc_rlhf.models.logprobs import logprobs_from_logits
+from hpc_rlhf.models.token_layout import (
     chunked_head_weight,
+    layout_of,
     logits_entropy,
     model_inputs,
     pack_actions,
+    scatter_actions,
+    unflatten_varlen,
 )
-from hpc_rlhf.models.hf_module import ModelOrEngine, child_module
-from hpc_rlhf.models.logprobs import logprobs_from_logits
 from hpc_rlhf.models.vision import flat_images, multimodal_model
 
 
@@ -84,7 +84,7 @@ def _action_hidden(model: ModelOrEngine, sequences: torch.Tensor, attention_mask
     Returns ``(module, hidden (K, H), targets (K,), scatter)``: ``scatter`` puts (K,) values back into the (B, R)
     layout (0 on response padding). Padded rows run as they are; packed rows as one row (module docstring).
     """
-    module, attn, dtype, device = _layout_of(model)
+    module, attn, dtype, device = layout_of(model)
     multimodal = multimodal_model(module)
     positions = visual["mrope_position_ids"]
     if packed:
@@ -104,7 +104,7 @@ def _action_hidden(model: ModelOrEngine, sequences: torch.Tensor, attention_mask
     hidden = out.last_hidden_state[:, -num_actions - 1 : -1][mask]
 
     def scatter(values: torch.Tensor) -> torch.Tensor:
-        return _scatter_actions(values, mask)
+        return scatter_actions(values, mask)
 
     return module, hidden, sequences[:, -num_actions:].to(device)[mask], scatter
 
@@ -154,7 +154,7 @@ def vision_causal_lm_forward(model: ModelOrEngine, batch: CollatedBatch, visual:
     when a sample has images, ``pixel_values`` (N, D) / ``image_grid_thw`` (I, 3) in the batch's row-major order.
     The LM head runs only on the target positions (in vocabulary chunks when the head allows).
     """
-    module, attn, dtype, device = _layout_of(model)
+    module, attn, dtype, device = layout_of(model)
     inputs = model_inputs(batch, attn, dtype, device)
     mrope = visual["mrope_position_ids"].permute(2, 0, 1)  # (3, R, T), transformers' Qwen-VL layout
     if inputs["attention_mask"] is None:  # flash-attention, rows flattened: text positions as a 4th row
@@ -164,7 +164,7 @@ def vision_causal_lm_forward(model: ModelOrEngine, batch: CollatedBatch, visual:
         inputs["position_ids"] = mrope.to(device)
     images = {k: visual[k].to(device) for k in ("pixel_values", "image_grid_thw") if k in visual}
     out = multimodal_model(module)(**inputs, use_cache=False, **images)
-    hidden = _unflatten(out.last_hidden_state, batch, attn)
+    hidden = unflatten_varlen(out.last_hidden_state, batch, attn)
     mask = batch["target_mask"].to(device)
     targets = batch["target_ids"].to(device)[mask]
     weight = chunked_head_weight(module)

@@ -24,8 +24,12 @@ A roofline per phase on one rank, with the device's stated efficiencies (``hpc_r
   ranks, the network beyond);
 - checkpoint: trained roles' weights + Adam states (+ the HF export) over the filesystem bandwidth.
 
-Phases run one after the other (the controller's step does); calibrated against measured CPU phases and
-published GPU numbers in docs/step_time.md.
+Phases run one after the other (the controller's step does), except the make-experience forwards (old actor
+log-probs, reference, teacher, critic values): the controller starts them together, so roles on disjoint ranks
+compute at once and the group costs its busiest rank's forwards (the sum over the roles that rank hosts), not the sum
+over all roles; the same for the critic's and actor's updates (``StepTime.overlap_s``, :func:`forwards_overlap`);
+the reward model scores in its own phase before them. Calibrated against measured CPU phases and published GPU
+numbers in docs/step_time.md; the overlap against benchmarks/experience_overlap.py (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -83,10 +87,16 @@ class StepTime:
     checkpoint_bytes: float
     checkpoint_save_s: float
     checkpoint_load_s: float
+    overlap: Phase | None = None
+    """The seconds the phases above do not cost because they run at once (:func:`forwards_overlap`), if any."""
+
+    @property
+    def overlap_s(self) -> float:
+        return self.overlap.seconds if self.overlap is not None else 0.0
 
     @property
     def step_s(self) -> float:
-        return sum(p.seconds for p in self.phases)
+        return sum(p.seconds for p in self.phases) - self.overlap_s
 
 
 def _flop(x: float) -> str:
@@ -246,16 +256,51 @@ def _trainable_params(cfg, role: str, num_params: float) -> float:
     return lora_params(role_shape(cfg, role), lora, role == "critic")
 
 
+EXPERIENCE_FORWARDS = (("actor", "old logprob"), ("ref", "ref logprob"), ("teacher", "teacher logprob"),
+                       ("critic", "values"))  # (role, phase): the forwards the controller starts together
+
+
 def scoring_phases(ctx: _Ctx, need_old_logprobs: bool) -> list[Phase]:
     roles = ctx.placement.roles
     out = []
-    for role, label in (("actor", "old logprob"), ("ref", "ref logprob"), ("teacher", "teacher logprob"),
-                        ("critic", "values"), ("reward", "reward model")):
+    for role, label in (*EXPERIENCE_FORWARDS, ("reward", "reward model")):
         if role not in roles or (role == "actor" and not need_old_logprobs):
             continue
         seconds, detail = _role_pass(ctx, role, train=False)
         out.append(Phase(label, seconds, f"{role} forward, {detail}"))
     return out
+
+
+TRAINING_UPDATES = (("critic", "train critic"), ("actor", "train actor"))  # the updates started together
+
+
+def _saving(phases: dict[str, Phase], group: tuple[tuple[str, str], ...],
+            role_ranks: dict[str, tuple[int, ...]]) -> tuple[float, float, list[str]]:
+    """(sum, busiest rank's share, phase names) of one group of moves started together."""
+    moves = [(role, phases[label]) for role, label in group if label in phases]
+    load: dict[int, float] = {}
+    for role, phase in moves:
+        for rank in role_ranks[role]:
+            load[rank] = load.get(rank, 0.0) + phase.seconds
+    total = sum(phase.seconds for _, phase in moves)
+    return total, max(load.values(), default=0.0), [phase.name for _, phase in moves]
+
+
+def forwards_overlap(phases: list[Phase], role_ranks: dict[str, tuple[int, ...]]) -> Phase | None:
+    """What starting the moves of several roles together saves: per group (the make-experience forwards,
+    :data:`EXPERIENCE_FORWARDS`; the updates, :data:`TRAINING_UPDATES`), their sum minus their busiest rank's share
+    (each rank runs the moves of the roles it hosts one after another; ranks run at once). ``phases``: the step's
+    phases, found by name; ``role_ranks``: each role's ranks. None when nothing overlaps (every role on every rank)."""
+    by_name = {p.name: p for p in phases}
+    saved, notes = 0.0, []
+    for group in (EXPERIENCE_FORWARDS, TRAINING_UPDATES):
+        total, busiest, names = _saving(by_name, group, role_ranks)
+        if total - busiest > 1e-12:
+            saved += total - busiest
+            notes.append(f"{', '.join(names)}: the busiest rank's {busiest:.3g} s, not their sum {total:.3g} s")
+    if not notes:
+        return None
+    return Phase("moves at once", saved, "; ".join(notes))
 
 
 def training_phases(ctx: _Ctx) -> list[Phase]:
@@ -471,7 +516,8 @@ def rl_step_time(cfg: RunConfig, placement: Placement, device: Device, *, nodes:
     phases = [generation_phase(ctx), *scoring_phases(ctx, need_old), *training_phases(ctx), weight_sync_phase(ctx),
               controller_traffic_phase(ctx, need_old)]
     ckpt = checkpoint_bytes(cfg, placement, param_bytes)
-    return StepTime(tuple(phases), ckpt, ckpt / device.fs_bw, ckpt / device.fs_bw)
+    overlap = forwards_overlap(phases, {role: grid.ranks for role, grid in placement.roles.items()})
+    return StepTime(tuple(phases), ckpt, ckpt / device.fs_bw, ckpt / device.fs_bw, overlap)
 
 
 def supervised_step_time(cfg, kind: str, device: Device, *, nodes: int, gpus_per_node: int,

@@ -92,8 +92,11 @@ def _seconds(s: float) -> str:
 def time_lines(step: StepTime, budget: SlurmBudget, device: Device) -> list[str]:
     """The plan's step-time section."""
     lines = [f"step time (predicted on {device.name}; model and sources: docs/step_time.md):"]
-    width = max(len(p.name) for p in step.phases)
+    width = max(len(p.name) for p in (*step.phases, *([step.overlap] if step.overlap else [])))
     lines += [f"  {p.name:<{width}}  {_seconds(p.seconds):>10}  {p.detail}" for p in step.phases]
+    if step.overlap is not None:
+        overlap = step.overlap
+        lines.append(f"  {overlap.name:<{width}}  {'-' + _seconds(overlap.seconds):>10}  {overlap.detail}")
     lines.append(f"  {'step':<{width}}  {_seconds(step.step_s):>10}")
     size = step.checkpoint_bytes
     size_text = f"{size / 1e9:.1f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"

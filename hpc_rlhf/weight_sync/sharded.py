@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.config.schema import RolloutConfig, resolved_vllm_mode
+from hpc_rlhf.config.schema import RolloutConfig, rollout_engine_kind
 from hpc_rlhf.rollout.base import RolloutEngine
 from hpc_rlhf.rollout.engine_restart import EngineFailure, EngineRestartLimitError, Restartable
 from hpc_rlhf.rollout.vllm_server import transfer_backend
@@ -392,6 +392,6 @@ def build_weight_sync(rollout: RolloutConfig, world: WorldGroups, adapter: bool 
     # Only runs without train.colocate_all build one (colocated runs load weights in-process): ``auto`` resolves so.
     if adapter:
         return ShardedWeightSync(world, **kwargs)
-    if rollout.backend == "vllm" and resolved_vllm_mode(rollout.vllm_mode, colocate_all=False) == "server_process":
+    if rollout_engine_kind(rollout, colocate_all=False) == "vllm_server_process":
         return EngineChannelWeightSync(world, num_workers=rollout.tensor_parallel_size, **kwargs)
     return ShardedWeightSync(world, **kwargs)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TypedDict
 
-from hpc_rlhf.config.schema import RunConfig, resolved_vllm_mode
+from hpc_rlhf.config.schema import RunConfig, rollout_engine_kind
 
 ROLES = ("actor", "ref", "teacher", "critic", "reward", "rollout")
 FROZEN_POLICY_ROLES = ("ref", "teacher")  # causal LMs that score the rollout's tokens and never train
@@ -283,16 +283,16 @@ def _check_vllm_mode(cfg: RunConfig, placement: Placement, rollout_on_subset: bo
     ranks are a subset (disaggregated, partial, async), each engine runs vLLM in processes of its own
     (``server_process``) and the main world stays the control plane. A colocated layout keeps vLLM in-process:
     weights load from the gathered actor state without a copy and sleep/wake time-share the GPU with training."""
-    if cfg.rollout.backend != "vllm":
+    kind = rollout_engine_kind(cfg.rollout, cfg.train.colocate_all)
+    if kind == "transformers":
         return
-    mode = resolved_vllm_mode(cfg.rollout.vllm_mode, cfg.train.colocate_all)
-    if rollout_on_subset and mode == "external_launcher":
+    if rollout_on_subset and kind == "vllm_external_launcher":
         rollout = placement.roles["rollout"]
         raise PlacementError(
             "rollout.vllm_mode=external_launcher needs every rank of the world to host rollout, but the "
             f"{placement.layout} layout puts rollout on {len(rollout.ranks)} of {placement.world_size} ranks; set "
             "rollout.vllm_mode=server_process (each engine's vLLM in its own processes) or train.colocate_all=true")
-    if mode == "server_process" and cfg.rollout.tensor_parallel_size > 1:
+    if kind == "vllm_server_process" and cfg.rollout.tensor_parallel_size > 1:
         # Every rollout rank starts its own engine on its own GPU; an engine over several GPUs would need the
         # other ranks of its group to start none, and its sender to feed all its workers: not arranged yet.
         raise PlacementError(
@@ -300,7 +300,7 @@ def _check_vllm_mode(cfg: RunConfig, placement: Placement, rollout_on_subset: bo
             f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} is not supported there yet; set "
             "rollout.tensor_parallel_size=1 (more engines: rollout.num_engines), or colocate "
             "(train.colocate_all=true, vLLM's external launcher)")
-    if not rollout_on_subset and mode == "server_process":
+    if not rollout_on_subset and kind == "vllm_server_process":
         raise PlacementError(
             "rollout.vllm_mode=server_process is for layouts where rollout ranks are a subset of the world; the "
             "colocated layout runs vLLM in-process (weights loaded without a copy, sleep/wake around training): set "

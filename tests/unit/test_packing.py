@@ -149,7 +149,7 @@ def test_dpo_logprobs_packed_equal_padded(tiny, ipo):
 
 def test_flash_attention_gets_one_flattened_row_without_mask():
     """transformers detects varlen packing from position_ids only for a single row (``_is_packed_sequence``)."""
-    from hpc_rlhf.models.forward import _unflatten, model_inputs
+    from hpc_rlhf.models.token_layout import model_inputs, unflatten_varlen
 
     batch = collate(_samples(), 0, packing=True, max_tokens_per_row=12)
     rows, width = batch["input_ids"].shape
@@ -159,6 +159,6 @@ def test_flash_attention_gets_one_flattened_row_without_mask():
     starts = int((positions == 0).sum())  # every sample and every padding tail starts a new segment
     assert starts == len(LENGTHS) + int((batch["segment_ids"][:, -1] < 0).sum())
     hidden = torch.randn(1, rows * width, 3)
-    assert torch.equal(_unflatten(hidden, batch, "flash_attention_2"), hidden.view(rows, width, 3))
+    assert torch.equal(unflatten_varlen(hidden, batch, "flash_attention_2"), hidden.view(rows, width, 3))
     padded = model_inputs(collate(_samples(), 0), "flash_attention_2", torch.bfloat16, "cpu")
     assert padded["attention_mask"].shape == padded["input_ids"].shape  # unpacked: ordinary 2D padding mask

@@ -162,3 +162,42 @@ def test_plan_prints_phases_and_fails_a_short_grace(capsys):
     assert "1200 s before the time limit (--signal-grace-s)" in err and "one step (" in err and "save (" in err
     # a faster filesystem shortens the save enough for the old grace
     assert plan([*base, "--signal-grace-s", "1200", "--fs-gbps", "20"]) == 0
+
+
+def _phase(name: str, seconds: float):
+    from hpc_rlhf.planning.step_time import Phase
+
+    return Phase(name, seconds, "")
+
+
+def test_forwards_on_disjoint_ranks_cost_the_busiest_rank():
+    from hpc_rlhf.planning.step_time import forwards_overlap
+
+    phases = [_phase("generation", 9.0), _phase("old logprob", 1.0), _phase("ref logprob", 3.0),
+              _phase("values", 2.0), _phase("reward model", 5.0)]
+    # actor, reference and critic each on ranks of their own: the phase costs the slowest forward
+    apart = forwards_overlap(phases, {"actor": (0, 1), "ref": (2,), "critic": (3,), "reward": (4,)})
+    assert apart is not None and apart.seconds == pytest.approx(6.0 - 3.0)
+    # the reference shares the actor's ranks: those ranks run 1 + 3 s, the critic's 2 s at the same time
+    shared = forwards_overlap(phases, {"actor": (0, 1), "ref": (0, 1), "critic": (3,), "reward": (4,)})
+    assert shared is not None and shared.seconds == pytest.approx(6.0 - 4.0)
+    # every role on every rank (colocated): nothing runs at once; the reward model is never counted
+    assert forwards_overlap(phases, {"actor": (0, 1), "ref": (0, 1), "critic": (0, 1), "reward": (2,)}) is None
+    # the critic's and the actor's updates on disjoint ranks count once more
+    trained = [*phases, _phase("train critic", 4.0), _phase("train actor", 7.0)]
+    both = forwards_overlap(trained, {"actor": (0, 1), "ref": (2,), "critic": (3,), "reward": (4,)})
+    assert both is not None and both.seconds == pytest.approx((6.0 - 3.0) + (11.0 - 7.0))
+
+
+def test_disaggregated_step_is_shorter_than_the_sum_of_its_phases():
+    overrides = ["train.colocate_all=false", "actor.num_ranks=8", "ref.num_ranks=8", "critic.num_ranks=8",
+                 "rollout.num_engines=8", "algo.advantage_estimator=gae", "algo.kl.init_coef=0.01",
+                 "actor.num_params_b=7", "critic.num_params_b=7", "ref.num_params_b=7"]
+    cfg = load_config(None, overrides)
+    placement = build_placement(cfg, 32)
+    step = rl_step_time(cfg, placement, get_device("h100"), nodes=4, gpus_per_node=8)
+    phases = {p.name: p.seconds for p in step.phases}
+    forwards = [phases[name] for name in ("old logprob", "ref logprob", "values")]
+    updates = [phases[name] for name in ("train critic", "train actor")]
+    assert step.overlap_s == pytest.approx(sum(forwards) - max(forwards) + sum(updates) - max(updates))
+    assert step.step_s == pytest.approx(sum(phases.values()) - step.overlap_s)

@@ -636,3 +636,14 @@ def test_over_nccl_an_engine_lost_mid_round_ends_the_job_at_once(round_dying_vll
         engine.close()
     assert drawn == ["a"]  # nothing more is waited for from a sender left in its broadcast
     assert engine.restarts == 0 and len(round_dying_vllm.started) == 1
+
+
+@pytest.mark.parametrize("backend, mode, colocate_all, expected", [
+    ("transformers", "server_process", False, "transformers"), ("vllm", "auto", True, "vllm_external_launcher"),
+    ("vllm", "auto", False, "vllm_server_process"), ("vllm", "server_process", True, "vllm_server_process")])
+def test_one_engine_kind_decision(backend, mode, colocate_all, expected):
+    from hpc_rlhf.config import load_config
+    from hpc_rlhf.config.schema import rollout_engine_kind
+
+    cfg = load_config(None, [f"rollout.backend={backend}", f"rollout.vllm_mode={mode}"])
+    assert rollout_engine_kind(cfg.rollout, colocate_all) == expected

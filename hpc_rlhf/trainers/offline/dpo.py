@@ -16,6 +16,7 @@ from hpc_rlhf.data.sft import TextFormatter, load_train_and_eval
 from hpc_rlhf.data.vision_prompts import VisionPromptEncoder
 from hpc_rlhf.data.vision_sft import make_vision_pair, sft_vision_encoder, visual_inputs
 from hpc_rlhf.models.forward import causal_lm_forward, sequence_logprobs
+from hpc_rlhf.models.vision_forward import vision_causal_lm_forward
 from hpc_rlhf.trainers.offline.base import SupervisedTrainer, ratio
 
 
@@ -36,8 +37,6 @@ class DPOTrainer(SupervisedTrainer[DPORunConfig]):
         """Per-target-token log-probs of ``model`` over the collated ``samples`` (with their images)."""
         if self.vision is None:
             return causal_lm_forward(model, batch, self.attn, self.dtype, router=router)
-        from hpc_rlhf.models.vision_forward import vision_causal_lm_forward
-
         if router is not None:
             raise NotImplementedError("mixture-of-experts vision-language models (router logits with images)")
         return vision_causal_lm_forward(model, batch, visual_inputs(samples, batch, self.vision))

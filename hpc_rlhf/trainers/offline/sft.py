@@ -17,6 +17,7 @@ from hpc_rlhf.data.sft import TextFormatter, load_train_and_eval, make_sft_examp
 from hpc_rlhf.data.vision_prompts import VisionPromptEncoder
 from hpc_rlhf.data.vision_sft import make_vision_sft_example, refuse_images, sft_vision_encoder, visual_inputs
 from hpc_rlhf.models.forward import causal_lm_forward
+from hpc_rlhf.models.vision_forward import vision_causal_lm_forward
 from hpc_rlhf.trainers.offline.base import SupervisedTrainer, ratio
 
 
@@ -45,8 +46,6 @@ class SFTTrainer(SupervisedTrainer[SFTRunConfig]):
     def _nll(self, items: list[TokenSample], router: list | None = None) -> tuple[torch.Tensor, CollatedBatch]:
         batch = self.collate(items)
         if self.vision is not None:
-            from hpc_rlhf.models.vision_forward import vision_causal_lm_forward
-
             if router is not None:
                 raise NotImplementedError("mixture-of-experts vision-language models (router logits with images)")
             return vision_causal_lm_forward(self.engine, batch, visual_inputs(items, batch, self.vision)), batch

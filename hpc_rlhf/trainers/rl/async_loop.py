@@ -12,6 +12,9 @@ Before the first step the queue is filled with ``depth`` batches, so a trained s
 ``train.max_staleness``; ``drop``: samples older than ``max_staleness`` are dropped and counted).
 Each sample carries the policy version that generated it; off-policy corrections (``algo.is_correction``)
 use the engine's logprobs. The ready queue is saved in checkpoints, so a resumed run regenerates nothing.
+
+Runs on every rank: rank 0 keeps the ready queue and the step's story; the rollout ranks generate; the
+training ranks score and train (through ``loop``).
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ reward normaliser), the RNG state of every rank and the layout it was saved with
 A run laid out differently (another number of ranks, ZeRO stage or AutoTP size: a requeued job on another
 allocation) loads the trained states through DeepSpeed's universal checkpoint (``hpc_rlhf.ckpt.layout``,
 ``hpc_rlhf.ckpt.universal``); the controller state carries over as it is; what cannot be reproduced is said there.
+
+Runs on every rank: each saves and restores the states of the roles it hosts and its RNG; rank 0 also the
+controller's state, the manifest and ``LATEST``.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ No process groups and no controller object here: each function takes what it rea
 computes; the state that outlives a step (reward normaliser, KL controller) stays on ``ControllerState``
 in ``setup``, whose caller passes in the values it needs. They see the trajectories, or the whole step batch
 (``StepBatch``), on rank 0. Where the batch's rows go next is ``row_layout``'s business.
+
+Runs on rank 0 only.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 The loop generates the eval samples through the training rollout engines and agent executor and scores them
 with the training reward source; this module holds the parts that need no process group: loading the eval
 prompts, the eval schedule, the sampling parameters, and the per-source metrics (mean@n, pass@k).
+
+Runs on rank 0 (prompts, grouping, metrics), except :func:`eval_sampling`, which each rollout rank calls for
+its engine.
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ touches (plus rank 0, the controller), so the same script reads as one story on 
 
 The step's data: trajectories become one :class:`StepBatch` on rank 0 (``step_batch``); each role is a typed
 handle (``roles``) whose moves deal the batch's rows to the role's data-parallel replicas (``row_layout``), run
-the role's work there (``workers``) and bring the results back to rank 0; ``controller_steps`` computes rewards,
+the role's work there (``workers``) and bring the results back to rank 0 (the make-experience forwards start
+together and are waited on after, and so do the critic's and actor's updates, ``concurrent_moves``: roles on
+disjoint ranks compute at once; each role's seconds are logged as ``timing/experience/<role>`` and
+``timing/train/<role>``); ``controller_steps`` computes rewards,
 advantages and metrics on rank 0. Values only rank 0 holds (the trajectories, the batch, the rows) are ``None``
 on every other rank.
 
@@ -32,7 +35,7 @@ from hpc_rlhf.agents.executor import GenerateFn
 from hpc_rlhf.ckpt.hf_exports import HFExports
 from hpc_rlhf.ckpt.layout import rl_layout
 from hpc_rlhf.config import RunConfig, save_resolved_config
-from hpc_rlhf.config.schema import resolved_vllm_mode
+from hpc_rlhf.config.schema import rollout_engine_kind
 from hpc_rlhf.data.prompts import Prompt, source_name
 from hpc_rlhf.models.loading import load_tokenizer
 from hpc_rlhf.resilience.fault_injection import fault_point
@@ -42,6 +45,7 @@ from hpc_rlhf.rollout.vllm_server import VllmServerEngine
 from hpc_rlhf.trainers import run_skeleton
 from hpc_rlhf.trainers.rl import checkpoint as rl_checkpoint
 from hpc_rlhf.trainers.rl import setup as rl_setup
+from hpc_rlhf.trainers.rl.concurrent_moves import experience_forwards, role_updates
 from hpc_rlhf.trainers.rl.controller_steps import (
     append_groups,
     attach_rewards,
@@ -107,8 +111,7 @@ class PPOTrainer(RunHooks):
         # Engines that restart in place (rollout/engine_restarts): with the channels above, and under
         # ds.lora.sync=adapter without them (a restarted engine loads its adapter again by itself). The same on
         # every rank: the count is collected collectively.
-        self.restartable_engines = cfg.rollout.backend == "vllm" and \
-            resolved_vllm_mode(cfg.rollout.vllm_mode, cfg.train.colocate_all) == "server_process"
+        self.restartable_engines = rollout_engine_kind(cfg.rollout, cfg.train.colocate_all) == "vllm_server_process"
         self.engine_restarts = 0  # rank 0: restarts of every rollout engine so far (rollout/engine_restarts)
         if world.is_controller:
             save_resolved_config(cfg, cfg.train.output_dir)
@@ -125,6 +128,11 @@ class PPOTrainer(RunHooks):
         self.sync_bytes = 0  # payload bytes this rank sent (colocated: loaded into its engine) in the last sync
         self.train_ranks = set(world.train_ranks)  # decisions about the training batch go only to these
         self.train_group = world.train_group
+        # rank 0: each role's seconds inside its moves this step (timing/experience/<role>, timing/train/<role>)
+        self.role_seconds: dict[str, float] = {}
+        # False: each role's forward or update waits for the one before (the baseline of
+        # benchmarks/experience_overlap.py); the same on every rank, as the moves' collective order depends on it.
+        self.overlap_forwards = True
 
     @property
     def controller(self) -> rl_setup.ControllerState:
@@ -161,6 +169,9 @@ class PPOTrainer(RunHooks):
         if result is None:  # rows live on the controller
             return None
         row = {**result, **timer.metrics(), "kl_coef": self.controller.kl_controller.value}
+        # Roles on disjoint ranks ran at once: timing/make_experience and timing/train are about their busiest rank's.
+        row.update({f"timing/{name}": seconds for name, seconds in self.role_seconds.items()})
+        self.role_seconds = {}
         if self.restartable_engines:
             row["rollout/engine_restarts"] = float(self.engine_restarts)
         self.controller.after_step(row)
@@ -249,15 +260,14 @@ class PPOTrainer(RunHooks):
         batch = self._training_batch(trajectories)
         if not self._broadcast_flag(batch is not None, self.train_group):
             return False, None  # dynamic filtering removed every group: skip the update this step
-        roles = self.handles
-        old = roles.actor.logprobs(batch) if self.roles.need_old_logprobs else None
-        # The reference and the distillation teacher score the sampled tokens.
-        ref = roles.ref.logprobs(batch) if roles.ref is not None else None
-        teacher = roles.teacher.logprobs(batch) if roles.teacher is not None else None
-        values = roles.critic.values(batch) if roles.critic is not None else None
+        # Old log-probs, the reference's and the distillation teacher's, the critic's values: started together,
+        # so roles on disjoint ranks compute at once (``concurrent_moves``).
+        out = experience_forwards(self.handles, batch, self.roles.need_old_logprobs, overlap=self.overlap_forwards)
+        self.role_seconds.update({f"experience/{role}": seconds for role, seconds in out.compute_seconds.items()})
         if batch is None:  # not the controller
             return True, None
-        batch = replace(batch, old_logprobs=old, ref_logprobs=ref, teacher_logprobs=teacher, values=values)
+        batch = replace(batch, old_logprobs=out.old_logprobs, ref_logprobs=out.ref_logprobs,
+                        teacher_logprobs=out.teacher_logprobs, values=out.values)
         rewards = self.controller.normalized_rewards(batch.scored_rewards)
         return True, make_advantages(batch, self.cfg, rewards, self.controller.kl_controller.value)
 
@@ -275,15 +285,18 @@ class PPOTrainer(RunHooks):
         return None
 
     def train(self, batch: StepBatch | None) -> dict[str, float]:
-        """Critic then actor updates on their ranks (every training rank calls it; ``batch``: rank 0's step batch);
-        returns stats averaged over dp ranks (rank 0)."""
+        """Critic and actor updates on their ranks, started together (``concurrent_moves``: on disjoint ranks they
+        train at once); every training rank calls it; ``batch``: rank 0's step batch. Returns stats averaged over
+        dp ranks (rank 0)."""
         version = self.policy_version + 1  # the version this update makes
-        stats: dict[str, float] = {}
-        if self.handles.critic is not None:
-            stats.update(self.handles.critic.update(batch, version) or {})
         kl_coef = self.controller.kl_controller.value if self.world.is_controller and self.cfg.algo.kl.use_loss \
             else 0.0
-        stats.update(self.handles.actor.update(batch, version, kl_coef) or {})
+        updates = role_updates(self.handles, batch, version, kl_coef, overlap=self.overlap_forwards)
+        stats: dict[str, float] = {}
+        for role in ("critic", "actor"):  # the metrics' order in the row, as before
+            if role in updates:
+                stats.update(updates[role].wait() or {})
+                self.role_seconds[f"train/{role}"] = updates[role].compute_seconds
         return stats
 
     def sync_weights(self) -> None:

@@ -5,6 +5,8 @@ are updated, and generation then continues from exactly the tokens already produ
 response as the new prompt, no re-tokenisation). Each response token records the policy version that
 produced it, and its logprob is the one the engine sampled it with, so importance-sampling
 corrections see the true behaviour policy of every token.
+
+Runs on the rollout ranks (each on its own engine's in-flight samples).
 """
 
 from __future__ import annotations

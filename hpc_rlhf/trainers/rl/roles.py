@@ -13,10 +13,21 @@ moves of the controller over a model role are its methods:
 
 Both are collective over the role's controller ranks (rank 0 plus the role's ranks) and return None at once on
 every other rank, so every rank may call them; only rank 0 passes a batch and gets a result.
+
+A forward and an update are also futures (``start_*`` methods, :class:`Pending`): starting one deals the rows and
+runs the replicas' part (the scatter, then the work on the role's ranks); ``wait()`` gathers the results on rank 0.
+The controller starts the moves of several roles before it waits on any (``hpc_rlhf.trainers.rl.concurrent_moves``), so
+roles on disjoint ranks compute at once. Collective order: every rank
+starts and waits in the same order, so the scatters and gathers of each role's controller group meet in the
+same order on all of its ranks, whichever other roles a rank hosts.
+
+Runs on every rank (each builds every handle); each move is collective over its role's controller ranks.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -46,6 +57,7 @@ from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine
 from hpc_rlhf.world.channel import gather_from_role, scatter_to_role
 from hpc_rlhf.world.groups import RoleGroups, WorldGroups
 
+log = logging.getLogger(__name__)
 CONTROLLER = 0  # the rank that owns the batch (``hpc_rlhf.world.channel``)
 Metrics = dict[str, float]
 Wire = dict[str, Any]  # a shard as it travels (``StepBatch.to_wire`` / ``TrainShard.to_wire``)
@@ -113,6 +125,33 @@ def _controller_batch(batch: StepBatch | None, role: str) -> StepBatch:
     return batch
 
 
+class Pending(Generic[T]):
+    """A started move of a role (a forward, an update): ``wait()`` brings its result to rank 0 (None on every other
+    rank, and at once where the rank takes no part). Waiting twice returns the same result."""
+
+    def __init__(self, role: str, finish: Callable[[], tuple[T | None, float]]) -> None:
+        self.role = role
+        self._finish: Callable[[], tuple[T | None, float]] | None = finish
+        self._result: T | None = None
+        self.compute_seconds = 0.0
+        """Rank 0, after ``wait()``: the slowest replica's seconds inside the move (no transfers)."""
+
+    @classmethod
+    def nothing(cls, role: str) -> Pending[T]:
+        """The move of a rank that takes no part in the role's moves."""
+        return cls(role, lambda: (None, 0.0))
+
+    def wait(self) -> T | None:
+        if self._finish is not None:
+            self._result, self.compute_seconds = self._finish()
+            self._finish = None
+        return self._result
+
+
+PendingForward = Pending[torch.Tensor]  # (B, ...) outputs in the batch's row order
+PendingUpdate = Pending[dict[str, float]]  # the replicas' metrics, averaged
+
+
 class RoleMembership:
     """Where this rank stands in one role: the role's groups and this rank."""
 
@@ -154,37 +193,75 @@ class RoleHandle(RoleMembership, Generic[E]):
     def _offload(self, engine: E) -> None:
         """Let the engine's states leave the device after an update (none by default)."""
 
-    def _run_on_replicas(self, shards: Sequence[StepBatch] | Sequence[TrainShard] | None,
-                         receive: Callable[[Wire], T], run: Callable[[E, T], R], *, offload: bool = False,
-                         ) -> list[R] | None:
+    def _start_on_replicas(self, shards: Sequence[StepBatch] | Sequence[TrainShard] | None,
+                           receive: Callable[[Wire], T], run: Callable[[E, T], R], *, offload: bool = False,
+                           ) -> Callable[[], list[tuple[R, float]] | None]:
         """Rank 0's ``shards`` (one per replica) to the role's ranks, which reload their states, run
-        ``run(engine, shard)`` and (``offload``) offload them again; the results come back to rank 0 in replica
-        order (None elsewhere). Collective over the role's controller ranks."""
+        ``run(engine, shard)`` and (``offload``) offload them again. Returns the gather still to do: calling it
+        brings each replica's ``(result, seconds in run)`` to rank 0 in replica order (None elsewhere).
+        Collective over the role's controller ranks (the scatter here, the gather when called)."""
         wire = scatter_to_role(None if shards is None else [s.to_wire() for s in shards], self.groups)
         result = None
         if self.hosts:
             engine = self.require_engine()
             self._reload(engine)
-            result = run(engine, receive(wire))
+            start = time.perf_counter()
+            try:
+                result = (run(engine, receive(wire)), time.perf_counter() - start)
+            except Exception as exc:  # the launcher prints this rank's traceback: say where it failed
+                where = f"rank {self.rank}: failed in role {self.name!r}'s move (role ranks {self.groups.ranks})"
+                log.error("%s: %s: %s", where, type(exc).__name__, exc)
+                add_note = getattr(exc, "add_note", None)  # Python 3.11+: printed with the traceback
+                if add_note is not None:
+                    add_note(where)
+                raise
             if offload:
                 self._offload(engine)
-        gathered = gather_from_role(result, self.groups)
-        return gathered if self.rank == CONTROLLER else None
+
+        def gather() -> list[tuple[R, float]] | None:
+            gathered = gather_from_role(result, self.groups)
+            return gathered if self.rank == CONTROLLER else None
+
+        return gather
+
+    def _run_on_replicas(self, shards: Sequence[StepBatch] | Sequence[TrainShard] | None,
+                         receive: Callable[[Wire], T], run: Callable[[E, T], R], *, offload: bool = False,
+                         ) -> list[R] | None:
+        """:meth:`_start_on_replicas` and its gather at once: the replicas' results on rank 0 (None elsewhere)."""
+        gathered = self._start_on_replicas(shards, receive, run, offload=offload)()
+        return None if gathered is None else [result for result, _ in gathered]
+
+    def _start_forward(self, batch: StepBatch | None, compute: Callable[[E, StepBatch], torch.Tensor],
+                       fields: tuple[str, ...] = ()) -> PendingForward:
+        """Start the batch's forward inputs (and ``fields``) over the replicas, ``compute(engine, rows) -> (b, ...)``
+        on each; the future's ``wait()`` gives the outputs on rank 0 as (B, ...) in the batch's row order."""
+        if not self.takes_part:
+            return Pending.nothing(self.name)
+        if self.rank != CONTROLLER:
+            gather = self._start_on_replicas(None, StepBatch.from_wire, compute)
+
+            def send() -> tuple[torch.Tensor | None, float]:
+                gather()  # this rank's outputs (if it leads a replica) go to rank 0
+                return None, 0.0
+
+            return Pending(self.name, send)
+        batch = _controller_batch(batch, self.name)
+        shards, layout = forward_shards(batch, self.num_replicas, self.settings.balance_tokens, fields)
+        gather_outputs = self._start_on_replicas(shards, StepBatch.from_wire, compute)
+        num_rows = batch.num_rows
+
+        def finish() -> tuple[torch.Tensor | None, float]:
+            gathered = gather_outputs()
+            assert gathered is not None  # rank 0 gathers one output per replica
+            outputs = [output for output, _ in gathered]
+            return in_batch_order(outputs, layout, num_rows), max(seconds for _, seconds in gathered)
+
+        return Pending(self.name, finish)
 
     def _forward(self, batch: StepBatch | None, compute: Callable[[E, StepBatch], torch.Tensor],
                  fields: tuple[str, ...] = ()) -> torch.Tensor | None:
-        """The batch's forward inputs (and ``fields``) over the replicas, ``compute(engine, rows) -> (b, ...)`` on
-        each, and the outputs on rank 0 as (B, ...) in the batch's row order; None on other ranks."""
-        if not self.takes_part:
-            return None
-        if self.rank != CONTROLLER:
-            self._run_on_replicas(None, StepBatch.from_wire, compute)
-            return None
-        batch = _controller_batch(batch, self.name)
-        shards, layout = forward_shards(batch, self.num_replicas, self.settings.balance_tokens, fields)
-        outputs = self._run_on_replicas(shards, StepBatch.from_wire, compute)
-        assert outputs is not None  # rank 0 gathers one output per replica
-        return in_batch_order(outputs, layout, batch.num_rows)
+        """:meth:`_start_forward` and its wait at once."""
+        return self._start_forward(batch, compute, fields).wait()
 
 
 class ModelRole(RoleHandle[S]):
@@ -202,9 +279,13 @@ class FrozenPolicyRole(ModelRole[FrozenEngine]):
 
     def logprobs(self, batch: StepBatch | None) -> torch.Tensor | None:
         """(B, R) fp32 log-probs of the batch's response tokens on rank 0."""
+        return self.start_logprobs(batch).wait()
+
+    def start_logprobs(self, batch: StepBatch | None) -> PendingForward:
+        """:meth:`logprobs` as a future."""
         s = self.settings
-        return self._forward(batch, lambda engine, rows: forward_logprobs(engine, rows, s.experience, s.temperature,
-                                                                         self.sp))
+        return self._start_forward(batch, lambda engine, rows: forward_logprobs(engine, rows, s.experience,
+                                                                               s.temperature, self.sp))
 
 
 class TrainedRole(ModelRole[TrainEngine]):
@@ -222,8 +303,13 @@ class TrainedRole(ModelRole[TrainEngine]):
         whole mini-batches per replica; returns the replicas' metrics averaged on rank 0 (None elsewhere).
         ``version``: the policy version this update makes (fault injection counts it); ``kl_coef``: the KL loss
         coefficient the shards carry (actor)."""
+        return self.start_update(batch, version, kl_coef).wait()
+
+    def start_update(self, batch: StepBatch | None, version: int, kl_coef: float = 0.0) -> PendingUpdate:
+        """:meth:`update` as a future: the shards go out and the role's ranks train here; ``wait()`` gathers the
+        metrics."""
         if not self.takes_part:
-            return None
+            return Pending.nothing(self.name)
         s, dp = self.settings, self.num_replicas
         shards = None
         if self.rank == CONTROLLER:
@@ -236,10 +322,17 @@ class TrainedRole(ModelRole[TrainEngine]):
             fault_point("train", version, self.rank)
             return self._train(engine, shard, s.algo, s.update, dp, self.sp)
 
-        gathered = self._run_on_replicas(shards, TrainShard.from_wire, run, offload=s.offload_after_update)
-        if gathered is None:
-            return None
-        return {k: float(np.mean([g[k] for g in gathered])) for k in gathered[0]}
+        gather = self._start_on_replicas(shards, TrainShard.from_wire, run, offload=s.offload_after_update)
+
+        def finish() -> tuple[Metrics | None, float]:
+            gathered = gather()
+            if gathered is None:
+                return None, 0.0
+            metrics = [m for m, _ in gathered]
+            return ({k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]},
+                    max(seconds for _, seconds in gathered))
+
+        return Pending(self.name, finish)
 
 
 class ActorRole(TrainedRole):
@@ -248,10 +341,15 @@ class ActorRole(TrainedRole):
     def logprobs(self, batch: StepBatch | None) -> torch.Tensor | None:
         """(B, R) fp32 log-probs of the response tokens before the update (the old log-probs) on rank 0; with
         ``algo.routing_replay=rollout`` the recorded routes travel along and are replayed."""
+        return self.start_logprobs(batch).wait()
+
+    def start_logprobs(self, batch: StepBatch | None) -> PendingForward:
+        """:meth:`logprobs` as a future."""
         s = self.settings
-        return self._forward(batch, lambda engine, rows: forward_logprobs(engine, rows, s.experience, s.temperature,
-                                                                         self.sp, s.replay_routes),
-                             fields=("routed_experts",) if s.replay_routes else ())
+        return self._start_forward(batch, lambda engine, rows: forward_logprobs(engine, rows, s.experience,
+                                                                               s.temperature, self.sp,
+                                                                               s.replay_routes),
+                                   fields=("routed_experts",) if s.replay_routes else ())
 
 
 class CriticRole(TrainedRole):
@@ -259,8 +357,12 @@ class CriticRole(TrainedRole):
 
     def values(self, batch: StepBatch | None) -> torch.Tensor | None:
         """(B, R) fp32 values before each response token on rank 0."""
+        return self.start_values(batch).wait()
+
+    def start_values(self, batch: StepBatch | None) -> PendingForward:
+        """:meth:`values` as a future."""
         s = self.settings
-        return self._forward(batch, lambda engine, rows: forward_values(engine, rows, s.experience, self.sp))
+        return self._start_forward(batch, lambda engine, rows: forward_values(engine, rows, s.experience, self.sp))
 
 
 class RewardRole(RoleHandle[RewardModelRole]):

@@ -3,6 +3,8 @@
 ``<train.output_dir>/rollouts/step_<N>.jsonl``, one object per sample: prompt, response, label, reward, score,
 policy version (and each token's, ``token_versions``, when generation spanned weight updates), truncation, the
 reward's / agent's ``extra_logs`` and, for multi-turn agents, the turns.
+
+Runs on rank 0 only.
 """
 
 from __future__ import annotations

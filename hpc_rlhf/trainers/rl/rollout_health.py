@@ -3,6 +3,8 @@ cut by ``data.max_len`` (a warning), and the ``extra_logs`` of reward functions 
 
 Rank 0 only; the trainer shares the stop decision with every rank. Everything here counts episodes: an
 episode with several rows (a branching OpenAI-client agent, ``Trajectory.branch_index``) counts once.
+
+Runs on rank 0 only.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ Each replica (``workers``):
 
 The cost of a micro-batch is its real tokens when samples are packed into one row, and rows x longest
 row when padded (what the forward actually computes).
+
+Runs on rank 0 (dealing rows to replicas and mini-batches) and on each role's ranks (micro-batch plans).
 """
 
 from __future__ import annotations

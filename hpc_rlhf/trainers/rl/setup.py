@@ -1,6 +1,8 @@
 """Build what a PPO-family run needs on each rank: tokenizer, controller state, role engines.
 
 Kept apart from the loop so ``loop.py`` reads as the step story.
+
+Runs on every rank: each builds the engines of the roles it hosts; rank 0 also the controller state.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from hpc_rlhf.agents.agent_loader import AgentLoadError, load_agent_executor
 from hpc_rlhf.agents.executor import AgentExecutor, SingleTurnExecutor
 from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor  # imports no openai / fastapi by itself
 from hpc_rlhf.algos import AdaptiveKLController, FixedKLController, RunningRewardNormalizer
-from hpc_rlhf.config.schema import RolloutConfig, RunConfig, resolved_vllm_mode
+from hpc_rlhf.config.schema import RolloutConfig, RunConfig, rollout_engine_kind
 from hpc_rlhf.data.prompts import Prompt, PromptDataset, PromptStream
 from hpc_rlhf.data.reasoning_gym import reasoning_gym_reward, write_prompt_file  # reasoning-gym itself: lazily
 from hpc_rlhf.data.vision_prompts import VisionPromptEncoder
@@ -379,14 +381,15 @@ def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool, actor: TrainEn
                     rank: int = 0) -> RolloutEngine:
     """The rollout engine of this rank; with ``actor`` (:func:`rollout_shares_actor`) it runs on its module."""
     dtype = resolve_dtype(cfg.ds.param_dtype, on_gpu)
-    if cfg.rollout.backend == "vllm":
-        if resolved_vllm_mode(cfg.rollout.vllm_mode, cfg.train.colocate_all) == "server_process":
-            engine = VllmServerEngine.from_spec(
-                vllm_engine_spec(cfg), torch.cuda.current_device() if on_gpu else None,
-                max_restarts=cfg.rollout.max_engine_restarts, timeout_s=cfg.rollout.engine_timeout_s,
-                name=f"rank {rank}'s vLLM rollout engine (rollout.vllm_mode=server_process)")
-            engine.fault_rank = rank
-            return engine
+    kind = rollout_engine_kind(cfg.rollout, cfg.train.colocate_all)
+    if kind == "vllm_server_process":
+        engine = VllmServerEngine.from_spec(
+            vllm_engine_spec(cfg), torch.cuda.current_device() if on_gpu else None,
+            max_restarts=cfg.rollout.max_engine_restarts, timeout_s=cfg.rollout.engine_timeout_s,
+            name=f"rank {rank}'s vLLM rollout engine (rollout.vllm_mode=server_process)")
+        engine.fault_rank = rank
+        return engine
+    if kind == "vllm_external_launcher":
         return VllmRolloutEngine.from_spec(vllm_engine_spec(cfg))
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     record = records_routes(cfg)

@@ -8,6 +8,8 @@ comes from ``hpc_rlhf.algos``; the optimizer from the training-engine facade.
 Every training shard carries ``num_tokens`` / ``num_seqs``: per mini-batch, the global count of action
 tokens / rows over all data-parallel ranks, computed once by the controller. With them the summed
 micro-batch losses equal the full mini-batch mean however the batch is split (``aggregate_loss``).
+
+Runs on the ranks that host the role (rank 0 only where it hosts one).
 """
 
 from __future__ import annotations
