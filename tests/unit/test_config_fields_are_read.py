@@ -9,7 +9,9 @@ as read when some code accesses ``.f`` on an expression that is ``C`` by name or
   is a parameter annotated with ``C`` or one of its bases (``ds_cfg: DeepSpeedConfig``) or named like the
   section (``def build(data: Any)``);
 * ``getattr(cfg, role).f`` (a role chosen at run time: any section with a field ``f``);
-* a config property (``needs_critic``) read that way counts for the fields it reads itself.
+* a config property (``needs_critic``) read that way counts for the fields it reads itself;
+* a module-level function of ``hpc_rlhf/config/`` called outside it (``rollout_engine_kind(cfg.rollout, ...)``)
+  counts for the fields it reads on its typed parameters: a decision made once in the config package is a read.
 
 A plain ``.f`` on anything else (``self.normalize`` in the reward server) does not count: that is how the keys
 this test was written for went unnoticed.
@@ -139,15 +141,37 @@ def _property_reads() -> dict[tuple[type, str], set[str]]:
     return out
 
 
+def _called_names(tree: ast.AST) -> set[str]:
+    """Names of the functions a module calls by plain name (``rollout_engine_kind(...)``)."""
+    return {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+
+
+def _config_helpers() -> dict[str, ast.FunctionDef]:
+    """Module-level functions of the config package, by name."""
+    helpers = {}
+    for file in CONFIG_DIR.rglob("*.py"):
+        for node in ast.parse(file.read_text()).body:
+            if isinstance(node, ast.FunctionDef):
+                helpers[node.name] = node
+    return helpers
+
+
 @pytest.fixture(scope="module")
 def package_reads() -> dict[str, set]:
     by_attr, by_name = _section_classes_by_attr(), _class_by_name()
     reads: dict[str, set] = {}
+    called: set[str] = set()
     for file in PACKAGE.rglob("*.py"):
         if CONFIG_DIR in file.parents:
             continue
-        for name, classes in _reads(ast.parse(file.read_text()), by_attr, by_name).items():
+        tree = ast.parse(file.read_text())
+        called |= _called_names(tree)
+        for name, classes in _reads(tree, by_attr, by_name).items():
             reads.setdefault(name, set()).update(classes)
+    for name, helper in _config_helpers().items():
+        if name in called:
+            for field, classes in _reads(helper, by_attr, by_name).items():
+                reads.setdefault(field, set()).update(classes)
     return reads
 
 
