@@ -6,10 +6,12 @@ Levels, strongest first:
   pid, network, ipc, uts and cgroup namespaces: no network interface but a loopback of its own, a
   read-only view of ``/usr`` (and the interpreter's prefix) and nothing else of the host's files, a private
   ``/proc`` that shows only its own processes, an empty environment, and one writable directory (a fresh
-  scratch directory, mounted at ``/tmp`` and as the working directory). rlimits bound it as well.
-* ``rlimits``: a plain child process with rlimits, its own session, an empty environment and a private
-  working directory. It sees the node's files and network as the trainer's user does: for code you trust
-  (tests of your own reward), never for a policy's output on a shared cluster.
+  scratch directory, mounted at ``/tmp`` and as the working directory). rlimits bound it as well, the process
+  count among them (``prlimit`` from util-linux, inside the sandbox's user namespace).
+* ``rlimits``: a plain child process with rlimits (no process-count limit: see :mod:`.limits`), its own
+  session, an empty environment and a private working directory. It sees the node's files and network as the
+  trainer's user does: for code you trust (tests of your own reward), never for a policy's output on a shared
+  cluster.
 
 ``remote`` (a SandboxFusion service, :mod:`hpc_rlhf.sandbox.remote`) is chosen by pointing at a URL; its
 isolation is whatever that service gives.
@@ -80,7 +82,7 @@ def probe_bwrap(python: str) -> str | None:
         run_as = NOBODY_ID if os.geteuid() == 0 else None
         if run_as is not None:
             os.chown(scratch, run_as, run_as)
-        argv = [*bwrap_argv(bwrap, scratch, python), python, "-c", "print('ok')"]
+        argv = [*bwrap_argv(bwrap, scratch, python), "prlimit", "--nproc=8", "--", python, "-c", "print('ok')"]
         try:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=60,
                                   user=run_as, group=run_as, extra_groups=[] if run_as is not None else None)

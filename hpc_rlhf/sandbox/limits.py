@@ -26,7 +26,7 @@ class SandboxLimits:
     memory_mb: int = 1024  # RLIMIT_AS (address space, so a bit above the resident size a program needs)
     output_bytes: int = 1 << 20  # stdout and stderr each; also RLIMIT_FSIZE, the largest file it may write
     open_files: int = 64  # RLIMIT_NOFILE
-    processes: int = 32  # RLIMIT_NPROC, counted per user: see docs/rewards.md for what that means with a pool
+    processes: int = 32  # RLIMIT_NPROC inside the sandbox's own user namespace (bwrap level only)
 
     def __post_init__(self) -> None:
         for name in ("wall_time_s", "cpu_time_s", "memory_mb", "output_bytes", "open_files", "processes"):
@@ -36,9 +36,13 @@ class SandboxLimits:
 
 
 def rlimit_setter(limits: SandboxLimits, run_as_id: int | None) -> Callable[[], None]:
-    """A ``preexec_fn`` that applies ``limits`` and, when ``run_as_id`` is set, drops to that uid/gid.
+    """A ``preexec_fn`` that applies ``limits`` (all but the process count) and drops to ``run_as_id`` if set.
 
     It runs in the forked child before ``exec``: the limits are inherited by everything the code starts.
+    RLIMIT_NPROC is not set here: outside a user namespace it counts every process and thread of the user (the
+    trainer's included, and every concurrent sample's), so a small limit would fail at random. Since Linux
+    5.14 the count is kept per user namespace, so the bwrap level sets it inside the sandbox (``prlimit``), where
+    it counts the sample's own processes only.
     """
 
     def apply() -> None:
@@ -52,7 +56,5 @@ def rlimit_setter(limits: SandboxLimits, run_as_id: int | None) -> Callable[[], 
             os.setgroups([])
             os.setgid(run_as_id)
             os.setuid(run_as_id)
-        # After the uid change: as root the limit would not bind anyway, and setuid itself checks it.
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
 
     return apply

@@ -107,7 +107,9 @@ class LocalSandbox:
 
     def _run_in(self, work: str, scratch: str, stdin: str, limits: SandboxLimits) -> ExecResult:
         if self._bwrap is not None:
-            argv = [*bwrap_argv(self._bwrap, scratch, self.python), self.python, "main.py"]
+            # prlimit runs inside the new user namespace, so the process limit counts this sample's processes only.
+            argv = [*bwrap_argv(self._bwrap, scratch, self.python), "prlimit", f"--nproc={limits.processes}",
+                    "--", self.python, "main.py"]
             env: dict[str, str] = {}
         else:
             argv = [self.python, "main.py"]
