@@ -68,7 +68,9 @@ def bwrap_argv(bwrap: str, scratch_dir: str, python: str) -> list[str]:
     argv += ["--proc", "/proc", "--dev", "/dev", "--bind", scratch_dir, "/tmp", "--chdir", "/tmp",
              "--setenv", "HOME", "/tmp", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
              "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
-             "--setenv", "PYTHONHASHSEED", "0", "--"]
+             "--setenv", "PYTHONHASHSEED", "0",
+             # bwrap's root and /dev are tmpfs mounts the code could write to (memory of the node): read-only.
+             "--remount-ro", "/dev", "--remount-ro", "/", "--"]
     return argv
 
 

@@ -46,7 +46,8 @@ def _read_capped(path: str, limit: int) -> tuple[str, bool]:
 def _status(returncode: int, timed_out: bool, output_full: bool, stderr: str) -> ExecStatus:
     if timed_out or returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
         return "timeout"
-    if output_full or returncode in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ):
+    # Python ignores SIGXFSZ, so a write past RLIMIT_FSIZE raises OSError EFBIG ("[Errno 27] File too large").
+    if output_full or returncode in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) or "[Errno 27]" in stderr[-2000:]:
         return "output_limit"
     if "MemoryError" in stderr[-2000:]:
         return "memory_limit"
