@@ -12,7 +12,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import textwrap
 import uuid
 
@@ -220,6 +219,6 @@ def test_a_demanded_level_that_is_missing_refuses_to_start(monkeypatch):
             LocalSandbox("bwrap")
         with pytest.raises(SandboxUnavailableError):
             LocalSandbox("auto")
-        assert LocalSandbox("rlimits", python=sys.executable).level == "rlimits"
+        assert LocalSandbox("rlimits").level == "rlimits"
     finally:
         isolation.probe_bwrap.cache_clear()
