@@ -6,7 +6,8 @@ with ``Answer: <value>`` ends the episode; the reward is 1.0 when the value equa
 
     train.agent_func_path=examples/agents/code_interpreter_agent.py data.label_key=label
 
-The sandbox is chosen like the code reward's (``HPC_RLHF_SANDBOX``, ``HPC_RLHF_SANDBOX_URL``; see
+The sandbox is chosen like the code reward's (``HPC_RLHF_SANDBOX``, ``HPC_RLHF_SANDBOX_URL``,
+``HPC_RLHF_SANDBOX_PYTHON``; see
 docs/agents_from_openrlhf.md) and shared by the episodes of the process. ``extra_logs`` carry the episode's
 ``code_interpreter_calls`` and ``code_interpreter_s`` (logged as ``extra/...``).
 """
@@ -26,7 +27,8 @@ _sandbox = None
 def shared_sandbox():
     global _sandbox
     if _sandbox is None:
-        _sandbox = make_sandbox(os.environ.get("HPC_RLHF_SANDBOX", "auto"), url=os.environ.get("HPC_RLHF_SANDBOX_URL"))
+        _sandbox = make_sandbox(os.environ.get("HPC_RLHF_SANDBOX", "auto"), url=os.environ.get("HPC_RLHF_SANDBOX_URL"),
+                                python=os.environ.get("HPC_RLHF_SANDBOX_PYTHON"))
     return _sandbox
 
 
