@@ -8,7 +8,8 @@ A sample's tests (the dataset label, a dict or its JSON text) take one of three 
   stdin, and a test passes when its stdout equals the expected output up to trailing whitespace per line.
 
 Any form may add ``"time_limit_s"`` (per test). Every test is its own execution, so a program cannot report its
-own score (a harness that printed "3/3 passed" in the same process could be faked by the program it tests).
+own score (a harness that printed "3/3 passed" in the same process could be faked by the program it tests), and an
+assert-style test passes only when a marker printed after the asserts comes out (an early ``sys.exit(0)`` fails).
 Programs that do not parse are scored without running (``compile_error``); timeouts, limits and crashes are
 counted in the metrics, never raised.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,17 +54,23 @@ def _parse_tests(label: Any, index: int) -> Mapping[str, Any]:
     return label
 
 
-def build_requests(code: str, tests: Mapping[str, Any], default_time_limit_s: float | None) -> list[ExecRequest]:
-    """One :class:`ExecRequest` per test of ``tests`` for the program ``code``."""
+def build_requests(code: str, tests: Mapping[str, Any], default_time_limit_s: float | None,
+                   done_marker: str = "") -> list[ExecRequest]:
+    """One :class:`ExecRequest` per test of ``tests`` for the program ``code``.
+
+    Assert-style tests end by printing ``done_marker``: a test passes only when it is the last line of stdout, so
+    a program that exits early with status 0 (``sys.exit(0)`` before the asserts run) does not pass.
+    """
     time_limit = tests.get("time_limit_s", default_time_limit_s)
     if "io" in tests:
         return [ExecRequest(code=code, stdin=str(case["input"]), time_limit_s=time_limit) for case in tests["io"]]
+    done = f"\nprint({done_marker!r})\n" if done_marker else "\n"
     if "test" in tests:
         entry = tests.get("entry_point")
-        call = f"\n\ncheck({entry})\n" if entry else "\n"
-        return [ExecRequest(code=f"{code}\n\n{tests['test']}{call}", time_limit_s=time_limit)]
+        call = f"\n\ncheck({entry})" if entry else ""
+        return [ExecRequest(code=f"{code}\n\n{tests['test']}{call}{done}", time_limit_s=time_limit)]
     setup = str(tests.get("setup", ""))
-    return [ExecRequest(code=f"{setup}\n{code}\n\n{assertion}\n", time_limit_s=time_limit)
+    return [ExecRequest(code=f"{setup}\n{code}\n\n{assertion}{done}", time_limit_s=time_limit)
             for assertion in tests["asserts"]]
 
 
@@ -70,12 +78,13 @@ def _normalise_output(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
 
 
-def _test_passed(result: ExecResult, tests: Mapping[str, Any], case_index: int) -> bool:
+def _test_passed(result: ExecResult, tests: Mapping[str, Any], case_index: int, done_marker: str) -> bool:
     if result.status != "ok":
         return False
     if "io" in tests:
         return _normalise_output(result.stdout) == _normalise_output(str(tests["io"][case_index]["output"]))
-    return True
+    lines = result.stdout.rstrip("\n").rsplit("\n", 1)
+    return lines[-1] == done_marker
 
 
 _FAILURE_ORDER = ("sandbox_error", "timeout", "memory_limit", "output_limit", "runtime_error", "fail")
@@ -116,13 +125,16 @@ def score_programs(sandbox: Sandbox, programs: Sequence[str], labels: Sequence[A
     if len(programs) != len(labels):
         raise ValueError(f"{len(programs)} programs but {len(labels)} labels")
     all_tests = [_parse_tests(label, i) for i, label in enumerate(labels)]
+    # Fresh per batch. It is in the program's source, which the program could read: this stops an early exit, not
+    # a program written to find the marker (same-process tests can never be proof against that).
+    done_marker = f"tests-done-{secrets.token_hex(8)}"
     requests: list[ExecRequest] = []
     spans: list[tuple[int, int] | None] = []
     for code, tests in zip(programs, all_tests, strict=True):
         if not _parses(code):
             spans.append(None)
             continue
-        batch = build_requests(code, tests, time_limit_s)
+        batch = build_requests(code, tests, time_limit_s, done_marker)
         spans.append((len(requests), len(requests) + len(batch)))
         requests.extend(batch)
     results = sandbox.run_many(requests)
@@ -135,7 +147,7 @@ def score_programs(sandbox: Sandbox, programs: Sequence[str], labels: Sequence[A
         if not mine:
             scores.append(CodeScore(0.0, 0, "bad_tests"))
             continue
-        passed = [_test_passed(r, tests, k) for k, r in enumerate(mine)]
+        passed = [_test_passed(r, tests, k, done_marker) for k, r in enumerate(mine)]
         scores.append(CodeScore(sum(passed) / len(passed), len(passed), _verdict(mine, passed)))
     return scores
 

@@ -71,3 +71,13 @@ def test_pool_size_follows_slurm(monkeypatch):
     monkeypatch.delenv("SLURM_CPUS_PER_TASK")
     monkeypatch.delenv("SLURM_CPUS_ON_NODE", raising=False)
     assert num_workers_from_allocation() >= 1
+
+
+def test_an_early_exit_with_status_zero_does_not_pass(sandbox):
+    label = {"asserts": ["assert f() == 1"]}
+    human_eval_style = {"test": "def check(candidate):\n    assert candidate() == 1\n", "entry_point": "f"}
+    for exit_call in ("import sys; sys.exit(0)", "import os; os._exit(0)"):
+        code = f"def f():\n    return 2\n{exit_call}\n"
+        scores = score_programs(sandbox, [code, code], [label, human_eval_style])
+        assert [s.pass_fraction for s in scores] == [0.0, 0.0], code
+        assert {s.verdict for s in scores} == {"fail"}
