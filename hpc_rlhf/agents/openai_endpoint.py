@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpc_rlhf.agents.openai_chat import ChatTemplateError, apply_stop_strings, chat_prompt_ids, completion_prompt_ids
-from hpc_rlhf.agents.openai_guard import DEFAULT_MAX_BODY_BYTES, EndpointGuard
+from hpc_rlhf.agents.openai_guard import DEFAULT_MAX_BODY_BYTES, EndpointGuard, bearer_token
 from hpc_rlhf.agents.openai_images import (
     DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_MAX_IMAGES,
@@ -310,7 +310,7 @@ class OpenAIEndpoint:
             raise EndpointRequestError(str(err), param=param) from None
 
     def _episode(self, authorization: str | None) -> str:
-        key = (authorization or "").removeprefix("Bearer ").strip()
+        key = bearer_token(authorization)
         if not key or not self.recorder.is_open(key):
             raise EndpointRequestError("unknown episode: the API key must be the episode id the trainer gave this "
                                        "client (requests outside a running episode are refused)", status=401)

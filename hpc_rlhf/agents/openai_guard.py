@@ -31,11 +31,18 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # a long chat with tools is well under 1 MiB; token ids ~6 bytes each
 
 
+def bearer_token(authorization: str | None) -> str:
+    """The key of an ``Authorization`` value ``Bearer <key>``; the scheme's case does not matter (RFC 7235: ``bearer``
+    and ``BEARER`` are the same scheme). '' when there is none or the scheme is another one."""
+    scheme, _, key = (authorization or "").strip().partition(" ")
+    return key.strip() if scheme.lower() == "bearer" else ""
+
+
 def bearer_key(headers: list[tuple[bytes, bytes]]) -> str:
     """The key of an ``Authorization: Bearer <key>`` header ('' when there is none)."""
     for name, value in headers:
         if name.lower() == b"authorization":
-            return value.decode("latin-1").strip().removeprefix("Bearer ").strip()
+            return bearer_token(value.decode("latin-1"))
     return ""
 
 

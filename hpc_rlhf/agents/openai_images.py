@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpc_rlhf.agents.openai_requests import EndpointRequestError
-from hpc_rlhf.data.images import IMAGE_PART_TYPES, ImageRef, image_ref
+from hpc_rlhf.data.images import IMAGE_PART_TYPES, ImageRef, image_ref, open_image
 from hpc_rlhf.data.vision_prompts import VisionPromptEncoder
 from hpc_rlhf.rollout.visual import PromptVisual
 
@@ -39,10 +39,8 @@ def _part_url(part: dict) -> Any:
 
 def _check_pixels(ref: ImageRef, where: str, max_image_pixels: int) -> None:
     """Read the header only: the size is known before any pixel is decoded."""
-    from PIL import Image
-
     try:
-        with Image.open(io.BytesIO(ref.data or b"")) as image:
+        with open_image(io.BytesIO(ref.data or b"")) as image:
             width, height = image.size
     except Exception as err:  # noqa: BLE001 - PIL raises many kinds (DecompressionBombError included): all a 400
         raise EndpointRequestError(f"'{where}' is not a readable image ({type(err).__name__}: {str(err)[:200]})",

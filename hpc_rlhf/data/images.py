@@ -29,6 +29,24 @@ from typing import Any
 from hpc_rlhf.data.sources import DataError, row_error
 
 IMAGE_PART_TYPES = ("image", "image_url")
+# The image formats a prompt, a dataset row or an agent's request may hold. Pillow opens some 40 formats when not
+# told which; some run external programs (EPS runs Ghostscript where it is installed, as on many HPC nodes), so a
+# file passed off as image/png must not reach them.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+
+
+def open_image(stream: Any) -> Any:
+    """``PIL.Image.open`` restricted to :data:`IMAGE_FORMATS` (anything else raises ``UnidentifiedImageError``)."""
+    from PIL import Image
+
+    return Image.open(stream, formats=IMAGE_FORMATS)
+
+
+def _open_source(path: str) -> Any:
+    """A regular file for reading; a named pipe, device or folder is refused before ``open`` (a pipe would block)."""
+    if Path(path).exists() and not Path(path).is_file():
+        raise ValueError("not a regular file")
+    return open(path, "rb")  # closed by the caller's with
 
 
 @dataclass(frozen=True)
@@ -52,28 +70,24 @@ class ImageRef:
 
     def load(self) -> Any:
         """The image as an RGB ``PIL.Image``; a missing or unreadable image raises ``DataError`` naming its row."""
-        from PIL import Image, UnidentifiedImageError
-
         try:
-            stream = io.BytesIO(self.data) if self.data is not None else open(self.path or "", "rb")  # noqa: SIM115
-            with stream, Image.open(stream) as image:
+            stream = io.BytesIO(self.data) if self.data is not None else _open_source(self.path or "")
+            with stream, open_image(stream) as image:
                 return image.convert("RGB")
         except FileNotFoundError:
             raise self._fail("file not found") from None
-        except (UnidentifiedImageError, OSError, ValueError) as err:
+        except Exception as err:  # noqa: BLE001 - Pillow raises many kinds (DecompressionBombError too): all bad data
             raise self._fail(f"unreadable ({type(err).__name__}: {err})") from None
 
     def check(self) -> None:
         """Read the image's header (not its pixels): a missing file or a non-image fails when the data is read."""
-        from PIL import Image, UnidentifiedImageError
-
         try:
-            stream = io.BytesIO(self.data) if self.data is not None else open(self.path or "", "rb")  # noqa: SIM115
-            with stream, Image.open(stream):
+            stream = io.BytesIO(self.data) if self.data is not None else _open_source(self.path or "")
+            with stream, open_image(stream):
                 pass
         except FileNotFoundError:
             raise self._fail("file not found") from None
-        except (UnidentifiedImageError, OSError, ValueError) as err:
+        except Exception as err:  # noqa: BLE001 - Pillow raises many kinds (DecompressionBombError too): all bad data
             raise self._fail(f"unreadable ({type(err).__name__}: {err})") from None
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -156,9 +156,10 @@ class RolloutEngine(ABC):
     def reset_prefix_cache(self) -> None:
         """Forget cached prompt prefixes (needed after a weight update); no-op without a prefix cache."""
 
-    def open_weight_channel(self, master_address: str, master_port: int) -> None:
+    def open_weight_channel(self, rendezvous: Mapping[str, Any]) -> None:
         """Join the communicator of the actor rank that sends this engine its weights (engines in processes of
-        their own, ``hpc_rlhf.weight_sync.sharded.EngineChannelWeightSync``). In-process engines take weights
+        their own, ``hpc_rlhf.weight_sync.sharded.EngineChannelWeightSync``; ``rendezvous``: the sender channel's).
+        In-process engines take weights
         through :meth:`update_weights` and have no channel."""
         raise NotImplementedError(f"{type(self).__name__} loads weights in-process (update_weights); it has no "
                                   "weight channel to open")

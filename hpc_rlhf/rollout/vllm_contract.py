@@ -21,6 +21,7 @@ with our keywords), or ``ast`` (parsed from the installed source because importi
 from __future__ import annotations
 
 import ast
+import base64
 import importlib
 import importlib.metadata
 import importlib.util
@@ -228,7 +229,7 @@ def derived_checks() -> list[Check]:
                            set(sampling), "vllm:SamplingParams", construct=sampling))
     checks.append(_accepts("TokensPrompt", {"prompt_token_ids"}, "vllm:TokensPrompt",
                            construct={"prompt_token_ids": [1, 2]}))
-    init = worker_init_info("127.0.0.1", 29999, 2)
+    init = worker_init_info({"nccl_unique_id_b64": base64.b64encode(bytes(128)).decode()}, 2)
     checks.append(_accepts("weight transfer init_info (vllm_server.worker_init_info)", set(init),
                            "vllm.distributed.weight_transfer.nccl_engine:NCCLWeightTransferInitInfo", construct=init))
     update = bucket_update_info([("model.norm.weight", torch.empty(8, dtype=torch.bfloat16, device="meta"))])

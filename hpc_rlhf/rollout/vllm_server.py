@@ -12,9 +12,10 @@ top level needs the ``if __name__ == "__main__":`` guard (the CLIs have it; spaw
 module again).
 
 Weights travel over a dedicated communicator per engine, with vLLM's RLHF weight-transfer API: one sending actor
-rank at rank 0 of that communicator, the engine's workers at ranks ``1 .. tp``, rendezvous through a TCP store
-the sender hosts, so the main world's groups are untouched and each engine's sender can be a different actor
-rank, all sending in parallel. One round: ``start_weight_update`` -> ``update_weights`` per bucket (names,
+rank at rank 0 of that communicator, the engine's workers at ranks ``1 .. tp``, meeting through a rendezvous the
+sender makes (NCCL: a unique id it mints; gloo: a sealed store it binds) and the engine's rank passes to vLLM, so
+the main world's groups are untouched and each engine's sender can be a different actor rank, all sending in
+parallel. One round: ``start_weight_update`` -> ``update_weights`` per bucket (names,
 dtypes, shapes: the tensors themselves come over the communicator) -> ``finish_weight_update``. The trainer opens
 both ends at its first weight sync and picks each engine's sender
 (``hpc_rlhf.weight_sync.sharded.EngineChannelWeightSync``). The backend follows the hardware
@@ -23,11 +24,13 @@ both ends at its first weight sync and picks each engine's sender
 - ``gloo`` without CUDA: our backend (:mod:`hpc_rlhf.weight_sync.vllm_gloo_transfer`, registered in vLLM's processes
   by :mod:`hpc_rlhf.rollout.vllm_plugin`); buckets packed one flat buffer per dtype. Runs on CPU and is tested
   there against a real vLLM (``tests/multiproc/test_vllm_server_cpu.py``).
-- ``nccl`` on CUDA: vLLM's own (``WeightTransferConfig(backend="nccl")``; vLLM's ``StatelessProcessGroup``),
-  the sender (:mod:`hpc_rlhf.weight_sync.vllm_nccl_transfer`) packing with vLLM's
-  ``packed_nccl_broadcast_producer``. This path has never run on a GPU: only against fakes
-  (``tests/unit/test_vllm_server.py``) and vLLM's API contract (:mod:`hpc_rlhf.rollout.vllm_contract`); run it on
-  a GPU node before relying on it.
+- ``nccl`` on CUDA: vLLM's own (``WeightTransferConfig(backend="nccl")``), joined by a unique id that travels
+  through vLLM's control plane (``nccl_unique_id_b64``), never through vLLM's TCP-store rendezvous (its workers
+  unpickle what that store holds: :func:`worker_init_info` refuses it), the sender
+  (:mod:`hpc_rlhf.weight_sync.vllm_nccl_transfer`) packing with vLLM's ``packed_nccl_broadcast_producer``.
+  This path has never run on a GPU: only against fakes (``tests/unit/test_vllm_server.py``,
+  ``tests/security/test_weight_channel.py``) and vLLM's API contract (:mod:`hpc_rlhf.rollout.vllm_contract`);
+  run it on a GPU node before relying on it.
 
 Weight updates during generation (async and partial rollouts): generation runs on a private asyncio
 loop in a background thread, so :meth:`submit` returns at once and a weight round can run while
@@ -67,7 +70,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
@@ -164,16 +167,31 @@ def server_engine_kwargs(model_path: str, *, tensor_parallel_size: int, gpu_memo
             "logprobs_mode": logprobs_mode, **extra}
 
 
-def worker_init_info(master_address: str, master_port: int, num_workers: int, backend: str = "nccl") -> dict[str, Any]:
+def worker_init_info(rendezvous: Mapping[str, Any], num_workers: int, backend: str = "nccl") -> dict[str, Any]:
     """``init_info`` of ``init_weight_transfer_engine``: workers take ranks ``1 .. num_workers`` of a
-    communicator whose rank 0 is the sending actor rank (hosting the rendezvous store)."""
+    communicator whose rank 0 is the sending actor rank; ``rendezvous`` is that sender's (its channel's
+    ``rendezvous``: the NCCL unique id, or where the gloo group's sealed store is).
+
+    Raises:
+        ValueError: an unknown backend, or an NCCL rendezvous through a TCP store (``master_address`` /
+            ``master_port``): vLLM's workers unpickle what they read from that plain store, so anyone who reaches
+            its port would run code in them. NCCL channels join by unique id only.
+    """
     if backend == "gloo":
-        return gloo_worker_init_info(master_address, master_port, num_workers)
+        return gloo_worker_init_info(rendezvous, num_workers)
     if backend != "nccl":
         raise ValueError(f"unknown weight-transfer backend {backend!r}; choose one of {TRANSFER_BACKENDS}")
-    return {"master_address": master_address, "master_port": master_port, "rank_offset": 1,
-            "world_size": 1 + num_workers, "packed": True, "packed_buffer_size_bytes": PACKED_BUFFER_BYTES,
-            "packed_num_buffers": PACKED_NUM_BUFFERS}
+    if "master_address" in rendezvous or "master_port" in rendezvous:
+        raise ValueError("an NCCL weight channel through a TCP store (master_address / master_port) is refused: "
+                         "vLLM's workers unpickle the NCCL id they read from that unauthenticated store, so anyone "
+                         "who reaches its port runs code in them. Pass the sender's nccl_unique_id_b64 instead "
+                         "(vllm_nccl_transfer.SenderChannel.rendezvous)")
+    unique_id = rendezvous.get("nccl_unique_id_b64")
+    if not isinstance(unique_id, str) or not unique_id:
+        raise ValueError("an NCCL weight channel's rendezvous needs nccl_unique_id_b64 "
+                         f"(got keys {sorted(rendezvous)})")
+    return {"nccl_unique_id_b64": unique_id, "rank_offset": 1, "world_size": 1 + num_workers, "packed": True,
+            "packed_buffer_size_bytes": PACKED_BUFFER_BYTES, "packed_num_buffers": PACKED_NUM_BUFFERS}
 
 
 def bucket_update_info(bucket: Iterable[tuple[str, torch.Tensor]]) -> dict[str, list]:
@@ -484,13 +502,13 @@ class VllmServerEngine(RolloutEngine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=timeout_s)
 
     # ------------------------------------------------------------------ weights
-    def open_weight_channel(self, master_address: str, master_port: int) -> None:
+    def open_weight_channel(self, rendezvous: Mapping[str, Any]) -> None:
         """Join this engine's workers to the communicator of their sender (collective with the sender's
-        ``vllm_nccl_transfer.SenderChannel`` or ``vllm_gloo_transfer.GlooSenderChannel``; the sender hosts the
-        rendezvous store). Returns once the sender and every worker have joined."""
+        ``connect`` of ``vllm_nccl_transfer.SenderChannel`` or ``vllm_gloo_transfer.GlooSenderChannel``;
+        ``rendezvous`` is that channel's, sent over the world's group). It reaches the workers through vLLM's control
+        plane. Returns once the sender and every worker have joined."""
         request = resolve("vllm.distributed.weight_transfer.base:WeightTransferInitRequest")(
-            init_info=worker_init_info(master_address, master_port, self.tensor_parallel_size,
-                                       self.weight_transfer_backend))
+            init_info=worker_init_info(rendezvous, self.tensor_parallel_size, self.weight_transfer_backend))
         self._run(self.engine.init_weight_transfer_engine(request))
         self._channel_open = True
 

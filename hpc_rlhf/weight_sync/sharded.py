@@ -48,7 +48,7 @@ from hpc_rlhf.weight_sync.vllm_gloo_transfer import GlooSenderChannel
 from hpc_rlhf.weight_sync.vllm_nccl_transfer import SenderChannel  # vLLM itself: only when a channel opens
 from hpc_rlhf.world.channel import broadcast_to_role
 from hpc_rlhf.world.groups import WorldGroups, comm_device, new_group
-from hpc_rlhf.world.launch_env import free_port, host_address
+from hpc_rlhf.world.launch_env import host_address
 
 log = logging.getLogger(__name__)
 
@@ -124,24 +124,30 @@ class ShardedWeightSync:
 
 class EngineChannel(Protocol):
     """The sending actor rank's end of one engine's communicator (``vllm_nccl_transfer.SenderChannel``,
-    ``vllm_gloo_transfer.GlooSenderChannel``). A channel whose ``send`` fails at once, and leaves it free, when the
-    engine's workers died may say so with ``survives_lost_receiver = True``: the sender then goes on with the round
-    without that engine (``weight_round_failure.LostReceivers``); without it, such a failure ends the job."""
+    ``vllm_gloo_transfer.GlooSenderChannel``): made with its ``rendezvous`` (what the engine's rank passes to its
+    ``open_weight_channel``; it travels over the world's group, never through a store of its own), then ``connect``,
+    collective with that ``open_weight_channel``, then ``send`` per bucket. A channel whose ``send`` fails at once,
+    and leaves it free, when the engine's workers died may say so with ``survives_lost_receiver = True``: the
+    sender then goes on with the round without that engine (``weight_round_failure.LostReceivers``); without it,
+    such a failure ends the job."""
+
+    rendezvous: dict[str, Any]
+
+    def connect(self) -> None: ...
 
     def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None: ...
 
 
-# (master address, master port, the engine's worker count) -> an open channel; collective with the engine's
-# ``open_weight_channel(master_address, master_port)``. The sender hosts the rendezvous store on that port.
-OpenChannel = Callable[[str, int, int], EngineChannel]
+# The engine's worker count -> the sender's end of a new channel, not yet connected.
+OpenChannel = Callable[[int], EngineChannel]
 
 
-def _open_vllm_channel(master_address: str, master_port: int, num_workers: int) -> EngineChannel:
+def _open_vllm_channel(num_workers: int) -> EngineChannel:
     """The sender's end for this machine's backend (``vllm_server.transfer_backend``, the rule the engine follows):
     vLLM's NCCL on CUDA (never run on a GPU yet), our gloo group without it."""
     if transfer_backend(torch.cuda.is_available()) == "nccl":
-        return SenderChannel(master_address, master_port, num_workers)
-    return GlooSenderChannel(master_address, master_port, num_workers)
+        return SenderChannel(num_workers)
+    return GlooSenderChannel(num_workers, host_address())
 
 
 def _describe(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -154,8 +160,8 @@ class EngineChannelWeightSync:
 
     Built collectively by every rank (one control-plane group per sender: the sender and the rollout ranks it
     feeds). The first sync opens the channels (lazily: the engines exist only after the trainer's roles are
-    built): each sender picks a free port per engine on its own host (it hosts the rendezvous store, as vLLM's
-    ``trainer_init`` does), sends address and ports over its group, and opens the engines' channels one after
+    built): each sender makes one channel per engine (NCCL: a fresh unique id; gloo: a sealed store bound on a port
+    the kernel picks, and kept), sends their rendezvous over its group, and connects the engines' channels one after
     the other while each engine's rank opens its end (the communicator's init is collective between the two; each rank
     blocks in its own open only, so no order deadlocks). Every sync, the senders' replicas gather the whole state
     dict bucket by bucket (every rank of a tp group takes part; replicas feeding no engine skip the gathering)
@@ -166,7 +172,7 @@ class EngineChannelWeightSync:
         world: the world's groups (placement: rollout ranks disjoint from actor ranks, one engine per rollout rank).
         bucket_bytes: the largest bucket (each bucket is one transfer and one ``update_weights`` on the engine).
         num_workers: worker processes of each engine (its tensor-parallel size).
-        open_channel: opens the sender's end of one engine's communicator (vLLM's by default).
+        open_channel: makes the sender's end of one engine's communicator (vLLM's by default).
     """
 
     def __init__(self, world: WorldGroups, bucket_bytes: int = 256 << 20, num_workers: int = 1,
@@ -260,12 +266,12 @@ class EngineChannelWeightSync:
     def _open_sender(self, engines: list[int]) -> None:
         if self.bucket_names is None:
             raise RuntimeError(f"rank {self.world.rank}: opens weight channels before planning its buckets")
-        address = host_address()
-        ports = {engine: free_port() for engine in engines}  # may be taken before the store binds it: rare
-        self._broadcast({"address": address, "ports": ports, "num_buckets": len(self.bucket_names)},
-                        self.world.rank)
-        for engine in engines:  # each returns once that engine's workers have joined
-            self.channels[engine] = self.open_channel(address, ports[engine], self.num_workers)
+        made = {engine: self.open_channel(self.num_workers) for engine in engines}
+        self._broadcast({"rendezvous": {engine: channel.rendezvous for engine, channel in made.items()},
+                         "num_buckets": len(self.bucket_names)}, self.world.rank)
+        for engine, channel in made.items():  # each returns once that engine's workers have joined
+            channel.connect()
+            self.channels[engine] = channel
 
     # ------------------------------------------------------------------ rollout ranks
     def receive(self, engine: RolloutEngine) -> None:
@@ -273,7 +279,7 @@ class EngineChannelWeightSync:
         sender = self.sender_of[self.world.rank]
         if self.num_buckets is None:
             info = self._broadcast(None, sender)
-            engine.open_weight_channel(info["address"], info["ports"][self.world.rank])
+            engine.open_weight_channel(info["rendezvous"][self.world.rank])
             self.num_buckets = int(info["num_buckets"])
         else:
             self.checkpoint_engine(engine)  # the sender serves restarts before each round
@@ -342,14 +348,15 @@ class EngineChannelWeightSync:
                     self._send_round(actor, [engine] if rank == sender else [])
 
     def _reopen(self, engine: int) -> None:
-        """The sender's end of a restarted engine's channel, on a fresh port (the old group is closed)."""
+        """The sender's end of a restarted engine's channel, a new one (the old group is closed)."""
         old = self.channels.pop(engine, None)
         close = getattr(old, "close", None)
         if close is not None:
             close()
-        address, port = host_address(), free_port()
-        self._tell({"address": address, "port": port}, engine, self.world.rank)
-        self.channels[engine] = self.open_channel(address, port, self.num_workers)
+        channel = self.open_channel(self.num_workers)
+        self._tell({"rendezvous": channel.rendezvous}, engine, self.world.rank)
+        channel.connect()
+        self.channels[engine] = channel
 
     def rejoin(self, engine: RolloutEngine, cause: str) -> None:
         """Rollout rank, right after its engine was restarted (``VllmServerEngine.rejoin`` hook): tell the sender,
@@ -360,7 +367,7 @@ class EngineChannelWeightSync:
         sender = self.sender_of[self.world.rank]
         self._tell({"kind": "restarted", "cause": cause}, sender, sender)
         where = self._hear(sender, sender)
-        engine.open_weight_channel(where["address"], where["port"])
+        engine.open_weight_channel(where["rendezvous"])
         engine.receive_weights(self._bucket_descriptions(sender, self.num_buckets))
 
     def give_up(self, error: str) -> None:

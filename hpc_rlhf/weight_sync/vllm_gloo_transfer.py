@@ -7,12 +7,14 @@ vLLM's ``nccl`` backend cannot run where there is no NCCL, so on CPU machines ``
 (``start_weight_update`` -> ``update_weights`` per bucket -> ``finish_weight_update``, driven by the engine's
 owner); only the transport differs from the ``nccl`` backend.
 
-The group: the sending actor rank is rank 0 and hosts the rendezvous ``TCPStore`` on ``master_port``; the engine's
-workers are ranks ``rank_offset .. rank_offset + tp - 1``. Both ends build a ``ProcessGroupGloo`` straight on that
-store, so neither side's default process group, nor vLLM's own groups, are touched. The store is sealed with the
-job's secret (:mod:`hpc_rlhf.world.sealed_store`), which vLLM's processes inherit from the rank that started them
-(``HPC_RLHF_JOB_SECRET``, set by ``init_world``): another user who reaches the port can neither read the group's
-rendezvous nor join it.
+The group: the sending actor rank is rank 0 and hosts the rendezvous ``TCPStore``; the engine's workers are ranks
+``rank_offset .. rank_offset + tp - 1``. Both ends build a ``ProcessGroupGloo`` straight on that store, so neither
+side's default process group, nor vLLM's own groups, are touched. The sender binds the store on a port the kernel
+picks and keeps it (no gap between choosing a port and binding it for another process to take it), then tells the
+engine where it is. The store is sealed with the job's secret (:mod:`hpc_rlhf.world.sealed_store`), which vLLM's
+processes inherit from the rank that started them, under a namespace of its own per channel (``channel``, fresh
+random bytes): another user who reaches the port can neither read the group's rendezvous nor join it, and a value
+sealed for one channel does not open in another.
 
 One bucket on the wire: the engine's owner sends ``update_info`` (names, dtype names, shapes; the same fields as
 vLLM's NCCL update info, so ``vllm_server.bucket_update_info`` serves both backends) through vLLM's control plane;
@@ -38,7 +40,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Sequence
+import secrets
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -56,6 +59,7 @@ GLOO_BACKEND = "gloo"
 # processing the previous bucket; a worker's peer is an actor rank that may still be gathering a bucket (ZeRO).
 DEFAULT_TIMEOUT_S = 1800.0
 _STORE_NAMESPACE = "weight_transfer"
+_CHANNEL_ID_BYTES = 16
 
 
 # ---------------------------------------------------------------------------- payloads (vLLM's dict <-> ours)
@@ -67,6 +71,7 @@ class GlooWeightTransferInitInfo:
 
     Attributes:
         master_address, master_port: the rendezvous store, hosted by the sender (rank 0).
+        channel: this channel's store namespace (hex; fresh per channel, so sealed values do not replay across them).
         rank_offset: group rank of the engine's first worker (1: the sender is the only rank before them).
         world_size: 1 sender + the engine's workers.
         timeout_s: how long a worker's broadcast waits for the sender.
@@ -74,6 +79,7 @@ class GlooWeightTransferInitInfo:
 
     master_address: str
     master_port: int
+    channel: str
     rank_offset: int
     world_size: int
     timeout_s: float = DEFAULT_TIMEOUT_S
@@ -81,6 +87,9 @@ class GlooWeightTransferInitInfo:
     def __post_init__(self) -> None:
         if not 0 < self.master_port < 65536:
             raise ValueError(f"gloo weight transfer: master_port={self.master_port} is not a TCP port")
+        if len(self.channel) < 2 * _CHANNEL_ID_BYTES:
+            raise ValueError(f"gloo weight transfer: channel={self.channel!r} is shorter than {2 * _CHANNEL_ID_BYTES} "
+                             "hex characters; the sender makes one with secrets.token_hex")
         if self.rank_offset < 1:
             raise ValueError(f"gloo weight transfer: rank_offset={self.rank_offset}; rank 0 is the sender's, "
                              "workers start at 1")
@@ -117,10 +126,15 @@ def dtype_from_name(dtype_name: str, tensor_name: str) -> torch.dtype:
     return dtype
 
 
-def gloo_worker_init_info(master_address: str, master_port: int, num_workers: int,
+def gloo_worker_init_info(rendezvous: Mapping[str, Any], num_workers: int,
                           timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-    """The ``init_info`` dict of ``init_weight_transfer_engine`` for an engine of ``num_workers`` workers."""
-    info = GlooWeightTransferInitInfo(master_address, master_port, rank_offset=1, world_size=1 + num_workers,
+    """The ``init_info`` dict of ``init_weight_transfer_engine`` for an engine of ``num_workers`` workers, from the
+    sender's :attr:`GlooSenderChannel.rendezvous`."""
+    missing = sorted({"master_address", "master_port", "channel"} - set(rendezvous))
+    if missing:
+        raise ValueError(f"gloo weight transfer: the sender's rendezvous lacks {missing} (got {sorted(rendezvous)})")
+    info = GlooWeightTransferInitInfo(str(rendezvous["master_address"]), int(rendezvous["master_port"]),
+                                      str(rendezvous["channel"]), rank_offset=1, world_size=1 + num_workers,
                                       timeout_s=timeout_s)
     return dict(vars(info))
 
@@ -180,52 +194,72 @@ class GlooGroup:
     """A gloo group of its own: ``world_size`` ranks meeting at a ``TCPStore`` that rank 0 hosts.
 
     Built without ``torch.distributed.init_process_group``, so it lives beside any default process group (the
-    trainer's world on the sender, vLLM's on the workers). The constructor returns once every rank has joined.
+    trainer's world on the sender, vLLM's on the workers). Rank 0 binds the store when made (``master_port`` 0: a
+    port the kernel picks, :attr:`port`); :meth:`connect` returns once every rank has joined.
 
     Raises:
         JobSecretError: this process holds no job secret (``HPC_RLHF_JOB_SECRET``), or not the sender's.
     """
 
-    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float):
+    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float,
+                 channel: str):
         if not 0 <= rank < world_size:
             raise ValueError(f"gloo weight transfer: rank {rank} outside a group of {world_size}")
-        timeout = timedelta(seconds=timeout_s)
+        self.timeout = timedelta(seconds=timeout_s)
         # Rank 0 hosts the store and does not wait for the others here: the group's own connection does.
         self.store = sealed_tcp_store(master_address, master_port, rank=rank, world_size=world_size,
-                                      secret=inherited_job_secret(), namespace=_STORE_NAMESPACE, timeout=timeout)
+                                      secret=inherited_job_secret(), namespace=f"{_STORE_NAMESPACE}/{channel}",
+                                      timeout=self.timeout)
+        tcp_store = self.store.underlying_store
+        assert isinstance(tcp_store, dist.TCPStore)  # sealed_tcp_store's own: the port the kernel picked for rank 0
+        self.port = int(tcp_store.port)
         self.rank, self.world_size = rank, world_size
-        self.backend = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+        self.backend: dist.ProcessGroupGloo | None = None
+
+    def connect(self) -> None:
+        self.backend = dist.ProcessGroupGloo(self.store, self.rank, self.world_size, self.timeout)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """In place on every rank but ``src``; returns once this rank's part is done."""
+        if self.backend is None:
+            raise RuntimeError("gloo weight transfer: a broadcast before the group was connected")
         options = dist.BroadcastOptions()
         options.rootRank = src
         # torch's stubs leave out Backend.broadcast, which its C++ binding (ProcessGroupGloo) has
         self.backend.broadcast([tensor], options).wait()  # type: ignore[attr-defined]
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):  # a peer already gone is not this rank's error
-            self.backend.shutdown()
+        if self.backend is not None:
+            with contextlib.suppress(Exception):  # a peer already gone is not this rank's error
+                self.backend.shutdown()
 
 
 # ---------------------------------------------------------------------------- sender (an actor rank)
 
 
 class GlooSenderChannel:
-    """One engine's group seen from its sending actor rank (rank 0): opened once, collective with the engine's
-    ``init_weight_transfer_engine`` (``VllmServerEngine.open_weight_channel``), then one :meth:`send` per bucket of
-    every round, in the order the engine is told about them."""
+    """One engine's group seen from its sending actor rank (rank 0): made (the store bound on ``master_address``,
+    :attr:`rendezvous` says where, for the engine's ``open_weight_channel``), then :meth:`connect`, collective with
+    the engine's ``init_weight_transfer_engine``, then one :meth:`send` per bucket of every round, in the order the
+    engine is told about them."""
 
     # A broadcast to workers that died fails at once ("Connection closed by peer") and never completes into a peer
     # that did not take the data: the sender can leave a dead engine out of the rest of a round
     # (hpc_rlhf.rollout.weight_round_failure).
     survives_lost_receiver = True
 
-    def __init__(self, master_address: str, master_port: int, num_workers: int,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, num_workers: int, master_address: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S):
         if num_workers < 1:
             raise ValueError(f"GlooSenderChannel: num_workers={num_workers}; an engine has at least one worker")
-        self.group = GlooGroup(master_address, master_port, rank=0, world_size=1 + num_workers, timeout_s=timeout_s)
+        channel = secrets.token_hex(_CHANNEL_ID_BYTES)
+        self.group = GlooGroup(master_address, 0, rank=0, world_size=1 + num_workers, timeout_s=timeout_s,
+                               channel=channel)
+        self.rendezvous: dict[str, Any] = {"master_address": master_address, "master_port": self.group.port,
+                                           "channel": channel}
+
+    def connect(self) -> None:
+        """Returns once the engine's workers joined."""
+        self.group.connect()
 
     def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Broadcast one bucket's tensors (any device; copied to CPU), packed by dtype."""
@@ -265,7 +299,8 @@ class GlooWeightTransferReceiver:
         """Join the sender's group (returns once the sender and every worker of the engine have joined)."""
         rank = worker_group_rank(self.parallel_config, init_info.rank_offset)
         self.group = GlooGroup(init_info.master_address, init_info.master_port, rank, init_info.world_size,
-                               init_info.timeout_s)
+                               init_info.timeout_s, init_info.channel)
+        self.group.connect()
 
     def start_weight_update(self) -> None:
         """Layerwise reload: each layer is restored to checkpoint format, then loaded and processed again once all

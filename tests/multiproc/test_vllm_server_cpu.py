@@ -25,7 +25,6 @@ import torch
 from hpc_rlhf.models.tiny import VLLM_CPU_SIZES, build_tiny_model
 from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
 from hpc_rlhf.utils.metrics import read_metrics
-from hpc_rlhf.world.launch_env import free_port
 from tests.multiproc.rl_fixtures import grpo_overrides
 from tests.multiproc.spawn import run_on_ranks
 
@@ -65,12 +64,12 @@ def linked_engine(tiny_model):
     monkeypatch.setenv(JOB_SECRET_ENV, new_job_secret())
     engine = VllmServerEngine(tiny_model, dtype="float32", enforce_eager=True, max_model_len=LONG + 64,
                               kv_cache_memory_bytes=64 << 20, seed=0)
-    port = free_port()
     try:
         assert engine.weight_transfer_backend == "gloo"
         with ThreadPoolExecutor(1) as pool:  # both ends block until the other has joined
-            joined = pool.submit(engine.open_weight_channel, "127.0.0.1", port)
-            sender = GlooSenderChannel("127.0.0.1", port, num_workers=1, timeout_s=CHANNEL_TIMEOUT_S)
+            sender = GlooSenderChannel(num_workers=1, timeout_s=CHANNEL_TIMEOUT_S)
+            joined = pool.submit(engine.open_weight_channel, sender.rendezvous)
+            sender.connect()
             joined.result(timeout=CHANNEL_TIMEOUT_S)
         yield engine, sender
     finally:

@@ -98,14 +98,18 @@ class StoreChannel:
 
     opened = 0  # channels this process opened
 
-    def __init__(self, address: str, port: int, num_workers: int):
+    def __init__(self, num_workers: int):
         import torch.distributed as dist
 
-        self.store = dist.TCPStore(address, port, world_size=1 + num_workers, is_master=True,
+        self.store = dist.TCPStore("127.0.0.1", 0, world_size=1 + num_workers, is_master=True,
                                    wait_for_workers=False, timeout=TIMEOUT)
+        self.rendezvous = {"master_address": "127.0.0.1", "master_port": self.store.port}
         self.store.set("sender", str(dist.get_rank()))
         self.next_key = self.buckets_sent = 0
         StoreChannel.opened += 1
+
+    def connect(self) -> None:
+        pass
 
     def send(self, bucket) -> None:
         for name, tensor in bucket:
@@ -122,10 +126,11 @@ class StoreEngine:
         self.opens = 0
         self.rounds: list[dict[str, list[torch.Tensor]]] = []
 
-    def open_weight_channel(self, master_address: str, master_port: int) -> None:
+    def open_weight_channel(self, rendezvous) -> None:
         import torch.distributed as dist
 
-        self.store = dist.TCPStore(master_address, master_port, is_master=False, timeout=TIMEOUT)
+        self.store = dist.TCPStore(rendezvous["master_address"], rendezvous["master_port"], is_master=False,
+                                   timeout=TIMEOUT)
         self.sender = int(self.store.get("sender"))
         self.next_key = self.buckets_taken = 0
         self.opens += 1

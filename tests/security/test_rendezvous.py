@@ -137,13 +137,13 @@ def test_a_stranger_can_neither_join_a_weight_channel_nor_read_its_store(monkeyp
     """The gloo weight channel (actor -> vLLM workers): a stranger tries rank 1 first, the way the channel joined
     before sealing (plain TCPStore + PrefixStore), then with a secret of its own; the job's worker joins after it."""
     monkeypatch.setenv(JOB_SECRET_ENV, "j" * 64)
-    port = free_port()
+    channel = GlooSenderChannel(num_workers=1, timeout_s=60)  # the store is bound from here on
+    port, name = channel.rendezvous["master_port"], channel.rendezvous["channel"]
     bucket = torch.arange(12, dtype=torch.float32)
     outcome: dict = {}
     timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
 
     def stranger() -> None:
-        time.sleep(1)  # the sender is listening
         try:
             store = dist.PrefixStore("hpc_rlhf_weight_transfer", _stranger(port))
             group = dist.ProcessGroupGloo(store, 1, 2, timeout)
@@ -155,8 +155,8 @@ def test_a_stranger_can_neither_join_a_weight_channel_nor_read_its_store(monkeyp
         except Exception as err:  # noqa: BLE001
             outcome["stranger"] = ("refused", str(err))
         try:
-            sealed_tcp_store("127.0.0.1", port, rank=1, world_size=2, secret="s" * 64, namespace="weight_transfer",
-                             timeout=timeout)
+            sealed_tcp_store("127.0.0.1", port, rank=1, world_size=2, secret="s" * 64,
+                             namespace=f"weight_transfer/{name}", timeout=timeout)
             outcome["own_secret"] = "joined"
         except JobSecretError as err:
             outcome["own_secret"] = str(err)
@@ -164,7 +164,8 @@ def test_a_stranger_can_neither_join_a_weight_channel_nor_read_its_store(monkeyp
 
     def worker() -> None:
         attacker.join()  # only once the stranger has had its go
-        group = GlooGroup("127.0.0.1", port, rank=1, world_size=2, timeout_s=60)
+        group = GlooGroup("127.0.0.1", port, rank=1, world_size=2, timeout_s=60, channel=name)
+        group.connect()
         received = torch.zeros(12)
         group.broadcast(received, src=0)
         outcome["worker"] = received
@@ -173,7 +174,7 @@ def test_a_stranger_can_neither_join_a_weight_channel_nor_read_its_store(monkeyp
     attacker, receiver = threading.Thread(target=stranger), threading.Thread(target=worker)
     attacker.start()
     receiver.start()
-    channel = GlooSenderChannel("127.0.0.1", port, num_workers=1, timeout_s=60)
+    channel.connect()
     channel.send([("w", bucket)])
     receiver.join(timeout=90)
     attacker.join(timeout=30)

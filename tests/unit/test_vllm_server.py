@@ -5,6 +5,7 @@ backend's wire format between two threads. The real engine on CPU: ``tests/multi
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import sys
 import threading
@@ -37,8 +38,13 @@ from hpc_rlhf.weight_sync.vllm_gloo_transfer import (
     unpack_by_dtype,
     worker_group_rank,
 )
-from hpc_rlhf.world.launch_env import free_port
 from tests.unit.test_vllm_external_launcher_contract import FakeRequestOutput, completion
+
+# What a sender's channel hands the engine's rank: NCCL's unique id (128 bytes, base64); the gloo store's place.
+NCCL_RENDEZVOUS = {"nccl_unique_id_b64": base64.b64encode(bytes(range(128))).decode()}
+CHANNEL = "c" * 32
+GLOO_RENDEZVOUS = {"master_address": "10.0.0.1", "master_port": 31000, "channel": CHANNEL}
+RENDEZVOUS = {"nccl": NCCL_RENDEZVOUS, "gloo": GLOO_RENDEZVOUS}
 
 
 def test_server_processes_do_not_see_our_world():
@@ -67,13 +73,16 @@ def test_weight_payloads_describe_the_bucket_and_the_ranks():
               ("model.norm.weight", torch.empty(4, device="meta"))]
     assert bucket_update_info(bucket) == {"names": ["model.embed_tokens.weight", "model.norm.weight"],
                                           "dtype_names": ["bfloat16", "float32"], "shapes": [[10, 4], [4]]}
-    info = worker_init_info("10.0.0.1", 31000, num_workers=4)
+    info = worker_init_info(NCCL_RENDEZVOUS, num_workers=4)
     assert info["rank_offset"] == 1 and info["world_size"] == 5 and info["packed"] is True
+    assert info["nccl_unique_id_b64"] == NCCL_RENDEZVOUS["nccl_unique_id_b64"] and "master_port" not in info
     # The gloo backend's payload builds its init info (what vLLM's worker does with it) and has no NCCL packing.
-    gloo = worker_init_info("10.0.0.1", 31000, num_workers=4, backend="gloo")
+    gloo = worker_init_info(GLOO_RENDEZVOUS, num_workers=4, backend="gloo")
     assert GlooWeightTransferInitInfo(**gloo).world_size == 5 and "packed" not in gloo
     with pytest.raises(ValueError, match="unknown weight-transfer backend 'rdma'"):
-        worker_init_info("10.0.0.1", 31000, num_workers=1, backend="rdma")
+        worker_init_info(NCCL_RENDEZVOUS, num_workers=1, backend="rdma")
+    with pytest.raises(ValueError, match=r"lacks \['channel'\]"):
+        worker_init_info({"master_address": "h", "master_port": 31000}, num_workers=1, backend="gloo")
 
 
 def test_transfer_backend_follows_the_hardware():
@@ -183,7 +192,7 @@ def test_weight_round_runs_while_a_generation_is_in_flight(fake_vllm):
         args = engine.engine.args.kwargs
         assert args["distributed_executor_backend"] == "mp" and args["tensor_parallel_size"] == 2
         assert args["weight_transfer_config"].kwargs == {"backend": "nccl"}
-        engine.open_weight_channel("10.0.0.1", 31000)
+        engine.open_weight_channel(RENDEZVOUS[engine.weight_transfer_backend])
         pending = engine.submit([GenerationRequest([1, 2], SamplingParams(max_new_tokens=4, seed=1), n=2)])
         assert engine.engine.generating.wait(timeout=60)
         assert not pending.done()
@@ -203,7 +212,7 @@ def test_failed_round_still_resumes_generation(fake_vllm):
     fake = engine.engine
     with pytest.raises(RuntimeError, match="no weight channel"):  # nobody could send: refuse instead of hanging
         engine.update_weights([("a", torch.empty(1, device="meta"))])
-    engine.open_weight_channel("10.0.0.1", 31000)
+    engine.open_weight_channel(RENDEZVOUS[engine.weight_transfer_backend])
 
     async def broken(request):
         raise RuntimeError("NCCL peer gone")
@@ -291,7 +300,7 @@ def test_bucket_descriptions_are_read_on_the_calling_thread(fake_vllm):
     """The weight sync's descriptions may wait on the control plane: they must not be read on the engine's loop."""
     engine = VllmServerEngine("/models/tiny")
     fake = engine.engine
-    engine.open_weight_channel("10.0.0.1", 31000)
+    engine.open_weight_channel(RENDEZVOUS[engine.weight_transfer_backend])
     readers = []
 
     def buckets():
@@ -353,11 +362,13 @@ def test_gloo_payloads_fail_naming_what_is_wrong():
     with pytest.raises(ValueError, match="differ in length"):
         GlooWeightTransferUpdateInfo(names=["w", "v"], dtype_names=["float32"], shapes=[[1]])
     with pytest.raises(ValueError, match="rank_offset=0"):
-        GlooWeightTransferInitInfo("h", 31000, rank_offset=0, world_size=2)
+        GlooWeightTransferInitInfo("h", 31000, CHANNEL, rank_offset=0, world_size=2)
     with pytest.raises(ValueError, match="world_size=1 leaves no rank"):
-        GlooWeightTransferInitInfo("h", 31000, rank_offset=1, world_size=1)
+        GlooWeightTransferInitInfo("h", 31000, CHANNEL, rank_offset=1, world_size=1)
     with pytest.raises(ValueError, match="master_port=0"):
-        GlooWeightTransferInitInfo("h", 0, rank_offset=1, world_size=2)
+        GlooWeightTransferInitInfo("h", 0, CHANNEL, rank_offset=1, world_size=2)
+    with pytest.raises(ValueError, match="channel='x' is shorter"):
+        GlooWeightTransferInitInfo("h", 31000, "x", rank_offset=1, world_size=2)
 
 
 def test_worker_ranks_are_unique_over_vllms_data_parallel_replicas():
@@ -384,13 +395,16 @@ def test_a_bucket_crosses_a_gloo_group_between_sender_and_worker(monkeypatch):
     """Both ends of the wire in one process (two threads); no default process group exists or is needed (the job's
     secret, which init_world would export, is set by hand)."""
     monkeypatch.setenv("HPC_RLHF_JOB_SECRET", "a" * 64)
-    port = free_port()
+    channel = GlooSenderChannel(num_workers=1, timeout_s=60)
+    where = channel.rendezvous
     bucket = _mixed_bucket()
     info = GlooWeightTransferUpdateInfo(**bucket_update_info(bucket))
     received = {}
 
     def worker():
-        group = GlooGroup("127.0.0.1", port, rank=1, world_size=2, timeout_s=60)
+        group = GlooGroup(where["master_address"], where["master_port"], rank=1, world_size=2, timeout_s=60,
+                          channel=where["channel"])
+        group.connect()
         for round_index in range(2):
             buffers = empty_buffers(info.shapes, info.dtypes)
             for buffer in buffers:
@@ -400,7 +414,7 @@ def test_a_bucket_crosses_a_gloo_group_between_sender_and_worker(monkeypatch):
 
     thread = threading.Thread(target=worker)
     thread.start()
-    channel = GlooSenderChannel("127.0.0.1", port, num_workers=1, timeout_s=60)
+    channel.connect()
     channel.send(bucket)
     channel.send([(name, tensor * 2) for name, tensor in bucket])
     thread.join(timeout=60)
@@ -418,10 +432,11 @@ def test_channels_follow_the_hardware(monkeypatch):
     monkeypatch.setattr(weight_sync, "GlooSenderChannel", lambda *a: opened.append(("gloo", a)))
     monkeypatch.setattr(weight_sync, "SenderChannel", lambda *a: opened.append(("nccl", a)))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    weight_sync._open_vllm_channel("h", 31000, 1)
+    monkeypatch.setattr(weight_sync, "host_address", lambda: "h")
+    weight_sync._open_vllm_channel(1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    weight_sync._open_vllm_channel("h", 31001, 2)
-    assert opened == [("gloo", ("h", 31000, 1)), ("nccl", ("h", 31001, 2))]
+    weight_sync._open_vllm_channel(2)
+    assert opened == [("gloo", (1, "h")), ("nccl", (2,))]
 
 
 # ---------------------------------------------------------------------------- restarts (engine_restart)
@@ -465,7 +480,7 @@ class RecordingRejoin:
 
     def rejoin(self, engine, cause):
         self.calls.append(("rejoin", cause))
-        engine.open_weight_channel("10.0.0.1", 31001)
+        engine.open_weight_channel(RENDEZVOUS[engine.weight_transfer_backend])
 
     def give_up(self, error):
         self.calls.append(("give_up", error))
@@ -586,7 +601,7 @@ def test_an_engine_lost_in_a_weight_round_generates_only_after_a_restart_with_th
     engine = VllmServerEngine("/models/tiny", max_restarts=1, weight_transfer_backend="gloo", name="rank 1's engine")
     hook = engine.rejoin = RoundRejoin()
     try:
-        engine.open_weight_channel("10.0.0.1", 31000)
+        engine.open_weight_channel(RENDEZVOUS[engine.weight_transfer_backend])
         drawn = []
         engine.receive_weights(_taken(drawn))  # returns although the engine died in it
         cause = "during a weight round (0 of 2 bucket(s) loaded), vLLM's engine-core process exited"
@@ -610,7 +625,7 @@ def test_an_engine_lost_again_while_it_rejoins_is_restarted_again_within_the_bou
     engine = VllmServerEngine("/models/tiny", max_restarts=2, weight_transfer_backend="gloo", name="rank 1's engine")
     hook = engine.rejoin = RoundRejoin()
     try:
-        engine.open_weight_channel("10.0.0.1", 31000)
+        engine.open_weight_channel(RENDEZVOUS[engine.weight_transfer_backend])
         engine.receive_weights(ROUND)
         engine.generate([GenerationRequest([1], SamplingParams(max_new_tokens=2))])
     finally:
@@ -627,7 +642,7 @@ def test_over_nccl_an_engine_lost_mid_round_ends_the_job_at_once(round_dying_vll
     engine = VllmServerEngine("/models/tiny", max_restarts=3, weight_transfer_backend="nccl", name="rank 1's engine")
     engine.rejoin = RoundRejoin()
     try:
-        engine.open_weight_channel("10.0.0.1", 31000)
+        engine.open_weight_channel(RENDEZVOUS[engine.weight_transfer_backend])
         drawn = []
         with pytest.raises(WeightRoundError, match=r"rank 1's engine died during a weight round, after 0 bucket\(s\) "
                            r"were loaded: vLLM's engine-core process exited\. Its workers share a nccl communicator"):
