@@ -51,6 +51,26 @@ def _run(sandbox, code, **kw):
     return sandbox.run(ExecRequest(code=textwrap.dedent(code), **kw))
 
 
+# An attack that could take the host down if the isolation were missing (kill(-1) as root signals every process
+# of the machine; a fork bomb without a process limit) first checks that it runs in a PID namespace other than
+# this test's, and otherwise exits without attacking, which fails its test instead of the machine.
+_HOST_PID_NS = os.readlink("/proc/self/ns/pid")
+_ONLY_IF_ISOLATED = f"""
+import os, sys
+try:
+    _ns = os.readlink("/proc/self/ns/pid")
+except OSError:
+    _ns = None
+if _ns is None or _ns == {_HOST_PID_NS!r}:
+    print("ATTACK NOT RUN: same PID namespace as the host")
+    sys.exit(0)
+"""
+
+
+def _run_attack(sandbox, code, **kw):
+    return _run(sandbox, _ONLY_IF_ISOLATED + textwrap.dedent(code), **kw)
+
+
 def test_no_network(sandbox):
     result = _run(sandbox, """
         import socket
@@ -123,7 +143,7 @@ def test_writes_only_to_the_scratch_dir(sandbox, tmp_path):
 
 
 def test_fork_bomb_is_contained_and_the_trainer_can_still_fork(sandbox):
-    result = _run(sandbox, """
+    result = _run_attack(sandbox, """
         import os
         while True:
             try:
@@ -131,6 +151,7 @@ def test_fork_bomb_is_contained_and_the_trainer_can_still_fork(sandbox):
             except OSError:
                 pass
     """, time_limit_s=3)
+    assert "ATTACK NOT RUN" not in result.stdout
     assert result.status in ("timeout", "error")
     assert subprocess.run(["true"], check=False).returncode == 0
 
@@ -160,7 +181,7 @@ def test_huge_output_is_capped(sandbox):
 
 
 def test_signals_cannot_reach_the_trainer(sandbox):
-    result = _run(sandbox, f"""
+    result = _run_attack(sandbox, f"""
         import os, signal
         for pid in (os.getppid(), {os.getpid()}, {os.getppid()}, -1):
             try:
@@ -169,6 +190,7 @@ def test_signals_cannot_reach_the_trainer(sandbox):
                 print(pid, type(exc).__name__)
         os.killpg(0, signal.SIGKILL)
     """)
+    assert "ATTACK NOT RUN" not in result.stdout
     assert result.status in ("error", "ok")  # it may kill itself; nothing outside
     assert os.getppid() > 1  # still here, and so is our parent
 
