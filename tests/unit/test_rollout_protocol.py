@@ -34,7 +34,7 @@ def test_an_in_process_engine_receives_a_round_as_one_update_and_has_no_channel(
     engine.receive_weights([[("a", t), ("b", t)], [("c", t)]])
     assert engine.calls == [["a", "b", "c"]]  # one call: vLLM reprocesses a layer only within one update
     with pytest.raises(NotImplementedError, match="_RecordingEngine loads weights in-process"):
-        engine.open_weight_channel("127.0.0.1", 29500)
+        engine.open_weight_channel({"address": "127.0.0.1", "port": 29500})
     assert engine.shares_trained_model is False
     engine.close()  # nothing started, nothing to stop
 
