@@ -1,7 +1,12 @@
 """An OpenAI-compatible HTTP endpoint over this rank's rollout engine, recording every completion.
 
 ``OpenAIEndpoint`` serves ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models`` with FastAPI /
-uvicorn in a daemon thread on ``127.0.0.1`` and a free port. Requests are not generated in the server's
+uvicorn in a daemon thread. By default it listens on a Unix socket in a folder of its own (mode 0700, so no other
+user of the node can connect) and the executor's clients reach it through that socket (:meth:`OpenAIEndpoint.
+async_client`); with ``listen="tcp"`` (``rollout.agent_endpoint=tcp``, for frameworks that can only take a URL) it
+listens on ``127.0.0.1`` and a free port, which every user of the node can reach. Either way the server holds at
+most ``max_connections`` connections and closes one whose first request has not arrived within
+``first_request_timeout_s`` (``hpc_rlhf.serving.connection_limits``). Requests are not generated in the server's
 thread: each becomes a ``GenerationRequest`` put on a queue, and the thread that owns the engine (the
 executor's, which holds the ``generate`` callable) takes everything queued, from every concurrent episode,
 into one batched ``generate`` call (:meth:`GenerationQueue.take`), then hands each request its results.
@@ -40,8 +45,11 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import queue
+import shutil
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -73,6 +81,11 @@ from hpc_rlhf.agents.tool_parsers import OutputParser
 from hpc_rlhf.data.vision_prompts import VisionPromptEncoder
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams
 from hpc_rlhf.rollout.visual import PromptVisual
+from hpc_rlhf.serving.connection_limits import (
+    DEFAULT_FIRST_REQUEST_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    limited_http_protocol,
+)
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_N = 64
@@ -210,13 +223,21 @@ class OpenAIEndpoint:
         vision: the actor's image encoder (a vision-language actor): chat messages may then hold image content
             parts (``openai_images``); None refuses them.
         max_images, max_image_pixels: images per request, pixels per image (``openai_images``).
+        listen: ``"unix"`` (a Unix socket in a private folder; the default) or ``"tcp"`` (``127.0.0.1``).
+        max_connections, first_request_timeout_s: the server's connection bounds (``serving.connection_limits``).
     """
 
     def __init__(self, tokenizer: Any, max_len: int | None = None, model_name: str = "policy",
                  batch_wait_s: float = 0.05, parser: OutputParser | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int = DEFAULT_MAX_N,
                  vision: VisionPromptEncoder | None = None, max_images: int = DEFAULT_MAX_IMAGES,
-                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, listen: str = "unix",
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 first_request_timeout_s: float = DEFAULT_FIRST_REQUEST_TIMEOUT_S) -> None:
+        if listen not in ("unix", "tcp"):
+            raise ValueError(f"listen must be 'unix' or 'tcp', got {listen!r}")
+        self.listen, self.max_connections = listen, max_connections
+        self.first_request_timeout_s = first_request_timeout_s
         self.vision, self.max_images, self.max_image_pixels = vision, max_images, max_image_pixels
         self.tokenizer, self.max_len, self.model_name = tokenizer, max_len, model_name
         self.vocab_size = len(tokenizer)  # added tokens included; ids past it cannot be decoded
@@ -230,41 +251,92 @@ class OpenAIEndpoint:
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
-        self.port: int | None = None
+        self._socket_dir: str | None = None
+        self.port: int | None = None  # listen="tcp" only
 
     # ------------------------------------------------------------------ lifecycle
 
     @property
     def base_url(self) -> str:
-        if self.port is None:
+        """The API's URL. Over the Unix socket the host part is a placeholder: a client must be built with the
+        socket as its transport (:meth:`async_client`, :meth:`http_client`)."""
+        if self._sock is None:
             raise RuntimeError("OpenAIEndpoint.base_url before start()")
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"http://127.0.0.1:{self.port}/v1" if self.port is not None else "http://localhost/v1"
+
+    @property
+    def socket_path(self) -> str | None:
+        """The Unix socket the endpoint listens on (None for ``listen="tcp"``)."""
+        return os.path.join(self._socket_dir, "endpoint.sock") if self._socket_dir is not None else None
+
+    def http_client(self, **kwargs: Any) -> Any:
+        """An ``httpx.Client`` that reaches this endpoint whatever it listens on (``base_url`` set)."""
+        import httpx  # comes with the openai package (the agents extra)
+
+        transport = httpx.HTTPTransport(uds=self.socket_path) if self.socket_path else None
+        return httpx.Client(transport=transport, base_url=self.base_url, **kwargs)
+
+    def async_client(self, api_key: str, timeout: float | None) -> Any:
+        """An ``openai.AsyncOpenAI`` for the episode ``api_key``, through the Unix socket when there is one. No
+        retries: a retried request would generate (and record) a second time."""
+        import importlib
+
+        import openai
+
+        http: Any = None
+        if self.socket_path:
+            # openai 3 builds on httpx2, older versions on httpx: the transport must come from the same package
+            # as the client class openai gives (its DefaultAsyncHttpxClient keeps openai's own defaults).
+            package = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
+            http = openai.DefaultAsyncHttpxClient(transport=package.AsyncHTTPTransport(uds=self.socket_path),
+                                                  timeout=timeout)
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=timeout,
+                                  http_client=http)
 
     def start(self, startup_timeout_s: float = 30.0) -> "OpenAIEndpoint":
         import uvicorn  # fastapi / uvicorn: the optional agents extra, imported only when an endpoint is served
 
-        # Bound before the thread starts: the port is ours at once and no other process can take it.
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("127.0.0.1", 0))
-        self.port = self._sock.getsockname()[1]
-        self._server = uvicorn.Server(uvicorn.Config(create_app(self), log_level="warning", lifespan="off",
-                                                     timeout_graceful_shutdown=2))
-        self._thread = threading.Thread(target=self._serve, name=f"openai-endpoint-{self.port}", daemon=True)
+        # Bound before the thread starts: the address is ours at once and no other process can take it.
+        self._sock = self._bind()
+        where = self.socket_path or f"127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(
+            create_app(self), log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
+            http=limited_http_protocol(self.max_connections, self.first_request_timeout_s)))
+        self._thread = threading.Thread(target=self._serve, name=f"openai-endpoint-{where}", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + startup_timeout_s
         while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
         if not self._server.started:
             self.close()
-            raise RuntimeError(f"OpenAI endpoint on 127.0.0.1:{self.port} did not start")
+            raise RuntimeError(f"OpenAI endpoint on {where} did not start")
         return self
+
+    def _bind(self) -> socket.socket:
+        if self.listen == "tcp":
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+            return sock
+        # mkdtemp makes the folder 0700: only this user can reach the socket inside, whatever its own mode.
+        self._socket_dir = tempfile.mkdtemp(prefix="hpc_rlhf-agents-")
+        path = os.path.join(self._socket_dir, "endpoint.sock")
+        if len(path.encode()) > 100:  # sun_path holds 108 bytes
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
+            raise RuntimeError(f"the agents endpoint's socket path {path} is too long for a Unix socket: set TMPDIR "
+                               "to a shorter folder, or rollout.agent_endpoint=tcp")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        os.chmod(path, 0o600)
+        return sock
 
     def _serve(self) -> None:
         with contextlib.suppress(SystemExit):  # uvicorn exits this way when startup fails; it logged why
             self._server.run(sockets=[self._sock])
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop serving (requests still waiting for the engine fail) and release the port."""
+        """Stop serving (requests still waiting for the engine fail) and release the port or socket."""
         self.queue.fail_all(RuntimeError("the OpenAI endpoint is shutting down"))
         if self._server is not None:
             self._server.should_exit = True
@@ -272,7 +344,9 @@ class OpenAIEndpoint:
             self._thread.join(timeout_s)
         if self._sock is not None:
             self._sock.close()
-        self._server = self._thread = self._sock = None
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+        self._server = self._thread = self._sock = self._socket_dir = None
 
     def set_defaults(self, sampling: SamplingParams) -> None:
         """The run's sampling parameters: defaults for fields a request leaves out (and the stop tokens)."""

@@ -156,6 +156,11 @@ class RolloutConfig(Section):
         "auto", description="OpenAI-client agents: how the endpoint moves <think> reasoning into reasoning_content: "
                             "a vLLM reasoning parser name when vLLM is installed, else the built-in qwen3 or "
                             "deepseek_r1; none; auto picks qwen3 when the chat template writes </think>, else none")
+    agent_endpoint: Literal["unix", "tcp"] = Field(
+        "unix", description="OpenAI-client agents: where the rollout rank's endpoint listens: unix, a Unix socket in "
+                            "a private folder (mode 0700) that the client handed to the agent reaches; tcp, "
+                            "127.0.0.1 and a free port, which every user of the node can reach (the episode key "
+                            "still guards it), for frameworks that can only take a base URL")
 
 
 class VllmConfig(Section):

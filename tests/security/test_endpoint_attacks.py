@@ -1,7 +1,7 @@
 """Attacks on the OpenAI-compatible endpoint and its executor, over real HTTP on loopback.
 
-Any user of a node can reach ``127.0.0.1``: a body without a key, or a huge one, must be refused before it is
-read; a malformed request must be its own 400, and an agent that blocks its thread must time out as itself.
+Any user of a node can reach ``127.0.0.1`` (``listen="tcp"``; the default Unix socket in a private folder only its
+user): a body without a key, or a huge one, must be refused before it is read; a malformed request must be its own 400, and an agent that blocks its thread must time out as itself.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ ATTACK_BYTES = 300 * MiB
 @pytest.fixture()
 def endpoint(tiny_tokenizer_and_engine):
     tokenizer, _ = tiny_tokenizer_and_engine
-    served = OpenAIEndpoint(tokenizer, max_len=96).start()
+    served = OpenAIEndpoint(tokenizer, max_len=96, listen="tcp").start()  # reachable by every user
     yield served
     served.close()
 
@@ -227,3 +227,4 @@ def test_an_agent_that_blocks_its_thread_forever_times_out_as_itself(tiny_tokeni
     assert all("episode_timeout_s" in r.failure for r in blocked)
     assert len(others) == 4 and all(r.failure is None and r.reward == 1.0 for r in others)
     assert executor.last_run_stats["agent_timeouts"] == 2
+

@@ -48,7 +48,8 @@ def served(tiny):
 
 def _client(endpoint, episode_id):
     endpoint.recorder.open(episode_id)
-    return openai.OpenAI(base_url=endpoint.base_url, api_key=episode_id, max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=endpoint.base_url, api_key=episode_id, max_retries=0, timeout=60,
+                         http_client=endpoint.http_client(timeout=60))  # over its Unix socket
 
 
 def test_chat_n_and_logprobs_match_the_engine_tokens(served):
@@ -95,7 +96,8 @@ def test_completions_stop_string_logprobs_and_models(served):
 
 def test_unknown_episode_is_refused(served):
     endpoint, _, _ = served
-    client = openai.OpenAI(base_url=endpoint.base_url, api_key="not-an-episode", max_retries=0)
+    client = openai.OpenAI(base_url=endpoint.base_url, api_key="not-an-episode", max_retries=0,
+                           http_client=endpoint.http_client())
     with pytest.raises(openai.AuthenticationError):
         client.completions.create(model="policy", prompt="1+1=", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="stream_options"):

@@ -441,7 +441,8 @@ def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
                                    agent_kwargs=cfg.train.agent_kwargs,
                                    episode_timeout_s=cfg.train.agent_episode_timeout_s,
                                    tool_call_parser=cfg.rollout.tool_call_parser,
-                                   reasoning_parser=cfg.rollout.reasoning_parser)
+                                   reasoning_parser=cfg.rollout.reasoning_parser,
+                                   endpoint_listen=cfg.rollout.agent_endpoint)
     # Multi-turn agents take the prompts' images and images in feedback (agents.images); an OpenAI-client agent
     # sends its images in its chat messages (base64 data URLs) and the endpoint encodes them.
     executor.vision = vision_encoder(cfg, tokenizer)
