@@ -25,7 +25,8 @@ every request of a batch fails alone too, the engine itself is broken and the er
 
 Request fields honoured: ``messages`` / ``prompt`` (text or token ids), ``n``, ``temperature``, ``top_p``,
 ``max_tokens`` / ``max_completion_tokens`` (default ``rollout.generate_max_len``; capped so prompt + output fit
-``data.max_len``, or at ``rollout.generate_max_len`` when ``data.max_len`` is unset), ``stop`` (strings; see
+``data.max_len`` and the engine's context length, and at ``rollout.generate_max_len`` when ``data.max_len`` is
+unset; a prompt that leaves no room is that request's 400), ``stop`` (strings; see
 ``openai_chat``), ``seed``, ``logprobs`` (chat: ``true``; completions: an int, only the sampled token's logprob is
 reported), ``tools`` (passed to the chat template; ``tool_choice: "none"`` leaves them out), ``stream`` /
 ``stream_options.include_usage`` (see ``openai_stream``). Reported logprobs are the engine's (temperature-scaled,
@@ -223,6 +224,8 @@ class OpenAIEndpoint:
         vision: the actor's image encoder (a vision-language actor): chat messages may then hold image content
             parts (``openai_images``); None refuses them.
         max_images, max_image_pixels: images per request, pixels per image (``openai_images``).
+        context_len: the rollout engine's context length (``RolloutEngine.max_context_len``): no call's prompt +
+            output may pass it, whatever ``max_len``; None when unknown.
         listen: ``"unix"`` (a Unix socket in a private folder; the default) or ``"tcp"`` (``127.0.0.1``).
         max_connections, first_request_timeout_s: the server's connection bounds (``serving.connection_limits``).
     """
@@ -231,7 +234,8 @@ class OpenAIEndpoint:
                  batch_wait_s: float = 0.05, parser: OutputParser | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int = DEFAULT_MAX_N,
                  vision: VisionPromptEncoder | None = None, max_images: int = DEFAULT_MAX_IMAGES,
-                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, listen: str = "unix",
+                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, context_len: int | None = None,
+                 listen: str = "unix",
                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  first_request_timeout_s: float = DEFAULT_FIRST_REQUEST_TIMEOUT_S) -> None:
         if listen not in ("unix", "tcp"):
@@ -240,6 +244,7 @@ class OpenAIEndpoint:
         self.first_request_timeout_s = first_request_timeout_s
         self.vision, self.max_images, self.max_image_pixels = vision, max_images, max_image_pixels
         self.tokenizer, self.max_len, self.model_name = tokenizer, max_len, model_name
+        self.context_len = context_len
         self.vocab_size = len(tokenizer)  # added tokens included; ids past it cannot be decoded
         self.max_body_bytes, self.max_n = max_body_bytes, max_n
         self.parser = parser if parser is not None else OutputParser(tokenizer)
@@ -363,15 +368,19 @@ class OpenAIEndpoint:
         if max_tokens is not None and max_tokens < 1:
             raise EndpointRequestError(f"'{max_key}' must be >= 1, got {max_tokens}", param=max_key)
         limit = d.max_new_tokens if max_tokens is None else max_tokens
-        if self.max_len is not None:
-            room = self.max_len - prompt_len
-            if room < 1:
-                raise EndpointRequestError(
-                    f"the prompt has {prompt_len} tokens, which leaves no room in the context of {self.max_len} "
-                    "tokens (data.max_len)", param="messages", status=400)
-            limit = min(limit, room)
-        else:  # no context budget: the run's generate_max_len bounds what one request may ask for
+        if self.max_len is None:  # no run budget: the run's generate_max_len bounds what one request may ask for
             limit = min(limit, d.max_new_tokens)
+        budget = self._context_budget()
+        if budget is not None:
+            context, source = budget
+            room = context - prompt_len
+            if room < 1:
+                # This request's 400, and its episode's error when the agent lets it raise; the engine would
+                # fail the whole batch on it (vLLM refuses a prompt past max_model_len).
+                raise EndpointRequestError(
+                    f"the prompt has {prompt_len} tokens, which leaves no room in the context of {context} tokens "
+                    f"({source})", param="messages" if max_key == "max_completion_tokens" else "prompt")
+            limit = min(limit, room)
         seed = seed_of(body)
         if seed is None and d.seed is not None:
             seed = _derive_seed(d.seed, episode_id, call_index)
@@ -382,6 +391,17 @@ class OpenAIEndpoint:
         except ValueError as err:
             param = "temperature" if "temperature" in str(err) else "top_p"
             raise EndpointRequestError(str(err), param=param) from None
+
+    def _context_budget(self) -> tuple[int, str] | None:
+        """(prompt + output tokens one call may hold, what sets it): ``data.max_len`` or the engine's context,
+        whichever is smaller; None when neither is known."""
+        budgets = []
+        if self.max_len is not None:
+            budgets.append((self.max_len, "data.max_len"))
+        if self.context_len is not None:
+            budgets.append((self.context_len, "the rollout engine's context length: vLLM's max_model_len, or the "
+                                              "model's max_position_embeddings"))
+        return min(budgets) if budgets else None
 
     def _episode(self, authorization: str | None) -> str:
         key = bearer_token(authorization)

@@ -152,6 +152,9 @@ class OpenAIAgentExecutor(AgentExecutor):
         if endpoint_listen not in ("unix", "tcp"):
             raise ValueError(f"endpoint_listen must be 'unix' or 'tcp', got {endpoint_listen!r}")
         self.endpoint_listen = endpoint_listen
+        # The rollout engine's context length (RolloutEngine.max_context_len), set by whoever pairs the executor
+        # with its engine before the first run: the endpoint refuses a call past it as that call's 400.
+        self.context_len: int | None = None
         self.parser = OutputParser(tokenizer, tool_call_parser, reasoning_parser)  # a bad name fails at load time
         self.endpoint: OpenAIEndpoint | None = None
         self.last_run_stats: dict[str, float] = {}
@@ -164,7 +167,7 @@ class OpenAIAgentExecutor(AgentExecutor):
             import_openai()  # fail before serving when the client package is missing
             self.endpoint = OpenAIEndpoint(self.tokenizer, self.max_len, self.model_name,
                                            self.batch_wait_s, self.parser, vision=self.vision,
-                                           listen=self.endpoint_listen).start()
+                                           context_len=self.context_len, listen=self.endpoint_listen).start()
             atexit.register(self.close)
         return self.endpoint
 

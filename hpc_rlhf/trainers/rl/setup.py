@@ -460,9 +460,10 @@ def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
 
 def _rollout_side(cfg: RunConfig, world: WorldGroups, tokenizer: Any, on_gpu: bool,
                   actor: TrainEngine | None = None) -> RolloutSide:
-    side = RolloutSide(_rollout_engine(cfg, tokenizer, on_gpu, actor, world.rank), _executor(cfg, tokenizer),
-                       cfg.rollout,
-                       [tokenizer.eos_token_id])
+    engine, executor = _rollout_engine(cfg, tokenizer, on_gpu, actor, world.rank), _executor(cfg, tokenizer)
+    if isinstance(executor, OpenAIAgentExecutor):
+        executor.context_len = engine.max_context_len  # an over-long agent call is its own 400, not the batch's
+    side = RolloutSide(engine, executor, cfg.rollout, [tokenizer.eos_token_id])
     # A rollout engine may seed the global RNGs itself, the same on every rank (vLLM's worker calls
     # set_random_seed(engine seed)): give each rank its own streams back, whatever the engine.
     seed_rank(cfg.train.seed, world.rank)
