@@ -23,6 +23,10 @@ field. If the engine still fails on a batch, the batch's requests are run again 
 request that fails alone gets the error (500), and its episode ends as failed (``EpisodeRecorder.fail``); when
 every request of a batch fails alone too, the engine itself is broken and the error ends the step.
 
+Chat prompts (image decoding, the image processor, the chat template) are prepared in a pool of two threads beside
+the server's event loop, so a request with large images delays no other episode's; each distinct image of an
+episode is decoded once and its records point at it (``openai_images.EpisodeImages``).
+
 Request fields honoured: ``messages`` / ``prompt`` (text or token ids), ``n``, ``temperature``, ``top_p``,
 ``max_tokens`` / ``max_completion_tokens`` (default ``rollout.generate_max_len``; capped so prompt + output fit
 ``data.max_len`` and the engine's context length, and at ``rollout.generate_max_len`` when ``data.max_len`` is
@@ -60,10 +64,13 @@ from typing import Any
 from hpc_rlhf.agents.openai_chat import ChatTemplateError, apply_stop_strings, chat_prompt_ids, completion_prompt_ids
 from hpc_rlhf.agents.openai_guard import DEFAULT_MAX_BODY_BYTES, EndpointGuard, bearer_token
 from hpc_rlhf.agents.openai_images import (
+    DEFAULT_MAX_EPISODE_PIXELS,
     DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_MAX_IMAGES,
+    DEFAULT_MAX_REQUEST_PIXELS,
     ChatImages,
-    message_image_refs,
+    EpisodeImages,
+    message_images,
     refuse_image_tokens,
 )
 from hpc_rlhf.agents.openai_recording import CompletionRecord, EpisodeRecorder
@@ -224,6 +231,8 @@ class OpenAIEndpoint:
         vision: the actor's image encoder (a vision-language actor): chat messages may then hold image content
             parts (``openai_images``); None refuses them.
         max_images, max_image_pixels: images per request, pixels per image (``openai_images``).
+        max_request_pixels, max_episode_pixels: decoded pixels of the new images of one request, of the distinct
+            images of one episode (``rollout.agent_max_image_pixels_per_request`` / ``_per_episode``).
         context_len: the rollout engine's context length (``RolloutEngine.max_context_len``): no call's prompt +
             output may pass it, whatever ``max_len``; None when unknown.
         listen: ``"unix"`` (a Unix socket in a private folder; the default) or ``"tcp"`` (``127.0.0.1``).
@@ -234,7 +243,9 @@ class OpenAIEndpoint:
                  batch_wait_s: float = 0.05, parser: OutputParser | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int = DEFAULT_MAX_N,
                  vision: VisionPromptEncoder | None = None, max_images: int = DEFAULT_MAX_IMAGES,
-                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, context_len: int | None = None,
+                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                 max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS,
+                 max_episode_pixels: int = DEFAULT_MAX_EPISODE_PIXELS, context_len: int | None = None,
                  listen: str = "unix",
                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  first_request_timeout_s: float = DEFAULT_FIRST_REQUEST_TIMEOUT_S) -> None:
@@ -243,6 +254,11 @@ class OpenAIEndpoint:
         self.listen, self.max_connections = listen, max_connections
         self.first_request_timeout_s = first_request_timeout_s
         self.vision, self.max_images, self.max_image_pixels = vision, max_images, max_image_pixels
+        self.max_request_pixels, self.max_episode_pixels = max_request_pixels, max_episode_pixels
+        # Decoding images, running the processor and tokenizing a chat are CPU work: they run here, two at a time,
+        # never on the server's event loop (where one large request would stall every other episode's).
+        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2,
+                                                                   thread_name_prefix="openai-endpoint-prepare")
         self.tokenizer, self.max_len, self.model_name = tokenizer, max_len, model_name
         self.context_len = context_len
         self.vocab_size = len(tokenizer)  # added tokens included; ids past it cannot be decoded
@@ -351,6 +367,7 @@ class OpenAIEndpoint:
             self._sock.close()
         if self._socket_dir is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
         self._server = self._thread = self._sock = self._socket_dir = None
 
     def set_defaults(self, sampling: SamplingParams) -> None:
@@ -441,16 +458,8 @@ class OpenAIEndpoint:
         tools = check_tools(body.get("tools")) if body.get("tools") and body.get("tool_choice") != "none" else None
         if tools:  # as OpenAI sends them ({"type": "function", "function": {...}}), as vLLM gives templates
             render_kwargs["tools"] = tools
-        images = self._chat_images(messages)
-        try:
-            prompt_ids, full_text = chat_prompt_ids(self.tokenizer, messages, self.recorder.records(episode_id),
-                                                    render_kwargs, expand=images.expand if images else str)
-        except ChatTemplateError as err:
-            raise EndpointRequestError(str(err), param="messages") from None
-        if images is not None:
-            images.check_rendered(full_text)
-        else:
-            refuse_image_tokens(prompt_ids, self.vision, "messages")
+        images, prompt_ids = await asyncio.get_running_loop().run_in_executor(
+            self._prepare_pool, self._chat_prompt, episode_id, messages, render_kwargs)
         visual = images.visual if images is not None else None
         if not prompt_ids:
             raise EndpointRequestError("the chat template rendered an empty prompt", param="messages")
@@ -465,7 +474,7 @@ class OpenAIEndpoint:
             self.recorder.add(episode_id, CompletionRecord(
                 call_index=call_index, prompt_ids=list(prompt_ids), output_ids=ids, output_logprobs=logprobs,
                 finish_reason=finish, kind="chat", output_text=text, messages=messages, message=message,
-                render_kwargs=render_kwargs, visual=visual))
+                render_kwargs=render_kwargs, visual=images.kept if images is not None else None))
             completion_tokens += len(ids)
             choice: dict[str, Any] = {"index": index, "message": message, "logprobs": None,
                                       "finish_reason": "tool_calls" if tool_calls else finish}
@@ -477,18 +486,39 @@ class OpenAIEndpoint:
             choices.append(choice)
         return self._response(body, "chatcmpl", "chat.completion", len(prompt_ids), choices, completion_tokens)
 
-    def _chat_images(self, messages: list[dict]) -> ChatImages | None:
-        """The request's images through the actor's processor (None without image parts); a 400 for images on a
-        text-only actor, or images the caps refuse (``openai_images``)."""
-        refs = message_image_refs(messages, self.max_images, self.max_image_pixels)
-        if not refs:
+    def _chat_prompt(self, episode_id: str, messages: list[dict],
+                     render_kwargs: dict) -> tuple[ChatImages | None, list[int]]:
+        """(the request's images, its prompt ids): decoding, the processor and the template, off the event loop."""
+        images = self._chat_images(episode_id, messages)
+        try:
+            prompt_ids, full_text = chat_prompt_ids(self.tokenizer, messages, self.recorder.records(episode_id),
+                                                    render_kwargs, expand=images.expand if images else str)
+        except ChatTemplateError as err:
+            raise EndpointRequestError(str(err), param="messages") from None
+        if images is not None:
+            images.check_rendered(full_text)
+        else:
+            refuse_image_tokens(prompt_ids, self.vision, "messages")
+        return images, prompt_ids
+
+    def _chat_images(self, episode_id: str, messages: list[dict]) -> ChatImages | None:
+        """The request's images through the actor's processor (None without image parts), each distinct image of
+        the episode decoded once; a 400 for images on a text-only actor, or images the caps refuse
+        (``openai_images``)."""
+        images = message_images(messages, self.max_images, self.max_image_pixels)
+        if not images:
             return None
         if self.vision is None:
             raise EndpointRequestError("the request holds image content parts but the actor (actor.pretrain) is a "
                                        "text-only model", param="messages")
+        store = self.recorder.store(episode_id, lambda: EpisodeImages(self.max_episode_pixels))
+        if store is None:  # the episode ended meanwhile
+            raise EndpointRequestError("unknown episode: it ended", status=401)
         try:
-            return ChatImages.encode(self.vision, refs)
+            return ChatImages.encode(self.vision, images, store, self.max_request_pixels)
         except ValueError as err:  # an image whose header read but whose pixels do not decode
+            if isinstance(err, EndpointRequestError):
+                raise
             raise EndpointRequestError(f"an image of the request could not be decoded: {str(err)[:300]}",
                                        param="messages") from None
 

@@ -446,6 +446,9 @@ def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
     # Multi-turn agents take the prompts' images and images in feedback (agents.images); an OpenAI-client agent
     # sends its images in its chat messages (base64 data URLs) and the endpoint encodes them.
     executor.vision = vision_encoder(cfg, tokenizer)
+    if isinstance(executor, OpenAIAgentExecutor):  # the endpoint's caps on the images agents send
+        executor.max_request_pixels = cfg.rollout.agent_max_image_pixels_per_request
+        executor.max_episode_pixels = cfg.rollout.agent_max_image_pixels_per_episode
     if isinstance(executor, OpenAIAgentExecutor) and cfg.algo.routing_replay == "rollout":
         # Its rows are the chat calls' prompts and completions, re-tokenized per call: no engine routes reach them.
         raise SetupError(f"algo.routing_replay=rollout with train.agent_func_path={cfg.train.agent_func_path}: an "
