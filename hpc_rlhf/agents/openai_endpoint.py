@@ -2,14 +2,16 @@
 
 ``OpenAIEndpoint`` serves ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models`` with FastAPI /
 uvicorn in a daemon thread. By default it listens on a Unix socket in a folder of its own (mode 0700, so no other
-user of the node can connect) and the executor's clients reach it through that socket (:meth:`OpenAIEndpoint.
-async_client`); with ``listen="tcp"`` (``rollout.agent_endpoint=tcp``, for frameworks that can only take a URL) it
-listens on ``127.0.0.1`` and a free port, which every user of the node can reach. Either way the server holds at
-most ``max_connections`` connections and closes one whose first request has not arrived within
-``first_request_timeout_s`` (``hpc_rlhf.serving.connection_limits``). Requests are not generated in the server's
-thread: each becomes a ``GenerationRequest`` put on a queue, and the thread that owns the engine (the
-executor's, which holds the ``generate`` callable) takes everything queued, from every concurrent episode,
-into one batched ``generate`` call (:meth:`GenerationQueue.take`), then hands each request its results.
+user of the node can connect) and the executor's clients reach it through that socket
+(:meth:`OpenAIEndpoint.async_client`); with ``listen="tcp"`` (``rollout.agent_endpoint=tcp``, for frameworks
+that can only take a URL) it listens on ``127.0.0.1`` and a free port, which every user of the node can reach.
+Either way the server holds at most ``max_connections`` connections and closes one whose first request has not
+arrived within ``first_request_timeout_s`` (``hpc_rlhf.serving.connection_limits``).
+
+Requests are not generated in the server's thread: each becomes a ``GenerationRequest`` put on a queue, and
+the thread that owns the engine (the executor's, which holds the ``generate`` callable) takes everything queued,
+from every concurrent episode, into one batched ``generate`` call (``openai_batching``), then hands each request
+its results.
 
 Episode id: the API key. The executor gives each episode a client built with ``api_key=<episode id>``, so
 every request of the episode carries ``Authorization: Bearer <episode id>`` whatever framework wraps the
@@ -51,16 +53,15 @@ import hashlib
 import json
 import logging
 import os
-import queue
 import shutil
 import socket
 import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
+from hpc_rlhf.agents.openai_batching import GenerationQueue, run_batch
 from hpc_rlhf.agents.openai_chat import ChatTemplateError, apply_stop_strings, chat_prompt_ids, completion_prompt_ids
 from hpc_rlhf.agents.openai_guard import DEFAULT_MAX_BODY_BYTES, EndpointGuard, bearer_token
 from hpc_rlhf.agents.openai_images import (
@@ -98,115 +99,6 @@ from hpc_rlhf.serving.connection_limits import (
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_N = 64
 __all__ = ["EndpointRequestError", "GenerationQueue", "OpenAIEndpoint", "run_batch"]
-
-
-# ---------------------------------------------------------------------- batching
-
-
-@dataclass
-class PendingRequest:
-    episode_id: str
-    request: GenerationRequest
-    future: concurrent.futures.Future
-
-
-class GenerationQueue:
-    """Requests from the server thread to the engine thread, batched across episodes."""
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[PendingRequest] = queue.Queue()
-
-    def submit(self, episode_id: str, request: GenerationRequest) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put(PendingRequest(episode_id, request, future))
-        return future
-
-    def take(self, waiting_for: set[str], first_timeout_s: float, batch_wait_s: float) -> list[PendingRequest]:
-        """Block up to ``first_timeout_s`` for a request, then gather more until every episode in
-        ``waiting_for`` (the running ones) has one queued or ``batch_wait_s`` passed: an episode that is
-        busy elsewhere (a tool, the environment) delays the batch by at most ``batch_wait_s``."""
-        try:
-            batch = [self._queue.get(timeout=first_timeout_s)]
-        except queue.Empty:
-            return []
-        deadline = time.monotonic() + batch_wait_s
-        while not waiting_for <= {p.episode_id for p in batch}:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                batch.append(self._queue.get(timeout=left))
-            except queue.Empty:
-                break
-        while True:  # whatever else is already queued rides along
-            try:
-                batch.append(self._queue.get_nowait())
-            except queue.Empty:
-                return batch
-
-    def fail_all(self, error: BaseException) -> None:
-        while True:
-            try:
-                pending = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if not pending.future.done():
-                pending.future.set_exception(error)
-
-
-def _deliver(batch: list[PendingRequest], results: list[GenerationResult]) -> None:
-    """Each pending request's ``n`` results; an engine that returns a wrong count is broken (raises)."""
-    grouped: list[list[GenerationResult]] = [[] for _ in batch]
-    for result in results:
-        grouped[result.request_index].append(result)
-    for pending, group in zip(batch, grouped, strict=True):
-        if len(group) != pending.request.n:
-            raise RuntimeError(f"rollout engine returned {len(group)} samples for a request with "
-                               f"n={pending.request.n}")
-    for pending, group in zip(batch, grouped, strict=True):
-        if not pending.future.done():
-            pending.future.set_result(group)
-
-
-def run_batch(batch: list[PendingRequest], generate: Any) -> None:
-    """One ``generate`` call for ``batch``; each pending request gets its ``n`` results.
-
-    When the call fails, each request is generated again alone, so a request the engine cannot serve fails
-    only itself (its future gets the error). When every request of a batch of several fails alone too, the
-    engine is broken, not a request: every future gets the error and it propagates.
-    """
-    if not batch:
-        return
-    try:
-        _deliver(batch, generate([p.request for p in batch]))
-        return
-    except Exception as err:  # noqa: BLE001 - isolated below; a broken engine re-raises
-        if len(batch) == 1:
-            logger.warning("rollout engine failed on the request of episode %s: %s: %s", batch[0].episode_id,
-                           type(err).__name__, err)
-            _fail(batch, err)
-            return
-        batch_error = err
-    except BaseException as err:  # an interrupt: every waiting request learns of it, then it propagates
-        _fail(batch, err)
-        raise
-    failures: list[BaseException] = []
-    for pending in batch:
-        try:
-            _deliver([pending], generate([pending.request]))
-        except Exception as err:  # noqa: BLE001 - this request's own failure
-            logger.warning("rollout engine failed on the request of episode %s: %s: %s", pending.episode_id,
-                           type(err).__name__, err)
-            _fail([pending], err)
-            failures.append(err)
-    if len(failures) == len(batch):
-        raise batch_error
-
-
-def _fail(batch: list[PendingRequest], error: BaseException) -> None:
-    for pending in batch:
-        if not pending.future.done():
-            pending.future.set_exception(error)
 
 
 # ---------------------------------------------------------------------- request handling
