@@ -304,3 +304,17 @@ def test_workflow_class_shape_and_its_errors(tiny, tmp_path):
     broken = _agent_file(tmp_path, "broken.py", workflow.replace("self.bonus = bonus", "raise KeyError(bonus)"))
     with pytest.raises(AgentLoadError, match=r"broken.py: building the workflow Workflow"):
         load_agent_executor(broken, tokenizer, 32)
+
+
+@pytest.mark.parametrize("listen", ["unix", "tcp"])
+def test_the_agents_client_reaches_the_endpoint_where_it_listens(tiny, listen):
+    tokenizer, engine = tiny
+    executor = OpenAIAgentExecutor(three_turn_chat, tokenizer, prompt_max_len=32, max_len=128, endpoint_listen=listen)
+    try:
+        sampling = SamplingParams(max_new_tokens=3, stop_token_ids=[tokenizer.eos_token_id], seed=2)
+        [row] = executor.run([Prompt(text="1+2=", label="3", source="t", index=0)], engine.generate, sampling, 1)
+        served = executor.endpoint
+        assert served is not None and (served.port is None) == (listen == "unix")
+    finally:
+        executor.close()
+    assert row.failure is None and sum(row.action_mask) > 0
