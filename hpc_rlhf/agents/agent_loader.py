@@ -158,7 +158,7 @@ def _openai_agent(module: Any, path: str, agent_kwargs: dict[str, Any]) -> Any:
 
 def _openai_executor(agent: Any, path: str, tokenizer: Any, prompt_max_len: int, max_len: int | None,
                      num_concurrent: int, episode_timeout_s: float | None, agent_kwargs: dict[str, Any],
-                     tool_call_parser: str, reasoning_parser: str) -> AgentExecutor:
+                     tool_call_parser: str, reasoning_parser: str, endpoint_listen: str) -> AgentExecutor:
     try:
         import_openai()
     except ImportError as err:
@@ -167,7 +167,7 @@ def _openai_executor(agent: Any, path: str, tokenizer: Any, prompt_max_len: int,
         return OpenAIAgentExecutor(agent, tokenizer, prompt_max_len, max_len=max_len,
                                    num_concurrent=num_concurrent, episode_timeout_s=episode_timeout_s,
                                    agent_kwargs=agent_kwargs, tool_call_parser=tool_call_parser,
-                                   reasoning_parser=reasoning_parser)
+                                   reasoning_parser=reasoning_parser, endpoint_listen=endpoint_listen)
     except ParserConfigError as err:
         raise AgentLoadError(f"{path} defines an OpenAI-client agent: {err}", path=path) from err
 
@@ -177,9 +177,9 @@ def load_agent_executor(path: str, tokenizer: Any, prompt_max_len: int, max_len:
                         step_timeout_s: float | None = 300.0,
                         agent_kwargs: dict[str, Any] | None = None,
                         episode_timeout_s: float | None = 600.0, tool_call_parser: str = "auto",
-                        reasoning_parser: str = "auto") -> AgentExecutor:
+                        reasoning_parser: str = "auto", endpoint_listen: str = "unix") -> AgentExecutor:
     """The executor defined by the agent file at ``path`` (see the module docstring); the parsers are those of
-    an OpenAI-client agent's endpoint (``tool_parsers``)."""
+    an OpenAI-client agent's endpoint (``tool_parsers``), and so is ``endpoint_listen`` (``openai_endpoint``)."""
     path = os.path.abspath(os.path.expanduser(path))
     agent_kwargs = dict(agent_kwargs or {})
     module = _import_file(path)
@@ -188,7 +188,8 @@ def load_agent_executor(path: str, tokenizer: Any, prompt_max_len: int, max_len:
     openai_agent = _openai_agent(module, path, agent_kwargs) if executor_cls is None and instance_cls is None else None
     if openai_agent is not None:
         return _openai_executor(openai_agent, path, tokenizer, prompt_max_len, max_len, num_concurrent,
-                                episode_timeout_s, agent_kwargs, tool_call_parser, reasoning_parser)
+                                episode_timeout_s, agent_kwargs, tool_call_parser, reasoning_parser,
+                                endpoint_listen)
     if executor_cls is None and instance_cls is None:
         if not is_function_style(module):
             raise AgentLoadError(

@@ -77,14 +77,15 @@ def extend_visual(visual: PromptVisual | None, vision: VisionPromptEncoder, pixe
     samples of the prompt). ``pixel_values`` (N, D), ``image_grid_thw`` (I, 3) of the new images."""
     if visual is None:
         return PromptVisual(pixel_values, image_grid_thw, vision.image_token_id, vision.merge_size, tuple(refs),
-                            tuple(images), _bounds(vision))
+                            tuple(images), pixel_bounds(vision))
     return dataclasses.replace(
         visual, pixel_values=torch.cat([visual.pixel_values, pixel_values]),
         image_grid_thw=torch.cat([visual.image_grid_thw, image_grid_thw]), refs=visual.refs + tuple(refs),
         images=visual.images + tuple(images))
 
 
-def _bounds(vision: VisionPromptEncoder) -> tuple[int, int] | None:
+def pixel_bounds(vision: VisionPromptEncoder) -> tuple[int, int] | None:
+    """(min_pixels, max_pixels) the image processor resizes into (``PromptVisual.pixel_bounds``), or None."""
     low, high = vision.size.get("shortest_edge"), vision.size.get("longest_edge")
     return (int(low), int(high)) if low and high else None
 
@@ -147,4 +148,5 @@ def refuse_stray_placeholders(ids: Sequence[int], visual: PromptVisual | None, v
 
 
 __all__ = ["FEEDBACK_IMAGES_KEY", "AgentImageError", "encode_observation", "extend_visual", "feedback_image_refs",
-           "feedback_tokens", "image_placeholder", "refuse_stray_placeholders"]
+           "feedback_tokens", "image_placeholder", "pixel_bounds",
+           "refuse_stray_placeholders"]

@@ -1,10 +1,17 @@
 """An OpenAI-compatible HTTP endpoint over this rank's rollout engine, recording every completion.
 
 ``OpenAIEndpoint`` serves ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models`` with FastAPI /
-uvicorn in a daemon thread on ``127.0.0.1`` and a free port. Requests are not generated in the server's
-thread: each becomes a ``GenerationRequest`` put on a queue, and the thread that owns the engine (the
-executor's, which holds the ``generate`` callable) takes everything queued, from every concurrent episode,
-into one batched ``generate`` call (:meth:`GenerationQueue.take`), then hands each request its results.
+uvicorn in a daemon thread. By default it listens on a Unix socket in a folder of its own (mode 0700, so no other
+user of the node can connect) and the executor's clients reach it through that socket
+(:meth:`OpenAIEndpoint.async_client`); with ``listen="tcp"`` (``rollout.agent_endpoint=tcp``, for frameworks
+that can only take a URL) it listens on ``127.0.0.1`` and a free port, which every user of the node can reach.
+Either way the server holds at most ``max_connections`` connections and closes one whose first request has not
+arrived within ``first_request_timeout_s`` (``hpc_rlhf.serving.connection_limits``).
+
+Requests are not generated in the server's thread: each becomes a ``GenerationRequest`` put on a queue, and
+the thread that owns the engine (the executor's, which holds the ``generate`` callable) takes everything queued,
+from every concurrent episode, into one batched ``generate`` call (``openai_batching``), then hands each request
+its results.
 
 Episode id: the API key. The executor gives each episode a client built with ``api_key=<episode id>``, so
 every request of the episode carries ``Authorization: Bearer <episode id>`` whatever framework wraps the
@@ -18,9 +25,14 @@ field. If the engine still fails on a batch, the batch's requests are run again 
 request that fails alone gets the error (500), and its episode ends as failed (``EpisodeRecorder.fail``); when
 every request of a batch fails alone too, the engine itself is broken and the error ends the step.
 
+Chat prompts (image decoding, the image processor, the chat template) are prepared in a pool of two threads beside
+the server's event loop, so a request with large images delays no other episode's; each distinct image of an
+episode is decoded once and its records point at it (``openai_images.EpisodeImages``).
+
 Request fields honoured: ``messages`` / ``prompt`` (text or token ids), ``n``, ``temperature``, ``top_p``,
 ``max_tokens`` / ``max_completion_tokens`` (default ``rollout.generate_max_len``; capped so prompt + output fit
-``data.max_len``, or at ``rollout.generate_max_len`` when ``data.max_len`` is unset), ``stop`` (strings; see
+``data.max_len`` and the engine's context length, and at ``rollout.generate_max_len`` when ``data.max_len`` is
+unset; a prompt that leaves no room is that request's 400), ``stop`` (strings; see
 ``openai_chat``), ``seed``, ``logprobs`` (chat: ``true``; completions: an int, only the sampled token's logprob is
 reported), ``tools`` (passed to the chat template; ``tool_choice: "none"`` leaves them out), ``stream`` /
 ``stream_options.include_usage`` (see ``openai_stream``). Reported logprobs are the engine's (temperature-scaled,
@@ -40,21 +52,26 @@ import contextlib
 import hashlib
 import json
 import logging
-import queue
+import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
+from hpc_rlhf.agents.openai_batching import GenerationQueue, run_batch
 from hpc_rlhf.agents.openai_chat import ChatTemplateError, apply_stop_strings, chat_prompt_ids, completion_prompt_ids
 from hpc_rlhf.agents.openai_guard import DEFAULT_MAX_BODY_BYTES, EndpointGuard, bearer_token
 from hpc_rlhf.agents.openai_images import (
+    DEFAULT_MAX_EPISODE_PIXELS,
     DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_MAX_IMAGES,
+    DEFAULT_MAX_REQUEST_PIXELS,
     ChatImages,
-    message_image_refs,
+    EpisodeImages,
+    message_images,
     refuse_image_tokens,
 )
 from hpc_rlhf.agents.openai_recording import CompletionRecord, EpisodeRecorder
@@ -73,119 +90,15 @@ from hpc_rlhf.agents.tool_parsers import OutputParser
 from hpc_rlhf.data.vision_prompts import VisionPromptEncoder
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams
 from hpc_rlhf.rollout.visual import PromptVisual
+from hpc_rlhf.serving.connection_limits import (
+    DEFAULT_FIRST_REQUEST_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    limited_http_protocol,
+)
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_N = 64
 __all__ = ["EndpointRequestError", "GenerationQueue", "OpenAIEndpoint", "run_batch"]
-
-
-# ---------------------------------------------------------------------- batching
-
-
-@dataclass
-class PendingRequest:
-    episode_id: str
-    request: GenerationRequest
-    future: concurrent.futures.Future
-
-
-class GenerationQueue:
-    """Requests from the server thread to the engine thread, batched across episodes."""
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[PendingRequest] = queue.Queue()
-
-    def submit(self, episode_id: str, request: GenerationRequest) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put(PendingRequest(episode_id, request, future))
-        return future
-
-    def take(self, waiting_for: set[str], first_timeout_s: float, batch_wait_s: float) -> list[PendingRequest]:
-        """Block up to ``first_timeout_s`` for a request, then gather more until every episode in
-        ``waiting_for`` (the running ones) has one queued or ``batch_wait_s`` passed: an episode that is
-        busy elsewhere (a tool, the environment) delays the batch by at most ``batch_wait_s``."""
-        try:
-            batch = [self._queue.get(timeout=first_timeout_s)]
-        except queue.Empty:
-            return []
-        deadline = time.monotonic() + batch_wait_s
-        while not waiting_for <= {p.episode_id for p in batch}:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                batch.append(self._queue.get(timeout=left))
-            except queue.Empty:
-                break
-        while True:  # whatever else is already queued rides along
-            try:
-                batch.append(self._queue.get_nowait())
-            except queue.Empty:
-                return batch
-
-    def fail_all(self, error: BaseException) -> None:
-        while True:
-            try:
-                pending = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if not pending.future.done():
-                pending.future.set_exception(error)
-
-
-def _deliver(batch: list[PendingRequest], results: list[GenerationResult]) -> None:
-    """Each pending request's ``n`` results; an engine that returns a wrong count is broken (raises)."""
-    grouped: list[list[GenerationResult]] = [[] for _ in batch]
-    for result in results:
-        grouped[result.request_index].append(result)
-    for pending, group in zip(batch, grouped, strict=True):
-        if len(group) != pending.request.n:
-            raise RuntimeError(f"rollout engine returned {len(group)} samples for a request with "
-                               f"n={pending.request.n}")
-    for pending, group in zip(batch, grouped, strict=True):
-        if not pending.future.done():
-            pending.future.set_result(group)
-
-
-def run_batch(batch: list[PendingRequest], generate: Any) -> None:
-    """One ``generate`` call for ``batch``; each pending request gets its ``n`` results.
-
-    When the call fails, each request is generated again alone, so a request the engine cannot serve fails
-    only itself (its future gets the error). When every request of a batch of several fails alone too, the
-    engine is broken, not a request: every future gets the error and it propagates.
-    """
-    if not batch:
-        return
-    try:
-        _deliver(batch, generate([p.request for p in batch]))
-        return
-    except Exception as err:  # noqa: BLE001 - isolated below; a broken engine re-raises
-        if len(batch) == 1:
-            logger.warning("rollout engine failed on the request of episode %s: %s: %s", batch[0].episode_id,
-                           type(err).__name__, err)
-            _fail(batch, err)
-            return
-        batch_error = err
-    except BaseException as err:  # an interrupt: every waiting request learns of it, then it propagates
-        _fail(batch, err)
-        raise
-    failures: list[BaseException] = []
-    for pending in batch:
-        try:
-            _deliver([pending], generate([pending.request]))
-        except Exception as err:  # noqa: BLE001 - this request's own failure
-            logger.warning("rollout engine failed on the request of episode %s: %s: %s", pending.episode_id,
-                           type(err).__name__, err)
-            _fail([pending], err)
-            failures.append(err)
-    if len(failures) == len(batch):
-        raise batch_error
-
-
-def _fail(batch: list[PendingRequest], error: BaseException) -> None:
-    for pending in batch:
-        if not pending.future.done():
-            pending.future.set_exception(error)
 
 
 # ---------------------------------------------------------------------- request handling
@@ -210,15 +123,36 @@ class OpenAIEndpoint:
         vision: the actor's image encoder (a vision-language actor): chat messages may then hold image content
             parts (``openai_images``); None refuses them.
         max_images, max_image_pixels: images per request, pixels per image (``openai_images``).
+        max_request_pixels, max_episode_pixels: decoded pixels of the new images of one request, of the distinct
+            images of one episode (``rollout.agent_max_image_pixels_per_request`` / ``_per_episode``).
+        context_len: the rollout engine's context length (``RolloutEngine.max_context_len``): no call's prompt +
+            output may pass it, whatever ``max_len``; None when unknown.
+        listen: ``"unix"`` (a Unix socket in a private folder; the default) or ``"tcp"`` (``127.0.0.1``).
+        max_connections, first_request_timeout_s: the server's connection bounds (``serving.connection_limits``).
     """
 
     def __init__(self, tokenizer: Any, max_len: int | None = None, model_name: str = "policy",
                  batch_wait_s: float = 0.05, parser: OutputParser | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int = DEFAULT_MAX_N,
                  vision: VisionPromptEncoder | None = None, max_images: int = DEFAULT_MAX_IMAGES,
-                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                 max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS,
+                 max_episode_pixels: int = DEFAULT_MAX_EPISODE_PIXELS, context_len: int | None = None,
+                 listen: str = "unix",
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 first_request_timeout_s: float = DEFAULT_FIRST_REQUEST_TIMEOUT_S) -> None:
+        if listen not in ("unix", "tcp"):
+            raise ValueError(f"listen must be 'unix' or 'tcp', got {listen!r}")
+        self.listen, self.max_connections = listen, max_connections
+        self.first_request_timeout_s = first_request_timeout_s
         self.vision, self.max_images, self.max_image_pixels = vision, max_images, max_image_pixels
+        self.max_request_pixels, self.max_episode_pixels = max_request_pixels, max_episode_pixels
+        # Decoding images, running the processor and tokenizing a chat are CPU work: they run here, two at a time,
+        # never on the server's event loop (where one large request would stall every other episode's).
+        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2,
+                                                                   thread_name_prefix="openai-endpoint-prepare")
         self.tokenizer, self.max_len, self.model_name = tokenizer, max_len, model_name
+        self.context_len = context_len
         self.vocab_size = len(tokenizer)  # added tokens included; ids past it cannot be decoded
         self.max_body_bytes, self.max_n = max_body_bytes, max_n
         self.parser = parser if parser is not None else OutputParser(tokenizer)
@@ -230,41 +164,92 @@ class OpenAIEndpoint:
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
-        self.port: int | None = None
+        self._socket_dir: str | None = None
+        self.port: int | None = None  # listen="tcp" only
 
     # ------------------------------------------------------------------ lifecycle
 
     @property
     def base_url(self) -> str:
-        if self.port is None:
+        """The API's URL. Over the Unix socket the host part is a placeholder: a client must be built with the
+        socket as its transport (:meth:`async_client`, :meth:`http_client`)."""
+        if self._sock is None:
             raise RuntimeError("OpenAIEndpoint.base_url before start()")
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"http://127.0.0.1:{self.port}/v1" if self.port is not None else "http://localhost/v1"
+
+    @property
+    def socket_path(self) -> str | None:
+        """The Unix socket the endpoint listens on (None for ``listen="tcp"``)."""
+        return os.path.join(self._socket_dir, "endpoint.sock") if self._socket_dir is not None else None
+
+    def http_client(self, **kwargs: Any) -> Any:
+        """An ``httpx.Client`` that reaches this endpoint whatever it listens on (``base_url`` set)."""
+        import httpx  # comes with the openai package (the agents extra)
+
+        transport = httpx.HTTPTransport(uds=self.socket_path) if self.socket_path else None
+        return httpx.Client(transport=transport, base_url=self.base_url, **kwargs)
+
+    def async_client(self, api_key: str, timeout: float | None) -> Any:
+        """An ``openai.AsyncOpenAI`` for the episode ``api_key``, through the Unix socket when there is one. No
+        retries: a retried request would generate (and record) a second time."""
+        import importlib
+
+        import openai
+
+        http: Any = None
+        if self.socket_path:
+            # openai 3 builds on httpx2, older versions on httpx: the transport must come from the same package
+            # as the client class openai gives (its DefaultAsyncHttpxClient keeps openai's own defaults).
+            package = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
+            http = openai.DefaultAsyncHttpxClient(transport=package.AsyncHTTPTransport(uds=self.socket_path),
+                                                  timeout=timeout)
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=timeout,
+                                  http_client=http)
 
     def start(self, startup_timeout_s: float = 30.0) -> "OpenAIEndpoint":
         import uvicorn  # fastapi / uvicorn: the optional agents extra, imported only when an endpoint is served
 
-        # Bound before the thread starts: the port is ours at once and no other process can take it.
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("127.0.0.1", 0))
-        self.port = self._sock.getsockname()[1]
-        self._server = uvicorn.Server(uvicorn.Config(create_app(self), log_level="warning", lifespan="off",
-                                                     timeout_graceful_shutdown=2))
-        self._thread = threading.Thread(target=self._serve, name=f"openai-endpoint-{self.port}", daemon=True)
+        # Bound before the thread starts: the address is ours at once and no other process can take it.
+        self._sock = self._bind()
+        where = self.socket_path or f"127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(
+            create_app(self), log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
+            http=limited_http_protocol(self.max_connections, self.first_request_timeout_s)))
+        self._thread = threading.Thread(target=self._serve, name=f"openai-endpoint-{where}", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + startup_timeout_s
         while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
         if not self._server.started:
             self.close()
-            raise RuntimeError(f"OpenAI endpoint on 127.0.0.1:{self.port} did not start")
+            raise RuntimeError(f"OpenAI endpoint on {where} did not start")
         return self
+
+    def _bind(self) -> socket.socket:
+        if self.listen == "tcp":
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+            return sock
+        # mkdtemp makes the folder 0700: only this user can reach the socket inside, whatever its own mode.
+        self._socket_dir = tempfile.mkdtemp(prefix="hpc_rlhf-agents-")
+        path = os.path.join(self._socket_dir, "endpoint.sock")
+        if len(path.encode()) > 100:  # sun_path holds 108 bytes
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
+            raise RuntimeError(f"the agents endpoint's socket path {path} is too long for a Unix socket: set TMPDIR "
+                               "to a shorter folder, or rollout.agent_endpoint=tcp")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        os.chmod(path, 0o600)
+        return sock
 
     def _serve(self) -> None:
         with contextlib.suppress(SystemExit):  # uvicorn exits this way when startup fails; it logged why
             self._server.run(sockets=[self._sock])
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop serving (requests still waiting for the engine fail) and release the port."""
+        """Stop serving (requests still waiting for the engine fail) and release the port or socket."""
         self.queue.fail_all(RuntimeError("the OpenAI endpoint is shutting down"))
         if self._server is not None:
             self._server.should_exit = True
@@ -272,7 +257,10 @@ class OpenAIEndpoint:
             self._thread.join(timeout_s)
         if self._sock is not None:
             self._sock.close()
-        self._server = self._thread = self._sock = None
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+        self._server = self._thread = self._sock = self._socket_dir = None
 
     def set_defaults(self, sampling: SamplingParams) -> None:
         """The run's sampling parameters: defaults for fields a request leaves out (and the stop tokens)."""
@@ -289,15 +277,19 @@ class OpenAIEndpoint:
         if max_tokens is not None and max_tokens < 1:
             raise EndpointRequestError(f"'{max_key}' must be >= 1, got {max_tokens}", param=max_key)
         limit = d.max_new_tokens if max_tokens is None else max_tokens
-        if self.max_len is not None:
-            room = self.max_len - prompt_len
-            if room < 1:
-                raise EndpointRequestError(
-                    f"the prompt has {prompt_len} tokens, which leaves no room in the context of {self.max_len} "
-                    "tokens (data.max_len)", param="messages", status=400)
-            limit = min(limit, room)
-        else:  # no context budget: the run's generate_max_len bounds what one request may ask for
+        if self.max_len is None:  # no run budget: the run's generate_max_len bounds what one request may ask for
             limit = min(limit, d.max_new_tokens)
+        budget = self._context_budget()
+        if budget is not None:
+            context, source = budget
+            room = context - prompt_len
+            if room < 1:
+                # This request's 400, and its episode's error when the agent lets it raise; the engine would
+                # fail the whole batch on it (vLLM refuses a prompt past max_model_len).
+                raise EndpointRequestError(
+                    f"the prompt has {prompt_len} tokens, which leaves no room in the context of {context} tokens "
+                    f"({source})", param="messages" if max_key == "max_completion_tokens" else "prompt")
+            limit = min(limit, room)
         seed = seed_of(body)
         if seed is None and d.seed is not None:
             seed = _derive_seed(d.seed, episode_id, call_index)
@@ -308,6 +300,17 @@ class OpenAIEndpoint:
         except ValueError as err:
             param = "temperature" if "temperature" in str(err) else "top_p"
             raise EndpointRequestError(str(err), param=param) from None
+
+    def _context_budget(self) -> tuple[int, str] | None:
+        """(prompt + output tokens one call may hold, what sets it): ``data.max_len`` or the engine's context,
+        whichever is smaller; None when neither is known."""
+        budgets = []
+        if self.max_len is not None:
+            budgets.append((self.max_len, "data.max_len"))
+        if self.context_len is not None:
+            budgets.append((self.context_len, "the rollout engine's context length: vLLM's max_model_len, or the "
+                                              "model's max_position_embeddings"))
+        return min(budgets) if budgets else None
 
     def _episode(self, authorization: str | None) -> str:
         key = bearer_token(authorization)
@@ -347,16 +350,8 @@ class OpenAIEndpoint:
         tools = check_tools(body.get("tools")) if body.get("tools") and body.get("tool_choice") != "none" else None
         if tools:  # as OpenAI sends them ({"type": "function", "function": {...}}), as vLLM gives templates
             render_kwargs["tools"] = tools
-        images = self._chat_images(messages)
-        try:
-            prompt_ids, full_text = chat_prompt_ids(self.tokenizer, messages, self.recorder.records(episode_id),
-                                                    render_kwargs, expand=images.expand if images else str)
-        except ChatTemplateError as err:
-            raise EndpointRequestError(str(err), param="messages") from None
-        if images is not None:
-            images.check_rendered(full_text)
-        else:
-            refuse_image_tokens(prompt_ids, self.vision, "messages")
+        images, prompt_ids = await asyncio.get_running_loop().run_in_executor(
+            self._prepare_pool, self._chat_prompt, episode_id, messages, render_kwargs)
         visual = images.visual if images is not None else None
         if not prompt_ids:
             raise EndpointRequestError("the chat template rendered an empty prompt", param="messages")
@@ -371,7 +366,7 @@ class OpenAIEndpoint:
             self.recorder.add(episode_id, CompletionRecord(
                 call_index=call_index, prompt_ids=list(prompt_ids), output_ids=ids, output_logprobs=logprobs,
                 finish_reason=finish, kind="chat", output_text=text, messages=messages, message=message,
-                render_kwargs=render_kwargs, visual=visual))
+                render_kwargs=render_kwargs, visual=images.kept if images is not None else None))
             completion_tokens += len(ids)
             choice: dict[str, Any] = {"index": index, "message": message, "logprobs": None,
                                       "finish_reason": "tool_calls" if tool_calls else finish}
@@ -383,18 +378,39 @@ class OpenAIEndpoint:
             choices.append(choice)
         return self._response(body, "chatcmpl", "chat.completion", len(prompt_ids), choices, completion_tokens)
 
-    def _chat_images(self, messages: list[dict]) -> ChatImages | None:
-        """The request's images through the actor's processor (None without image parts); a 400 for images on a
-        text-only actor, or images the caps refuse (``openai_images``)."""
-        refs = message_image_refs(messages, self.max_images, self.max_image_pixels)
-        if not refs:
+    def _chat_prompt(self, episode_id: str, messages: list[dict],
+                     render_kwargs: dict) -> tuple[ChatImages | None, list[int]]:
+        """(the request's images, its prompt ids): decoding, the processor and the template, off the event loop."""
+        images = self._chat_images(episode_id, messages)
+        try:
+            prompt_ids, full_text = chat_prompt_ids(self.tokenizer, messages, self.recorder.records(episode_id),
+                                                    render_kwargs, expand=images.expand if images else str)
+        except ChatTemplateError as err:
+            raise EndpointRequestError(str(err), param="messages") from None
+        if images is not None:
+            images.check_rendered(full_text)
+        else:
+            refuse_image_tokens(prompt_ids, self.vision, "messages")
+        return images, prompt_ids
+
+    def _chat_images(self, episode_id: str, messages: list[dict]) -> ChatImages | None:
+        """The request's images through the actor's processor (None without image parts), each distinct image of
+        the episode decoded once; a 400 for images on a text-only actor, or images the caps refuse
+        (``openai_images``)."""
+        images = message_images(messages, self.max_images, self.max_image_pixels)
+        if not images:
             return None
         if self.vision is None:
             raise EndpointRequestError("the request holds image content parts but the actor (actor.pretrain) is a "
                                        "text-only model", param="messages")
+        store = self.recorder.store(episode_id, lambda: EpisodeImages(self.max_episode_pixels))
+        if store is None:  # the episode ended meanwhile
+            raise EndpointRequestError("unknown episode: it ended", status=401)
         try:
-            return ChatImages.encode(self.vision, refs)
+            return ChatImages.encode(self.vision, images, store, self.max_request_pixels)
         except ValueError as err:  # an image whose header read but whose pixels do not decode
+            if isinstance(err, EndpointRequestError):
+                raise
             raise EndpointRequestError(f"an image of the request could not be decoded: {str(err)[:300]}",
                                        param="messages") from None
 

@@ -58,6 +58,7 @@ from typing import Any
 
 from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, check_samples_per_prompt
 from hpc_rlhf.agents.openai_endpoint import OpenAIEndpoint, run_batch
+from hpc_rlhf.agents.openai_images import DEFAULT_MAX_EPISODE_PIXELS, DEFAULT_MAX_REQUEST_PIXELS, row_visual
 from hpc_rlhf.agents.openai_recording import CompletionRecord, TokenSequence, episode_sequences
 from hpc_rlhf.agents.tool_parsers import OutputParser
 from hpc_rlhf.data.prompts import Prompt, source_name
@@ -126,13 +127,21 @@ class OpenAIAgentExecutor(AgentExecutor):
             an unknown name raises ``ParserConfigError`` here.
         reasoning_parser: the endpoint's reasoning parser (``rollout.reasoning_parser``, see ``tool_parsers``);
             an unknown name raises ``ParserConfigError`` here.
+        endpoint_listen: where the endpoint listens (``rollout.agent_endpoint``): ``"unix"`` (a private Unix
+            socket, the default) or ``"tcp"`` (``127.0.0.1``, for frameworks that take only a URL).
+        max_request_pixels: the endpoint's cap on the decoded pixels of a request's new images
+            (``rollout.agent_max_image_pixels_per_request``, ``openai_images``).
+        max_episode_pixels: the endpoint's cap on the decoded pixels of an episode's distinct images
+            (``rollout.agent_max_image_pixels_per_episode``).
     """
 
     def __init__(self, run_episode: Any, tokenizer: Any, prompt_max_len: int, *, max_len: int | None = None,
                  num_concurrent: int = 64, episode_timeout_s: float | None = 600.0,
                  agent_kwargs: dict[str, Any] | None = None, batch_wait_s: float = 0.05,
                  model_name: str = "policy", tool_call_parser: str = "auto",
-                 reasoning_parser: str = "auto") -> None:
+                 reasoning_parser: str = "auto", endpoint_listen: str = "unix",
+                 max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS,
+                 max_episode_pixels: int = DEFAULT_MAX_EPISODE_PIXELS) -> None:
         super().__init__(tokenizer, prompt_max_len)
         if inspect.isclass(run_episode):
             raise ValueError(f"pass an instance of the workflow class {run_episode.__name__}, not the class")
@@ -147,6 +156,13 @@ class OpenAIAgentExecutor(AgentExecutor):
         self.max_len, self.num_concurrent, self.episode_timeout_s = max_len, num_concurrent, episode_timeout_s
         self.agent_kwargs = {} if is_workflow(run_episode) else accepted_kwargs(run_episode, dict(agent_kwargs or {}))
         self.batch_wait_s, self.model_name = batch_wait_s, model_name
+        if endpoint_listen not in ("unix", "tcp"):
+            raise ValueError(f"endpoint_listen must be 'unix' or 'tcp', got {endpoint_listen!r}")
+        self.endpoint_listen = endpoint_listen
+        self.max_request_pixels, self.max_episode_pixels = max_request_pixels, max_episode_pixels
+        # The rollout engine's context length (RolloutEngine.max_context_len), set by whoever pairs the executor
+        # with its engine before the first run: the endpoint refuses a call past it as that call's 400.
+        self.context_len: int | None = None
         self.parser = OutputParser(tokenizer, tool_call_parser, reasoning_parser)  # a bad name fails at load time
         self.endpoint: OpenAIEndpoint | None = None
         self.last_run_stats: dict[str, float] = {}
@@ -158,7 +174,10 @@ class OpenAIAgentExecutor(AgentExecutor):
         if self.endpoint is None:
             import_openai()  # fail before serving when the client package is missing
             self.endpoint = OpenAIEndpoint(self.tokenizer, self.max_len, self.model_name,
-                                           self.batch_wait_s, self.parser, vision=self.vision).start()
+                                           self.batch_wait_s, self.parser, vision=self.vision,
+                                           max_request_pixels=self.max_request_pixels,
+                                           max_episode_pixels=self.max_episode_pixels,
+                                           context_len=self.context_len, listen=self.endpoint_listen).start()
             atexit.register(self.close)
         return self.endpoint
 
@@ -211,22 +230,21 @@ class OpenAIAgentExecutor(AgentExecutor):
             running = [e for e in running if not (e.done.is_set() or e.timed_out)]
             while waiting and len(running) < self.num_concurrent:
                 episode = waiting.popleft()
-                self._start(episode, endpoint.base_url)
+                self._start(episode, endpoint)
                 running.append(episode)
             run_batch(endpoint.queue.take({e.episode_id for e in running}, _POLL_S, self.batch_wait_s), generate)
 
-    def _start(self, episode: _Episode, base_url: str) -> None:
+    def _start(self, episode: _Episode, endpoint: OpenAIEndpoint) -> None:
         """Run ``episode`` on a fresh event loop in a daemon thread of its own (module docstring)."""
         episode.started = time.monotonic()
-        threading.Thread(target=run_to_completion, args=(lambda: self._run_episode(episode, base_url),),
+        threading.Thread(target=run_to_completion, args=(lambda: self._run_episode(episode, endpoint),),
                          name=f"hpc_rlhf_agent:{episode.index}", daemon=True).start()
 
-    async def _run_episode(self, episode: _Episode, base_url: str) -> None:
+    async def _run_episode(self, episode: _Episode, endpoint: OpenAIEndpoint) -> None:
         try:
-            openai = import_openai()
-            # No client retries: a retried request would generate (and record) a second time.
-            client = openai.AsyncOpenAI(base_url=base_url, api_key=episode.episode_id, max_retries=0,
-                                        timeout=self.episode_timeout_s)
+            import_openai()
+            # Through the endpoint's Unix socket (or its TCP port), with no retries (openai_endpoint).
+            client = endpoint.async_client(episode.episode_id, self.episode_timeout_s)
         except BaseException as err:  # noqa: BLE001 - reported as this episode's failure
             episode.error = err
             episode.done.set()
@@ -312,7 +330,7 @@ class OpenAIAgentExecutor(AgentExecutor):
                 action_mask=list(mask), rollout_logprobs=list(logprobs), reward=reward, score=score,
                 truncated=finish == "length", finish_reason=finish, extra_logs=dict(extra_logs),
                 group_index=episode.group_index, failure=failure, branch_index=branch,
-                data_source=source_name(episode.prompt), visual=sequence.visual)
+                data_source=source_name(episode.prompt), visual=row_visual(sequence.visual))
             row.check()
             rows.append(row)
         return rows

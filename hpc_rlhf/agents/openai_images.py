@@ -7,7 +7,10 @@ for prompt data), and so is a path or ``file://`` URL (the endpoint reads no fil
 
 Caps, on top of the endpoint's body cap (``openai_guard``, which bounds the base64 bytes): at most ``max_images``
 images per request, and each image's pixel count (width x height, read from its header before anything is decoded)
-at most ``max_image_pixels``, so a small compressed file cannot decode into a huge image. The model's image
+at most ``max_image_pixels``, so a small compressed file cannot decode into a huge image; the images a request
+sends for the first time in its episode at most ``rollout.agent_max_image_pixels_per_request`` pixels together, and
+an episode's distinct images at most ``rollout.agent_max_image_pixels_per_episode``. Each distinct image of an
+episode is decoded and processed once (:class:`EpisodeImages`), off the endpoint's event loop. The model's image
 processor then resizes every image into ``data.min_pixels`` / ``max_pixels`` as for prompt images.
 
 Each image's placeholder in the rendered chat is expanded to its tokens (:meth:`ChatImages.expand`); the request's
@@ -18,9 +21,13 @@ Each image's placeholder in the rendered chat is expanded to its tokens (:meth:`
 from __future__ import annotations
 
 import io
+import threading
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from hpc_rlhf.agents.images import pixel_bounds
 from hpc_rlhf.agents.openai_requests import EndpointRequestError
 from hpc_rlhf.data.images import IMAGE_PART_TYPES, ImageRef, image_ref, open_image
 from hpc_rlhf.data.vision_prompts import VisionPromptEncoder
@@ -28,6 +35,8 @@ from hpc_rlhf.rollout.visual import PromptVisual
 
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
 DEFAULT_MAX_IMAGES = 32
+DEFAULT_MAX_REQUEST_PIXELS = 64 * 1024 * 1024  # new images of one request (4 images of 4096x4096)
+DEFAULT_MAX_EPISODE_PIXELS = 128 * 1024 * 1024  # distinct images of one episode (~380 MiB decoded RGB)
 
 
 def _part_url(part: dict) -> Any:
@@ -37,8 +46,8 @@ def _part_url(part: dict) -> Any:
     return part.get("image") if part.get("image") is not None else part.get("url")
 
 
-def _check_pixels(ref: ImageRef, where: str, max_image_pixels: int) -> None:
-    """Read the header only: the size is known before any pixel is decoded."""
+def _check_pixels(ref: ImageRef, where: str, max_image_pixels: int) -> int:
+    """Read the header only: the size is known before any pixel is decoded. Returns width x height."""
     try:
         with open_image(io.BytesIO(ref.data or b"")) as image:
             width, height = image.size
@@ -48,13 +57,20 @@ def _check_pixels(ref: ImageRef, where: str, max_image_pixels: int) -> None:
     if width * height > max_image_pixels:
         raise EndpointRequestError(f"'{where}' is a {width}x{height} image ({width * height} pixels), over the "
                                    f"endpoint's limit of {max_image_pixels} pixels per image", param=where)
+    return width * height
 
 
 def message_image_refs(messages: list[dict], max_images: int = DEFAULT_MAX_IMAGES,
                        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> list[ImageRef]:
     """The images of a chat request's (already shape-checked) messages, in order; a 400 naming the part at fault
     for anything but a readable base64 image within the caps (module docstring)."""
-    refs: list[ImageRef] = []
+    return [ref for ref, _ in message_images(messages, max_images, max_image_pixels)]
+
+
+def message_images(messages: list[dict], max_images: int = DEFAULT_MAX_IMAGES,
+                   max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> list[tuple[ImageRef, int]]:
+    """:func:`message_image_refs` with each image's pixel count (from its header)."""
+    refs: list[tuple[ImageRef, int]] = []
     for i, message in enumerate(messages):
         content = message.get("content")
         if not isinstance(content, list):
@@ -85,27 +101,108 @@ def message_image_refs(messages: list[dict], max_images: int = DEFAULT_MAX_IMAGE
                 ref = image_ref(url, "request", 0, where)
             except ValueError as err:  # DataError: not base64
                 raise EndpointRequestError(f"'{where}': {str(err).split(': ', 1)[-1]}", param=where) from None
-            _check_pixels(ref, where, max_image_pixels)
-            refs.append(ref)
+            refs.append((ref, _check_pixels(ref, where, max_image_pixels)))
     return refs
 
 
 @dataclass
+class EncodedImage:
+    """One image of an episode after decoding and the model's processor, kept once however many calls show it."""
+
+    image: Any  # the decoded RGB PIL image (vLLM runs its own processor on it)
+    pixel_values: torch.Tensor  # (N_patches, D)
+    image_grid_thw: torch.Tensor  # (1, 3)
+    num_pixels: int  # width x height as sent
+
+
+class EpisodeImages:
+    """Every distinct image (by content hash) one episode's calls sent, decoded and processed once.
+
+    A chat re-sends its earlier screenshots with every call; each is decoded the first time only, and the calls'
+    records point here by hash (:class:`EpisodeVisual`) instead of holding images of their own, so what an episode
+    holds grows with its images, not with calls x images. ``max_episode_pixels`` caps the pixels of all of them.
+    """
+
+    def __init__(self, max_episode_pixels: int = DEFAULT_MAX_EPISODE_PIXELS) -> None:
+        self.max_episode_pixels = max_episode_pixels
+        self._lock = threading.Lock()
+        self._encoded: dict[str, EncodedImage] = {}
+
+    @property
+    def num_pixels(self) -> int:
+        with self._lock:
+            return sum(e.num_pixels for e in self._encoded.values())
+
+    def get(self, digest: str) -> EncodedImage:
+        with self._lock:
+            return self._encoded[digest]
+
+    def add(self, vision: VisionPromptEncoder, images: list[tuple[ImageRef, int]],
+            max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS) -> tuple[str, ...]:
+        """Decode and process the images not seen before (one processor call); their hashes, in order. A 400
+        naming the cap and its key when the new images pass ``max_request_pixels`` or the episode's total passes
+        ``max_episode_pixels``. Runs off the event loop (``openai_endpoint``)."""
+        digests = tuple(ref.describe() for ref, _ in images)
+        with self._lock:
+            new = {d: (ref, pixels) for d, (ref, pixels) in zip(digests, images, strict=True) if d not in self._encoded}
+            held = sum(e.num_pixels for e in self._encoded.values())
+        request_pixels = sum(pixels for _, pixels in new.values())
+        if request_pixels > max_request_pixels:
+            raise EndpointRequestError(
+                f"the request's new images hold {request_pixels} pixels, over the endpoint's limit of "
+                f"{max_request_pixels} decoded pixels per request (rollout.agent_max_image_pixels_per_request)",
+                param="messages")
+        if held + request_pixels > self.max_episode_pixels:
+            raise EndpointRequestError(
+                f"the episode's images would hold {held + request_pixels} pixels, over the endpoint's limit of "
+                f"{self.max_episode_pixels} decoded pixels per episode (rollout.agent_max_image_pixels_per_episode)",
+                param="messages")
+        if new:
+            decoded = [ref.load() for ref, _ in new.values()]  # header-checked already: a failure here is a 400 too
+            pixel_values, grid = vision.encode_images(decoded)
+            rows = torch.split(pixel_values, [int(n) for n in grid.prod(dim=-1)])
+            with self._lock:
+                for k, digest in enumerate(new):
+                    self._encoded[digest] = EncodedImage(decoded[k], rows[k], grid[k: k + 1], new[digest][1])
+        return digests
+
+
+@dataclass(frozen=True)
+class EpisodeVisual:
+    """A call's images as hashes into its episode's :class:`EpisodeImages` (what a record keeps): ``refs`` in
+    message order, ``materialize()`` the :class:`PromptVisual` an engine request or a training row needs."""
+
+    store: EpisodeImages
+    vision: VisionPromptEncoder
+    refs: tuple[str, ...]
+
+    def materialize(self) -> PromptVisual:
+        encoded = [self.store.get(d) for d in self.refs]
+        return PromptVisual(torch.cat([e.pixel_values for e in encoded]),
+                            torch.cat([e.image_grid_thw for e in encoded]), self.vision.image_token_id,
+                            self.vision.merge_size, self.refs, tuple(e.image for e in encoded),
+                            pixel_bounds(self.vision))
+
+
+def row_visual(visual: Any) -> PromptVisual | None:
+    """The :class:`PromptVisual` of a training row from what a record kept (an :class:`EpisodeVisual` or None)."""
+    return visual.materialize() if isinstance(visual, EpisodeVisual) else visual
+
+
+@dataclass
 class ChatImages:
-    """The images of one chat request after the model's processor: ``visual`` (every image, in message order)."""
+    """The images of one chat request after the model's processor: ``visual`` (every image, in message order) and
+    ``kept`` (the same, as the request's record keeps them)."""
 
     vision: VisionPromptEncoder
     visual: PromptVisual
+    kept: EpisodeVisual
 
     @classmethod
-    def encode(cls, vision: VisionPromptEncoder, refs: list[ImageRef]) -> ChatImages:
-        images = [ref.load() for ref in refs]  # header-checked already: a failure here is a 400 too
-        pixel_values, grid = vision.encode_images(images)
-        low, high = vision.size.get("shortest_edge"), vision.size.get("longest_edge")
-        visual = PromptVisual(pixel_values, grid, vision.image_token_id, vision.merge_size,
-                              tuple(ref.describe() for ref in refs), tuple(images),
-                              (int(low), int(high)) if low and high else None)
-        return cls(vision, visual)
+    def encode(cls, vision: VisionPromptEncoder, images: list[tuple[ImageRef, int]], store: EpisodeImages,
+               max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS) -> ChatImages:
+        kept = EpisodeVisual(store, vision, store.add(vision, images, max_request_pixels))
+        return cls(vision, kept.materialize(), kept)
 
     def check_rendered(self, text: str) -> None:
         """The rendered chat must place every image once (a template that drops images from some role, or text
@@ -139,5 +236,6 @@ def refuse_image_tokens(prompt_ids: list[int], vision: VisionPromptEncoder | Non
                                    param=param)
 
 
-__all__ = ["DEFAULT_MAX_IMAGES", "DEFAULT_MAX_IMAGE_PIXELS", "ChatImages", "message_image_refs",
-           "refuse_image_tokens"]
+__all__ = ["DEFAULT_MAX_EPISODE_PIXELS", "DEFAULT_MAX_IMAGES", "DEFAULT_MAX_IMAGE_PIXELS", "DEFAULT_MAX_REQUEST_PIXELS",
+           "ChatImages", "EpisodeImages", "EpisodeVisual", "message_image_refs", "message_images",
+           "refuse_image_tokens", "row_visual"]

@@ -21,6 +21,7 @@ at most once per prefix (a second choice of the same call starts its own branch)
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,9 @@ class CompletionRecord:
     messages: list[dict] | None = None
     message: dict | None = None
     render_kwargs: dict = field(default_factory=dict)  # chat: tools etc. the prompt was rendered with
-    visual: Any = None  # the prompt's images (PromptVisual, openai_images), None for a prompt without any
+    # the prompt's images as hashes into the episode's store (openai_images.EpisodeVisual: each image held once
+    # per episode, not once per call), None for a prompt without any
+    visual: Any = None
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.output_logprobs):
@@ -116,11 +119,22 @@ class EpisodeRecorder:
         self._records: dict[str, list[CompletionRecord]] = {}
         self._next_call: dict[str, int] = {}
         self._failures: dict[str, str] = {}
+        self._stores: dict[str, Any] = {}
 
     def open(self, episode_id: str) -> None:
         with self._lock:
             self._records[episode_id] = []
             self._next_call[episode_id] = 0
+
+    def store(self, episode_id: str, create: Callable[[], Any]) -> Any:
+        """The episode's per-episode state (its images, ``openai_images.EpisodeImages``), made by ``create`` on
+        first use and dropped at :meth:`close`; None when the episode is not open."""
+        with self._lock:
+            if episode_id not in self._records:
+                return None
+            if episode_id not in self._stores:
+                self._stores[episode_id] = create()
+            return self._stores[episode_id]
 
     def is_open(self, episode_id: str) -> bool:
         """Whether ``episode_id`` is recording and has not failed (its requests are served)."""
@@ -158,6 +172,7 @@ class EpisodeRecorder:
         with self._lock:
             self._next_call.pop(episode_id, None)
             self._failures.pop(episode_id, None)
+            self._stores.pop(episode_id, None)
             return sorted(self._records.pop(episode_id, []), key=lambda r: r.call_index)
 
 

@@ -21,7 +21,8 @@ import logging
 import os
 import sys
 
-# guards imports no fastapi, so --help works without the serve extra.
+# guards and connection_limits import no fastapi / uvicorn, so --help works without the serve extra.
+from hpc_rlhf.serving.connection_limits import DEFAULT_FIRST_REQUEST_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from hpc_rlhf.serving.guards import API_KEY_ENV, DEFAULT_MAX_PENDING, DEFAULT_REQUEST_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests admitted at once (reading, queued, scoring); more get 503 with Retry-After")
     p.add_argument("--request_timeout_s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                    help="one request, admission to answer: 408 while the body arrives, 504 once queued or scoring")
+    p.add_argument("--max_connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="connections held at once; a new one past it is closed at once (idle ones count too)")
+    p.add_argument("--first_request_timeout_s", type=float, default=DEFAULT_FIRST_REQUEST_TIMEOUT_S,
+                   help="a connection that has not sent a request's headers within this time is closed")
     p.add_argument("--graceful_timeout_s", type=float, default=30.0,
                    help="on shutdown, how long requests in flight may take to finish")
     p.add_argument("--log_level", default="info", choices=["debug", "info", "warning", "error"])
@@ -111,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     try:  # the serve extra (fastapi, uvicorn) is optional: --help and the flag checks work without it
         import uvicorn
 
+        from hpc_rlhf.serving.connection_limits import limited_http_protocol
         from hpc_rlhf.serving.rm_server import RewardScorer, RewardServerError, create_app
     except ImportError as err:
         sys.exit(f"serve_rm needs fastapi and uvicorn ({err}); pip install fastapi uvicorn")
@@ -136,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # uvicorn installs SIGTERM/SIGINT handlers: graceful drain, then the lifespan stops the batcher.
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=args.graceful_timeout_s)
+                    timeout_graceful_shutdown=args.graceful_timeout_s,
+                    http=limited_http_protocol(args.max_connections, args.first_request_timeout_s))
     except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT after its graceful shutdown
         sys.exit(130)
 

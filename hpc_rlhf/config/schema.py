@@ -156,6 +156,19 @@ class RolloutConfig(Section):
         "auto", description="OpenAI-client agents: how the endpoint moves <think> reasoning into reasoning_content: "
                             "a vLLM reasoning parser name when vLLM is installed, else the built-in qwen3 or "
                             "deepseek_r1; none; auto picks qwen3 when the chat template writes </think>, else none")
+    agent_max_image_pixels_per_request: int = Field(
+        64 * 1024 * 1024, ge=1,
+        description="OpenAI-client agents with a vision-language actor: decoded pixels (width x height, summed) of the "
+                    "images one chat request sends for the first time in its episode; more is that request's 400")
+    agent_max_image_pixels_per_episode: int = Field(
+        128 * 1024 * 1024, ge=1,
+        description="OpenAI-client agents with a vision-language actor: decoded pixels of all the distinct images one "
+                    "episode sends (each is decoded once, however many calls re-send it); a request past it is a 400")
+    agent_endpoint: Literal["unix", "tcp"] = Field(
+        "unix", description="OpenAI-client agents: where the rollout rank's endpoint listens: unix, a Unix socket in "
+                            "a private folder (mode 0700) that the client handed to the agent reaches; tcp, "
+                            "127.0.0.1 and a free port, which every user of the node can reach (the episode key "
+                            "still guards it), for frameworks that can only take a base URL")
 
 
 class VllmConfig(Section):

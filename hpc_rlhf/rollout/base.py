@@ -119,6 +119,10 @@ class RolloutEngine(ABC):
     # True when the engine generates with the trained actor's own module (its weights are always current):
     # the colocated weight sync then loads nothing and leaves the actor's weights where they are.
     shares_trained_model: bool = False
+    # Prompt + output tokens one sequence may hold (vLLM's max_model_len, a transformers model's
+    # max_position_embeddings); None when unknown. The agents' endpoint refuses longer requests one by one
+    # (a 400), where the engine would fail the whole batch.
+    max_context_len: int | None = None
 
     @abstractmethod
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:

@@ -46,7 +46,7 @@ import hashlib
 import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -195,6 +195,13 @@ class _RouteBuffer:
                                                decoded[sample, :len(result.output_ids)]])
 
 
+def _max_positions(config: Any) -> int | None:
+    """The positions the model was built for (a vision-language model's are its text model's)."""
+    text = getattr(config, "text_config", None) or config
+    positions = getattr(text, "max_position_embeddings", None)
+    return int(positions) if isinstance(positions, int) and positions > 0 else None
+
+
 class TransformersRolloutEngine(RolloutEngine):
     """Batched KV-cache generation on a ``*ForCausalLM`` (see the module docstring).
 
@@ -232,6 +239,7 @@ class TransformersRolloutEngine(RolloutEngine):
             model.requires_grad_(False)  # inference only: the adapter's values come from the actor
         self.lora = lora
         self.model = model
+        self.max_context_len = _max_positions(model.config)
         self._num_experts: int | None = None
         if record_routes:
             spec = moe_spec(model.config)

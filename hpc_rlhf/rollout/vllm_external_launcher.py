@@ -391,7 +391,8 @@ class VllmRolloutEngine(RolloutEngine):
             logger.warning("vllm.enable_sleep=true: vLLM's sleep mode needs CUDA, so on this CPU-only machine the "
                            "engine keeps its weights and KV cache between phases (set vllm.enable_sleep=false to "
                            "silence this)")
-        return cls(
+        llm_kwargs = {**spec_engine_kwargs(spec, on_gpu), **extra_llm_kwargs}
+        engine = cls(
             spec.require_model_path(),
             tensor_parallel_size=spec.tensor_parallel_size,
             gpu_memory_utilization=vllm.gpu_memory_utilization,
@@ -401,8 +402,10 @@ class VllmRolloutEngine(RolloutEngine):
             enable_sleep_mode=enable_sleep,
             sleep_level=vllm.sleep_level,
             lora=spec.lora,
-            **{**spec_engine_kwargs(spec, on_gpu), **extra_llm_kwargs},
+            **llm_kwargs,
         )
+        engine.max_context_len = llm_kwargs.get("max_model_len")
+        return engine
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         if not requests:

@@ -289,11 +289,13 @@ class VllmServerEngine(RolloutEngine):
                              "layout (train.colocate_all=true, vLLM's external launcher)")
         on_gpu = local_rank is not None
         kwargs = {**spec_engine_kwargs(spec, on_gpu), **engine_kwargs}
-        return cls(spec.require_model_path(), tensor_parallel_size=tp,
-                   devices=list(range(local_rank, local_rank + tp)) if local_rank is not None else None,
-                   gpu_memory_utilization=spec.vllm.gpu_memory_utilization, seed=spec.seed,
-                   enforce_eager=spec.vllm.enforce_eager, enable_prefix_caching=spec.vllm.enable_prefix_caching,
-                   weight_transfer_backend=transfer_backend(on_gpu), lora=spec.lora, **kwargs)
+        engine = cls(spec.require_model_path(), tensor_parallel_size=tp,
+                     devices=list(range(local_rank, local_rank + tp)) if local_rank is not None else None,
+                     gpu_memory_utilization=spec.vllm.gpu_memory_utilization, seed=spec.seed,
+                     enforce_eager=spec.vllm.enforce_eager, enable_prefix_caching=spec.vllm.enable_prefix_caching,
+                     weight_transfer_backend=transfer_backend(on_gpu), lora=spec.lora, **kwargs)
+        engine.max_context_len = kwargs.get("max_model_len")
+        return engine
 
     async def _start(self, args: Any) -> Any:
         # Built on the loop that will drive it: AsyncLLM binds its output handler to the running loop.

@@ -53,6 +53,11 @@ from hpc_rlhf.models.hf_module import to_device
 from hpc_rlhf.models.loading import load_value_model, resolve_attn_implementation
 from hpc_rlhf.models.precision import resolve_dtype
 from hpc_rlhf.models.value_head import ValueHeadError, read_reward_normalization
+from hpc_rlhf.serving.connection_limits import (
+    DEFAULT_FIRST_REQUEST_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    limited_http_protocol,
+)
 from hpc_rlhf.serving.guards import (
     DEFAULT_MAX_PENDING,
     DEFAULT_REQUEST_TIMEOUT_S,
@@ -436,11 +441,15 @@ class BackgroundServer:
     """Run an ASGI app with uvicorn in a daemon thread on ``host:port`` (0: a free port).
 
     The socket is bound before the thread starts, so ``url`` is valid at once and no other process
-    can take the port in between. ``start`` returns when the app has started (bounded wait).
+    can take the port in between. ``start`` returns when the app has started (bounded wait). The server holds
+    at most ``max_connections`` connections and closes one that sends no request within
+    ``first_request_timeout_s`` (``connection_limits``).
     """
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 startup_timeout_s: float = 30.0, graceful_timeout_s: float = 10.0):
+                 startup_timeout_s: float = 30.0, graceful_timeout_s: float = 10.0,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 first_request_timeout_s: float = DEFAULT_FIRST_REQUEST_TIMEOUT_S):
         import uvicorn  # the serve extra, like fastapi; imported where the server starts
 
         self.host = host
@@ -452,7 +461,8 @@ class BackgroundServer:
         self.startup_timeout_s = startup_timeout_s
         # uvicorn annotates the timeout as an int but hands it to asyncio.wait_for, which takes any float
         config = uvicorn.Config(app, log_level=log_level, lifespan="on",
-                                timeout_graceful_shutdown=graceful_timeout_s)  # type: ignore[arg-type]
+                                timeout_graceful_shutdown=graceful_timeout_s,  # type: ignore[arg-type]
+                                http=limited_http_protocol(max_connections, first_request_timeout_s))
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, name=f"uvicorn-{self.port}", daemon=True)
 

@@ -1,7 +1,7 @@
 """Attacks on the OpenAI-compatible endpoint and its executor, over real HTTP on loopback.
 
-Any user of a node can reach ``127.0.0.1``: a body without a key, or a huge one, must be refused before it is
-read; a malformed request must be its own 400, and an agent that blocks its thread must time out as itself.
+Any user of a node can reach ``127.0.0.1`` (``listen="tcp"``; the default Unix socket in a private folder only its
+user): a body without a key, or a huge one, must be refused before it is read; a malformed request must be its own 400, and an agent that blocks its thread must time out as itself.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ ATTACK_BYTES = 300 * MiB
 @pytest.fixture()
 def endpoint(tiny_tokenizer_and_engine):
     tokenizer, _ = tiny_tokenizer_and_engine
-    served = OpenAIEndpoint(tokenizer, max_len=96).start()
+    served = OpenAIEndpoint(tokenizer, max_len=96, listen="tcp").start()  # reachable by every user
     yield served
     served.close()
 
@@ -227,3 +227,34 @@ def test_an_agent_that_blocks_its_thread_forever_times_out_as_itself(tiny_tokeni
     assert all("episode_timeout_s" in r.failure for r in blocked)
     assert len(others) == 4 and all(r.failure is None and r.reward == 1.0 for r in others)
     assert executor.last_run_stats["agent_timeouts"] == 2
+
+
+def test_a_call_past_the_engine_context_is_its_own_400_with_data_max_len_unset(tiny_tokenizer_and_engine):
+    tokenizer, engine = tiny_tokenizer_and_engine
+    context = engine.max_context_len  # the tiny model's max_position_embeddings
+    assert context == 512
+    seen: list[int] = []
+
+    def generate(requests):
+        seen.extend(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
+        return engine.generate(requests)
+
+    async def agent(client, prompt, label):
+        # A long conversation: its prompt alone passes the engine's context; the agent lets the 400 raise.
+        ids = [5] * (context + 10) if prompt == "long" else prompt
+        await client.completions.create(model="policy", prompt=ids, max_tokens=4)
+        return 1.0
+
+    executor = OpenAIAgentExecutor(agent, tokenizer, prompt_max_len=32, max_len=None, episode_timeout_s=120,
+                                   batch_wait_s=0.5)
+    executor.context_len = context  # as the trainer's setup pairs the executor with its engine
+    try:
+        rows = executor.run([_prompt("1+1=", 0), _prompt("long", 1), _prompt("2+2=", 2)], generate,
+                            _sampling(tokenizer), 1)
+    finally:
+        executor.close()
+    assert seen and max(seen) <= context, f"a call of {max(seen)} tokens reached an engine of {context}"
+    by_group = {r.group_index: r for r in rows}
+    assert by_group[1].finish_reason == "agent_error"
+    assert "BadRequestError" in by_group[1].failure and f"context of {context} tokens" in by_group[1].failure
+    assert all(by_group[g].failure is None and sum(by_group[g].action_mask) > 0 for g in (0, 2))

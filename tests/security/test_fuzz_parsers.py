@@ -92,7 +92,7 @@ def served(tiny_tokenizer_and_engine):
     from hpc_rlhf.agents.openai_endpoint import OpenAIEndpoint
 
     tokenizer, _ = tiny_tokenizer_and_engine
-    endpoint = OpenAIEndpoint(tokenizer, max_len=96).start()
+    endpoint = OpenAIEndpoint(tokenizer, max_len=96, listen="tcp").start()
     endpoint.set_defaults(SamplingParams(max_new_tokens=8, stop_token_ids=[tokenizer.eos_token_id]))
     engine = CheckingEngine(len(tokenizer), endpoint.max_n, 96)
     endpoint.recorder.open("ep-fuzz")

@@ -48,7 +48,8 @@ def served(tiny):
 
 def _client(endpoint, episode_id):
     endpoint.recorder.open(episode_id)
-    return openai.OpenAI(base_url=endpoint.base_url, api_key=episode_id, max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=endpoint.base_url, api_key=episode_id, max_retries=0, timeout=60,
+                         http_client=endpoint.http_client(timeout=60))  # over its Unix socket
 
 
 def test_chat_n_and_logprobs_match_the_engine_tokens(served):
@@ -95,7 +96,8 @@ def test_completions_stop_string_logprobs_and_models(served):
 
 def test_unknown_episode_is_refused(served):
     endpoint, _, _ = served
-    client = openai.OpenAI(base_url=endpoint.base_url, api_key="not-an-episode", max_retries=0)
+    client = openai.OpenAI(base_url=endpoint.base_url, api_key="not-an-episode", max_retries=0,
+                           http_client=endpoint.http_client())
     with pytest.raises(openai.AuthenticationError):
         client.completions.create(model="policy", prompt="1+1=", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="stream_options"):
@@ -302,3 +304,17 @@ def test_workflow_class_shape_and_its_errors(tiny, tmp_path):
     broken = _agent_file(tmp_path, "broken.py", workflow.replace("self.bonus = bonus", "raise KeyError(bonus)"))
     with pytest.raises(AgentLoadError, match=r"broken.py: building the workflow Workflow"):
         load_agent_executor(broken, tokenizer, 32)
+
+
+@pytest.mark.parametrize("listen", ["unix", "tcp"])
+def test_the_agents_client_reaches_the_endpoint_where_it_listens(tiny, listen):
+    tokenizer, engine = tiny
+    executor = OpenAIAgentExecutor(three_turn_chat, tokenizer, prompt_max_len=32, max_len=128, endpoint_listen=listen)
+    try:
+        sampling = SamplingParams(max_new_tokens=3, stop_token_ids=[tokenizer.eos_token_id], seed=2)
+        [row] = executor.run([Prompt(text="1+2=", label="3", source="t", index=0)], engine.generate, sampling, 1)
+        served = executor.endpoint
+        assert served is not None and (served.port is None) == (listen == "unix")
+    finally:
+        executor.close()
+    assert row.failure is None and sum(row.action_mask) > 0

@@ -208,7 +208,8 @@ def test_tool_calls_and_reasoning_round_trip_per_family(name, use_vllm):
     engine = ScriptedEngine(output_ids)
     with serving(tok, parser, engine) as endpoint:
         endpoint.recorder.open("ep")
-        client = openai.OpenAI(base_url=endpoint.base_url, api_key="ep", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=endpoint.base_url, api_key="ep", max_retries=0, timeout=60,
+                               http_client=endpoint.http_client(timeout=60))
         reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "weather?"}],
                                                tools=TOOLS, logprobs=True)
         records = endpoint.recorder.close("ep")
@@ -232,7 +233,8 @@ def test_streamed_reasoning_and_tool_calls_equal_the_message():
     prompt, output_ids = _assistant_turn(tok, family)
     with serving(tok, OutputParser(tok, use_vllm=False), ScriptedEngine(output_ids)) as endpoint:
         endpoint.recorder.open("ep")
-        client = openai.OpenAI(base_url=endpoint.base_url, api_key="ep", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=endpoint.base_url, api_key="ep", max_retries=0, timeout=60,
+                               http_client=endpoint.http_client(timeout=60))
         chunks = list(client.chat.completions.create(
             model="policy", messages=[{"role": "user", "content": "weather?"}], tools=TOOLS, stream=True))
         [record] = endpoint.recorder.close("ep")

@@ -441,10 +441,14 @@ def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
                                    agent_kwargs=cfg.train.agent_kwargs,
                                    episode_timeout_s=cfg.train.agent_episode_timeout_s,
                                    tool_call_parser=cfg.rollout.tool_call_parser,
-                                   reasoning_parser=cfg.rollout.reasoning_parser)
+                                   reasoning_parser=cfg.rollout.reasoning_parser,
+                                   endpoint_listen=cfg.rollout.agent_endpoint)
     # Multi-turn agents take the prompts' images and images in feedback (agents.images); an OpenAI-client agent
     # sends its images in its chat messages (base64 data URLs) and the endpoint encodes them.
     executor.vision = vision_encoder(cfg, tokenizer)
+    if isinstance(executor, OpenAIAgentExecutor):  # the endpoint's caps on the images agents send
+        executor.max_request_pixels = cfg.rollout.agent_max_image_pixels_per_request
+        executor.max_episode_pixels = cfg.rollout.agent_max_image_pixels_per_episode
     if isinstance(executor, OpenAIAgentExecutor) and cfg.algo.routing_replay == "rollout":
         # Its rows are the chat calls' prompts and completions, re-tokenized per call: no engine routes reach them.
         raise SetupError(f"algo.routing_replay=rollout with train.agent_func_path={cfg.train.agent_func_path}: an "
@@ -459,9 +463,10 @@ def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
 
 def _rollout_side(cfg: RunConfig, world: WorldGroups, tokenizer: Any, on_gpu: bool,
                   actor: TrainEngine | None = None) -> RolloutSide:
-    side = RolloutSide(_rollout_engine(cfg, tokenizer, on_gpu, actor, world.rank), _executor(cfg, tokenizer),
-                       cfg.rollout,
-                       [tokenizer.eos_token_id])
+    engine, executor = _rollout_engine(cfg, tokenizer, on_gpu, actor, world.rank), _executor(cfg, tokenizer)
+    if isinstance(executor, OpenAIAgentExecutor):
+        executor.context_len = engine.max_context_len  # an over-long agent call is its own 400, not the batch's
+    side = RolloutSide(engine, executor, cfg.rollout, [tokenizer.eos_token_id])
     # A rollout engine may seed the global RNGs itself, the same on every rank (vLLM's worker calls
     # set_random_seed(engine seed)): give each rank its own streams back, whatever the engine.
     seed_rank(cfg.train.seed, world.rank)
