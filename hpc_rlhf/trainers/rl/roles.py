@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -42,6 +43,7 @@ from hpc_rlhf.models.micro_forward import SequenceParallel
 from hpc_rlhf.resilience.fault_injection import fault_point
 from hpc_rlhf.rewards.reward_model import RewardModelRole
 from hpc_rlhf.rollout.base import Trajectory
+from hpc_rlhf.trainers.rl.commands import Role, RoleWorkerError, WorkerFailure
 from hpc_rlhf.trainers.rl.row_layout import Batching, forward_shards, in_batch_order, train_shards
 from hpc_rlhf.trainers.rl.setup import Roles, RolloutSide
 from hpc_rlhf.trainers.rl.step_batch import StepBatch, TrainShard
@@ -202,6 +204,7 @@ class RoleHandle(RoleMembership, Generic[E]):
         Collective over the role's controller ranks (the scatter here, the gather when called)."""
         wire = scatter_to_role(None if shards is None else [s.to_wire() for s in shards], self.groups)
         result = None
+        failed: Exception | None = None
         if self.hosts:
             engine = self.require_engine()
             self._reload(engine)
@@ -214,13 +217,27 @@ class RoleHandle(RoleMembership, Generic[E]):
                 add_note = getattr(exc, "add_note", None)  # Python 3.11+: printed with the traceback
                 if add_note is not None:
                     add_note(where)
-                raise
-            if offload:
+                if self.rank == CONTROLLER:
+                    raise  # rank 0 ran its part in place: the error is already where the step is told
+                failed = exc  # goes to rank 0 at the gather, then raises here
+            if offload and failed is None:
                 self._offload(engine)
 
         def gather() -> list[tuple[R, float]] | None:
+            if failed is not None:
+                failure = WorkerFailure(self.rank, self.name, f"{type(failed).__name__}: {failed}",
+                                        "".join(traceback.format_exception(failed)))
+                # Only a replica's leader sends: a failed tensor/sequence-parallel peer leaves its leader in a
+                # collective of the role's work, which the watchdog (StallGuard) ends.
+                gather_from_role((failure, 0.0), self.groups)
+                raise failed
             gathered = gather_from_role(result, self.groups)
-            return gathered if self.rank == CONTROLLER else None
+            if self.rank != CONTROLLER or gathered is None:
+                return None
+            failures = [part for part, _ in gathered if isinstance(part, WorkerFailure)]
+            if failures:
+                raise RoleWorkerError(failures)
+            return gathered
 
         return gather
 
@@ -430,6 +447,28 @@ class RoleHandles:
     def frozen_policies(self) -> list[FrozenPolicyRole]:
         """The reference and the teacher, in the order their forwards run."""
         return [role for role in (self.ref, self.teacher) if role is not None]
+
+    def scoring(self, role: Role) -> ActorRole | FrozenPolicyRole | CriticRole | None:
+        """The handle of a role with a make-experience forward (None: the placement has no such role)."""
+        handles = {Role.ACTOR: self.actor, Role.REF: self.ref, Role.TEACHER: self.teacher, Role.CRITIC: self.critic}
+        if role not in handles:
+            raise ValueError(f"role '{role}' has no make-experience forward")
+        return handles[role]
+
+    def trained(self, role: Role) -> TrainedRole | None:
+        """The handle of a trained role (None: the placement has no such role)."""
+        handles: dict[Role, TrainedRole | None] = {Role.ACTOR: self.actor, Role.CRITIC: self.critic}
+        if role not in handles:
+            raise ValueError(f"role '{role}' is not trained")
+        return handles[role]
+
+    def membership(self, role: Role) -> RoleMembership:
+        """Where this rank stands in ``role``, which the placement must have."""
+        handle: RoleMembership | None = self.rollout if role == Role.ROLLOUT else \
+            self.reward if role == Role.REWARD else self.scoring(role)
+        if handle is None:
+            raise ValueError(f"the placement has no {role} role")
+        return handle
 
     @classmethod
     def build(cls, cfg: RunConfig, world: WorldGroups, engines: Roles) -> RoleHandles:
