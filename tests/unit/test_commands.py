@@ -8,12 +8,12 @@ import pytest
 
 from hpc_rlhf.trainers.rl.commands import (
     Forward,
-    Role,
     RoleWorkerError,
     StepCommands,
     Update,
     WorkerFailure,
 )
+from hpc_rlhf.world.placement import Role
 
 
 def test_a_role_is_its_name_in_dicts_metrics_and_pickles():

@@ -24,29 +24,12 @@ Pure data: imports no torch.distributed and runs on any rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING
+
+from hpc_rlhf.world.placement import Role
 
 if TYPE_CHECKING:
     import torch
-
-
-class Role(str, Enum):
-    """A role of the placement; its value is the role's name in configs, placements and metric names (a ``str``: it
-    equals, hashes and formats as that name, so it keys the placement's dicts and the ``timing/*`` metrics)."""
-
-    ACTOR = "actor"
-    CRITIC = "critic"
-    REF = "ref"
-    TEACHER = "teacher"
-    REWARD = "reward"
-    ROLLOUT = "rollout"
-
-    def __str__(self) -> str:  # Python 3.12 formats a str-mixin enum as "Role.ACTOR" otherwise
-        return str(self.value)
-
-    def __format__(self, format_spec: str) -> str:
-        return format(str(self.value), format_spec)
 
 
 FORWARD_ORDER = (Role.ACTOR, Role.REF, Role.TEACHER, Role.CRITIC)

@@ -32,7 +32,6 @@ from hpc_rlhf.trainers.rl.commands import (
     UPDATE_ORDER,
     Forward,
     ForwardReply,
-    Role,
     StepCommands,
     Update,
     UpdateReply,
@@ -47,6 +46,7 @@ from hpc_rlhf.trainers.rl.roles import (
     RoleMembership,
 )
 from hpc_rlhf.trainers.rl.step_batch import StepBatch
+from hpc_rlhf.world.placement import Role
 
 
 @dataclass

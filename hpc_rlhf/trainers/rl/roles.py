@@ -43,7 +43,7 @@ from hpc_rlhf.models.micro_forward import SequenceParallel
 from hpc_rlhf.resilience.fault_injection import fault_point
 from hpc_rlhf.rewards.reward_model import RewardModelRole
 from hpc_rlhf.rollout.base import Trajectory
-from hpc_rlhf.trainers.rl.commands import Role, RoleWorkerError, WorkerFailure
+from hpc_rlhf.trainers.rl.commands import RoleWorkerError, WorkerFailure
 from hpc_rlhf.trainers.rl.row_layout import Batching, forward_shards, in_batch_order, train_shards
 from hpc_rlhf.trainers.rl.setup import Roles, RolloutSide
 from hpc_rlhf.trainers.rl.step_batch import StepBatch, TrainShard
@@ -58,6 +58,7 @@ from hpc_rlhf.trainers.rl.workers import (
 from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine
 from hpc_rlhf.world.channel import gather_from_role, scatter_to_role
 from hpc_rlhf.world.groups import RoleGroups, WorldGroups
+from hpc_rlhf.world.placement import Role
 
 log = logging.getLogger(__name__)
 CONTROLLER = 0  # the rank that owns the batch (``hpc_rlhf.world.channel``)
