@@ -1,7 +1,8 @@
 """A command that fails on a worker rank reaches the controller with the worker's rank, role and traceback
 (``hpc_rlhf.trainers.rl.commands.WorkerFailure``), and the worker raises its own error too.
 
-Three gloo ranks: actor on rank 0, reference on 1, rollout on 2; the reference's forward is a fake that raises.
+Three gloo ranks: actor on rank 0, reference on 1, rollout on 2; the reference's forward is a fake that raises,
+then the rollout rank's generation round raises. One spawn for both keeps the test's cost at one world.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ LAYOUT = ["train.colocate_all=false", "algo.kl.init_coef=0.01", "actor.num_ranks
           "train.train_batch_size=6", "train.micro_train_batch_size=6"]
 
 
-def _reference_fails(rank: int, world_size: int) -> tuple[str, str]:
+def _reference_then_rollout_fail(rank: int, world_size: int) -> tuple[tuple[str, str], tuple[str, str]]:
     import torch
 
     from hpc_rlhf.trainers.rl import roles as roles_module
@@ -36,8 +37,17 @@ def _reference_fails(rank: int, world_size: int) -> tuple[str, str]:
     world = build_world_groups(build_placement(load_config(None, LAYOUT), world_size))
     engines = Roles(actor=_FakeEngine(1.0) if rank == 0 else None, ref=_FakeEngine(2.0) if rank == 1 else None)
     handles = RoleHandles.build(load_config(None, LAYOUT), world, engines)  # type: ignore[arg-type]
+    return _outcome(lambda: experience_forwards(handles, _batch() if rank == 0 else None, need_old_logprobs=True)), \
+        _outcome(lambda: handles.rollout.collect(handles.rollout.serve(_engine_dies) if rank == 2 else None))
+
+
+def _engine_dies():
+    raise RuntimeError("the engine's process died")
+
+
+def _outcome(call) -> tuple[str, str]:
     try:
-        experience_forwards(handles, _batch() if rank == 0 else None, need_old_logprobs=True)
+        call()
     except Exception as exc:
         return type(exc).__name__, str(exc)
     return "no error", ""
@@ -45,11 +55,19 @@ def _reference_fails(rank: int, world_size: int) -> tuple[str, str]:
 
 @pytest.mark.slow
 def test_a_worker_failure_reaches_the_controller_with_rank_role_and_traceback():
-    results = run_on_ranks(_reference_fails, 3)
-    kind, message = results[0]
-    assert kind == "RoleWorkerError", results[0]
+    results = run_on_ranks(_reference_then_rollout_fail, 3)
+    forwards = [forward for forward, _ in results]
+    kind, message = forwards[0]
+    assert kind == "RoleWorkerError", forwards[0]
     assert "rank 1 failed in role 'ref'" in message
     assert "ValueError: reference weights are NaN" in message
     assert "in nan_reference" in message  # the worker's traceback, not only its message
-    assert results[1] == ("ValueError", "reference weights are NaN")  # the worker fails loudly too
-    assert results[2] == ("no error", "")  # the rollout rank takes no part
+    assert forwards[1] == ("ValueError", "reference weights are NaN")  # the worker fails loudly too
+    assert forwards[2] == ("no error", "")  # the rollout rank takes no part
+    # A generation round that fails on an engine's rank: the same, through the rollout role's collect.
+    rollouts = [rollout for _, rollout in results]
+    kind, message = rollouts[0]
+    assert kind == "RoleWorkerError", rollouts[0]
+    assert "rank 2 failed in role 'rollout'" in message and "in _engine_dies" in message
+    assert rollouts[2] == ("RuntimeError", "the engine's process died")
+    assert rollouts[1] == ("no error", "")  # the reference's rank takes no part

@@ -23,6 +23,7 @@ Pure data: imports no torch.distributed and runs on any rank.
 
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -121,6 +122,10 @@ class WorkerFailure:
     error: str
     """``Type: message`` of the exception."""
     traceback: str
+
+    @classmethod
+    def from_exception(cls, rank: int, role: str, exc: BaseException) -> WorkerFailure:
+        return cls(rank, role, f"{type(exc).__name__}: {exc}", "".join(traceback.format_exception(exc)))
 
 
 class RoleWorkerError(RuntimeError):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,7 @@ from hpc_rlhf.trainers.rl.controller_steps import (
     select_samples,
 )
 from hpc_rlhf.trainers.rl.evaluation import eval_metrics, eval_sampling, group_by_prompt, load_eval_prompts
-from hpc_rlhf.trainers.rl.roles import Generated, RoleHandles
+from hpc_rlhf.trainers.rl.roles import Generated, RoleHandles, RolloutResult
 from hpc_rlhf.trainers.rl.rollout_dump import is_dump_step, rollout_records, write_rollouts
 from hpc_rlhf.trainers.rl.rollout_health import AgentFailureLimitError
 from hpc_rlhf.trainers.rl.step_batch import StepBatch
@@ -86,6 +87,12 @@ def sampling_seed(train_seed: int, step: int, engine_index: int) -> int:
     """The training rollouts' sampling seed: one per (step, engine) keeps sampling reproducible and different
     across engines (``engine_index``: the engine's data-parallel rank in the rollout role)."""
     return train_seed * 100_003 + step * 1_009 + engine_index
+
+
+def _generated(result: Generated | None) -> Generated:
+    if result is None:
+        raise RuntimeError("a rollout rank's generation round returned nothing")
+    return result
 
 
 class PPOTrainer(RunHooks):
@@ -360,7 +367,14 @@ class PPOTrainer(RunHooks):
     def generate(self, prompts: list[Prompt] | None, step: int) -> list[Trajectory] | None:
         """Scatter prompts over the rollout engines; each runs the agent executor; gather trajectories."""
         mine = self.dispatch_prompts(prompts)
-        return self.collect_trajectories(self.run_rollouts(mine, step))[0]
+        return self.collect_trajectories(self.serve_rollouts(lambda: self.run_rollouts(mine, step)))[0]
+
+    def serve_rollouts(self, run: Callable[[], Generated | None]) -> RolloutResult | None:
+        """This rank's generation round ``run`` (None where the rank hosts no engine); an engine rank's failure
+        travels to rank 0 with the collect (``RolloutRole.serve``)."""
+        if self.handles.rollout.side is None:
+            return run()
+        return self.handles.rollout.serve(lambda: _generated(run()))
 
     def dispatch_prompts(self, prompts: list[Prompt] | None) -> list[Prompt] | None:
         """Rank 0 -> rollout ranks: each engine's share of the step's prompts."""
@@ -393,14 +407,14 @@ class PPOTrainer(RunHooks):
         """The engine's ``generate`` as the agent executor calls it (the asynchronous trainer times it)."""
         return generate
 
-    def collect_trajectories(self, result: Generated | None) -> tuple[list[Trajectory] | None, float]:
+    def collect_trajectories(self, result: RolloutResult | None) -> tuple[list[Trajectory] | None, float]:
         """Rollout ranks -> rank 0: all trajectories in prompt order, and the slowest engine's seconds."""
         gathered = self.collect_rollouts(result)
         if gathered is None:
             return None, 0.0
         return [t for part, _ in gathered for t in part], max(seconds for _, seconds in gathered)
 
-    def collect_rollouts(self, result: Generated | None) -> list[Generated] | None:
+    def collect_rollouts(self, result: RolloutResult | None) -> list[Generated] | None:
         """The rollout role's collect, after the engines' service point: with ``server_process`` engines, an engine
         restarted during this generation gets its weights there from its sender (``EngineChannelWeightSync.serve``;
         none under adapter sync), and rank 0 learns the restart count. Collective (every rank)."""
@@ -438,7 +452,7 @@ class PPOTrainer(RunHooks):
         result = None
         if rollout.side is not None:
             sampling = eval_sampling(self.cfg, rollout.side.stop_token_ids, rollout.engine_index)
-            result = self._run_executor(mine, step, sampling, ev.n_samples_per_prompt)
+            result = rollout.serve(lambda: self._run_executor(mine, step, sampling, ev.n_samples_per_prompt))
         gathered = self.collect_rollouts(result)
         per_prompt, trajectories = group_by_prompt(rollout.shares(self.eval_prompts), gathered) \
             if gathered is not None else ([], None)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -65,6 +64,7 @@ CONTROLLER = 0  # the rank that owns the batch (``hpc_rlhf.world.channel``)
 Metrics = dict[str, float]
 Wire = dict[str, Any]  # a shard as it travels (``StepBatch.to_wire`` / ``TrainShard.to_wire``)
 Generated = tuple[list[Trajectory], float]  # one engine's trajectories and its generation seconds
+RolloutResult = Generated | WorkerFailure  # what an engine's rank sends back: its rollouts, or why it has none
 
 
 class HoldsStates(Protocol):
@@ -226,8 +226,7 @@ class RoleHandle(RoleMembership, Generic[E]):
 
         def gather() -> list[tuple[R, float]] | None:
             if failed is not None:
-                failure = WorkerFailure(self.rank, self.name, f"{type(failed).__name__}: {failed}",
-                                        "".join(traceback.format_exception(failed)))
+                failure = WorkerFailure.from_exception(self.rank, self.name, failed)
                 # Only a replica's leader sends: a failed tensor/sequence-parallel peer leaves its leader in a
                 # collective of the role's work, which the watchdog (StallGuard) ends.
                 gather_from_role((failure, 0.0), self.groups)
@@ -397,6 +396,7 @@ class RolloutRole(RoleMembership):
     def __init__(self, groups: RoleGroups, rank: int, side: RolloutSide | None) -> None:
         super().__init__(groups, rank)
         self.side = side
+        self._failed: Exception | None = None  # this rank's engine failed: raised after its WorkerFailure is sent
 
     @property
     def engine_index(self) -> int:
@@ -425,12 +425,36 @@ class RolloutRole(RoleMembership):
         mine: list[Prompt] | None = scatter_to_role(shares, self.groups)
         return mine
 
-    def collect(self, result: Generated | None) -> list[Generated] | None:
-        """Each engine's ``result`` -> rank 0, in engine order (None elsewhere)."""
+    def serve(self, run: Callable[[], Generated]) -> RolloutResult:
+        """This rank's engine runs ``run`` (a generation round). A failure on a worker rank becomes the
+        :class:`~hpc_rlhf.trainers.rl.commands.WorkerFailure` that :meth:`collect` sends to rank 0 (and then raises
+        here); on rank 0, which runs its engine in place, it raises at once."""
+        try:
+            return run()
+        except Exception as exc:
+            if self.rank == CONTROLLER:
+                raise
+            log.error("rank %d: the rollout engine failed: %s: %s", self.rank, type(exc).__name__, exc)
+            self._failed = exc
+            return WorkerFailure.from_exception(self.rank, "rollout", exc)
+
+    def collect(self, result: RolloutResult | None) -> list[Generated] | None:
+        """Each engine's ``result`` -> rank 0, in engine order (None elsewhere). An engine's
+        :class:`~hpc_rlhf.trainers.rl.commands.WorkerFailure` raises :class:`RoleWorkerError` on rank 0 (with the
+        engine rank's traceback) and the engine's own error on its rank. Collective over the role's controller ranks.
+        """
         if not self.takes_part:
             return None
-        gathered: list[Generated] | None = gather_from_role(result, self.groups)
-        return gathered if self.rank == CONTROLLER else None
+        gathered: list[RolloutResult] | None = gather_from_role(result, self.groups)
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
+        if self.rank != CONTROLLER or gathered is None:
+            return None
+        failures = [part for part in gathered if isinstance(part, WorkerFailure)]
+        if failures:
+            raise RoleWorkerError(failures)
+        return [part for part in gathered if not isinstance(part, WorkerFailure)]
 
 
 @dataclass
