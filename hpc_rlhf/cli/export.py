@@ -28,6 +28,7 @@ from hpc_rlhf.config.loader import RESOLVED_CONFIG_NAME
 from hpc_rlhf.models.loading import load_causal_lm, load_value_model
 from hpc_rlhf.models.lora import apply_lora, load_trainable_state, merged_named_tensors, save_adapter
 from hpc_rlhf.models.vision import copy_processor_files
+from hpc_rlhf.world.placement import TRAINED_ROLES
 
 log = logging.getLogger(__name__)
 # The tag the RL trainer's checkpoints are saved under (hpc_rlhf.trainers.rl.checkpoint.DS_TAG); a copy, so that
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="where the HF model folder is written")
     p.add_argument("--config", default=None,
                    help="the run's config.resolved.yaml (default: found next to the checkpoint root)")
-    p.add_argument("--role", default="actor", choices=["actor", "critic"], help="which trained model to export")
+    p.add_argument("--role", default="actor", choices=TRAINED_ROLES, help="which trained model to export")
     return p
 
 

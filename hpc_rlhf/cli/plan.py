@@ -49,7 +49,7 @@ from hpc_rlhf.planning.time_budget import (
 )
 from hpc_rlhf.planning.vision_memory import vision_lines, vllm_multimodal_lines
 from hpc_rlhf.training.optimizer_choice import adam_implementation, optimizer_offloaded
-from hpc_rlhf.world.placement import PlacementError, build_placement
+from hpc_rlhf.world.placement import TRAINED_ROLES, PlacementError, build_placement
 
 KINDS = ("auto", "rl", *CONFIG_CLASSES)
 
@@ -318,7 +318,7 @@ def plan(argv: list[str] | None = None) -> int:
     if vision:
         print("\n".join(vision))
     zero_ranks: dict[str, int] = {r: placement.roles[r].dp_size * placement.roles[r].sp_size
-                                  for r in ("actor", "critic") if r in roles_mem}
+                                  for r in TRAINED_ROLES if r in roles_mem}
     print("\n".join(optimizer_lines(cfg.ds, zero_ranks)))
 
     if placement.layout != "colocated":

@@ -77,7 +77,7 @@ from hpc_rlhf.planning.model_shape import (
     role_shape,
     section_num_params,
 )
-from hpc_rlhf.world.placement import POLICY_ROLES, Placement
+from hpc_rlhf.world.placement import POLICY_ROLES, TRAINED_ROLES, Placement
 
 GIB = 1024**3
 ADAM_MOMENTS_BYTES = 8  # exp_avg + exp_avg_sq in fp32
@@ -260,7 +260,7 @@ def micro_batch_tokens(cfg: RunConfig, role: str) -> int:
     """
     seq_len = _rl_seq_len(cfg)
     sp = cfg.ds.ring_attn_size  # token budgets are per GPU; a micro-batch spans the sp group
-    if role in ("actor", "critic"):
+    if role in TRAINED_ROLES:
         if cfg.train.use_dynamic_batch and cfg.train.max_tokens_per_gpu:
             return max(cfg.train.max_tokens_per_gpu * sp, seq_len)
         return cfg.train.micro_train_batch_size * seq_len
@@ -335,7 +335,7 @@ def _rl_seq_len(cfg: RunConfig) -> int:
 def role_memory(cfg: RunConfig, placement: Placement, role: str, on_gpu: bool = True) -> RoleMemory:
     """Memory of one rank of RL ``role`` in GiB (``on_gpu=False``: the same run on CPU, fp32 under ``auto``)."""
     grid = placement.roles[role]
-    trainable = role in ("actor", "critic")
+    trainable = role in TRAINED_ROLES
     tokens = micro_batch_tokens(cfg, role)
     logit_tokens = 0
     if role in POLICY_ROLES:
@@ -414,7 +414,7 @@ def leaves_device(cfg: RunConfig, placement: Placement, role: str) -> bool:
     model moves whole; ZeRO-0 training and frozen ZeRO-3 partitions stay (a frozen role's ``offload: true``
     keeps its partitions on the host anyway)."""
     grid = placement.roles[role]
-    trainable = role in ("actor", "critic")
+    trainable = role in TRAINED_ROLES
     stage = effective_zero_stage(cfg.ds.zero_stage, grid.dp_size * grid.sp_size, trainable, cfg.ds.adam_offload,
                                  bf16=resolved_param_dtype(cfg.ds.param_dtype, True) == "bf16")
     if trainable:

@@ -55,7 +55,7 @@ from hpc_rlhf.planning.model_shape import (
     section_num_params,
 )
 from hpc_rlhf.weight_sync.adapter import adapter_sync_refusal, resolve_lora_sync
-from hpc_rlhf.world.placement import POLICY_ROLES, Placement
+from hpc_rlhf.world.placement import POLICY_ROLES, TRAINED_ROLES, Placement
 from hpc_rlhf.world.traffic import (
     CONTROLLER,
     Message,
@@ -305,7 +305,7 @@ def forwards_overlap(phases: list[Phase], role_ranks: dict[str, tuple[int, ...]]
 
 def training_phases(ctx: _Ctx) -> list[Phase]:
     out = []
-    for role in ("actor", "critic"):
+    for role in TRAINED_ROLES:
         if role not in ctx.placement.roles:
             continue
         seconds, detail = _role_pass(ctx, role, train=True)
@@ -487,7 +487,7 @@ def controller_traffic_phase(ctx: _Ctx, need_old: bool) -> Phase:
 
 def checkpoint_bytes(cfg: RunConfig, placement: Placement, param_bytes: int) -> float:
     total = 0.0
-    for role in ("actor", "critic"):
+    for role in TRAINED_ROLES:
         if role not in placement.roles:
             continue
         n = role_num_params(cfg, role)

@@ -14,14 +14,36 @@ A rollout group is split into engines of ``rollout.tensor_parallel_size`` consec
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TypedDict
 
 from hpc_rlhf.config.schema import RunConfig, rollout_engine_kind
 
-ROLES = ("actor", "ref", "teacher", "critic", "reward", "rollout")
-FROZEN_POLICY_ROLES = ("ref", "teacher")  # causal LMs that score the rollout's tokens and never train
-POLICY_ROLES = ("actor", *FROZEN_POLICY_ROLES)  # roles whose LM head runs over the response tokens
-TRAINED_ROLES = ("actor", "critic")
+
+class Role(str, Enum):
+    """A role of the placement, in the disaggregated layout's rank order; its value is the role's name in configs,
+    placements, checkpoints and metric names (a ``str``: it equals, hashes and formats as that name, so it keys the
+    placement's dicts and the ``timing/*`` metrics)."""
+
+    ACTOR = "actor"
+    REF = "ref"
+    TEACHER = "teacher"
+    CRITIC = "critic"
+    REWARD = "reward"
+    ROLLOUT = "rollout"
+
+    def __str__(self) -> str:  # Python 3.12 formats a str-mixin enum as "Role.ACTOR" otherwise
+        return str(self.value)
+
+    def __format__(self, format_spec: str) -> str:
+        return format(str(self.value), format_spec)
+
+
+# The role lists as plain names (what YAML, JSON and checkpoints hold), each written out once, from Role.
+ROLES = tuple(role.value for role in Role)
+FROZEN_POLICY_ROLES = (Role.REF.value, Role.TEACHER.value)  # causal LMs that score the rollout's tokens, untrained
+POLICY_ROLES = (Role.ACTOR.value, *FROZEN_POLICY_ROLES)  # roles whose LM head runs over the response tokens
+TRAINED_ROLES = (Role.ACTOR.value, Role.CRITIC.value)
 
 
 class RoleRow(TypedDict):

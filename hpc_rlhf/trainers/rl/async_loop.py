@@ -35,7 +35,7 @@ from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, Trajector
 from hpc_rlhf.trainers.rl.controller_steps import rollout_metrics
 from hpc_rlhf.trainers.rl.loop import Buffers, PPOTrainer, sampling_seed
 from hpc_rlhf.trainers.rl.partial_rollout import continue_generation, stamp_versions
-from hpc_rlhf.trainers.rl.roles import Generated
+from hpc_rlhf.trainers.rl.roles import Generated, RolloutResult
 from hpc_rlhf.trainers.run_skeleton import Row
 from hpc_rlhf.utils.metrics import PhaseTimer
 from hpc_rlhf.world.groups import WorldGroups
@@ -77,7 +77,7 @@ class AsyncPPOTrainer(PPOTrainer):
         self.engine_busy_s = 0.0  # rank 0: the engines' seconds inside generate in the latest round (slowest engine)
 
     # ------------------------------------------------------------------ queue
-    def _start_generation(self, wanted: bool) -> tuple[bool, Generated | None]:
+    def _start_generation(self, wanted: bool) -> tuple[bool, RolloutResult | None]:
         """One generation round, if rank 0 wants it and one is needed (decision broadcast to all).
 
         Returns (ran, this rank's pending result); rollout ranks have finished generating when it
@@ -95,9 +95,10 @@ class AsyncPPOTrainer(PPOTrainer):
         elif self.rank == 0:
             prompts = []  # last partial round: only finish the batch in flight
         self.partial_in_flight = self.cfg.train.partial_rollout and more
-        return True, self.run_rollouts(self.dispatch_prompts(prompts), self.generated)
+        mine = self.dispatch_prompts(prompts)
+        return True, self.serve_rollouts(lambda: self.run_rollouts(mine, self.generated))
 
-    def _finish_generation(self, pending: Generated | None) -> None:
+    def _finish_generation(self, pending: RolloutResult | None) -> None:
         trajectories, seconds = self.collect_trajectories(pending)
         if self.rank == 0 and trajectories:
             self.ready.append((trajectories, seconds))

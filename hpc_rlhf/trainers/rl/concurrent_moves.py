@@ -1,31 +1,52 @@
-"""The moves of several roles in one phase, started together and then waited on: the make-experience forwards and
-the updates of the trained roles.
+"""Rank 0's typed commands (``commands``) issued to the role workers: the make-experience forwards and the updates
+of the trained roles, each started at once and then waited on.
 
-Runs on the training ranks (the actor's, critic's, reference's and teacher's ranks, and rank 0); each role's move
-is collective over that role's controller ranks only (``roles.RoleHandle._start_on_replicas``).
+Runs on the training ranks (the actor's, critic's, reference's and teacher's ranks, and rank 0): rank 0 builds the
+step's :class:`~hpc_rlhf.trainers.rl.commands.StepCommands` and every training rank receives them
+(:func:`exchange_commands`, one broadcast over the training group); then each rank issues the same commands in the
+same order, which on a worker rank means serving its part of each (``roles.RoleHandle._start_on_replicas``: the
+scatter, the role's work where the rank hosts the role, the gather at the wait); each command is collective over
+its role's controller ranks only.
 
-The controller starts every move of a phase before it waits on any: the forwards (old log-probs, reference,
-teacher, critic values), then, in the training phase, the critic's and the actor's updates. Roles on disjoint ranks
-compute at once, and the phase costs about its busiest rank's moves, not their sum. Start order: the roles rank 0
-does not host come first, because rank 0 runs its own share of a role in place when it starts it, and would
-otherwise hold back the scatters to the roles after it; then the roles rank 0 hosts. Within each kind the order is
-fixed (forwards: actor, ref, teacher, critic; updates: critic, actor). The order depends on the placement alone, so
-every rank computes the same one: the scatters and gathers of each role's group meet in the same order on all of
-its ranks (``roles`` module docstring). The waits follow the start order. No RNG is drawn here beyond what each
+Collective order, the same on every rank: the commands' own order (forwards: actor, ref, teacher, critic; updates:
+critic, actor; ``commands.FORWARD_ORDER``, ``commands.UPDATE_ORDER``), except that the roles rank 0 hosts move to
+the end, because rank 0 runs its own part of a role in place when it issues the command and would otherwise hold
+back the scatters to the roles after it. All of a phase's commands are issued before any is waited on, so roles on
+disjoint ranks compute at once and the phase costs about its busiest rank's moves, not their sum; the waits follow
+the issue order. The order depends on the commands and the placement alone. No RNG is drawn here beyond what each
 role's own work draws on its own ranks (the forwards draw none; an update's dropout, if any, is its ranks' own
 stream, the same whichever order the roles run in).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 
-from hpc_rlhf.trainers.rl.roles import CONTROLLER, Pending, PendingForward, PendingUpdate, RoleHandles, RoleMembership
+from hpc_rlhf.trainers.rl.commands import (
+    FORWARD_ORDER,
+    UPDATE_ORDER,
+    Forward,
+    ForwardReply,
+    StepCommands,
+    Update,
+    UpdateReply,
+)
+from hpc_rlhf.trainers.rl.roles import (
+    CONTROLLER,
+    CriticRole,
+    Pending,
+    PendingForward,
+    PendingUpdate,
+    RoleHandles,
+    RoleMembership,
+)
 from hpc_rlhf.trainers.rl.step_batch import StepBatch
+from hpc_rlhf.world.placement import Role
 
 
 @dataclass
@@ -40,68 +61,138 @@ class ExperienceOutputs:
     compute_seconds: dict[str, float] = field(default_factory=dict)
     """Rank 0: per role, the slowest replica's seconds inside its forward (``timing/experience/<role>``)."""
 
+    @classmethod
+    def from_replies(cls, replies: Sequence[ForwardReply]) -> ExperienceOutputs:
+        out = cls()
+        for reply in replies:
+            setattr(out, Forward(reply.role).output_field, reply.output)
+            out.compute_seconds[reply.role] = reply.compute_seconds
+        return out
+
+
+# ---- rank 0 decides -------------------------------------------------------------------------------------------
+
+def forward_commands(handles: RoleHandles, need_old_logprobs: bool) -> tuple[Forward, ...]:
+    """The enabled make-experience forwards, in :data:`~hpc_rlhf.trainers.rl.commands.FORWARD_ORDER`; the actor's
+    only when ``need_old_logprobs`` (else the rollout's log-probs stand in)."""
+    return tuple(Forward(role) for role in FORWARD_ORDER
+                 if handles.scoring(role) is not None and (role != Role.ACTOR or need_old_logprobs))
+
+
+def update_commands(handles: RoleHandles, version: int, kl_coef: float) -> tuple[Update, ...]:
+    """The trained roles' updates, in :data:`~hpc_rlhf.trainers.rl.commands.UPDATE_ORDER`."""
+    return tuple(Update(role, version, kl_coef if role == Role.ACTOR else 0.0) for role in UPDATE_ORDER
+                 if handles.trained(role) is not None)
+
+
+def exchange_commands(commands: StepCommands | None, group: dist.ProcessGroup | None) -> StepCommands:
+    """Rank 0's ``commands`` on every rank of ``group`` (rank 0's: the training group); other ranks pass None.
+    Collective over ``group``: one object broadcast."""
+    if dist.get_rank() == CONTROLLER and commands is None:
+        raise ValueError("rank 0 must pass the step's commands")
+    box = [commands]
+    dist.broadcast_object_list(box, src=CONTROLLER, group=group)
+    received = box[0]
+    if not isinstance(received, StepCommands):
+        raise TypeError(f"rank {dist.get_rank()}: expected the step's commands from rank 0, got {type(received)}")
+    return received
+
+
+# ---- every training rank issues (rank 0) or serves (the others) ------------------------------------------------
+
+def _start_forward(handles: RoleHandles, command: Forward, batch: StepBatch | None) -> PendingForward:
+    role = handles.scoring(command.role)
+    if role is None:
+        raise ValueError(f"{command}: the placement has no {command.role} role")
+    return role.start_values(batch) if isinstance(role, CriticRole) else role.start_logprobs(batch)
+
+
+def _start_update(handles: RoleHandles, command: Update, batch: StepBatch | None) -> PendingUpdate:
+    role = handles.trained(command.role)
+    if role is None:
+        raise ValueError(f"{command}: the placement has no {command.role} role")
+    return role.start_update(batch, command.version, command.kl_coef)
+
+
+C = TypeVar("C", Forward, Update)
+T = TypeVar("T")
+R = TypeVar("R")  # a typed reply
+
+
+def _issue(handles: RoleHandles, commands: Sequence[C], start: Callable[[C], Pending[T]],
+           overlap: bool) -> list[tuple[C, Pending[T]]]:
+    """Start ``commands`` in the collective order (rank 0's roles last); ``overlap=False`` waits on each before the
+    next starts."""
+    issued = []
+    for command in issue_order(handles, commands):
+        issued.append((command, start(command)))
+        if not overlap:
+            issued[-1][1].wait()
+    return issued
+
+
+def issue_order(handles: RoleHandles, commands: Sequence[C]) -> list[C]:
+    """``commands`` with those of the roles rank 0 hosts moved to the end, order kept otherwise."""
+    def hosted_by_controller(command: C) -> bool:
+        return CONTROLLER in handles.membership(command.role).groups.ranks
+
+    return [c for c in commands if not hosted_by_controller(c)] + [c for c in commands if hosted_by_controller(c)]
+
+
+def _issue_and_wait(handles: RoleHandles, commands: Sequence[C], start: Callable[[C], Pending[T]], overlap: bool,
+                    reply: Callable[[C, T, float], R]) -> list[R]:
+    """:func:`_issue`, then wait on each command in issue order; ``reply(command, result, seconds)`` of each result
+    that came back (rank 0's; none elsewhere)."""
+    replies = []
+    for command, pending in _issue(handles, commands, start, overlap):
+        result = pending.wait()
+        if result is not None:
+            replies.append(reply(command, result, pending.compute_seconds))
+    return replies
+
+
+def run_forwards(handles: RoleHandles, commands: StepCommands, batch: StepBatch | None) -> list[ForwardReply]:
+    """Issue ``commands.forwards`` over rank 0's ``batch`` (None elsewhere), then wait on each; the replies on rank 0
+    (empty elsewhere), in issue order. Collective over the training ranks that host a scoring role and rank 0."""
+    return _issue_and_wait(handles, commands.forwards, lambda c: _start_forward(handles, c, batch), commands.overlap,
+                           lambda c, output, seconds: ForwardReply(c.role, output, seconds))
+
+
+def run_updates(handles: RoleHandles, commands: StepCommands, batch: StepBatch | None) -> list[UpdateReply]:
+    """Issue ``commands.updates`` over rank 0's ``batch``, then wait on each; the replies (the metrics) on rank 0
+    (empty elsewhere), in issue order. Collective over the trained roles' ranks and rank 0."""
+    return _issue_and_wait(handles, commands.updates, lambda c: _start_update(handles, c, batch), commands.overlap,
+                           lambda c, metrics, seconds: UpdateReply(c.role, metrics, seconds))
+
+
+# ---- the phases as one call, for callers that decide the same on every rank (tests, benchmarks) ----------------
 
 Starter = Callable[[StepBatch | None], PendingForward]
 
 
 def start_order(handles: RoleHandles, need_old_logprobs: bool) -> list[tuple[str, RoleMembership, Starter]]:
     """``(output field, role, its forward's start)`` of the enabled forwards, in the order every rank starts them."""
-    enabled: list[tuple[str, RoleMembership, Starter]] = []
-    if need_old_logprobs:
-        enabled.append(("old_logprobs", handles.actor, handles.actor.start_logprobs))
-    if handles.ref is not None:
-        enabled.append(("ref_logprobs", handles.ref, handles.ref.start_logprobs))
-    if handles.teacher is not None:
-        enabled.append(("teacher_logprobs", handles.teacher, handles.teacher.start_logprobs))
-    if handles.critic is not None:
-        enabled.append(("values", handles.critic, handles.critic.start_values))
-    return _controller_last(enabled)
-
-
-S = TypeVar("S")  # how a move starts
-
-
-def _controller_last(entries: list[tuple[str, RoleMembership, S]]) -> list[tuple[str, RoleMembership, S]]:
-    """``entries`` (``(name, role, start)``) with the roles rank 0 hosts moved to the end, order kept otherwise."""
-    elsewhere = [entry for entry in entries if CONTROLLER not in entry[1].groups.ranks]
-    in_place = [entry for entry in entries if CONTROLLER in entry[1].groups.ranks]
-    return elsewhere + in_place
+    return [(command.output_field, handles.membership(command.role),
+             lambda batch, command=command: _start_forward(handles, command, batch))  # type: ignore[misc]
+            for command in issue_order(handles, forward_commands(handles, need_old_logprobs))]
 
 
 def experience_forwards(handles: RoleHandles, batch: StepBatch | None, need_old_logprobs: bool, *,
                         overlap: bool = True) -> ExperienceOutputs:
-    """Start every enabled forward over rank 0's ``batch``, then wait on each. Collective over the training ranks
-    that host a scoring role and rank 0; ``batch`` is rank 0's (None elsewhere). ``overlap=False`` waits on each
-    forward before starting the next (one role after another: the baseline ``benchmarks/experience_overlap.py``
-    measures against); every rank of the world must pass the same value."""
-    pending: list[tuple[str, PendingForward]] = []
-    for name, _, start in start_order(handles, need_old_logprobs):
-        pending.append((name, start(batch)))
-        if not overlap:
-            pending[-1][1].wait()
-    out = ExperienceOutputs()
-    for name, forward in pending:
-        setattr(out, name, forward.wait())
-        out.compute_seconds[forward.role] = forward.compute_seconds
-    return out
+    """Issue every enabled forward over rank 0's ``batch``, then wait on each (:func:`run_forwards`). Every rank of
+    the world must pass the same ``need_old_logprobs`` and ``overlap``."""
+    commands = StepCommands(forward_commands(handles, need_old_logprobs), overlap=overlap)
+    return ExperienceOutputs.from_replies(run_forwards(handles, commands, batch))
 
 
 def role_updates(handles: RoleHandles, batch: StepBatch | None, version: int, kl_coef: float, *,
                  overlap: bool = True) -> dict[str, Pending[dict[str, float]]]:
-    """Start the critic's update (if there is a critic) and the actor's over rank 0's ``batch``, then wait on each;
+    """Issue the critic's update (if there is a critic) and the actor's over rank 0's ``batch``, then wait on each;
     returns the waited futures by role (their results: the metrics on rank 0). ``version``: the policy version the
     updates make; ``kl_coef``: the actor's KL loss coefficient (rank 0's). ``overlap=False``: one after the other.
     Collective over the trained roles' ranks and rank 0."""
-    entries: list[tuple[str, RoleMembership, Callable[[], PendingUpdate]]] = []
-    if handles.critic is not None:
-        critic = handles.critic
-        entries.append(("critic", critic, lambda: critic.start_update(batch, version)))
-    entries.append(("actor", handles.actor, lambda: handles.actor.start_update(batch, version, kl_coef)))
-    started: dict[str, PendingUpdate] = {}
-    for name, _, start in _controller_last(entries):
-        started[name] = start()
-        if not overlap:
-            started[name].wait()
-    for pending in started.values():
+    commands = update_commands(handles, version, kl_coef)
+    issued = _issue(handles, commands, lambda c: _start_update(handles, c, batch), overlap)
+    for _, pending in issued:
         pending.wait()
-    return started
+    return {command.role: pending for command, pending in issued}

@@ -8,10 +8,12 @@ touches (plus rank 0, the controller), so the same script reads as one story on 
 
 The step's data: trajectories become one :class:`StepBatch` on rank 0 (``step_batch``); each role is a typed
 handle (``roles``) whose moves deal the batch's rows to the role's data-parallel replicas (``row_layout``), run
-the role's work there (``workers``) and bring the results back to rank 0 (the make-experience forwards start
-together and are waited on after, and so do the critic's and actor's updates, ``concurrent_moves``: roles on
-disjoint ranks compute at once; each role's seconds are logged as ``timing/experience/<role>`` and
-``timing/train/<role>``); ``controller_steps`` computes rewards,
+the role's work there (``workers``) and bring the results back to rank 0. The training ranks' part of a step is
+rank 0's decision, sent as typed commands (``commands``: ``Forward(role)``, ``Update(role)``) once per step; every
+training rank serves them (the make-experience forwards are issued together and waited on after, and so are the
+critic's and actor's updates, ``concurrent_moves``: roles on disjoint ranks compute at once; each role's seconds
+are logged as ``timing/experience/<role>`` and ``timing/train/<role>``; a worker's failure reaches rank 0 with its
+rank, role and traceback); ``controller_steps`` computes rewards,
 advantages and metrics on rank 0. Values only rank 0 holds (the trajectories, the batch, the rows) are ``None``
 on every other rank.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -45,7 +48,15 @@ from hpc_rlhf.rollout.vllm_server import VllmServerEngine
 from hpc_rlhf.trainers import run_skeleton
 from hpc_rlhf.trainers.rl import checkpoint as rl_checkpoint
 from hpc_rlhf.trainers.rl import setup as rl_setup
-from hpc_rlhf.trainers.rl.concurrent_moves import experience_forwards, role_updates
+from hpc_rlhf.trainers.rl.commands import UPDATE_ORDER, StepCommands
+from hpc_rlhf.trainers.rl.concurrent_moves import (
+    ExperienceOutputs,
+    exchange_commands,
+    forward_commands,
+    run_forwards,
+    run_updates,
+    update_commands,
+)
 from hpc_rlhf.trainers.rl.controller_steps import (
     append_groups,
     attach_rewards,
@@ -55,7 +66,7 @@ from hpc_rlhf.trainers.rl.controller_steps import (
     select_samples,
 )
 from hpc_rlhf.trainers.rl.evaluation import eval_metrics, eval_sampling, group_by_prompt, load_eval_prompts
-from hpc_rlhf.trainers.rl.roles import Generated, RoleHandles
+from hpc_rlhf.trainers.rl.roles import Generated, RoleHandles, RolloutResult
 from hpc_rlhf.trainers.rl.rollout_dump import is_dump_step, rollout_records, write_rollouts
 from hpc_rlhf.trainers.rl.rollout_health import AgentFailureLimitError
 from hpc_rlhf.trainers.rl.step_batch import StepBatch
@@ -76,6 +87,12 @@ def sampling_seed(train_seed: int, step: int, engine_index: int) -> int:
     """The training rollouts' sampling seed: one per (step, engine) keeps sampling reproducible and different
     across engines (``engine_index``: the engine's data-parallel rank in the rollout role)."""
     return train_seed * 100_003 + step * 1_009 + engine_index
+
+
+def _generated(result: Generated | None) -> Generated:
+    if result is None:
+        raise RuntimeError("a rollout rank's generation round returned nothing")
+    return result
 
 
 class PPOTrainer(RunHooks):
@@ -130,9 +147,11 @@ class PPOTrainer(RunHooks):
         self.train_group = world.train_group
         # rank 0: each role's seconds inside its moves this step (timing/experience/<role>, timing/train/<role>)
         self.role_seconds: dict[str, float] = {}
-        # False: each role's forward or update waits for the one before (the baseline of
-        # benchmarks/experience_overlap.py); the same on every rank, as the moves' collective order depends on it.
+        # Rank 0's: False makes each role's forward or update wait for the one before (the baseline of
+        # benchmarks/experience_overlap.py); it travels to the training ranks inside the step's commands.
         self.overlap_forwards = True
+        # Training ranks: the step's commands from rank 0 (make_experience receives them, train serves the updates).
+        self.step_commands = StepCommands()
 
     @property
     def controller(self) -> rl_setup.ControllerState:
@@ -253,23 +272,38 @@ class PPOTrainer(RunHooks):
 
     def make_experience(self, trajectories: list[Trajectory] | None) -> tuple[bool, StepBatch | None]:
         """Selected samples as one step batch, plus the logprobs/values each enabled role computes and the
-        advantages. Returns ``(trains, batch)``: whether this rank takes part in this step's update (a training rank
-        and a step whose samples were not all filtered away) and, on rank 0, the batch."""
+        advantages. Rank 0 decides the step's commands (``commands.StepCommands``: the forwards, and the updates
+        :meth:`train` issues) and tells the training ranks, which serve them. Returns ``(trains, batch)``: whether
+        this rank takes part in this step's update (a training rank and a step whose samples were not all filtered
+        away) and, on rank 0, the batch."""
         if self.rank not in self.train_ranks:
             return False, None
         batch = self._training_batch(trajectories)
-        if not self._broadcast_flag(batch is not None, self.train_group):
+        self.step_commands = exchange_commands(self._decide_commands(batch), self.train_group)
+        if not self.step_commands.trains:
             return False, None  # dynamic filtering removed every group: skip the update this step
-        # Old log-probs, the reference's and the distillation teacher's, the critic's values: started together,
+        # Old log-probs, the reference's and the distillation teacher's, the critic's values: issued together,
         # so roles on disjoint ranks compute at once (``concurrent_moves``).
-        out = experience_forwards(self.handles, batch, self.roles.need_old_logprobs, overlap=self.overlap_forwards)
-        self.role_seconds.update({f"experience/{role}": seconds for role, seconds in out.compute_seconds.items()})
+        replies = run_forwards(self.handles, self.step_commands, batch)
+        self.role_seconds.update({f"experience/{r.role}": r.compute_seconds for r in replies})
         if batch is None:  # not the controller
             return True, None
+        out = ExperienceOutputs.from_replies(replies)
         batch = replace(batch, old_logprobs=out.old_logprobs, ref_logprobs=out.ref_logprobs,
                         teacher_logprobs=out.teacher_logprobs, values=out.values)
         rewards = self.controller.normalized_rewards(batch.scored_rewards)
         return True, make_advantages(batch, self.cfg, rewards, self.controller.kl_controller.value)
+
+    def _decide_commands(self, batch: StepBatch | None) -> StepCommands | None:
+        """Rank 0: the step's forwards and updates over ``batch`` (none when it is None: every group was filtered
+        away); None on every other rank, which receives rank 0's."""
+        if not self.world.is_controller:
+            return None
+        if batch is None:
+            return StepCommands(overlap=self.overlap_forwards)
+        kl_coef = self.controller.kl_controller.value if self.cfg.algo.kl.use_loss else 0.0
+        return StepCommands(forward_commands(self.handles, self.roles.need_old_logprobs),
+                            update_commands(self.handles, self.policy_version + 1, kl_coef), self.overlap_forwards)
 
     def _training_batch(self, trajectories: list[Trajectory] | None) -> StepBatch | None:
         """Rank 0: the samples that train (overlong penalty, dynamic filtering) as one step batch; None when
@@ -285,18 +319,15 @@ class PPOTrainer(RunHooks):
         return None
 
     def train(self, batch: StepBatch | None) -> dict[str, float]:
-        """Critic and actor updates on their ranks, started together (``concurrent_moves``: on disjoint ranks they
-        train at once); every training rank calls it; ``batch``: rank 0's step batch. Returns stats averaged over
-        dp ranks (rank 0)."""
-        version = self.policy_version + 1  # the version this update makes
-        kl_coef = self.controller.kl_controller.value if self.world.is_controller and self.cfg.algo.kl.use_loss \
-            else 0.0
-        updates = role_updates(self.handles, batch, version, kl_coef, overlap=self.overlap_forwards)
+        """The step's updates (critic, then actor; rank 0 decided them in :meth:`make_experience`), issued together
+        (``concurrent_moves``: on disjoint ranks they train at once); every training rank calls it; ``batch``: rank
+        0's step batch. Returns stats averaged over dp ranks (rank 0)."""
+        replies = {reply.role: reply for reply in run_updates(self.handles, self.step_commands, batch)}
         stats: dict[str, float] = {}
-        for role in ("critic", "actor"):  # the metrics' order in the row, as before
-            if role in updates:
-                stats.update(updates[role].wait() or {})
-                self.role_seconds[f"train/{role}"] = updates[role].compute_seconds
+        for role in UPDATE_ORDER:  # the metrics' order in the row, as before
+            if role in replies:
+                stats.update(replies[role].metrics)
+                self.role_seconds[f"train/{role}"] = replies[role].compute_seconds
         return stats
 
     def sync_weights(self) -> None:
@@ -336,7 +367,14 @@ class PPOTrainer(RunHooks):
     def generate(self, prompts: list[Prompt] | None, step: int) -> list[Trajectory] | None:
         """Scatter prompts over the rollout engines; each runs the agent executor; gather trajectories."""
         mine = self.dispatch_prompts(prompts)
-        return self.collect_trajectories(self.run_rollouts(mine, step))[0]
+        return self.collect_trajectories(self.serve_rollouts(lambda: self.run_rollouts(mine, step)))[0]
+
+    def serve_rollouts(self, run: Callable[[], Generated | None]) -> RolloutResult | None:
+        """This rank's generation round ``run`` (None where the rank hosts no engine); an engine rank's failure
+        travels to rank 0 with the collect (``RolloutRole.serve``)."""
+        if self.handles.rollout.side is None:
+            return run()
+        return self.handles.rollout.serve(lambda: _generated(run()))
 
     def dispatch_prompts(self, prompts: list[Prompt] | None) -> list[Prompt] | None:
         """Rank 0 -> rollout ranks: each engine's share of the step's prompts."""
@@ -369,14 +407,14 @@ class PPOTrainer(RunHooks):
         """The engine's ``generate`` as the agent executor calls it (the asynchronous trainer times it)."""
         return generate
 
-    def collect_trajectories(self, result: Generated | None) -> tuple[list[Trajectory] | None, float]:
+    def collect_trajectories(self, result: RolloutResult | None) -> tuple[list[Trajectory] | None, float]:
         """Rollout ranks -> rank 0: all trajectories in prompt order, and the slowest engine's seconds."""
         gathered = self.collect_rollouts(result)
         if gathered is None:
             return None, 0.0
         return [t for part, _ in gathered for t in part], max(seconds for _, seconds in gathered)
 
-    def collect_rollouts(self, result: Generated | None) -> list[Generated] | None:
+    def collect_rollouts(self, result: RolloutResult | None) -> list[Generated] | None:
         """The rollout role's collect, after the engines' service point: with ``server_process`` engines, an engine
         restarted during this generation gets its weights there from its sender (``EngineChannelWeightSync.serve``;
         none under adapter sync), and rank 0 learns the restart count. Collective (every rank)."""
@@ -414,7 +452,7 @@ class PPOTrainer(RunHooks):
         result = None
         if rollout.side is not None:
             sampling = eval_sampling(self.cfg, rollout.side.stop_token_ids, rollout.engine_index)
-            result = self._run_executor(mine, step, sampling, ev.n_samples_per_prompt)
+            result = rollout.serve(lambda: self._run_executor(mine, step, sampling, ev.n_samples_per_prompt))
         gathered = self.collect_rollouts(result)
         per_prompt, trajectories = group_by_prompt(rollout.shares(self.eval_prompts), gathered) \
             if gathered is not None else ([], None)

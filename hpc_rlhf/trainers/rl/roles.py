@@ -42,6 +42,7 @@ from hpc_rlhf.models.micro_forward import SequenceParallel
 from hpc_rlhf.resilience.fault_injection import fault_point
 from hpc_rlhf.rewards.reward_model import RewardModelRole
 from hpc_rlhf.rollout.base import Trajectory
+from hpc_rlhf.trainers.rl.commands import RoleWorkerError, WorkerFailure
 from hpc_rlhf.trainers.rl.row_layout import Batching, forward_shards, in_batch_order, train_shards
 from hpc_rlhf.trainers.rl.setup import Roles, RolloutSide
 from hpc_rlhf.trainers.rl.step_batch import StepBatch, TrainShard
@@ -56,12 +57,14 @@ from hpc_rlhf.trainers.rl.workers import (
 from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine
 from hpc_rlhf.world.channel import gather_from_role, scatter_to_role
 from hpc_rlhf.world.groups import RoleGroups, WorldGroups
+from hpc_rlhf.world.placement import Role
 
 log = logging.getLogger(__name__)
 CONTROLLER = 0  # the rank that owns the batch (``hpc_rlhf.world.channel``)
 Metrics = dict[str, float]
 Wire = dict[str, Any]  # a shard as it travels (``StepBatch.to_wire`` / ``TrainShard.to_wire``)
 Generated = tuple[list[Trajectory], float]  # one engine's trajectories and its generation seconds
+RolloutResult = Generated | WorkerFailure  # what an engine's rank sends back: its rollouts, or why it has none
 
 
 class HoldsStates(Protocol):
@@ -202,6 +205,7 @@ class RoleHandle(RoleMembership, Generic[E]):
         Collective over the role's controller ranks (the scatter here, the gather when called)."""
         wire = scatter_to_role(None if shards is None else [s.to_wire() for s in shards], self.groups)
         result = None
+        failed: Exception | None = None
         if self.hosts:
             engine = self.require_engine()
             self._reload(engine)
@@ -214,13 +218,26 @@ class RoleHandle(RoleMembership, Generic[E]):
                 add_note = getattr(exc, "add_note", None)  # Python 3.11+: printed with the traceback
                 if add_note is not None:
                     add_note(where)
-                raise
-            if offload:
+                if self.rank == CONTROLLER:
+                    raise  # rank 0 ran its part in place: the error is already where the step is told
+                failed = exc  # goes to rank 0 at the gather, then raises here
+            if offload and failed is None:
                 self._offload(engine)
 
         def gather() -> list[tuple[R, float]] | None:
+            if failed is not None:
+                failure = WorkerFailure.from_exception(self.rank, self.name, failed)
+                # Only a replica's leader sends: a failed tensor/sequence-parallel peer leaves its leader in a
+                # collective of the role's work, which the watchdog (StallGuard) ends.
+                gather_from_role((failure, 0.0), self.groups)
+                raise failed
             gathered = gather_from_role(result, self.groups)
-            return gathered if self.rank == CONTROLLER else None
+            if self.rank != CONTROLLER or gathered is None:
+                return None
+            failures = [part for part, _ in gathered if isinstance(part, WorkerFailure)]
+            if failures:
+                raise RoleWorkerError(failures)
+            return gathered
 
         return gather
 
@@ -379,6 +396,7 @@ class RolloutRole(RoleMembership):
     def __init__(self, groups: RoleGroups, rank: int, side: RolloutSide | None) -> None:
         super().__init__(groups, rank)
         self.side = side
+        self._failed: Exception | None = None  # this rank's engine failed: raised after its WorkerFailure is sent
 
     @property
     def engine_index(self) -> int:
@@ -407,12 +425,36 @@ class RolloutRole(RoleMembership):
         mine: list[Prompt] | None = scatter_to_role(shares, self.groups)
         return mine
 
-    def collect(self, result: Generated | None) -> list[Generated] | None:
-        """Each engine's ``result`` -> rank 0, in engine order (None elsewhere)."""
+    def serve(self, run: Callable[[], Generated]) -> RolloutResult:
+        """This rank's engine runs ``run`` (a generation round). A failure on a worker rank becomes the
+        :class:`~hpc_rlhf.trainers.rl.commands.WorkerFailure` that :meth:`collect` sends to rank 0 (and then raises
+        here); on rank 0, which runs its engine in place, it raises at once."""
+        try:
+            return run()
+        except Exception as exc:
+            if self.rank == CONTROLLER:
+                raise
+            log.error("rank %d: the rollout engine failed: %s: %s", self.rank, type(exc).__name__, exc)
+            self._failed = exc
+            return WorkerFailure.from_exception(self.rank, "rollout", exc)
+
+    def collect(self, result: RolloutResult | None) -> list[Generated] | None:
+        """Each engine's ``result`` -> rank 0, in engine order (None elsewhere). An engine's
+        :class:`~hpc_rlhf.trainers.rl.commands.WorkerFailure` raises :class:`RoleWorkerError` on rank 0 (with the
+        engine rank's traceback) and the engine's own error on its rank. Collective over the role's controller ranks.
+        """
         if not self.takes_part:
             return None
-        gathered: list[Generated] | None = gather_from_role(result, self.groups)
-        return gathered if self.rank == CONTROLLER else None
+        gathered: list[RolloutResult] | None = gather_from_role(result, self.groups)
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
+        if self.rank != CONTROLLER or gathered is None:
+            return None
+        failures = [part for part in gathered if isinstance(part, WorkerFailure)]
+        if failures:
+            raise RoleWorkerError(failures)
+        return [part for part in gathered if not isinstance(part, WorkerFailure)]
 
 
 @dataclass
@@ -430,6 +472,28 @@ class RoleHandles:
     def frozen_policies(self) -> list[FrozenPolicyRole]:
         """The reference and the teacher, in the order their forwards run."""
         return [role for role in (self.ref, self.teacher) if role is not None]
+
+    def scoring(self, role: Role) -> ActorRole | FrozenPolicyRole | CriticRole | None:
+        """The handle of a role with a make-experience forward (None: the placement has no such role)."""
+        handles = {Role.ACTOR: self.actor, Role.REF: self.ref, Role.TEACHER: self.teacher, Role.CRITIC: self.critic}
+        if role not in handles:
+            raise ValueError(f"role '{role}' has no make-experience forward")
+        return handles[role]
+
+    def trained(self, role: Role) -> TrainedRole | None:
+        """The handle of a trained role (None: the placement has no such role)."""
+        handles: dict[Role, TrainedRole | None] = {Role.ACTOR: self.actor, Role.CRITIC: self.critic}
+        if role not in handles:
+            raise ValueError(f"role '{role}' is not trained")
+        return handles[role]
+
+    def membership(self, role: Role) -> RoleMembership:
+        """Where this rank stands in ``role``, which the placement must have."""
+        handle: RoleMembership | None = self.rollout if role == Role.ROLLOUT else \
+            self.reward if role == Role.REWARD else self.scoring(role)
+        if handle is None:
+            raise ValueError(f"the placement has no {role} role")
+        return handle
 
     @classmethod
     def build(cls, cfg: RunConfig, world: WorldGroups, engines: Roles) -> RoleHandles:
