@@ -280,3 +280,12 @@ def test_a_submitted_job_generates_a_fresh_secret_in_its_batch_script():
 
     first, second = run(), run()
     assert re.fullmatch(r"[0-9a-f]{64}", first) and first != second
+
+
+def test_the_launch_round_counts_requeues_and_torchrun_restarts():
+    base = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}
+    assert detect_launch_env(base).launch_round == "0.0"
+    assert detect_launch_env({**base, "SLURM_RESTART_COUNT": "2"}).launch_round == "2.0"
+    assert detect_launch_env({**base, "TORCHELASTIC_RESTART_COUNT": "1"}).launch_round == "0.1"
+    with pytest.raises(LaunchEnvError, match="SLURM_RESTART_COUNT"):
+        detect_launch_env({**base, "SLURM_RESTART_COUNT": "x"})
