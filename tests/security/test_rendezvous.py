@@ -35,6 +35,7 @@ from hpc_rlhf.world.sealed_store import (
 )
 from tests.multiproc.rl_fixtures import grpo_overrides, make_assets, run_trainer
 from tests.multiproc.spawn import run_on_ranks
+from tests.security.waits import join_or_fail, spawn_or_fail
 
 pytestmark = [pytest.mark.security, pytest.mark.slow]
 
@@ -162,7 +163,8 @@ def _join_entry(index: int, port: int, results) -> None:
 
 def test_a_stranger_cannot_take_a_rank_of_the_world():
     results = mp.Manager().dict()
-    mp.spawn(_join_entry, args=(free_port(), results), nprocs=3, join=True)
+    spawn_or_fail(_join_entry, (free_port(), results), 3, WORLD_WAIT_S + 4 * JOIN_TIMEOUT_S + 120,
+                  "the job's ranks and the stranger", results)
     job, stranger, own_rank = results.get(0), results.get(1), results.get(2)
     assert stranger is not None and stranger[0] == "refused", f"the stranger took rank 1: {stranger}"
     assert PAYLOAD.decode() not in str(stranger), f"the stranger received the job's broadcast: {stranger}"
@@ -201,7 +203,7 @@ def test_a_stranger_can_neither_join_a_weight_channel_nor_read_its_store(monkeyp
         outcome["keys"] = _stranger(port).list_keys()
 
     def worker() -> None:
-        attacker.join()  # only once the stranger has had its go
+        attacker.join(90)  # only once the stranger has had its go (the test fails if it has not ended)
         group = GlooGroup("127.0.0.1", port, rank=1, world_size=2, timeout_s=60, channel=name)
         group.connect()
         received = torch.zeros(12)
@@ -214,8 +216,8 @@ def test_a_stranger_can_neither_join_a_weight_channel_nor_read_its_store(monkeyp
     receiver.start()
     channel.connect()
     channel.send([("w", bucket)])
-    receiver.join(timeout=90)
-    attacker.join(timeout=30)
+    join_or_fail(receiver, 120, "the job's worker joining the weight channel")
+    join_or_fail(attacker, 30, "the stranger's tries at the weight channel")
     channel.close()
     assert outcome["stranger"][0] == "refused", "the stranger joined the channel and would receive the weights"
     assert "differs from the one rank 0 published" in outcome["own_secret"]
@@ -275,8 +277,8 @@ def test_a_job_trains_while_a_stranger_reads_and_writes_its_store(tmp_path):
     attacker = mp.get_context("spawn").Process(target=_keep_attacking, args=(port, stop, report))
     attacker.start()
     try:
-        mp.spawn(_train_entry, args=(port, grpo_overrides(assets, tmp_path / "run", "train.max_steps=2"), results),
-                 nprocs=2, join=True)
+        spawn_or_fail(_train_entry, (port, grpo_overrides(assets, tmp_path / "run", "train.max_steps=2"), results), 2,
+                      450, "a 2-step GRPO run beside the stranger", results)
     finally:
         stop.set()
         attacker.join(timeout=30)
@@ -297,7 +299,7 @@ def test_counters_and_compare_set_work_over_sealed_values_and_refuse_a_forged_on
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=60)
+        join_or_fail(thread, 60, "a client counting over sealed values")
     assert first.add("barrier", 0) == 100 and int(second.get("barrier")) == 100
     assert first.compare_set("flag", b"", b"up") == b"up" and second.compare_set("flag", b"down", b"x") == b"up"
     first.append("log", b"a")
