@@ -3,7 +3,8 @@
     cfg, env = start_run("train_sft", argv, load_sft_config)
 
 in this order: the preemption guard (a SLURM signal during start-up is remembered, not fatal), the
-config (a bad key exits with status 2 naming it), torch.distributed from the launcher's variables with
+config (a bad key exits with status 2 naming it), the umask of ``train.output_access`` (run outputs private by
+default, ``hpc_rlhf.utils.output_access``), torch.distributed from the launcher's variables with
 the configured collective timeout, per-rank logging, on CPU glibc's malloc thresholds
 (``hpc_rlhf.utils.host_malloc``), then the local assets a CPU recipe asks for (tiny
 model, synthetic data), written once by rank 0 on the shared filesystem while the others wait.
@@ -29,6 +30,7 @@ from hpc_rlhf.data.synthetic import write_task_if_missing
 from hpc_rlhf.data.synthetic_preference import prepare_supervised_assets
 from hpc_rlhf.resilience.preemption import exit_if_stopped, preemption_guard
 from hpc_rlhf.utils.host_malloc import retain_freed_host_memory
+from hpc_rlhf.utils.output_access import apply_output_access
 
 
 def parse_config_args(prog: str, argv: list[str] | None, load: Callable[[str | None, list[str]], Any]) -> Any:
@@ -72,6 +74,8 @@ def start_run(prog: str, argv: list[str] | None, load: Callable[[str | None, lis
     from hpc_rlhf.world.groups import init_world, log_world_peers
 
     cfg = parse_config_args(prog, argv, load)
+    # Before the first file: the run's outputs (and the files of the processes it starts) private by default.
+    apply_output_access(cfg.train.output_access)
     env = init_world(timeout_s=cfg.train.collective_timeout_s)
     logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING,
                         format=f"[rank{env.rank}] %(asctime)s %(name)s: %(message)s")

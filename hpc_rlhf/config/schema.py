@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hpc_rlhf.config.switched_off import refuse_switched_off
 
+# train.output_access: who may read what a run writes (hpc_rlhf.utils.output_access)
+OutputAccess = Literal["private", "group"]
+
 AdvantageEstimator = Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo", "distill"]
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
 
@@ -438,6 +441,10 @@ class TrainConfig(StallLimits):
     output_dir: str = Field(
         "runs/default",
         description="run folder: metrics.jsonl, checkpoints (ckpt/), exports (model/, hf/), resolved config")
+    output_access: OutputAccess = Field(
+        "private", description="who may read what the run writes (checkpoints, exports, metrics, rollout dumps): "
+        "private: this user only (files 0600, folders 0700); group: the user's group may read too (0640 / 0750). "
+        "Set as every rank's umask at start-up, so the processes a rank starts follow it")
     seed: int = Field(
         42, description="seed of data order, sampling and initialisation (checkpoints keep every RNG state)")
     max_epochs: int = Field(1, ge=1, description="PPO epochs over each rollout batch")

@@ -20,6 +20,7 @@ from hpc_rlhf.config.schema import (
     CkptConfig,
     DeepSpeedConfig,
     LoggerConfig,
+    OutputAccess,
     RefConfig,
     Section,
     SlurmConfig,
@@ -85,6 +86,10 @@ class SupervisedDataConfig(Section):
 class SupervisedTrainConfig(StallLimits):
     output_dir: str = Field(
         "runs/supervised", description="run folder: metrics.jsonl, checkpoints (ckpt/), the exported model (model/)")
+    output_access: OutputAccess = Field(
+        "private", description="who may read what the run writes (checkpoints, exports, metrics, rollout dumps): "
+        "private: this user only (files 0600, folders 0700); group: the user's group may read too (0640 / 0750). "
+        "Set as every rank's umask at start-up, so the processes a rank starts follow it")
     seed: int = Field(42, description="seed of data order and initialisation (checkpoints keep every RNG state)")
     max_epochs: int = Field(1, ge=1, description="passes over the train data")
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")

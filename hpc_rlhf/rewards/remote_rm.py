@@ -24,7 +24,9 @@ Failures
 --------
 Each attempt has a deadline of ``timeout_s`` for the whole exchange - connect, send, and the answer to its last
 byte - so a server that trickles its answer a byte at a time cannot stretch it; an answer larger than
-``max_response_bytes`` is refused (not retried) without being read further. Transient failures (timeouts,
+``max_response_bytes`` is refused (not retried) without being read further; counted after decoding, which
+takes one ``Content-Encoding`` layer at most (``gzip`` or ``deflate``), so a compression bomb is refused too
+(:mod:`hpc_rlhf.rewards.capped_decoding`). Transient failures (timeouts,
 connection errors, HTTP 408 / 429 / 5xx, e.g. a busy server's 503) are retried up to ``max_retries`` times (so
 at most ``max_retries + 1`` attempts) with exponential backoff ``backoff_s * 2**k`` plus up to ``backoff_s`` of
 jitter (so clients turned away together do not return together), or the server's ``Retry-After`` when that is
@@ -70,6 +72,7 @@ from tenacity import (
 )
 
 from hpc_rlhf.config.redact import mask_url_credentials
+from hpc_rlhf.rewards.capped_decoding import ACCEPT_ENCODING, CappedDecoder, DecodedTooLarge, EncodingRefused
 from hpc_rlhf.rewards.functions import RewardFunctionError, RewardOutput, validate_reward_output
 from hpc_rlhf.utils.user_calls import UserCallTimeout, call_in_thread
 
@@ -190,7 +193,8 @@ class RemoteRewardModel:
         self.batch_size = batch_size
         # One pooled client shared by the worker threads (httpx.Client is thread-safe); keep-alive
         # connections make the per-step requests cheap.
-        headers = {"Content-Type": "application/json"}
+        # Only the codings CappedDecoder takes, one layer (httpx would offer br / zstd where installed).
+        headers = {"Content-Type": "application/json", "Accept-Encoding": ACCEPT_ENCODING}
         if api_key and api_key.strip():
             headers["Authorization"] = f"Bearer {api_key.strip()}"  # as the server strips its own
         self._client = httpx.Client(timeout=httpx.Timeout(self.timeout_s), headers=headers)
@@ -316,14 +320,20 @@ class RemoteRewardModel:
         if declared.isdigit() and int(declared) > self.max_response_bytes:
             raise _PermanentError(f"answer of {declared} bytes is larger than max_response_bytes="
                                   f"{self.max_response_bytes}")
-        raw = bytearray()
-        for chunk in response.iter_bytes():
-            raw += chunk
-            if len(raw) > self.max_response_bytes:
-                raise _PermanentError(f"answer larger than max_response_bytes={self.max_response_bytes}")
-            if time.monotonic() > deadline:
-                raise _TransientError(f"timed out: no complete answer within the {self.timeout_s:g}s deadline "
-                                      f"({len(raw)} bytes so far)")
+        # Raw bytes, decoded here: httpx would decode a chunk (and every stacked coding) in one go, past any cap.
+        try:
+            decoder = CappedDecoder(response.headers.get("content-encoding", ""), self.max_response_bytes)
+            raw = bytearray()
+            for chunk in response.iter_raw():
+                raw += decoder.feed(chunk)
+                if time.monotonic() > deadline:
+                    raise _TransientError(f"timed out: no complete answer within the {self.timeout_s:g}s deadline "
+                                          f"({len(raw)} bytes so far)")
+            raw += decoder.finish()
+        except DecodedTooLarge:
+            raise _PermanentError(f"answer larger than max_response_bytes={self.max_response_bytes}") from None
+        except EncodingRefused as err:
+            raise _PermanentError(f"answer refused: {err}") from None
         return bytes(raw)
 
 

@@ -9,12 +9,20 @@ or every scheduling step would reload it): requests in flight during a sync cont
 under a full weight update. The folder is removed when the engine closes, not when its processes die: a restarted
 engine (``vllm_server.VllmServerEngine.restart``) loads the last adapter written there again before it generates
 (:class:`AdapterFolderLostError` when something else removed it).
+
+The folder sits in a directory other users can write to (``/tmp``), so every write checks it first: still a
+directory of this user's, private (0700, as ``mkdtemp`` made it), not a symbolic link. Where it vanished, a fresh
+private folder of another name takes its place; it is never created again under the old name, which another user
+could have taken meanwhile (a link to a folder of theirs would receive the adapter, and they could swap it).
+Anything else at the old name is refused (:class:`AdapterFolderUnsafeError`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -31,6 +39,14 @@ VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ADAPTER_NAME = "policy"
 ADAPTER_ID = 1  # one adapter, loaded again in place at every sync
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what vLLM reads from the folder
+
+
+log = logging.getLogger(__name__)
+
+
+class AdapterFolderUnsafeError(RuntimeError):
+    """The adapter's folder was replaced by something this run did not make (a link, another user's folder, a
+    folder others may write to): writing the adapter there could hand it to another user, who could swap it."""
 
 
 class AdapterFolderLostError(RuntimeError):
@@ -73,13 +89,40 @@ class VllmAdapterSlot:
 
     def __init__(self, lora: LoraConfig, parent: str | None = None) -> None:
         self.lora = lora
-        self.folder = tempfile.mkdtemp(prefix="hpc-rlhf-lora-", dir=parent or node_local_dir())
+        self._parent = parent or node_local_dir()
+        self.folder = tempfile.mkdtemp(prefix="hpc-rlhf-lora-", dir=self._parent)  # 0700, a name no one had
         self.written = 0
         self.loaded = False
+
+    def _check_folder(self) -> None:
+        """Make sure :attr:`folder` is still this user's private directory (see the module docstring): a fresh
+        one where it vanished, :class:`AdapterFolderUnsafeError` where something else stands in its place."""
+        try:
+            info = os.lstat(self.folder)
+        except FileNotFoundError:
+            lost, self.folder = self.folder, tempfile.mkdtemp(prefix="hpc-rlhf-lora-", dir=self._parent)
+            log.warning("the LoRA adapter folder %s vanished; the adapter goes to a fresh private folder %s",
+                        lost, self.folder)
+            return
+        problem = None
+        if stat.S_ISLNK(info.st_mode):
+            problem = f"is now a symbolic link to {os.readlink(self.folder)!r}"
+        elif not stat.S_ISDIR(info.st_mode):
+            problem = "is no longer a directory"
+        elif info.st_uid != os.getuid():
+            problem = f"belongs to uid {info.st_uid}, not to this user (uid {os.getuid()})"
+        elif info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            problem = f"has mode {stat.filemode(info.st_mode)}; this run made it 0700"
+        if problem is not None:
+            raise AdapterFolderUnsafeError(
+                f"the LoRA adapter folder {self.folder} {problem}: another process replaced it, and the adapter "
+                "written there could reach another user, who could swap it. The run stops rather than write it; "
+                "check who changed the folder, and set SLURM_TMPDIR to a directory of the job's own")
 
     def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         from hpc_rlhf.models.lora import write_adapter_folder  # torch and safetensors: only once an adapter comes
 
+        self._check_folder()
         num_bytes = write_adapter_folder(self.folder, self.lora, named_tensors)
         self.written += 1
         return num_bytes

@@ -104,7 +104,8 @@ from hpc_rlhf.rollout.vllm_external_launcher import (
 from hpc_rlhf.rollout.vllm_images import require_vllm_images_supported, tokens_prompt_kwargs
 from hpc_rlhf.rollout.vllm_lora import AdapterFolderLostError, VllmAdapterSlot
 from hpc_rlhf.rollout.weight_round_failure import receive_round
-from hpc_rlhf.weight_sync.vllm_gloo_transfer import gloo_worker_init_info  # imports no vLLM
+from hpc_rlhf.weight_sync.vllm_gloo_transfer import GLOO_BACKEND, gloo_worker_init_info  # imports no vLLM
+from hpc_rlhf.world.job_secret import JOB_SECRET_ENV, JobSecretError, held_job_secret
 
 log = logging.getLogger(__name__)
 # Fault tests (tests/faults) stop here, once tokens of a generate call came back, to kill the engine-core process.
@@ -132,11 +133,18 @@ def transfer_backend(on_gpu: bool) -> str:
     return "nccl" if on_gpu else "gloo"
 
 
-def server_process_env(environ: dict[str, str], devices: Sequence[int] | None) -> dict[str, str]:
+def server_process_env(environ: dict[str, str], devices: Sequence[int] | None,
+                       job_secret: str | None = None) -> dict[str, str]:
     """The environment vLLM's processes start with: our world's launch variables removed, the engine's
     GPUs made visible (``devices``: node-local indices, one per tensor-parallel worker), worker processes
-    spawned (the rollout rank may already hold a CUDA context) and vLLM's engine core in its own process."""
-    env = {k: v for k, v in environ.items() if k not in LAUNCH_ENV_VARS}
+    spawned (the rollout rank may already hold a CUDA context) and vLLM's engine core in its own process.
+
+    ``job_secret``: handed to vLLM's processes as ``HPC_RLHF_JOB_SECRET`` (their workers join the gloo weight
+    channel's sealed store with it); the only child processes of a rank that get it (``hpc_rlhf.world.job_secret``).
+    """
+    env = {k: v for k, v in environ.items() if k not in LAUNCH_ENV_VARS and k != JOB_SECRET_ENV}
+    if job_secret is not None:
+        env[JOB_SECRET_ENV] = job_secret
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
     env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
@@ -302,7 +310,13 @@ class VllmServerEngine(RolloutEngine):
         return resolve("vllm:AsyncLLMEngine.from_engine_args")(args)
 
     def _start_engine(self) -> None:
-        with isolated_environ(server_process_env(dict(os.environ), self._devices)):
+        # The gloo channel's workers seal their store with the job's secret; vLLM's NCCL channel needs none. An
+        # engine built outside a job's world (no secret held) still generates; its workers refuse a channel.
+        secret = None
+        if self.weight_transfer_backend == GLOO_BACKEND:
+            with contextlib.suppress(JobSecretError):
+                secret = held_job_secret()
+        with isolated_environ(server_process_env(dict(os.environ), self._devices, secret)):
             self.engine = self._run(self._start(self._engine_args))
         self._last_output = time.monotonic()
 

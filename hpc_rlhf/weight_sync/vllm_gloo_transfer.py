@@ -11,10 +11,10 @@ The group: the sending actor rank is rank 0 and hosts the rendezvous ``TCPStore`
 ``rank_offset .. rank_offset + tp - 1``. Both ends build a ``ProcessGroupGloo`` straight on that store, so neither
 side's default process group, nor vLLM's own groups, are touched. The sender binds the store on a port the kernel
 picks and keeps it (no gap between choosing a port and binding it for another process to take it), then tells the
-engine where it is. The store is sealed with the job's secret (:mod:`hpc_rlhf.world.sealed_store`), which vLLM's
-processes inherit from the rank that started them, under a namespace of its own per channel (``channel``, fresh
-random bytes): another user who reaches the port can neither read the group's rendezvous nor join it, and a value
-sealed for one channel does not open in another.
+engine where it is. The store is sealed with the job's secret (:mod:`hpc_rlhf.world.sealed_store`), which the
+rank that starts vLLM's processes hands to them alone (:func:`hpc_rlhf.rollout.vllm_server.server_process_env`),
+under a namespace of its own per channel (``channel``, fresh random bytes): another user who reaches the port can
+neither read the group's rendezvous nor join it, and a value sealed for one channel does not open in another.
 
 One bucket on the wire: the engine's owner sends ``update_info`` (names, dtype names, shapes; the same fields as
 vLLM's NCCL update info, so ``vllm_server.bucket_update_info`` serves both backends) through vLLM's control plane;
@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from hpc_rlhf.rollout.vllm_api import resolve
 from hpc_rlhf.rollout.vllm_external_launcher import refresh_after_reload  # imports no vLLM
-from hpc_rlhf.world.job_secret import inherited_job_secret
+from hpc_rlhf.world.job_secret import held_job_secret
 from hpc_rlhf.world.sealed_store import sealed_tcp_store
 
 GLOO_BACKEND = "gloo"
@@ -208,7 +208,7 @@ class GlooGroup:
         self.timeout = timedelta(seconds=timeout_s)
         # Rank 0 hosts the store and does not wait for the others here: the group's own connection does.
         self.store = sealed_tcp_store(master_address, master_port, rank=rank, world_size=world_size,
-                                      secret=inherited_job_secret(), namespace=f"{_STORE_NAMESPACE}/{channel}",
+                                      secret=held_job_secret(), namespace=f"{_STORE_NAMESPACE}/{channel}",
                                       timeout=self.timeout)
         tcp_store = self.store.underlying_store
         assert isinstance(tcp_store, dist.TCPStore)  # sealed_tcp_store's own: the port the kernel picked for rank 0

@@ -69,14 +69,15 @@ def init_world(timeout_s: int = 1800, env: LaunchEnv | None = None, backend: str
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     # Before any group exists: gloo reads GLOO_SOCKET_IFNAME when it makes a group's device (hpc_rlhf.world.network).
     interface = configure_socket_interfaces(env)
-    secret = job_secret(env)  # also exported, for the processes this rank starts (vLLM's)
+    secret = job_secret(env)  # taken out of the environment; this process holds it (hpc_rlhf.world.job_secret)
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     hosts = env.rank == 0 and not agent_hosts
     # Rank 0 binds the port itself: a port in use is then named with the way out, and a one-node job listens on
     # loopback alone (listen_on_master_port). The store's server takes the socket over.
     listen_fd = listen_on_master_port(env).detach() if hosts else None
     _world_store = sealed_tcp_store(env.master_addr, env.master_port, rank=env.rank, world_size=env.world_size,
-                                    secret=secret, namespace="world", timeout=_collective_timeout, is_master=hosts,
+                                    secret=secret, namespace=world_store_namespace(env),
+                                    timeout=_collective_timeout, is_master=hosts,
                                     listen_fd=listen_fd)
     interface = learn_interface_from_peers(env, interface, _world_store)
     dist.init_process_group(
@@ -90,6 +91,13 @@ def init_world(timeout_s: int = 1800, env: LaunchEnv | None = None, backend: str
              backend, env.master_addr, env.master_port)
     _world_peers = _gather_peers(this_rank_peer(env, interface), env.world_size, backend)
     return env
+
+
+def world_store_namespace(env: LaunchEnv) -> str:
+    """The namespace the world's store is sealed under: bound to this start of the job (``launch_round``). A
+    requeued job reuses its job id, often its port and, when the secret is derived from the user's key, its secret:
+    without the round, a value another client recorded from the store of an earlier start would open in this one."""
+    return f"world/{env.job_id or ''}/{env.launch_round}"
 
 
 def _gather_peers(mine: RankPeer, world_size: int, backend: str) -> tuple[RankPeer, ...]:

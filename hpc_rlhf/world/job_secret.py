@@ -14,6 +14,14 @@ processes hold. Where it comes from, first match wins:
    different secrets, the check in :func:`hpc_rlhf.world.sealed_store.check_job_secret` stops the job at start-up
    with an error saying so, instead of a silent hang.
 
+Its reach: the first read takes it out of the environment (``os.environ``), and the process keeps it in this
+module. So the processes a rank starts do not inherit it: not a tool's subprocess, not an agent's, not a sandbox, not
+DeepSpeed's helper scripts. The one kind of child that needs it, vLLM's engine in processes of its own (whose workers
+join the gloo weight channel's sealed store), gets it explicitly in the environment it is started with
+(:func:`hpc_rlhf.rollout.vllm_server.server_process_env`), and its worker takes it out again on first use. What this
+does not hide: ``/proc/<pid>/environ`` of a rank shows the environment the rank was started with, to the same user
+and root; code run as that user outside a sandbox can read it (the sandbox's ``/proc`` shows its own processes only).
+
 Torch-free: ``plan`` and the login-node CLI import the launch modules without torch.
 """
 
@@ -36,6 +44,8 @@ USER_KEY_FILE_ENV = "HPC_RLHF_USER_KEY_FILE"
 MIN_SECRET_CHARS = 32
 _USER_KEY_BYTES = 32
 _KEY_FILE_WAIT_S = 5.0  # another rank may be writing the key file this instant
+# The secret this process holds once it was read (and taken out of os.environ): see the module docstring.
+_held_secret: str | None = None
 
 
 class JobSecretError(RuntimeError):
@@ -97,36 +107,61 @@ def derived_job_secret(key: bytes, env: LaunchEnv) -> str:
     return hmac.new(key, identity.encode(), hashlib.sha256).hexdigest()
 
 
+def _check_length(secret: str, what: str) -> str:
+    if len(secret) < MIN_SECRET_CHARS:
+        raise JobSecretError(f"{what} has {len(secret)} characters, fewer than {MIN_SECRET_CHARS}: use a random "
+                             "one, e.g. `export HPC_RLHF_JOB_SECRET=$(python -c 'import secrets; "
+                             "print(secrets.token_hex(32))')`")
+    return secret
+
+
 def job_secret(env: LaunchEnv, environ: MutableMapping[str, str] | None = None) -> str:
-    """This job's secret (see the module docstring for where it comes from), also put into ``environ``
-    (default ``os.environ``) as ``HPC_RLHF_JOB_SECRET``, so that processes this rank starts (vLLM's engine and
-    workers, which join the weight-transfer store) hold the same one.
+    """This job's secret (see the module docstring for where it comes from), taken out of ``environ`` (default
+    ``os.environ``), so that the processes this rank starts do not inherit it. With the default ``environ`` the
+    process keeps it: a second call (a world initialised again) returns the same one, and
+    :func:`held_job_secret` hands it to the one child that needs it (vLLM's engine).
 
     Raises:
         JobSecretError: the secret given is too short, or the user's key file is not private.
     """
+    global _held_secret
+    process_wide = environ is None
     env_vars = os.environ if environ is None else environ
-    given = env_vars.get(JOB_SECRET_ENV, "").strip()
+    given = env_vars.pop(JOB_SECRET_ENV, "").strip()
     if given:
-        if len(given) < MIN_SECRET_CHARS:
-            raise JobSecretError(f"{JOB_SECRET_ENV} has {len(given)} characters, fewer than {MIN_SECRET_CHARS}: "
-                                 "use a random one, e.g. `export HPC_RLHF_JOB_SECRET=$(python -c 'import secrets; "
-                                 "print(secrets.token_hex(32))')`")
-        secret = given
+        secret = _check_length(given, JOB_SECRET_ENV)
+    elif process_wide and _held_secret:
+        return _held_secret
     else:
         secret = derived_job_secret(read_or_create_user_key(user_key_path(env_vars)), env)
-    env_vars[JOB_SECRET_ENV] = secret
+    if process_wide:
+        _held_secret = secret
     return secret
 
 
-def inherited_job_secret(environ: Mapping[str, str] | None = None) -> str:
-    """The secret a process started by one of the job's ranks inherited (vLLM's processes). Raises
-    JobSecretError when there is none: such a process cannot derive it (its launch variables are removed)."""
+def held_job_secret(environ: MutableMapping[str, str] | None = None) -> str:
+    """The secret this process holds: the one handed to it in ``HPC_RLHF_JOB_SECRET`` (taken out of ``environ``,
+    default ``os.environ``, on the first call; a newer one handed replaces it), else the one read before.
+
+    A rank holds it once ``init_world`` ran; a process a rank started explicitly with it (vLLM's engine: see
+    :func:`hpc_rlhf.rollout.vllm_server.server_process_env`) holds it from its environment.
+
+    Raises:
+        JobSecretError: none was handed and none is held: such a process cannot derive it (its launch variables
+            are removed).
+    """
+    global _held_secret
+    process_wide = environ is None
     env = os.environ if environ is None else environ
-    secret = env.get(JOB_SECRET_ENV, "").strip()
-    if len(secret) < MIN_SECRET_CHARS:
-        raise JobSecretError(f"{JOB_SECRET_ENV} is {'too short' if secret else 'not set'} in this process "
-                             f"(pid {os.getpid()}): it is inherited from the rank that started it, which sets it in "
-                             "hpc_rlhf.world.groups.init_world; start this process from an initialised rank, or "
-                             "export the job's secret before starting it")
-    return secret
+    handed = env.pop(JOB_SECRET_ENV, "").strip()
+    if handed:
+        secret = _check_length(handed, f"{JOB_SECRET_ENV} in this process (pid {os.getpid()})")
+        if process_wide:
+            _held_secret = secret
+        return secret
+    if process_wide and _held_secret:
+        return _held_secret
+    raise JobSecretError(f"{JOB_SECRET_ENV} is not set in this process (pid {os.getpid()}) and it holds no job "
+                         "secret: a rank reads it in hpc_rlhf.world.groups.init_world and hands it to vLLM's "
+                         "engine only; start this process from an initialised rank, or export the job's secret "
+                         "before starting it")

@@ -12,6 +12,7 @@ step started by ``srun``, then OpenMPI, then a plain single process.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import ipaddress
 import os
@@ -51,6 +52,9 @@ class LaunchEnv:
     nodes: tuple[str, ...] = ()
     # Where master_port came from, for the error when it is in use: "MASTER_PORT", "job id <id>" or "a free port".
     master_port_from: str = "MASTER_PORT"
+    # Which start of the job this is: "<SLURM_RESTART_COUNT>.<TORCHELASTIC_RESTART_COUNT>" ("0.0" the first time;
+    # a requeued job or torchrun's restarted workers count up). The same on every rank of one start.
+    launch_round: str = "0.0"
 
     def export(self, environ: dict[str, str] | None = None) -> None:
         """Set the torch.distributed ``env://`` variables (MASTER_ADDR, RANK, ...)."""
@@ -303,6 +307,21 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         LaunchEnvError: a launcher's variables are incomplete or inconsistent.
     """
     env = os.environ if environ is None else environ
+    return dataclasses.replace(_launcher_env(env), launch_round=launch_round(env))
+
+
+def launch_round(env: Mapping[str, str]) -> str:
+    """Which start of the job this is (``LaunchEnv.launch_round``): SLURM's requeue count, then torchrun's restarts."""
+    counts = []
+    for name in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
+        value = env.get(name, "0").strip() or "0"
+        if not value.isdigit():
+            raise LaunchEnvError(f"{name}={value!r} is not a count")
+        counts.append(str(int(value)))
+    return ".".join(counts)
+
+
+def _launcher_env(env: Mapping[str, str]) -> LaunchEnv:
     if "RANK" in env or "WORLD_SIZE" in env:
         return _from_torchrun(env)
     # SLURM_STEP_ID marks an srun step; a batch script itself has SLURM_PROCID=0 but is one process.

@@ -4,6 +4,8 @@ and the config loader. Each input either works or fails with the component's own
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 
 import httpx
@@ -69,6 +71,36 @@ completion_bodies = st.tuples(st.fixed_dictionaries({"prompt": mostly(
     | st.lists(st.integers(), max_size=4))}), common_fields, rare_fields).map(_merge)
 
 
+
+def _tiny_png() -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (2, 2), (255, 0, 0)).save(out, format="PNG")
+    return out.getvalue()
+
+
+_PNG = _tiny_png()
+# Image bytes that get past a first look: a real PNG, cut short, with junk after it, an EPS header (Ghostscript's
+# format), random bytes.
+image_bytes = st.one_of(st.just(_PNG), st.integers(min_value=0, max_value=len(_PNG)).map(lambda n: _PNG[:n]),
+                        st.binary(max_size=32).map(lambda junk: _PNG + junk),
+                        st.just(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 1 1\n"), st.binary(max_size=64))
+data_urls = st.builds(lambda mime, data, encoded: f"data:{mime};base64," + (base64.b64encode(data).decode()
+                                                                          if encoded else data.decode("latin-1")),
+                      st.sampled_from(["image/png", "image/jpeg", "image/webp", "application/postscript", "text/plain",
+                                       ""]), image_bytes, st.booleans())
+image_urls = mostly(data_urls, text | json_values)
+image_part = st.one_of(
+    st.fixed_dictionaries({"type": st.just("image_url"),
+                           "image_url": mostly(st.fixed_dictionaries({"url": image_urls}), image_urls)}),
+    st.fixed_dictionaries({"type": st.just("image"), "image": image_urls}))
+content_parts = st.lists(image_part | st.fixed_dictionaries({"type": st.just("text"), "text": text}) | json_values,
+                         min_size=1, max_size=3)
+image_messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
+                                                 "content": mostly(content_parts, text)}), min_size=1, max_size=3)
+image_chat_bodies = st.tuples(st.fixed_dictionaries({"messages": image_messages}), common_fields).map(_merge)
+
 class CheckingEngine:
     """A stand-in engine that fails loudly on any request the endpoint should have refused."""
 
@@ -111,6 +143,14 @@ def _check_answer(response: httpx.Response) -> None:
 @FUZZ
 @given(body=chat_bodies)
 def test_fuzzed_chat_requests_are_answered_or_refused_as_400(served, body):
+    _check_answer(served.post("/chat/completions", content=json.dumps(body, allow_nan=True)))
+
+
+@FUZZ
+@given(body=image_chat_bodies)
+def test_fuzzed_image_parts_are_answered_or_refused_as_400(served, body):
+    """Image content parts reach the endpoint's image parsers (data URL, header, Pillow) before a text-only actor
+    refuses them: whatever the bytes, a 400 naming the part, never a 500."""
     _check_answer(served.post("/chat/completions", content=json.dumps(body, allow_nan=True)))
 
 

@@ -3,6 +3,8 @@ file that blocks at import."""
 
 from __future__ import annotations
 
+import functools
+import gzip
 import json
 import logging
 import socket
@@ -111,6 +113,71 @@ def test_an_oversized_answer_is_refused_without_holding_it():
         tracemalloc.stop()
         server.close()
     assert peak - base < 100 * MiB, f"{(peak - base) / MiB:.0f} MiB held for a refused answer"
+
+
+def _gzip_layers(data: bytes, layers: int) -> bytes:
+    for _ in range(layers):
+        data = gzip.compress(data, compresslevel=9, mtime=0)
+    return data
+
+
+_BOMB_CAP = MiB
+
+
+@functools.cache
+def _bomb(layers: int) -> bytes:
+    """64 MiB of JSON whitespace then an answer: ~64 kB on the wire in one gzip layer, a few kB in three."""
+    return _gzip_layers(b" " * (64 * MiB) + json.dumps({"rewards": [1.0]}).encode(), layers)
+
+
+def _peak_of_a_refused_answer(body: bytes, encoding: str, match: str) -> int:
+    """Serve ``body`` under ``Content-Encoding: encoding`` to a client capped at 1 MiB; returns the bytes the
+    client held at its peak while refusing it (the refusal must match ``match``)."""
+    def answer(conn, stop):
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: %s\r\n"
+                     b"Content-Length: %d\r\n\r\n" % (encoding.encode(), len(body)) + body)
+
+    server = RawServer(answer)
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base, _ = tracemalloc.get_traced_memory()
+        with RemoteRewardModel([server.url], timeout_s=60.0, max_retries=0, max_response_bytes=_BOMB_CAP) as rm:
+            with pytest.raises(RemoteRewardError, match=match):
+                rm(["q"], ["p"])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        server.close()
+    return peak - base
+
+
+def test_stacked_content_encodings_are_refused_before_decoding():
+    body = _bomb(3)
+    assert len(body) < 16 * 1024
+    held = _peak_of_a_refused_answer(body, "gzip, gzip, gzip", "stacks 3 codings")
+    assert held < 8 * MiB, f"{held / MiB:.0f} MiB decoded from {len(body)} bytes before the refusal"
+
+
+def test_a_compression_bomb_is_refused_at_the_cap_of_decoded_bytes():
+    body = _bomb(1)
+    held = _peak_of_a_refused_answer(body, "gzip", "max_response_bytes")
+    assert held < 8 * MiB, f"{held / MiB:.0f} MiB decoded from {len(body)} bytes before the refusal"
+
+
+def test_one_gzip_layer_within_the_cap_is_read():
+    answer = _gzip_layers(json.dumps({"rewards": [0.5]}).encode(), 1)
+
+    def respond(conn, stop):
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(answer) + answer)
+
+    server = RawServer(respond)
+    try:
+        with RemoteRewardModel([server.url], timeout_s=60.0, max_retries=0) as rm:
+            assert rm(["q"], ["p"]).rewards.tolist() == [0.5]
+    finally:
+        server.close()
 
 
 def test_a_proxy_in_the_environment_is_named_and_url_credentials_never_shown(monkeypatch, caplog):

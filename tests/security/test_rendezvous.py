@@ -35,6 +35,7 @@ from hpc_rlhf.world.sealed_store import (
 )
 from tests.multiproc.rl_fixtures import grpo_overrides, make_assets, run_trainer
 from tests.multiproc.spawn import run_on_ranks
+from tests.security.waits import join_or_fail, spawn_or_fail
 
 pytestmark = [pytest.mark.security, pytest.mark.slow]
 
@@ -101,35 +102,74 @@ def test_a_second_client_can_neither_read_nor_change_the_worlds_keys():
 
 
 # ------------------------------------------------------------------ the world: a stranger takes rank 1
-def _join_entry(index: int, port: int, results) -> None:
-    """index 0: the job's rank 0 (of 2) through init_world; index 1: a stranger joining as rank 1 the way torch's
-    tcp:// rendezvous does (what any user can run)."""
-    timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
-    try:
-        if index == 0:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="2",
-                              LOCAL_RANK="0", LOCAL_WORLD_SIZE="2")
-            from hpc_rlhf.world.groups import init_world
+# The job's rank 0 waits this long for its own rank 1 (which comes once the stranger gave up).
+WORLD_WAIT_S = 60
 
-            init_world(timeout_s=JOIN_TIMEOUT_S, backend="gloo")
-            box = [PAYLOAD]
-        else:
-            time.sleep(1)  # rank 0 is listening
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2,
-                                    timeout=timeout)
-            box = [None]
-        dist.broadcast_object_list(box, src=0)  # the controller's channel works this way
-        results[index] = ("joined", box[0])
+
+def _init_job_rank(rank: int, port: int, timeout_s: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    from hpc_rlhf.world.groups import init_world
+
+    init_world(timeout_s=timeout_s, backend="gloo")
+
+
+def _receive_broadcast(results, index: int, payload: bytes | None) -> None:
+    box = [payload]
+    dist.broadcast_object_list(box, src=0)  # the controller's channel works this way
+    results[index] = ("joined", box[0])
+
+
+def _stranger_entry(port: int, results) -> None:
+    """Two tries at rank 1: with this project's own init_world and a secret of the stranger's (what any user of the
+    cluster has installed), then the way torch's tcp:// rendezvous joins (what any user can run). In this order:
+    a failed ``init_process_group`` moves torch's group counter, and a later try in the process would then wait
+    under other key names than the job's."""
+    time.sleep(1)  # rank 0 is listening
+    refusals = []
+    os.environ[JOB_SECRET_ENV] = "s" * 64
+    try:
+        _init_job_rank(1, port, JOIN_TIMEOUT_S)
+        return _receive_broadcast(results, 1, None)
+    except Exception as err:  # noqa: BLE001 - the outcome is the test's
+        refusals.append(f"init_world: {type(err).__name__}: {err}"[:300])
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2,
+                                timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+        return _receive_broadcast(results, 1, None)
+    except Exception as err:  # noqa: BLE001
+        refusals.append(f"tcp://: {type(err).__name__}: {err}"[:300])
+    results[1] = ("refused", " | ".join(refusals))
+
+
+def _join_entry(index: int, port: int, results) -> None:
+    """index 0: the job's rank 0 (of 2) through init_world; index 1: the stranger (``_stranger_entry``); index 2:
+    the job's own rank 1 through init_world, once the stranger has had its go (so a world that forms for nobody,
+    e.g. a broken init_world, fails the test too)."""
+    try:
+        if index == 1:
+            return _stranger_entry(port, results)
+        if index == 2:
+            deadline = time.monotonic() + 2 * JOIN_TIMEOUT_S + 30
+            while 1 not in results.keys():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the stranger's tries did not end within {2 * JOIN_TIMEOUT_S + 30} s")
+                time.sleep(0.2)
+        _init_job_rank(index // 2, port, WORLD_WAIT_S)
+        _receive_broadcast(results, index, PAYLOAD if index == 0 else None)
     except Exception as err:  # noqa: BLE001 - the outcome is the test's
         results[index] = ("refused", f"{type(err).__name__}: {err}"[:300])
 
 
 def test_a_stranger_cannot_take_a_rank_of_the_world():
     results = mp.Manager().dict()
-    mp.spawn(_join_entry, args=(free_port(), results), nprocs=2, join=True)
-    job, stranger = results[0], results[1]
-    assert stranger[0] == "refused" and PAYLOAD.decode() not in str(stranger), stranger
-    assert job[0] == "refused", job  # rank 0 waited for its own rank 1, which never came, and stopped
+    spawn_or_fail(_join_entry, (free_port(), results), 3, WORLD_WAIT_S + 4 * JOIN_TIMEOUT_S + 120,
+                  "the job's ranks and the stranger", results)
+    job, stranger, own_rank = results.get(0), results.get(1), results.get(2)
+    assert stranger is not None and stranger[0] == "refused", f"the stranger took rank 1: {stranger}"
+    assert PAYLOAD.decode() not in str(stranger), f"the stranger received the job's broadcast: {stranger}"
+    assert job == ("joined", PAYLOAD), f"the job's rank 0 did not form its world with its own rank 1: {job}"
+    assert own_rank == ("joined", PAYLOAD), f"the job's own rank 1 did not join after the stranger: {own_rank}"
 
 
 # ------------------------------------------------------------------ a weight channel
@@ -163,7 +203,7 @@ def test_a_stranger_can_neither_join_a_weight_channel_nor_read_its_store(monkeyp
         outcome["keys"] = _stranger(port).list_keys()
 
     def worker() -> None:
-        attacker.join()  # only once the stranger has had its go
+        attacker.join(90)  # only once the stranger has had its go (the test fails if it has not ended)
         group = GlooGroup("127.0.0.1", port, rank=1, world_size=2, timeout_s=60, channel=name)
         group.connect()
         received = torch.zeros(12)
@@ -176,8 +216,8 @@ def test_a_stranger_can_neither_join_a_weight_channel_nor_read_its_store(monkeyp
     receiver.start()
     channel.connect()
     channel.send([("w", bucket)])
-    receiver.join(timeout=90)
-    attacker.join(timeout=30)
+    join_or_fail(receiver, 120, "the job's worker joining the weight channel")
+    join_or_fail(attacker, 30, "the stranger's tries at the weight channel")
     channel.close()
     assert outcome["stranger"][0] == "refused", "the stranger joined the channel and would receive the weights"
     assert "differs from the one rank 0 published" in outcome["own_secret"]
@@ -237,8 +277,8 @@ def test_a_job_trains_while_a_stranger_reads_and_writes_its_store(tmp_path):
     attacker = mp.get_context("spawn").Process(target=_keep_attacking, args=(port, stop, report))
     attacker.start()
     try:
-        mp.spawn(_train_entry, args=(port, grpo_overrides(assets, tmp_path / "run", "train.max_steps=2"), results),
-                 nprocs=2, join=True)
+        spawn_or_fail(_train_entry, (port, grpo_overrides(assets, tmp_path / "run", "train.max_steps=2"), results), 2,
+                      450, "a 2-step GRPO run beside the stranger", results)
     finally:
         stop.set()
         attacker.join(timeout=30)
@@ -259,7 +299,7 @@ def test_counters_and_compare_set_work_over_sealed_values_and_refuse_a_forged_on
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=60)
+        join_or_fail(thread, 60, "a client counting over sealed values")
     assert first.add("barrier", 0) == 100 and int(second.get("barrier")) == 100
     assert first.compare_set("flag", b"", b"up") == b"up" and second.compare_set("flag", b"down", b"x") == b"up"
     first.append("log", b"a")

@@ -34,6 +34,7 @@ from vllm.distributed.weight_transfer import nccl_common  # noqa: E402
 
 from hpc_rlhf.rollout.vllm_server import worker_init_info  # noqa: E402
 from hpc_rlhf.weight_sync import sharded  # noqa: E402
+from tests.security.waits import join_or_fail  # noqa: E402
 
 JOIN_TIMEOUT_S = 30
 # The key vLLM's StatelessProcessGroup.broadcast_obj reads the NCCL id from (the first broadcast from rank 0).
@@ -142,8 +143,7 @@ def test_a_stranger_cannot_run_code_in_vllms_workers_through_the_nccl_channel(fa
     worker = threading.Thread(target=_worker_joins, args=(init_info,))
     worker.start()
     channel.connect()
-    worker.join(timeout=JOIN_TIMEOUT_S)
-    assert not worker.is_alive(), "vLLM's worker did not join the channel"
+    join_or_fail(worker, JOIN_TIMEOUT_S, "vLLM's worker joining the channel")
     assert not marker.exists(), f"the stranger's pickle ran in vLLM's worker; planted at {planted}"
     assert not opened, f"the NCCL channel opened TCP ports {sorted(opened)} a stranger can reach"
     assert "master_port" not in init_info and "master_address" not in init_info, init_info

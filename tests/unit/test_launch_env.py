@@ -12,7 +12,7 @@ from hpc_rlhf.world.job_secret import (
     JOB_SECRET_ENV,
     USER_KEY_FILE_ENV,
     JobSecretError,
-    inherited_job_secret,
+    held_job_secret,
     job_secret,
 )
 from hpc_rlhf.world.launch_env import (
@@ -232,21 +232,23 @@ def _torchrun(port="29400", run_id="r1"):
                               "TORCHELASTIC_RUN_ID": run_id})
 
 
-def test_a_given_secret_is_used_and_passed_on():
-    environ = {JOB_SECRET_ENV: "s" * 64}
+def test_a_given_secret_is_used_and_taken_out_of_the_environment():
+    environ = {JOB_SECRET_ENV: "s" * 64, "PATH": "/bin"}
     assert job_secret(_torchrun(), environ) == "s" * 64
-    assert inherited_job_secret(environ) == "s" * 64
+    assert environ == {"PATH": "/bin"}  # the processes this rank starts do not inherit it
+    handed = {JOB_SECRET_ENV: "h" * 64}
+    assert held_job_secret(handed) == "h" * 64 and handed == {}
     with pytest.raises(JobSecretError, match="fewer than 32"):
         job_secret(_torchrun(), {JOB_SECRET_ENV: "short"})
     with pytest.raises(JobSecretError, match="not set"):
-        inherited_job_secret({})
+        held_job_secret({})
 
 
 def test_without_one_every_rank_derives_the_same_secret_from_a_private_key_file(tmp_path):
     key_file = tmp_path / "cfg" / "store.key"
     environ = {USER_KEY_FILE_ENV: str(key_file)}
     secret = job_secret(_torchrun(), environ)
-    assert environ[JOB_SECRET_ENV] == secret and len(secret) == 64  # exported for vLLM's processes
+    assert JOB_SECRET_ENV not in environ and len(secret) == 64
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     assert stat.S_IMODE(key_file.parent.stat().st_mode) == 0o700
     # Another rank of the same job (same identity) agrees; another job does not.
@@ -278,3 +280,12 @@ def test_a_submitted_job_generates_a_fresh_secret_in_its_batch_script():
 
     first, second = run(), run()
     assert re.fullmatch(r"[0-9a-f]{64}", first) and first != second
+
+
+def test_the_launch_round_counts_requeues_and_torchrun_restarts():
+    base = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}
+    assert detect_launch_env(base).launch_round == "0.0"
+    assert detect_launch_env({**base, "SLURM_RESTART_COUNT": "2"}).launch_round == "2.0"
+    assert detect_launch_env({**base, "TORCHELASTIC_RESTART_COUNT": "1"}).launch_round == "0.1"
+    with pytest.raises(LaunchEnvError, match="SLURM_RESTART_COUNT"):
+        detect_launch_env({**base, "SLURM_RESTART_COUNT": "x"})
