@@ -9,7 +9,8 @@ with ``Answer: <value>`` ends the episode; the reward is 1.0 when the value equa
 The sandbox is chosen like the code reward's (``HPC_RLHF_SANDBOX``, ``HPC_RLHF_SANDBOX_URL``,
 ``HPC_RLHF_SANDBOX_PYTHON``; see
 docs/agents_from_openrlhf.md) and shared by the episodes of the process. ``extra_logs`` carry the episode's
-``code_interpreter_calls`` and ``code_interpreter_s`` (logged as ``extra/...``).
+``code_interpreter_calls`` (logged as ``extra/code_interpreter_calls``) and the sandbox seconds (logged as
+``timing/tools/code_interpreter``, summed over the step's episodes).
 """
 
 import os
