@@ -9,18 +9,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from hpc_rlhf.config.sandbox import SandboxConfig
+from hpc_rlhf.config.section import Section
 from hpc_rlhf.config.switched_off import refuse_switched_off
 
 AdvantageEstimator = Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo", "distill"]
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
-
-
-class Section(BaseModel):
-    """Base of every config section: unknown keys and wrong types fail loudly."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class ModelRole(Section):
@@ -611,6 +607,7 @@ class RunConfig(Section):
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
 
     @model_validator(mode="after")
     def _cross_section_rules(self) -> RunConfig:

@@ -21,10 +21,10 @@ from hpc_rlhf.config.schema import (
     DeepSpeedConfig,
     LoggerConfig,
     RefConfig,
-    Section,
     SlurmConfig,
     StallLimits,
 )
+from hpc_rlhf.config.section import Section
 
 SyntheticTask = Literal["sft_arithmetic", "preference_arithmetic", "kto_arithmetic", "sft_colour"]
 

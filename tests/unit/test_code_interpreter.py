@@ -7,6 +7,8 @@ import json
 import pytest
 
 from hpc_rlhf.agents.code_interpreter import CodeInterpreter, tool_spec
+from hpc_rlhf.config.sandbox import SandboxConfig
+from hpc_rlhf.sandbox.factory import configure_run_sandbox
 from hpc_rlhf.sandbox.isolation import default_python, probe_bwrap
 from hpc_rlhf.sandbox.local import LocalSandbox
 
@@ -49,7 +51,7 @@ def test_openrlhf_style_agent_file_runs_code_between_turns(monkeypatch):
 
     from hpc_rlhf.utils.user_code import import_user_file
 
-    monkeypatch.setenv("HPC_RLHF_SANDBOX", "auto" if probe_bwrap(default_python()) is None else "rlimits")
+    configure_run_sandbox(SandboxConfig(isolation="auto" if probe_bwrap(default_python()) is None else "rlimits"))
     path = Path(__file__).resolve().parents[2] / "examples" / "agents" / "code_interpreter_agent.py"
     module = import_user_file(str(path), "code_interpreter_agent")
     agent = module.AgentInstance()

@@ -7,8 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from hpc_rlhf.config.sandbox import SandboxConfig
+from hpc_rlhf.config.schema import RunConfig
 from hpc_rlhf.rewards.code import CodeTestsError, extract_code, score_programs
 from hpc_rlhf.rewards.functions import RewardFunction
+from hpc_rlhf.sandbox.factory import configure_run_sandbox, sandbox_from_config
+from hpc_rlhf.sandbox.isolation import SandboxUnavailableError
 from hpc_rlhf.sandbox.limits import SandboxLimits
 from hpc_rlhf.sandbox.local import LocalSandbox, num_workers_from_allocation
 
@@ -41,11 +45,9 @@ def test_stdin_stdout_tests_compare_output_up_to_trailing_whitespace(sandbox):
     assert score.pass_fraction == pytest.approx(2 / 3) and score.verdict == "fail"
 
 
-def test_reward_func_all_pass_and_verdict_columns(monkeypatch):
-    # Through the example reward file, as reward.reward_func_path loads it.
-    monkeypatch.setenv("HPC_RLHF_SANDBOX", "rlimits")
-    monkeypatch.setenv("HPC_RLHF_CODE_REWARD", "all_pass")
-    monkeypatch.setenv("HPC_RLHF_CODE_TIME_LIMIT_S", "1")
+def test_reward_func_all_pass_and_verdict_columns():
+    # Through the example reward file, as reward.reward_func_path loads it, with the sandbox keys a trainer hands on.
+    configure_run_sandbox(SandboxConfig(isolation="rlimits", code_reward="all_pass", wall_time_s=1, cpu_time_s=1))
     labels = [{"asserts": ["assert f() == 1", "assert f() != 2"]}, {"asserts": ["assert f() == 1"]},
               {"asserts": ["assert f() == 1", "assert f() == 2"]}, {"asserts": ["assert f() == 1"]}]
     responses = ["```python\ndef f():\n    return 1\n```", "def f(:\n", "def f():\n    return 1\n",
@@ -56,6 +58,20 @@ def test_reward_func_all_pass_and_verdict_columns(monkeypatch):
     assert out.extra_logs["code/compile_error"].tolist() == [0.0, 1.0, 0.0, 0.0]
     assert out.extra_logs["code/timeout"].tolist() == [0.0, 0.0, 0.0, 1.0]
     assert out.extra_logs["code/pass"].tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_sandbox_keys_refuse_unknown_and_impossible_values_naming_the_key():
+    with pytest.raises(ValueError, match="sandbox.isolation"):
+        RunConfig.model_validate({"sandbox": {"isolation": "docker"}})
+    with pytest.raises(ValueError, match="sandbox.isolation=remote needs sandbox.url"):
+        RunConfig.model_validate({"sandbox": {"isolation": "remote"}})
+    with pytest.raises(ValueError, match="sandbox.url is only used with sandbox.isolation=remote"):
+        RunConfig.model_validate({"sandbox": {"url": "http://127.0.0.1:8080"}})
+    with pytest.raises(ValueError, match="wall_time_s"):
+        RunConfig.model_validate({"sandbox": {"wall_time_s": 0}})
+    # bubblewrap cannot run this interpreter (as on a node without bwrap): refused, not run unisolated
+    with pytest.raises(SandboxUnavailableError, match="sandbox.isolation=bwrap: .*needs bubblewrap"):
+        sandbox_from_config(SandboxConfig(isolation="bwrap", python="/nonexistent/python3"))
 
 
 def test_malformed_labels_name_the_sample(sandbox):
