@@ -510,8 +510,9 @@ class DataConfig(Section):
         None, ge=1, description="vision-language models: largest image area in pixels; larger images are scaled "
         "down by the model's image processor, which bounds each image's tokens at max_pixels / (patch * merge)^2 "
         "(null: the processor's own setting)")
-    synthetic_task: Literal["arithmetic", "colour"] | None = Field(
-        None, description="write a seeded task to data.prompt_data[0] if that file is missing (CPU recipes)"
+    synthetic_task: Literal["arithmetic", "colour", "code"] | None = Field(
+        None, description="write a seeded task to data.prompt_data[0] if that file is missing (CPU recipes); colour "
+        "and code also write their held-out split to eval.data[0]"
     )
     synthetic_num_samples: int = Field(512, ge=1, description="data.synthetic_task: prompts written")
     reasoning_gym: ReasoningGymConfig = Field(default_factory=ReasoningGymConfig)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from hpc_rlhf.data.synthetic_code import code_prompt_rows
 from hpc_rlhf.data.synthetic_images import colour_task_rows  # imports PIL only when it draws (the visual task)
 
 
@@ -43,8 +44,10 @@ def write_task_if_missing(task: str, path: str | Path, num_samples: int, seed: i
     def make_rows() -> list[dict]:
         if task == "colour":
             return colour_task_rows(path, num_samples, seed)
+        if task in ("code", "code_heldout"):  # GRPO's functions, or the held-out ones (eval.data)
+            return code_prompt_rows(num_samples, seed, "rl" if task == "code" else "heldout")
         if task != "arithmetic":
-            raise ValueError(f"unknown data.synthetic_task {task!r}; known: arithmetic, colour")
+            raise ValueError(f"unknown data.synthetic_task {task!r}; known: arithmetic, colour, code")
         return arithmetic_rows(num_samples, seed)
 
     return write_jsonl_if_missing(path, make_rows)

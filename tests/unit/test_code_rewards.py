@@ -97,3 +97,18 @@ def test_an_early_exit_with_status_zero_does_not_pass(sandbox):
         scores = score_programs(sandbox, [code, code], [label, human_eval_style])
         assert [s.pass_fraction for s in scores] == [0.0, 0.0], code
         assert {s.verdict for s in scores} == {"fail"}
+
+
+def test_code_task_splits_are_disjoint_and_every_program_passes_its_own_tests(sandbox):
+    from hpc_rlhf.data.synthetic_code import code_prompt_rows, program, split_functions
+
+    splits = {name: set(split_functions(name)) for name in ("sft", "rl", "heldout")}
+    assert not (splits["sft"] & splits["rl"] or splits["sft"] & splits["heldout"] or splits["rl"] & splits["heldout"])
+    for position in range(3):  # SFT shows every step in every position: held-out functions are new combinations
+        assert {fn[position] for fn in splits["sft"]} == {fn[position] for fn in splits["heldout"]}
+    heldout = split_functions("heldout")
+    rows = code_prompt_rows(len(heldout), 0, "heldout")
+    right = score_programs(sandbox, [program(fn) for fn in heldout], [r["label"] for r in rows])
+    assert all(s.verdict == "pass" for s in right)
+    swapped = score_programs(sandbox, [program(fn) for fn in heldout[1:9]], [r["label"] for r in rows[:8]])
+    assert sum(s.verdict == "pass" for s in swapped) <= 1  # the tests tell the functions apart
