@@ -62,11 +62,12 @@ def unit_tests(function: Function) -> dict[str, list[str]]:
     return {"asserts": [f"assert ({calls}) == ({expected})"]}
 
 
-def code_prompt_rows(num_samples: int, seed: int, split: Split) -> list[dict[str, object]]:
-    """``{"input": "double inc neg\\n", "label": {"asserts": [...]}}`` rows drawn from ``split``. The held-out split
-    is written in its fixed order, each function once (a fixed evaluation set of at most its size)."""
+def code_prompt_rows(num_samples: int, seed: int, split: Split, each_once: bool = False) -> list[dict[str, object]]:
+    """``{"input": "double inc neg\\n", "label": {"asserts": [...]}}`` rows drawn from ``split``. ``each_once`` (and
+    always for the held-out split): the split's first functions in their fixed order, each once (an evaluation
+    set of at most the split's size)."""
     functions = split_functions(split)
-    if split == "heldout":
+    if each_once or split == "heldout":
         chosen = functions[:num_samples]
     else:
         rng = random.Random(seed)
