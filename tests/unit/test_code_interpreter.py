@@ -51,6 +51,9 @@ def test_openrlhf_style_agent_file_runs_code_between_turns(monkeypatch):
 
     from hpc_rlhf.utils.user_code import import_user_file
 
+    # the process's sandbox as a trainer sets it; monkeypatch puts the module's previous state back afterwards
+    monkeypatch.setattr("hpc_rlhf.sandbox.factory._run_config", None)
+    monkeypatch.setattr("hpc_rlhf.sandbox.factory._run_sandbox", None)
     configure_run_sandbox(SandboxConfig(isolation="auto" if probe_bwrap(default_python()) is None else "rlimits"))
     path = Path(__file__).resolve().parents[2] / "examples" / "agents" / "code_interpreter_agent.py"
     module = import_user_file(str(path), "code_interpreter_agent")

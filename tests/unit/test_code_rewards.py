@@ -45,9 +45,16 @@ def test_stdin_stdout_tests_compare_output_up_to_trailing_whitespace(sandbox):
     assert score.pass_fraction == pytest.approx(2 / 3) and score.verdict == "fail"
 
 
-def test_reward_func_all_pass_and_verdict_columns():
+@pytest.fixture
+def run_sandbox_section():
+    """Sets the process's sandbox section as a trainer does; puts the defaults back afterwards."""
+    yield configure_run_sandbox
+    configure_run_sandbox(SandboxConfig())
+
+
+def test_reward_func_all_pass_and_verdict_columns(run_sandbox_section):
     # Through the example reward file, as reward.reward_func_path loads it, with the sandbox keys a trainer hands on.
-    configure_run_sandbox(SandboxConfig(isolation="rlimits", code_reward="all_pass", wall_time_s=1, cpu_time_s=1))
+    run_sandbox_section(SandboxConfig(isolation="rlimits", code_reward="all_pass", wall_time_s=1, cpu_time_s=1))
     labels = [{"asserts": ["assert f() == 1", "assert f() != 2"]}, {"asserts": ["assert f() == 1"]},
               {"asserts": ["assert f() == 1", "assert f() == 2"]}, {"asserts": ["assert f() == 1"]}]
     responses = ["```python\ndef f():\n    return 1\n```", "def f(:\n", "def f():\n    return 1\n",
