@@ -154,7 +154,9 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe("grpo_code_tiny_cpu.yaml", "train_ppo", "GRPO with unit-test rewards run in the bubblewrap sandbox "
            "(`sandbox.*` keys): the SFT model of `sft_code_tiny_cpu.yaml` writes one-line Python functions for "
            "descriptions it never saw; held-out pass@1 (greedy) at step 0 and every 10 steps", ranks=2,
-           ci=CiRun(CODE_RECIPE_TEST)),
+           ci=CiRun(CODE_RECIPE_TEST),
+           manual_runs=(ManualRun("2026-11-28", "both files as they are, 30 GRPO steps",
+                                  "rewards.md#the-code-recipe-cpu-2-ranks"),)),
     Recipe("distill_tiny_cpu.yaml", "train_ppo", "on-policy distillation: the quickstart's SFT model (student) learns "
            "from its GRPO model (teacher); run `hpc-rlhf quickstart` first; about 90 s on 2 cores", ranks=2,
            covered_by=_SAME_SETUP,

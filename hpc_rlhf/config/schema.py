@@ -49,9 +49,10 @@ class TrainedRole(ModelRole):
 
 
 class ActorConfig(TrainedRole):
-    build_tiny: Literal["qwen3_moe", "mixtral", "tools", "qwen2_5_vl", "qwen3_vl"] | bool = Field(
+    build_tiny: Literal["qwen3_moe", "mixtral", "tools", "margin", "qwen2_5_vl", "qwen3_vl"] | bool = Field(
         False, description="create a tiny char-level model at actor.pretrain if missing (CPU recipes, tests): true "
-        "a Llama, tools a Llama whose tokenizer has one tool-call token (hpc_rlhf.models.tiny.TOOL_CALL_TOKEN), "
+        "a Llama, margin the Llama drawn with std 0.1 (greedy answers get a logit margin), tools a Llama whose "
+        "tokenizer has one tool-call token (hpc_rlhf.models.tiny.TOOL_CALL_TOKEN), "
         "qwen3_moe / mixtral a mixture-of-experts model (4 experts, top-2), qwen2_5_vl / qwen3_vl a "
         "vision-language model with a 2-block vision tower (hpc_rlhf.models.tiny_vlm)"
     )
