@@ -6,35 +6,25 @@ with ``Answer: <value>`` ends the episode; the reward is 1.0 when the value equa
 
     train.agent_func_path=examples/agents/code_interpreter_agent.py data.label_key=label
 
-The sandbox is chosen like the code reward's (``HPC_RLHF_SANDBOX``, ``HPC_RLHF_SANDBOX_URL``,
-``HPC_RLHF_SANDBOX_PYTHON``; see
-docs/agents_from_openrlhf.md) and shared by the episodes of the process. ``extra_logs`` carry the episode's
-``code_interpreter_calls`` and ``code_interpreter_s`` (logged as ``extra/...``).
+The sandbox is the run's (the ``sandbox`` config section: ``sandbox.isolation``, ``sandbox.url``, limits, workers;
+see docs/rewards.md), shared by the episodes of the process. ``extra_logs`` carry the episode's
+``code_interpreter_calls`` (logged as ``extra/code_interpreter_calls``) and the sandbox seconds (logged as
+``timing/tools/code_interpreter``, summed over the step's episodes).
 """
 
-import os
 import re
 
 from hpc_rlhf.agents.code_interpreter import CodeInterpreter
 from hpc_rlhf.agents.multi_turn import AgentInstanceBase, MultiTurnAgentExecutor
 from hpc_rlhf.rewards.code import extract_code
-from hpc_rlhf.sandbox.factory import make_sandbox
+from hpc_rlhf.sandbox.factory import run_sandbox, run_sandbox_config
 
 _ANSWER = re.compile(r"Answer:\s*(.+)")
-_sandbox = None
-
-
-def shared_sandbox():
-    global _sandbox
-    if _sandbox is None:
-        _sandbox = make_sandbox(os.environ.get("HPC_RLHF_SANDBOX", "auto"), url=os.environ.get("HPC_RLHF_SANDBOX_URL"),
-                                python=os.environ.get("HPC_RLHF_SANDBOX_PYTHON"))
-    return _sandbox
 
 
 class AgentInstance(AgentInstanceBase):
     def __init__(self):
-        self.interpreter = CodeInterpreter(shared_sandbox(), time_limit_s=5)
+        self.interpreter = CodeInterpreter(run_sandbox(), time_limit_s=run_sandbox_config().wall_time_s)
 
     async def reset(self, states, **kwargs):
         return {"observation": states["observation"]}

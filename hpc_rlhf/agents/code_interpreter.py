@@ -9,7 +9,9 @@ As in Jupyter, a last line that is an expression has its ``repr`` printed.
 
 Its output goes back to the model as a tool message (OpenAI-client agents: ``{"role": "tool", ...}``; OpenRLHF
 agent files: the step's ``environment_feedback``); either way it is masked from the loss. ``stats()`` gives the
-episode's number of calls and sandbox seconds, for the step's ``extra_logs``.
+episode's number of calls and sandbox seconds, for the step's ``extra_logs``: the seconds are logged as
+``timing/tools/code_interpreter`` (summed over the step's episodes, beside the step's phase timings), the calls
+as ``extra/code_interpreter_calls`` (mean per episode).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ if last is not None:
 '''
 
 TOOL_NAME = "python"
+TIMING_KEY = "timing/tools/code_interpreter"  # rollout_health.TOOL_TIMING_PREFIX + the tool's name
 
 
 def tool_spec(name: str = TOOL_NAME) -> dict[str, Any]:
@@ -108,5 +111,6 @@ class CodeInterpreter:
         return {"role": "tool", "tool_call_id": tool_call_id, "content": content}
 
     def stats(self) -> dict[str, float]:
-        """``code_interpreter_calls`` and ``code_interpreter_s`` (sandbox wall seconds) of this episode."""
-        return {"code_interpreter_calls": float(self.num_calls), "code_interpreter_s": self.sandbox_s}
+        """This episode's ``code_interpreter_calls`` and sandbox wall seconds (``timing/tools/code_interpreter``:
+        the trainer logs that name as it is, summed over the step's episodes)."""
+        return {"code_interpreter_calls": float(self.num_calls), TIMING_KEY: self.sandbox_s}

@@ -62,6 +62,10 @@ def prepare_local_assets(cfg: Any) -> None:
     if cfg.data.synthetic_task == "colour" and cfg.eval.data:
         # the held-out split: other images (another seed), the same size as the eval prompt budget
         write_task_if_missing("colour", cfg.eval.data[0], cfg.eval.max_samples or 64, cfg.train.seed + 10_000)
+    if cfg.data.synthetic_task == "code":
+        # eval.data[0]: the functions neither stage trains on; [1]: GRPO's own (never shown to SFT); each once
+        for task, path in zip(("code_heldout", "code_rl_eval"), cfg.eval.data, strict=False):
+            write_task_if_missing(task, path, cfg.eval.max_samples or 64, cfg.train.seed)
 
 
 def start_run(prog: str, argv: list[str] | None, load: Callable[[str | None, list[str]], Any]):

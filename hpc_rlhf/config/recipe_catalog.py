@@ -95,6 +95,8 @@ H200_CHECKS = ("on one H200 (recorded 2026-11-27) the chunked log-probs, Liger k
                "and generation on CUDA passed ([results]({docs}gpu.md#results-on-one-nvidia-h200)), but no GRPO or "
                "PPO step on CUDA has finished yet")
 _SAME_SETUP = "a test trains the same setup from a config of its own"
+CODE_RECIPE_TEST = ("tests/multiproc/test_code_rl.py::"
+                    "test_code_recipe_pass_at_1_on_unseen_functions_rises_through_sft_and_grpo")
 
 RECIPES: tuple[Recipe, ...] = (
     # ---- tiny recipes: any CPU, gloo
@@ -149,6 +151,12 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe("grpo_vlm_tiny_cpu.yaml", "train_ppo", "GRPO on a tiny Qwen2.5-VL naming the colour of a drawn square "
            "(only the image tells the answer); held-out accuracy every 20 steps", ranks=2,
            ci=CiRun("tests/multiproc/test_vlm_rl.py::test_grpo_vlm_learns_the_colour_task")),
+    Recipe("grpo_code_tiny_cpu.yaml", "train_ppo", "GRPO with unit-test rewards run in the bubblewrap sandbox "
+           "(`sandbox.*` keys): the SFT model of `sft_code_tiny_cpu.yaml` writes one-line Python functions for "
+           "descriptions it never saw; held-out pass@1 (greedy) at step 0 and every 10 steps", ranks=2,
+           ci=CiRun(CODE_RECIPE_TEST),
+           manual_runs=(ManualRun("2026-11-28", "both files as they are, 30 GRPO steps",
+                                  "rewards.md#the-code-recipe-cpu-2-ranks"),)),
     Recipe("distill_tiny_cpu.yaml", "train_ppo", "on-policy distillation: the quickstart's SFT model (student) learns "
            "from its GRPO model (teacher); run `hpc-rlhf quickstart` first; about 90 s on 2 cores", ranks=2,
            covered_by=_SAME_SETUP,
@@ -160,6 +168,8 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe("sft_vlm_tiny_cpu.yaml", "train_sft", "SFT of the tiny Qwen2.5-VL on the colour task (images in the "
            "prompts), the start of the VLM recipe above", ranks=2,
            ci=CiRun("tests/multiproc/test_vlm_sft.py::test_sft_then_grpo_with_images")),
+    Recipe("sft_code_tiny_cpu.yaml", "train_sft", "SFT on templated one-line Python programs, kept short on "
+           "purpose; the start of the code recipe above", ranks=2, ci=CiRun(CODE_RECIPE_TEST)),
     Recipe("rm_tiny_cpu.yaml", "train_rm", "reward model preferring the correct sum; exports an "
            "`AutoModelForSequenceClassification` with `reward_mean` / `reward_std`", ranks=2,
            ci=CiRun("tests/multiproc/test_supervised_trainers.py::"

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from hpc_rlhf.config.sandbox import SandboxConfig
+from hpc_rlhf.config.section import Section
 from hpc_rlhf.config.switched_off import refuse_switched_off
 
 # train.output_access: who may read what a run writes (hpc_rlhf.utils.output_access)
@@ -18,12 +20,6 @@ OutputAccess = Literal["private", "group"]
 
 AdvantageEstimator = Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo", "distill"]
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
-
-
-class Section(BaseModel):
-    """Base of every config section: unknown keys and wrong types fail loudly."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class ModelRole(Section):
@@ -56,9 +52,10 @@ class TrainedRole(ModelRole):
 
 
 class ActorConfig(TrainedRole):
-    build_tiny: Literal["qwen3_moe", "mixtral", "tools", "qwen2_5_vl", "qwen3_vl"] | bool = Field(
+    build_tiny: Literal["qwen3_moe", "mixtral", "tools", "margin", "qwen2_5_vl", "qwen3_vl"] | bool = Field(
         False, description="create a tiny char-level model at actor.pretrain if missing (CPU recipes, tests): true "
-        "a Llama, tools a Llama whose tokenizer has one tool-call token (hpc_rlhf.models.tiny.TOOL_CALL_TOKEN), "
+        "a Llama, margin the Llama drawn with std 0.1 (greedy answers get a logit margin), tools a Llama whose "
+        "tokenizer has one tool-call token (hpc_rlhf.models.tiny.TOOL_CALL_TOKEN), "
         "qwen3_moe / mixtral a mixture-of-experts model (4 experts, top-2), qwen2_5_vl / qwen3_vl a "
         "vision-language model with a 2-block vision tower (hpc_rlhf.models.tiny_vlm)"
     )
@@ -534,8 +531,9 @@ class DataConfig(Section):
         None, ge=1, description="vision-language models: largest image area in pixels; larger images are scaled "
         "down by the model's image processor, which bounds each image's tokens at max_pixels / (patch * merge)^2 "
         "(null: the processor's own setting)")
-    synthetic_task: Literal["arithmetic", "colour"] | None = Field(
-        None, description="write a seeded task to data.prompt_data[0] if that file is missing (CPU recipes)"
+    synthetic_task: Literal["arithmetic", "colour", "code"] | None = Field(
+        None, description="write a seeded task to data.prompt_data[0] if that file is missing (CPU recipes); colour "
+        "and code also write their held-out split to eval.data[0]"
     )
     synthetic_num_samples: int = Field(512, ge=1, description="data.synthetic_task: prompts written")
     reasoning_gym: ReasoningGymConfig = Field(default_factory=ReasoningGymConfig)
@@ -631,6 +629,7 @@ class RunConfig(Section):
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
 
     @model_validator(mode="after")
     def _cross_section_rules(self) -> RunConfig:

@@ -22,12 +22,12 @@ from hpc_rlhf.config.schema import (
     LoggerConfig,
     OutputAccess,
     RefConfig,
-    Section,
     SlurmConfig,
     StallLimits,
 )
+from hpc_rlhf.config.section import Section
 
-SyntheticTask = Literal["sft_arithmetic", "preference_arithmetic", "kto_arithmetic", "sft_colour"]
+SyntheticTask = Literal["sft_arithmetic", "preference_arithmetic", "kto_arithmetic", "sft_colour", "sft_code"]
 
 
 class SupervisedDataConfig(Section):
@@ -66,7 +66,8 @@ class SupervisedDataConfig(Section):
         description="skip and count rows that fail validation instead of stopping with an error naming the file and "
         "row")
     synthetic_task: SyntheticTask | None = Field(
-        None, description="write seeded arithmetic data (sft_colour: the colour images task with answers) to "
+        None, description="write seeded arithmetic data (sft_colour: the colour images task with answers; sft_code: "
+        "programs of the code task, the eval file from its held-out functions) to "
         "train_data[0] / eval_data[0] if missing (CPU recipes)")
     synthetic_num_samples: int = Field(512, ge=1, description="data.synthetic_task: training samples written")
     synthetic_eval_samples: int = Field(128, ge=1, description="data.synthetic_task: evaluation samples written")

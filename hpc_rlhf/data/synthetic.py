@@ -9,6 +9,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from hpc_rlhf.data.synthetic_code import code_prompt_rows
 from hpc_rlhf.data.synthetic_images import colour_task_rows  # imports PIL only when it draws (the visual task)
 
 
@@ -43,8 +44,12 @@ def write_task_if_missing(task: str, path: str | Path, num_samples: int, seed: i
     def make_rows() -> list[dict]:
         if task == "colour":
             return colour_task_rows(path, num_samples, seed)
+        if task == "code":
+            return code_prompt_rows(num_samples, seed, "rl")
+        if task in ("code_heldout", "code_rl_eval"):  # eval.data: functions no stage trains on / GRPO's, each once
+            return code_prompt_rows(num_samples, seed, "heldout" if task == "code_heldout" else "rl", each_once=True)
         if task != "arithmetic":
-            raise ValueError(f"unknown data.synthetic_task {task!r}; known: arithmetic, colour")
+            raise ValueError(f"unknown data.synthetic_task {task!r}; known: arithmetic, colour, code")
         return arithmetic_rows(num_samples, seed)
 
     return write_jsonl_if_missing(path, make_rows)

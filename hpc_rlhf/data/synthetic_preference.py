@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 
 from hpc_rlhf.data.synthetic import write_jsonl_if_missing
+from hpc_rlhf.data.synthetic_code import code_sft_rows
 from hpc_rlhf.data.synthetic_images import colour_sft_rows
 
 TASKS = ("sft_arithmetic", "preference_arithmetic", "kto_arithmetic")
@@ -44,9 +45,12 @@ def task_rows(task: str, num_samples: int, seed: int, max_operand: int = 9) -> l
 
 
 def write_supervised_task_if_missing(task: str, path: str | Path, num_samples: int, seed: int,
-                                     max_operand: int = 9) -> Path:
+                                     max_operand: int = 9, held_out: bool = False) -> Path:
+    """``held_out``: the evaluation file (the code task takes its held-out functions; the others another seed)."""
     if task == "sft_colour":  # images drawn with PIL beside the file (hpc_rlhf.data.synthetic_images)
         return write_jsonl_if_missing(path, lambda: colour_sft_rows(path, num_samples, seed))
+    if task == "sft_code":
+        return write_jsonl_if_missing(path, lambda: code_sft_rows(num_samples, seed, "heldout" if held_out else "sft"))
     return write_jsonl_if_missing(path, lambda: task_rows(task, num_samples, seed, max_operand))
 
 
@@ -65,4 +69,4 @@ def prepare_supervised_assets(cfg) -> None:
         if data.eval_data:
             # A different seed: held-out rows (with single digits the (a, b) pairs themselves repeat).
             write_supervised_task_if_missing(data.synthetic_task, data.eval_data[0], data.synthetic_eval_samples,
-                                             cfg.train.seed + 10_000, data.synthetic_max_operand)
+                                             cfg.train.seed + 10_000, data.synthetic_max_operand, held_out=True)

@@ -129,7 +129,8 @@ def build_tiny_moe_model(path: str | Path, family: str = "qwen3_moe", seed: int 
 
 
 def build_tiny_for(path: str | Path, kind: bool | str, seed: int = 0, rollout_backend: str = "transformers") -> Path:
-    """The tiny model a recipe's ``build_tiny`` asks for: ``true`` the Llama, ``tools`` the Llama with the
+    """The tiny model a recipe's ``build_tiny`` asks for: ``true`` the Llama, ``margin`` the Llama drawn with std
+    0.1, ``tools`` the Llama with the
     tool-calling tokenizer, a family name of :data:`MOE_FAMILIES` the mixture-of-experts model; sized for
     ``rollout_backend`` (:func:`tiny_sizes`). ``qwen2_5_vl`` / ``qwen3_vl``: the vision-language model of
     :mod:`hpc_rlhf.models.tiny_vlm` (one size, head_dim 64), drawn with std 0.1 so greedy answers have a margin."""
@@ -138,6 +139,8 @@ def build_tiny_for(path: str | Path, kind: bool | str, seed: int = 0, rollout_ba
     sizes = tiny_sizes(rollout_backend)
     if kind is True or kind == "tools":
         return build_tiny_model(path, seed=seed, tools=kind == "tools", **sizes)
+    if kind == "margin":  # std 0.1: a logit margin for greedy decoding (see build_tiny_model)
+        return build_tiny_model(path, seed=seed, initializer_range=0.1, tools=False, **sizes)
     return build_tiny_moe_model(path, family=str(kind), seed=seed, **sizes)
 
 

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hpc_rlhf.config.sandbox import SandboxConfig
 from hpc_rlhf.sandbox.result import ExecRequest, ExecResult, Sandbox
 
 _CODE_BLOCK = re.compile(r"```(?:python|py|Python)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -172,3 +173,16 @@ def make_code_reward_func(sandbox: Sandbox, *, all_pass: bool = False, time_limi
         return {"rewards": rewards, "scores": [float(f == 1.0) for f in fractions], "extra_logs": extra}
 
     return reward_func
+
+
+
+def run_code_reward_func(config: SandboxConfig | None = None):
+    """:func:`make_code_reward_func` on the run's sandbox (:func:`hpc_rlhf.sandbox.factory.run_sandbox`), with
+    ``sandbox.code_reward`` choosing the pass fraction or all-pass; the per-test limits are the ``sandbox`` ones.
+    ``config``: a ``sandbox`` section to build a sandbox of its own from (default: the process's shared one, from
+    the section the trainer configured)."""
+    from hpc_rlhf.sandbox.factory import run_sandbox, run_sandbox_config, sandbox_from_config
+
+    if config is None:
+        return make_code_reward_func(run_sandbox(), all_pass=run_sandbox_config().code_reward == "all_pass")
+    return make_code_reward_func(sandbox_from_config(config), all_pass=config.code_reward == "all_pass")

@@ -1,7 +1,12 @@
-"""One entry point that builds the sandbox a reward or a tool asks for."""
+"""The entry points that build the sandbox a reward or a tool asks for: by arguments (:func:`make_sandbox`) or from
+the run's ``sandbox`` config section (:func:`run_sandbox`, one shared per process)."""
 
 from __future__ import annotations
 
+import threading
+
+from hpc_rlhf.config.sandbox import SandboxConfig
+from hpc_rlhf.sandbox.isolation import SandboxUnavailableError
 from hpc_rlhf.sandbox.limits import SandboxLimits
 from hpc_rlhf.sandbox.local import LocalSandbox
 from hpc_rlhf.sandbox.remote import SandboxFusionClient
@@ -23,3 +28,49 @@ def make_sandbox(isolation: str = "auto", *, url: str | None = None, limits: San
     if url:
         raise ValueError(f"a sandbox url is only used with isolation 'remote', not {isolation!r}")
     return LocalSandbox(isolation, limits=limits, max_workers=max_workers, python=python)
+
+
+# The run's sandbox section (set by the trainer on every rank before user files load) and the sandbox built from
+# it on first use: one pool per process, shared by the reward function and every agent episode.
+_run_config: SandboxConfig | None = None
+_run_sandbox: Sandbox | None = None
+_lock = threading.Lock()
+
+
+def configure_run_sandbox(config: SandboxConfig) -> None:
+    """Record the run's ``sandbox`` section for :func:`run_sandbox` (a sandbox built from an older one is dropped)."""
+    global _run_config, _run_sandbox
+    with _lock:
+        _run_config, _run_sandbox = config, None
+
+
+def sandbox_from_config(config: SandboxConfig) -> Sandbox:
+    """Build the sandbox the ``sandbox`` section asks for.
+
+    Raises:
+        SandboxUnavailableError: the isolation level asked for is not there on this node; the message names
+            ``sandbox.isolation`` and the level.
+    """
+    limits = SandboxLimits(wall_time_s=config.wall_time_s, cpu_time_s=config.cpu_time_s, memory_mb=config.memory_mb,
+                           output_bytes=config.output_bytes, open_files=config.open_files,
+                           processes=config.processes)
+    try:
+        return make_sandbox(config.isolation, url=config.url, limits=limits, max_workers=config.max_workers,
+                            python=config.python)
+    except SandboxUnavailableError as err:
+        raise SandboxUnavailableError(f"sandbox.isolation={config.isolation}: {err}") from err
+
+
+def run_sandbox_config() -> SandboxConfig:
+    """The run's ``sandbox`` section (its defaults when no trainer configured one)."""
+    return _run_config or SandboxConfig()
+
+
+def run_sandbox() -> Sandbox:
+    """The process's shared sandbox, built on first use from the run's ``sandbox`` section (its defaults when no
+    trainer configured one, e.g. a reward file called from a test)."""
+    global _run_sandbox
+    with _lock:
+        if _run_sandbox is None:
+            _run_sandbox = sandbox_from_config(run_sandbox_config())
+        return _run_sandbox

@@ -7,6 +7,8 @@ import json
 import pytest
 
 from hpc_rlhf.agents.code_interpreter import CodeInterpreter, tool_spec
+from hpc_rlhf.config.sandbox import SandboxConfig
+from hpc_rlhf.sandbox.factory import configure_run_sandbox
 from hpc_rlhf.sandbox.isolation import default_python, probe_bwrap
 from hpc_rlhf.sandbox.local import LocalSandbox
 
@@ -24,7 +26,7 @@ def test_state_persists_and_failed_cells_are_not_replayed(sandbox):
     error = interp.run("x = 0\n1 / 0")
     assert "ZeroDivisionError" in error
     assert interp.run("x") == "20\n"  # the failed cell's x = 0 did not stick
-    assert interp.stats()["code_interpreter_calls"] == 5.0 and interp.stats()["code_interpreter_s"] > 0
+    assert interp.stats()["code_interpreter_calls"] == 5.0 and interp.stats()["timing/tools/code_interpreter"] > 0
 
 
 def test_timeouts_and_long_output_are_reported(sandbox):
@@ -49,7 +51,10 @@ def test_openrlhf_style_agent_file_runs_code_between_turns(monkeypatch):
 
     from hpc_rlhf.utils.user_code import import_user_file
 
-    monkeypatch.setenv("HPC_RLHF_SANDBOX", "auto" if probe_bwrap(default_python()) is None else "rlimits")
+    # the process's sandbox as a trainer sets it; monkeypatch puts the module's previous state back afterwards
+    monkeypatch.setattr("hpc_rlhf.sandbox.factory._run_config", None)
+    monkeypatch.setattr("hpc_rlhf.sandbox.factory._run_sandbox", None)
+    configure_run_sandbox(SandboxConfig(isolation="auto" if probe_bwrap(default_python()) is None else "rlimits"))
     path = Path(__file__).resolve().parents[2] / "examples" / "agents" / "code_interpreter_agent.py"
     module = import_user_file(str(path), "code_interpreter_agent")
     agent = module.AgentInstance()

@@ -7,8 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from hpc_rlhf.config.sandbox import SandboxConfig
+from hpc_rlhf.config.schema import RunConfig
 from hpc_rlhf.rewards.code import CodeTestsError, extract_code, score_programs
 from hpc_rlhf.rewards.functions import RewardFunction
+from hpc_rlhf.sandbox.factory import configure_run_sandbox, sandbox_from_config
+from hpc_rlhf.sandbox.isolation import SandboxUnavailableError
 from hpc_rlhf.sandbox.limits import SandboxLimits
 from hpc_rlhf.sandbox.local import LocalSandbox, num_workers_from_allocation
 
@@ -41,11 +45,16 @@ def test_stdin_stdout_tests_compare_output_up_to_trailing_whitespace(sandbox):
     assert score.pass_fraction == pytest.approx(2 / 3) and score.verdict == "fail"
 
 
-def test_reward_func_all_pass_and_verdict_columns(monkeypatch):
-    # Through the example reward file, as reward.reward_func_path loads it.
-    monkeypatch.setenv("HPC_RLHF_SANDBOX", "rlimits")
-    monkeypatch.setenv("HPC_RLHF_CODE_REWARD", "all_pass")
-    monkeypatch.setenv("HPC_RLHF_CODE_TIME_LIMIT_S", "1")
+@pytest.fixture
+def run_sandbox_section():
+    """Sets the process's sandbox section as a trainer does; puts the defaults back afterwards."""
+    yield configure_run_sandbox
+    configure_run_sandbox(SandboxConfig())
+
+
+def test_reward_func_all_pass_and_verdict_columns(run_sandbox_section):
+    # Through the example reward file, as reward.reward_func_path loads it, with the sandbox keys a trainer hands on.
+    run_sandbox_section(SandboxConfig(isolation="rlimits", code_reward="all_pass", wall_time_s=1, cpu_time_s=1))
     labels = [{"asserts": ["assert f() == 1", "assert f() != 2"]}, {"asserts": ["assert f() == 1"]},
               {"asserts": ["assert f() == 1", "assert f() == 2"]}, {"asserts": ["assert f() == 1"]}]
     responses = ["```python\ndef f():\n    return 1\n```", "def f(:\n", "def f():\n    return 1\n",
@@ -56,6 +65,20 @@ def test_reward_func_all_pass_and_verdict_columns(monkeypatch):
     assert out.extra_logs["code/compile_error"].tolist() == [0.0, 1.0, 0.0, 0.0]
     assert out.extra_logs["code/timeout"].tolist() == [0.0, 0.0, 0.0, 1.0]
     assert out.extra_logs["code/pass"].tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_sandbox_keys_refuse_unknown_and_impossible_values_naming_the_key():
+    with pytest.raises(ValueError, match="sandbox.isolation"):
+        RunConfig.model_validate({"sandbox": {"isolation": "docker"}})
+    with pytest.raises(ValueError, match="sandbox.isolation=remote needs sandbox.url"):
+        RunConfig.model_validate({"sandbox": {"isolation": "remote"}})
+    with pytest.raises(ValueError, match="sandbox.url is only used with sandbox.isolation=remote"):
+        RunConfig.model_validate({"sandbox": {"url": "http://127.0.0.1:8080"}})
+    with pytest.raises(ValueError, match="wall_time_s"):
+        RunConfig.model_validate({"sandbox": {"wall_time_s": 0}})
+    # bubblewrap cannot run this interpreter (as on a node without bwrap): refused, not run unisolated
+    with pytest.raises(SandboxUnavailableError, match="sandbox.isolation=bwrap: .*needs bubblewrap"):
+        sandbox_from_config(SandboxConfig(isolation="bwrap", python="/nonexistent/python3"))
 
 
 def test_malformed_labels_name_the_sample(sandbox):
@@ -81,3 +104,18 @@ def test_an_early_exit_with_status_zero_does_not_pass(sandbox):
         scores = score_programs(sandbox, [code, code], [label, human_eval_style])
         assert [s.pass_fraction for s in scores] == [0.0, 0.0], code
         assert {s.verdict for s in scores} == {"fail"}
+
+
+def test_code_task_splits_are_disjoint_and_every_program_passes_its_own_tests(sandbox):
+    from hpc_rlhf.data.synthetic_code import code_prompt_rows, program, split_functions
+
+    splits = {name: set(split_functions(name)) for name in ("sft", "rl", "heldout")}
+    assert not (splits["sft"] & splits["rl"] or splits["sft"] & splits["heldout"] or splits["rl"] & splits["heldout"])
+    for position in range(3):  # SFT shows every step in every position: held-out functions are new combinations
+        assert {fn[position] for fn in splits["sft"]} == {fn[position] for fn in splits["heldout"]}
+    heldout = split_functions("heldout")
+    rows = code_prompt_rows(len(heldout), 0, "heldout")
+    right = score_programs(sandbox, [program(fn) for fn in heldout], [r["label"] for r in rows])
+    assert all(s.verdict == "pass" for s in right)
+    swapped = score_programs(sandbox, [program(fn) for fn in heldout[1:9]], [r["label"] for r in rows[:8]])
+    assert sum(s.verdict == "pass" for s in swapped) <= 1  # the tests tell the functions apart

@@ -183,6 +183,13 @@ def test_extra_logs_are_namespaced_batch_means():
     assert rows["agent/max_len_fraction"] == 0.5
 
 
+def test_tool_seconds_are_step_sums_under_timing_and_cannot_overwrite_a_phase():
+    rows = extra_log_metrics([_trajectory(1, 0, logs={"timing/tools/code_interpreter": 0.5, "timing/train": 9.0}),
+                              _trajectory(0, 1, logs={"timing/tools/code_interpreter": 1.5, "timing/train": 7.0})])
+    assert rows["timing/tools/code_interpreter"] == 2.0  # the step's tool seconds, not the episode mean
+    assert rows["extra/timing/train"] == 8.0 and "timing/train" not in rows
+
+
 def test_failure_limit_needs_a_full_window_and_names_the_cause(caplog):
     health = RolloutHealth(max_failure_fraction=0.5, window_steps=2, max_len=32)
     failing = [_trajectory(0, 0, failure="step: KeyError: 'tool'", finish="agent_error") for _ in range(3)]

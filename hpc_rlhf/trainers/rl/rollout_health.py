@@ -20,6 +20,11 @@ log = logging.getLogger(__name__)
 # Per-episode numbers the multi-turn and OpenAI-agent executors themselves write into ``extra_logs``
 # (logged under ``agent/``).
 EXECUTOR_LOGS = ("num_turns", "agent_error", "agent_timeout", "num_calls", "num_branches")
+# Seconds an episode spent in a tool (e.g. ``timing/tools/code_interpreter`` from the code interpreter's ``stats()``):
+# logged under that name beside the step's phase timings, SUMMED over the step's episodes (the tool time the step
+# paid for; with episodes running concurrently it can exceed the step's wall time). Other ``timing/`` names stay
+# under ``extra/`` so that no agent can overwrite a phase timing of the step.
+TOOL_TIMING_PREFIX = "timing/tools/"
 _PROMPT_CHARS = 500
 
 
@@ -38,8 +43,9 @@ def first_rows(trajectories: list[Trajectory]) -> list[Trajectory]:
 
 def extra_log_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     """Episode means of every numeric ``extra_logs`` name: the executor's counts as ``agent/<name>``, the reward
-    function's and agent's own as ``extra/<name>`` (so they can never overwrite a core metric), plus the
-    fractions of episodes ended by error, timeout and length, and the training rows per episode."""
+    function's and agent's own as ``extra/<name>`` (so they can never overwrite a core metric), tool seconds
+    (``timing/tools/<tool>``) as step sums under their own name, plus the fractions of episodes ended by error,
+    timeout and length, and the training rows per episode."""
     rows = len(trajectories)
     trajectories = first_rows(trajectories)
     sums: dict[str, float] = {}
@@ -47,10 +53,15 @@ def extra_log_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     for t in trajectories:
         for name, value in t.extra_logs.items():
             if _is_number(value):
-                key = f"agent/{name}" if name in EXECUTOR_LOGS else f"extra/{name}"
+                if name in EXECUTOR_LOGS:
+                    key = f"agent/{name}"
+                elif name.startswith(TOOL_TIMING_PREFIX):
+                    key = name
+                else:
+                    key = f"extra/{name}"
                 sums[key] = sums.get(key, 0.0) + float(value)
                 counts[key] += 1
-    row = {key: total / counts[key] for key, total in sums.items()}
+    row = {key: total if key.startswith(TOOL_TIMING_PREFIX) else total / counts[key] for key, total in sums.items()}
     if trajectories and any(t.failure is not None or "num_turns" in t.extra_logs for t in trajectories):
         n = len(trajectories)
         row["agent/error_fraction"] = sum(t.finish_reason == "agent_error" for t in trajectories) / n

@@ -45,6 +45,7 @@ from hpc_rlhf.rollout.base import RolloutEngine, SamplingParams
 from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine
 from hpc_rlhf.rollout.vllm_external_launcher import VllmEngineSpec, VllmRolloutEngine  # vLLM itself: lazily
 from hpc_rlhf.rollout.vllm_server import VllmServerEngine
+from hpc_rlhf.sandbox.factory import configure_run_sandbox
 from hpc_rlhf.trainers.rl.rollout_health import RolloutHealth
 from hpc_rlhf.trainers.run_skeleton import RunPlan
 from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine  # deepspeed itself: lazily
@@ -278,6 +279,7 @@ def reward_function(cfg: RunConfig) -> Any:
     reward-function file, as OpenRLHF does; ``reward.reward_func_path`` is this project's key for it.
     """
     r = cfg.reward
+    configure_run_sandbox(cfg.sandbox)  # before the reward file loads: a code reward builds its sandbox from it
     path = r.reward_func_path
     files = [u for u in r.remote_url if u.strip().lower().endswith(".py") and "://" not in u]
     if files:
@@ -434,6 +436,7 @@ def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
         single = SingleTurnExecutor(tokenizer, cfg.data.prompt_max_len)
         single.vision = vision_encoder(cfg, tokenizer)
         return single
+    configure_run_sandbox(cfg.sandbox)  # before the agent file loads: its code interpreter may build it
     executor = load_agent_executor(cfg.train.agent_func_path, tokenizer, cfg.data.prompt_max_len,
                                    max_len=cfg.data.max_len, max_turns=cfg.train.agent_max_turns,
                                    num_concurrent=cfg.rollout.async_num_tasks,
