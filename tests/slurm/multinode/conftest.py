@@ -25,6 +25,7 @@ NODES = ("hpcmn1", "hpcmn2")
 ADDRESSES = {"hpcmn1": "10.77.0.11", "hpcmn2": "10.77.0.12", "hpcmnx": "10.77.0.13"}
 OUTSIDER = "hpcmnx"  # a namespace on the same bridge with no slurmd: another user's node
 SHARED_ROOT = Path("/var/tmp/hpc-rlhf-multinode")
+TWO_NODES = ["-p", "nodes", "-N", "2", "--ntasks-per-node=1"]  # sbatch: one task on each node
 
 
 def pytest_collection_modifyitems(config, items):

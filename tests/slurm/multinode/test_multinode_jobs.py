@@ -32,6 +32,7 @@ from .conftest import (
     NODES,
     OUTSIDER,
     SHARED_ROOT,
+    TWO_NODES,
     WatchedJob,
     in_node,
     job_info,
@@ -47,7 +48,6 @@ from .conftest import (
 )
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("multinode_cluster")]
-TWO_NODES = ["-p", "nodes", "-N", "2", "--ntasks-per-node=1"]
 STEPS = 300
 LONG = [f"train.max_steps={STEPS}", "train.num_episodes=20", "ckpt.save_steps=100"]
 COMPARED = ("reward", "score", "response_length", "policy_loss", "actor_grad_norm", "actor_lr")

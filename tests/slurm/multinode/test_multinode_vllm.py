@@ -34,6 +34,7 @@ from .conftest import (
     NODES,
     OUTSIDER,
     SHARED_ROOT,
+    TWO_NODES,
     WatchedJob,
     in_node,
     job_info,
@@ -48,7 +49,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.usefixtures("mult
 pytest.importorskip("vllm")
 pytest.importorskip("openai")
 
-TWO_NODES = ["-p", "nodes", "-N", "2", "--ntasks-per-node=1"]
 VLLM_JOB = ["--export=ALL,CONFIG=configs/grpo_vllm_async_tiny_cpu.yaml", "slurm/cpu_debug.sbatch"]
 AGENT = ["train.agent_func_path=examples/agents/openai_math_agent.py", "data.max_len=64"]
 CHANNEL_CHECK_PREFIX = SECRET_CHECK_PREFIX + "weight_transfer/"  # the channel's store namespace (vllm_gloo_transfer)
