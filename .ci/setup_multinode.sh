@@ -6,7 +6,8 @@
 #   SLURM_CONF=/etc/slurm-multinode/slurm.conf sinfo    # talk to it from this "login node"
 #
 # Each node is a network namespace with its own address on a bridge, its own host name (UTS namespace) and its own
-# mount namespace (a private /tmp, its own /etc/hosts view) running `slurmd -N <node>`. slurmctld runs in the root
+# mount namespace running `slurmd -N <node>`: a private /tmp (tmpfs), its own /run and slurmd spool (directories of
+# this machine under $NODE_STATE/<node> that no other node mounts), its own /etc/hosts view. slurmctld runs in the root
 # namespace, which is also the login node: sbatch, srun, `hpc-rlhf submit` and `plan` run there. This cluster is
 # separate from the one-node cluster of .ci/setup_slurm.sh (its own slurm.conf, ports, state and pid files), whose
 # munged it shares (run setup_slurm.sh first); both may run at once.
@@ -29,7 +30,11 @@ PREFIX=24
 CONF_DIR=/etc/slurm-multinode
 CONF="$CONF_DIR/slurm.conf"
 STATE_DIR=/var/spool/slurmctld-multinode
-SPOOL_ROOT=/var/spool/slurmd-multinode
+# The slurmd spool path every node has, each its own directory of $NODE_STATE mounted there (node-local, as on a
+# cluster). $NODE_STATE/<node>/run is the node's /run: its slurmd pid file is read from here through a link
+# (RUN_DIR/slurmd-multinode-<node>.pid) that the tests and tear-down use.
+SPOOL_DIR=/var/spool/slurmd-multinode
+NODE_STATE=/var/lib/hpc-rlhf-multinode
 LOG_DIR=/var/log/slurm
 RUN_DIR=/run/slurm
 CTLD_PID="$RUN_DIR/slurmctld-multinode.pid"
@@ -50,26 +55,17 @@ die() {
 }
 [ "$(id -u)" -eq 0 ] || die "run as root: network namespaces and slurmd need it"
 
-# alive PIDFILE COMM: the pid in PIDFILE runs and is the named program (a stale pid may be reused).
-alive() {
-    local pid
-    pid="$(cat "$1" 2>/dev/null)" || return 1
-    [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ]
+# shellcheck source=daemons.sh
+source "$(dirname "${BASH_SOURCE[0]}")/daemons.sh"  # alive, stop_by_pidfile
+slurmd_pid() { echo "$RUN_DIR/slurmd-multinode-$1.pid"; }  # in the root namespace: a link into the node's /run
+stop_daemons() {
+    local node
+    for node in "${NODES[@]}"; do stop_by_pidfile "$(slurmd_pid "$node")" slurmd || die "slurmd on $node would not stop"; done
+    stop_by_pidfile "$CTLD_PID" slurmctld || die "slurmctld would not stop"
 }
-stop_by_pidfile() {  # PIDFILE COMM
-    alive "$1" "$2" || { rm -f "$1"; return 0; }
-    local pid
-    pid="$(cat "$1")"
-    log "stopping $2 (pid $pid)"
-    kill "$pid" 2>/dev/null || true
-    for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || { rm -f "$1"; return 0; }; sleep 0.2; done
-    kill -9 "$pid" 2>/dev/null || true
-}
-slurmd_pid() { echo "$RUN_DIR/slurmd-multinode-$1.pid"; }
 
 down() {
-    for node in "${NODES[@]}"; do stop_by_pidfile "$(slurmd_pid "$node")" slurmd; done
-    stop_by_pidfile "$CTLD_PID" slurmctld
+    stop_daemons
     for node in "${NODES[@]}" "$OUTSIDER"; do
         ip link del "$node-br" 2>/dev/null || true
         ip netns del "$node" 2>/dev/null || true
@@ -127,7 +123,7 @@ for node in "${NODES[@]}"; do
 done
 
 # --- 3. slurm.conf --------------------------------------------------------------------------------------------
-mkdir -p "$STATE_DIR" "$SPOOL_ROOT" "$LOG_DIR" "$RUN_DIR"
+mkdir -p "$STATE_DIR" "$SPOOL_DIR" "$LOG_DIR" "$RUN_DIR"
 new_conf="$(mktemp)"
 trap 'rm -f "$new_conf"' EXIT
 {
@@ -141,7 +137,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 StateSaveLocation=$STATE_DIR
-SlurmdSpoolDir=$SPOOL_ROOT/%n
+SlurmdSpoolDir=$SPOOL_DIR
 SlurmctldPidFile=$CTLD_PID
 SlurmdPidFile=$RUN_DIR/slurmd-multinode-%n.pid
 SlurmctldLogFile=$LOG_DIR/slurmctld-multinode.log
@@ -176,10 +172,7 @@ if ! cmp -s "$new_conf" "$CONF" 2>/dev/null; then
 fi
 
 # --- 4. daemons -----------------------------------------------------------------------------------------------
-if [ "$conf_changed" -eq 1 ]; then
-    for node in "${NODES[@]}"; do stop_by_pidfile "$(slurmd_pid "$node")" slurmd; done
-    stop_by_pidfile "$CTLD_PID" slurmctld
-fi
+if [ "$conf_changed" -eq 1 ]; then stop_daemons; fi
 if ! alive "$CTLD_PID" slurmctld; then
     log "starting slurmctld (port $CTLD_PORT)"
     slurmctld -f "$CONF" || die "slurmctld failed to start"
@@ -188,14 +181,22 @@ for node in "${NODES[@]}"; do
     pidfile="$(slurmd_pid "$node")"
     alive "$pidfile" slurmd && continue
     log "starting slurmd on $node (${ADDR[$node]})"
-    mkdir -p "$SPOOL_ROOT/$node"
+    # The node's own /run: munged's socket directory is this machine's (one munged stands for every node's, as nodes
+    # share the key), /run/shm the shared memory of its kernel; everything else there is the node's alone.
+    node_run="$NODE_STATE/$node/run"
+    mkdir -p "$node_run/slurm" "$node_run/munge" "$node_run/lock" "$NODE_STATE/$node/spool"
+    ln -sfn /dev/shm "$node_run/shm"
+    # slurmd writes its pid file into the node's /run; the root namespace reads it through this link
+    ln -sfn "$node_run/slurm/slurmd-multinode-$node.pid" "$pidfile"
     # `ip netns exec` is not used: it remounts /sys and slurmd then cannot initialise its cgroup plugin.
-    # The node's mount namespace gets a private /tmp and its own /etc/hosts; slurmd daemonizes and its jobs inherit
-    # the node's network, host name and mounts.
+    # slurmd daemonizes and its jobs inherit the node's network, host name and mounts.
     nsenter --net="/run/netns/$node" unshare --uts --mount --propagation private bash -c "
         set -e
         hostname $node
         mount -t tmpfs -o mode=1777,size=2g tmpfs /tmp
+        mount --bind /run/munge $node_run/munge
+        mount --rbind $node_run /run
+        mount --bind $NODE_STATE/$node/spool $SPOOL_DIR
         mount --bind $CONF_DIR/hosts.$node /etc/hosts
         exec slurmd -f $CONF -N $node" || die "slurmd on $node failed to start"
 done

@@ -2,6 +2,7 @@
 # A one-node SLURM cluster on this machine, for CI and laptops: munge + slurmctld + slurmd.
 #
 #   sudo bash .ci/setup_slurm.sh        # idempotent: a second run checks and returns
+#   sudo bash .ci/setup_slurm.sh down   # stops slurmd and slurmctld (munged stays: setup_multinode.sh uses it)
 #
 # The node is called `localhost` (NodeHostname = this machine's hostname) so SLURM_JOB_NODELIST
 # resolves to an address every rank can reach. The daemons are tracked by their pidfiles; nothing is
@@ -31,6 +32,16 @@ die() {
 }
 
 [ "$(id -u)" -eq 0 ] || die "run as root (sudo bash $0): slurmd and munged need it"
+# shellcheck source=daemons.sh
+source "$(dirname "${BASH_SOURCE[0]}")/daemons.sh"  # alive, stop_by_pidfile
+
+if [ "${1:-up}" = down ]; then
+    stop_by_pidfile "$SLURMD_PID" slurmd || die "slurmd would not stop"
+    stop_by_pidfile "$CTLD_PID" slurmctld || die "slurmctld would not stop"
+    log "down (munged left running)"
+    exit 0
+fi
+[ "${1:-up}" = up ] || die "usage: $0 [up|down]"
 
 # --- 1. packages -------------------------------------------------------------------------------
 need_install=0
@@ -113,24 +124,7 @@ if ! cmp -s "$new_conf" "$CONF" 2>/dev/null; then
     log "wrote $CONF (node localhost -> $host, CPUs=$node_cpus on $cpus cores, RealMemory=$real_mem)"
 fi
 
-# --- 3. daemons (tracked by pidfile) ------------------------------------------------------------
-# alive PIDFILE COMM: the pid in PIDFILE runs and is the named program (a stale pid may be reused).
-alive() {
-    local pid
-    pid="$(cat "$1" 2>/dev/null)" || return 1
-    [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ]
-}
-
-stop_by_pidfile() {  # PIDFILE COMM
-    alive "$1" "$2" || return 0
-    local pid
-    pid="$(cat "$1")"
-    log "stopping $2 (pid $pid)"
-    kill "$pid"
-    for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.2; done
-    die "$2 (pid $pid) did not stop within 10 s"
-}
-
+# --- 3. daemons (tracked by pidfile: .ci/daemons.sh) --------------------------------------------
 if [ ! -s /etc/munge/munge.key ]; then
     log "creating /etc/munge/munge.key"
     mkdir -p /etc/munge
@@ -152,8 +146,8 @@ fi
 munge -n | unmunge >/dev/null || die "munge round trip failed"
 
 if [ "$conf_changed" -eq 1 ] || [ "${SLURM_SETUP_FORCE_RESTART:-0}" = 1 ]; then
-    stop_by_pidfile "$SLURMD_PID" slurmd
-    stop_by_pidfile "$CTLD_PID" slurmctld
+    stop_by_pidfile "$SLURMD_PID" slurmd || die "slurmd would not stop"
+    stop_by_pidfile "$CTLD_PID" slurmctld || die "slurmctld would not stop"
 fi
 if ! alive "$CTLD_PID" slurmctld; then
     log "starting slurmctld"

@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,23 @@ def wait_job(job_id: str, timeout_s: float, log: Path | None = None) -> dict[str
     subprocess.run(["scancel", job_id], check=False)
     tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else "(no log)"
     pytest.fail(f"job {job_id} not finished after {timeout_s:.0f}s (state {info.get('JobState')}); log tail:\n{tail}")
+
+
+def read_log(log: Path) -> str:
+    """A job's log so far ('' before it exists); progress bars of two ranks interleave mid-character in it."""
+    return log.read_text(errors="replace") if log.exists() else ""
+
+
+def wait_for_state(job_info: Callable[[str], dict[str, str]], job_id: str, state: str, log: Path,
+                   timeout_s: float) -> dict[str, str]:
+    """Poll ``job_info`` (the cluster's ``scontrol show job``) until the job is in ``state``; fail with its state,
+    reason and log tail after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = job_info(job_id)
+        if info.get("JobState") == state:
+            return info
+        assert time.monotonic() < deadline, (f"job {job_id} not {state} after {timeout_s:.0f}s "
+                                             f"({info.get('JobState')}, {info.get('Reason')}): "
+                                             + read_log(log)[-3000:])
+        time.sleep(0.2)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import FINAL, ROOT, job_info, sbatch, wait_job
+from .conftest import FINAL, ROOT, job_info, sbatch, wait_for_state, wait_job
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 TINY = ["train.max_steps=2"]
@@ -202,17 +202,6 @@ def _rows(metrics: Path) -> list[dict]:
 RESIZABLE = ["rollout.rollout_batch_size=6", "train.train_batch_size=48", "train.micro_train_batch_size=4"]
 
 
-def _wait_for_state(job: str, state: str, log: Path, timeout_s: float) -> dict[str, str]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        info = job_info(job)
-        if info.get("JobState") == state:
-            return info
-        assert time.monotonic() < deadline, (f"job {job} not {state} after {timeout_s:.0f}s "
-                                             f"({info.get('JobState')}, {info.get('Reason')}): " + _read(log)[-3000:])
-        time.sleep(0.1)
-
-
 def test_requeued_with_another_number_of_tasks_resumes_and_finishes(tmp_path):
     """A running 2-rank job is requeued and held in one request (``scontrol requeuehold``: SIGTERM to every rank,
     which checkpoint at the step boundary), given 3 tasks while pending and released: it restarts with
@@ -231,7 +220,7 @@ def test_requeued_with_another_number_of_tasks_resumes_and_finishes(tmp_path):
         # between the two. Rank 0's own `scontrol requeue` after its checkpoint is then refused ("Job is pending
         # execution"), which leaves the job held.
         subprocess.run(["scontrol", "requeuehold", job], check=True, timeout=30)
-        held = _wait_for_state(job, "PENDING", log, 120)  # COMPLETING until every rank has exited
+        held = wait_for_state(job_info, job, "PENDING", log, 120)  # COMPLETING until every rank has exited
         assert held["Restarts"] == "1" and held["Priority"] == "0", held
         stopped = _steps(metrics)
         assert stopped == list(range(1, len(stopped) + 1)) and 2 <= len(stopped) < num_steps, stopped

@@ -5,24 +5,27 @@ lives under a shared directory (``shared_dir``), as on a cluster's shared filesy
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from ..conftest import FINAL, ROOT
+from ..conftest import FINAL, ROOT, read_log
 
 MULTINODE_CONF = "/etc/slurm-multinode/slurm.conf"
 NODES = ("hpcmn1", "hpcmn2")
 ADDRESSES = {"hpcmn1": "10.77.0.11", "hpcmn2": "10.77.0.12", "hpcmnx": "10.77.0.13"}
 OUTSIDER = "hpcmnx"  # a namespace on the same bridge with no slurmd: another user's node
 SHARED_ROOT = Path("/var/tmp/hpc-rlhf-multinode")
+TWO_NODES = ["-p", "nodes", "-N", "2", "--ntasks-per-node=1"]  # sbatch: one task on each node
 
 
 def pytest_collection_modifyitems(config, items):
@@ -101,9 +104,98 @@ def wait_job(job_id: str, timeout_s: float, log: Path | None = None) -> dict[str
     pytest.fail(f"job {job_id} not finished after {timeout_s:.0f}s (state {info.get('JobState')}); log tail:\n{tail}")
 
 
+def slurmd_pid(node: str) -> str:
+    """The pid of ``node``'s slurmd (its pid file is in the node's own /run; the setup links it here)."""
+    return Path(f"/run/slurm/slurmd-multinode-{node}.pid").read_text().strip()
+
+
+def on_node(node: str) -> list[str]:
+    """The command prefix that runs what follows on ``node`` as a user logged in there would: in its slurmd's
+    network, host-name and mount namespaces (its /tmp, /run, spool and /etc/hosts)."""
+    return ["nsenter", "-t", slurmd_pid(node), "-n", "-u", "-m"]
+
+
 def in_node(node: str, *command: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess[str]:
-    """Run a command on a node as a user logged in there would: in its slurmd's network, host-name and mount
-    namespaces (its /tmp, its /etc/hosts)."""
-    pid = Path(f"/run/slurm/slurmd-multinode-{node}.pid").read_text().strip()
-    return subprocess.run(["nsenter", "-t", pid, "-n", "-u", "-m", *command], capture_output=True, text=True,
+    """Run a command on a node (:func:`on_node`) and wait for it."""
+    return subprocess.run([*on_node(node), *command], capture_output=True, text=True,
                           timeout=timeout, **kwargs)
+
+
+def rows(metrics: Path) -> list[dict]:
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def wait_for_steps(job: str, metrics: Path, log: Path, at_least: int, restarts: int, timeout_s: float = 240) -> None:
+    """Until the job is RUNNING after ``restarts`` restarts with at least ``at_least`` steps logged."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = job_info(job)
+        lines = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        if lines >= at_least and info.get("Restarts") == str(restarts) and info.get("JobState") == "RUNNING":
+            return
+        assert time.monotonic() < deadline, f"no progress to step {at_least}: " + read_log(log)[-3000:]
+        assert info.get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED"), read_log(log)[-3000:]
+        time.sleep(0.05)
+
+
+def rank_pids(run: Path) -> list[int]:
+    """PIDs of this run's rank processes on every node (no PID namespaces here: all are visible from the root)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        is_python = Path(cmdline[0].decode(errors="replace")).name.startswith("python")  # not srun's own process
+        if is_python and b"hpc_rlhf.cli.train_ppo" in cmdline and f"train.output_dir={run}".encode() in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+class WatchedJob:
+    """A job submitted ahead of the test that checks it, so that it runs beside the tests before. A thread of this
+    process keeps its final ``scontrol`` record (slurmctld forgets a finished job after MinJobAge, 300 s here), after
+    running ``while_running(job)`` (a check that needs the job's processes) once it has logged its first step to
+    ``metrics``."""
+
+    def __init__(self, job: str, log: Path, timeout_s: float, metrics: Path | None = None,
+                 while_running: Callable[[WatchedJob], None] | None = None):
+        self.job, self.log, self.timeout_s = job, log, timeout_s
+        self.metrics, self.while_running = metrics, while_running
+        self.seen: dict[str, list[str]] = {}  # what while_running recorded
+        self.info: dict[str, str] | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        try:
+            deadline = time.monotonic() + self.timeout_s
+            if self.while_running is not None and self.metrics is not None:
+                wait_for_steps(self.job, self.metrics, self.log, at_least=1, restarts=0, timeout_s=self.timeout_s)
+                self.while_running(self)
+            while time.monotonic() < deadline:
+                info = job_info(self.job)
+                if info.get("JobState") in FINAL:
+                    self.info = info
+                    return
+                time.sleep(0.5)
+        except BaseException as err:  # noqa: BLE001 - result() raises it in the test
+            self.error = err
+
+    def result(self) -> dict[str, str]:
+        """The job's final record; fails the test when the job did not end in time or the check failed."""
+        self.thread.join(self.timeout_s)
+        if self.error is not None:
+            raise self.error
+        if self.info is None:
+            slurm("scancel", self.job, check=False)
+            pytest.fail(f"job {self.job} not finished after {self.timeout_s:.0f}s; log tail:\n"
+                        + read_log(self.log)[-3000:])
+        return self.info
+
+    def cancel(self) -> None:
+        if job_info(self.job).get("JobState") not in FINAL:
+            slurm("scancel", self.job, check=False)

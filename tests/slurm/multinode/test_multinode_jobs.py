@@ -26,34 +26,31 @@ import pytest
 from hpc_rlhf.world.launch_env import port_from_job_id
 from hpc_rlhf.world.sealed_store import SEALED_KEY_PREFIX, SECRET_CHECK_PREFIX
 
-from ..conftest import FINAL, ROOT
+from ..conftest import FINAL, ROOT, read_log, wait_for_state
 from .conftest import (
     ADDRESSES,
     NODES,
     OUTSIDER,
     SHARED_ROOT,
+    TWO_NODES,
+    WatchedJob,
     in_node,
     job_info,
     node_states,
+    on_node,
+    rank_pids,
+    rows,
     sbatch,
     slurm,
     slurm_env,
+    wait_for_steps,
     wait_job,
 )
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("multinode_cluster")]
-TWO_NODES = ["-p", "nodes", "-N", "2", "--ntasks-per-node=1"]
 STEPS = 300
 LONG = [f"train.max_steps={STEPS}", "train.num_episodes=20", "ckpt.save_steps=100"]
 COMPARED = ("reward", "score", "response_length", "policy_loss", "actor_grad_norm", "actor_lr")
-
-
-def _read(log: Path) -> str:
-    return log.read_text(errors="replace") if log.exists() else ""
-
-
-def _rows(metrics: Path) -> list[dict]:
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
 
 
 def _assert_met_over_node_addresses(run: Path, ranks_per_node: int = 1) -> list[dict]:
@@ -69,18 +66,6 @@ def _assert_met_over_node_addresses(run: Path, ranks_per_node: int = 1) -> list[
     return ranks
 
 
-def _wait_for_steps(job: str, metrics: Path, log: Path, at_least: int, restarts: int) -> None:
-    deadline = time.monotonic() + 240
-    while True:
-        info = job_info(job)
-        lines = len(metrics.read_text().splitlines()) if metrics.exists() else 0
-        if lines >= at_least and info.get("Restarts") == str(restarts) and info.get("JobState") == "RUNNING":
-            return
-        assert time.monotonic() < deadline, f"no progress to step {at_least}: " + _read(log)[-3000:]
-        assert info.get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED"), _read(log)[-3000:]
-        time.sleep(0.05)
-
-
 class ReferenceRun:
     """The CPU recipe run through on two nodes, once per module: the run the interrupted ones must reproduce."""
 
@@ -94,7 +79,7 @@ class ReferenceRun:
         """Wait for it (once); return its run folder."""
         if self.info is None:
             self.info = wait_job(self.job, 300, self.log)
-            assert self.info["JobState"] == "COMPLETED", _read(self.log)[-3000:]
+            assert self.info["JobState"] == "COMPLETED", read_log(self.log)[-3000:]
         return self.run
 
 
@@ -112,8 +97,8 @@ def reference_run(multinode_cluster):
 def _assert_same_metrics(run: Path, reference: Path) -> None:
     """The run's metrics equal the reference's, step for step; a step logged twice (before a loss and again after
     the resume) counts with its last value."""
-    got = {r["step"]: r for r in _rows(run / "metrics.jsonl")}
-    want = _rows(reference / "metrics.jsonl")
+    got = {r["step"]: r for r in rows(run / "metrics.jsonl")}
+    want = rows(reference / "metrics.jsonl")
     assert sorted(got) == [r["step"] for r in want]
     for a in want:
         for key in COMPARED:
@@ -133,7 +118,7 @@ def test_another_users_node_cannot_read_inject_or_join(shared_dir, reference_run
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         metrics = reference_run.run / "metrics.jsonl"
-        _wait_for_steps(reference_run.job, metrics, reference_run.log, at_least=1, restarts=0)
+        wait_for_steps(reference_run.job, metrics, reference_run.log, at_least=1, restarts=0)
         go.write_text("go\n")
         out, err = stranger.communicate(timeout=120)
     finally:
@@ -142,7 +127,7 @@ def test_another_users_node_cannot_read_inject_or_join(shared_dir, reference_run
     assert stranger.returncode == 0, err[-3000:]
     seen = json.loads(out.strip().splitlines()[-1])
     print(f"stranger on {OUTSIDER}: {len(seen['keys'])} sealed keys listed, join refused: {seen.get('join_error')}")
-    still_running = len(_rows(metrics)) < STEPS and job_info(reference_run.job).get("JobState") == "RUNNING"
+    still_running = len(rows(metrics)) < STEPS and job_info(reference_run.job).get("JobState") == "RUNNING"
     assert still_running, "the job ended before the stranger was done: nothing was shown"
     assert seen["keys"], "the stranger did not reach the store"
     assert [key for key in seen["keys"] if not key.startswith((SEALED_KEY_PREFIX, SECRET_CHECK_PREFIX))] == []
@@ -161,21 +146,21 @@ def test_two_node_recipe_learns_exports_and_resumes_exactly_after_preemption(sha
     job = sbatch("-o", str(log), *TWO_NODES, "slurm/cpu_debug.sbatch", *LONG, f"train.output_dir={run}")
 
     metrics = run / "metrics.jsonl"
-    _wait_for_steps(job, metrics, log, at_least=3, restarts=0)
+    wait_for_steps(job, metrics, log, at_least=3, restarts=0)
     slurm("scancel", "--signal=USR1", job)  # to every task of the job's running steps, on both nodes
     info = wait_job(job, 400, log)
-    text = _read(log)
+    text = read_log(log)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", text[-4000:]
     for rank in (0, 1):  # the signal reached the rank on each node (rank 0's line may follow a progress bar)
         assert re.search(rf"\[rank{rank}\] [^\n]* received SIGUSR1", text), text[-4000:]
     assert f"job {job} restart 1: 2 ranks on hpcmn[1-2]" in text and text.count("resumed from") == 1, text[-4000:]
-    assert [r["step"] for r in _rows(metrics)] == list(range(1, STEPS + 1))  # nothing lost, nothing repeated
+    assert [r["step"] for r in rows(metrics)] == list(range(1, STEPS + 1))  # nothing lost, nothing repeated
     _assert_met_over_node_addresses(run)  # the restarted world met over the nodes' addresses again
 
     ref_run = reference_run.finished()
     assert reference_run.info and reference_run.info["NodeList"] == "hpcmn[1-2]"
     _assert_met_over_node_addresses(ref_run)
-    want = _rows(ref_run / "metrics.jsonl")
+    want = rows(ref_run / "metrics.jsonl")
     first, last = want[:20], want[-20:]
     assert sum(r["reward"] for r in last) / 20 > sum(r["reward"] for r in first) / 20 + 0.1  # GRPO learns
     assert (ref_run / "ckpt/LATEST").read_text().strip() == f"step_{STEPS}"
@@ -191,35 +176,8 @@ WATCHDOG_S = 10
 EXIT_BOUND_S = WATCHDOG_S + 5 + 45
 
 
-def _rank_pids(run: Path) -> list[int]:
-    """PIDs of this run's rank processes on every node (no PID namespaces here: all are visible from the root)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        is_python = Path(cmdline[0].decode(errors="replace")).name.startswith("python")  # not srun's own process
-        if is_python and b"hpc_rlhf.cli.train_ppo" in cmdline and f"train.output_dir={run}".encode() in cmdline:
-            pids.append(int(proc.name))
-    return pids
-
-
 def _pids_alive(pids: list[int]) -> list[int]:
     return [pid for pid in pids if Path(f"/proc/{pid}").exists()]
-
-
-def _wait_for_state(job: str, state: str, log: Path, timeout_s: float) -> dict[str, str]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        info = job_info(job)
-        if info.get("JobState") == state:
-            return info
-        assert time.monotonic() < deadline, (f"job {job} not {state} after {timeout_s:.0f}s "
-                                             f"({info.get('JobState')}, {info.get('Reason')}): " + _read(log)[-3000:])
-        time.sleep(0.2)
 
 
 def _node_back(node: str) -> None:
@@ -260,13 +218,13 @@ def test_node_lost_mid_step_and_mid_checkpoint_write(shared_dir, reference_run):
     }
     infos: dict[str, dict[str, str]] = {}
     try:
-        _wait_for_steps(jobs["mid_step"], runs["mid_step"] / "metrics.jsonl", logs["mid_step"], 55, restarts=0)
+        wait_for_steps(jobs["mid_step"], runs["mid_step"] / "metrics.jsonl", logs["mid_step"], 55, restarts=0)
         deadline = time.monotonic() + 240
         while not held.exists():
-            assert time.monotonic() < deadline, _read(logs["mid_write"])[-3000:]
-            assert job_info(jobs["mid_write"]).get("JobState") not in FINAL, _read(logs["mid_write"])[-3000:]
+            assert time.monotonic() < deadline, read_log(logs["mid_write"])[-3000:]
+            assert job_info(jobs["mid_write"]).get("JobState") not in FINAL, read_log(logs["mid_write"])[-3000:]
             time.sleep(0.05)
-        pids = _rank_pids(runs["mid_step"]) + _rank_pids(runs["mid_write"])
+        pids = rank_pids(runs["mid_step"]) + rank_pids(runs["mid_write"])
         assert len(pids) == 4, pids
         assert job_info(jobs["mid_step"]).get("JobState") == "RUNNING"
         cut = time.monotonic()
@@ -279,15 +237,15 @@ def test_node_lost_mid_step_and_mid_checkpoint_write(shared_dir, reference_run):
 
         latest = {}
         for kind, job in jobs.items():
-            assert "watchdog: no progress" in _read(logs[kind]), _read(logs[kind])[-4000:]
+            assert "watchdog: no progress" in read_log(logs[kind]), read_log(logs[kind])[-4000:]
             # SLURM declares the node down (SlurmdTimeout) and requeues the job, which then waits for two nodes
-            pending = _wait_for_state(job, "PENDING", logs[kind], 180)
+            pending = wait_for_state(job_info, job, "PENDING", logs[kind], 180)
             assert pending["Restarts"] == "1", pending
             latest[kind] = (runs[kind] / "ckpt/LATEST").read_text().strip()
             assert (runs[kind] / "ckpt" / latest[kind] / "layout.json").exists(), latest  # a complete checkpoint
         assert node_states().get(lost, "").startswith(("down", "idle*", "fail")), node_states()
         assert latest["mid_write"] == "step_50", latest  # the cut step-100 write never became LATEST
-        logged = [r["step"] for r in _rows(runs["mid_step"] / "metrics.jsonl")]
+        logged = [r["step"] for r in rows(runs["mid_step"] / "metrics.jsonl")]
         assert latest["mid_step"] == f"step_{max(logged) // 50 * 50}" or \
             latest["mid_step"] == f"step_{max(logged) // 50 * 50 - 50}", (latest, max(logged))
 
@@ -312,7 +270,7 @@ def test_node_lost_mid_step_and_mid_checkpoint_write(shared_dir, reference_run):
         _node_back(lost)
     print(f"node loss: every rank of both jobs ended {ended_after:.1f}s after the cut (bound {EXIT_BOUND_S}s)")
     for kind, job in jobs.items():
-        text = _read(logs[kind])
+        text = read_log(logs[kind])
         assert infos[kind]["JobState"] == "COMPLETED" and infos[kind]["NodeList"] == NODES[0], text[-4000:]
         assert f"job {job} restart 1: 2 ranks on {NODES[0]}" in text, text[-4000:]
         step = int(latest[kind].removeprefix("step_"))
@@ -322,21 +280,33 @@ def test_node_lost_mid_step_and_mid_checkpoint_write(shared_dir, reference_run):
         _assert_same_metrics(runs[kind], reference)
 
 
-def test_time_limit_signal_reaches_every_rank_on_every_node(shared_dir):
-    """--signal=USR1@55 with --time=1: the scheduler signals the step's tasks on both nodes, not the batch shell."""
-    log = shared_dir / "sig.out"
+@pytest.fixture(scope="module", autouse=True)
+def time_limit_job(multinode_cluster):
+    """A job that waits for the scheduler's time-limit signal (--time=1 --signal=USR1@55) with nothing to compute:
+    submitted before the module's first test, so that its wait runs beside the other jobs instead of after them.
+    """
+    folder = SHARED_ROOT / f"time-limit-{uuid.uuid4().hex[:8]}"
+    folder.mkdir(parents=True)
     probe = ("import os, signal, socket, sys, time\n"
              "def h(s, f): print(f'task {os.environ[\"SLURM_PROCID\"]} on {socket.gethostname()} got USR1', "
              "flush=True); sys.exit(0)\n"
              "signal.signal(signal.SIGUSR1, h)\ntime.sleep(58)\nprint('no signal', flush=True)\nsys.exit(3)\n")
-    (shared_dir / "probe.py").write_text(probe)
-    script = shared_dir / "sig.sbatch"
+    (folder / "probe.py").write_text(probe)
+    script = folder / "sig.sbatch"
     script.write_text("#!/bin/bash\n#SBATCH --time=1\n#SBATCH --signal=USR1@55\n"
                       "trap 'echo batch shell got USR1' USR1\n"
-                      f"srun --kill-on-bad-exit=1 {sys.executable} {shared_dir / 'probe.py'}\necho batch done\n")
-    job = sbatch("-o", str(log), *TWO_NODES, str(script))
-    info = wait_job(job, 150, log)
-    text = _read(log)
+                      f"srun --kill-on-bad-exit=1 {sys.executable} {folder / 'probe.py'}\necho batch done\n")
+    log = folder / "sig.out"
+    job = WatchedJob(sbatch("-o", str(log), *TWO_NODES, str(script)), log, timeout_s=150)
+    yield job
+    job.cancel()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_time_limit_signal_reaches_every_rank_on_every_node(time_limit_job):
+    """--signal=USR1@55 with --time=1: the scheduler signals the step's tasks on both nodes, not the batch shell."""
+    info = time_limit_job.result()
+    text = read_log(time_limit_job.log)
     assert info["JobState"] == "COMPLETED", text
     assert "task 0 on hpcmn1 got USR1" in text and "task 1 on hpcmn2 got USR1" in text, text
     assert "batch shell got USR1" not in text and "batch done" in text
@@ -351,7 +321,7 @@ def test_submit_from_the_login_namespace_runs_on_two_nodes(shared_dir):
          "--time", "00:20:00", "--wait", "train.max_steps=4", f"train.output_dir={run}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=slurm_env())
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows(run / "metrics.jsonl")] == [1, 2, 3, 4]
     _assert_met_over_node_addresses(run)
     assert (run / "model/config.json").exists()
 
@@ -367,8 +337,8 @@ def test_torchrun_started_by_hand_on_two_nodes(shared_dir):
     port = "29631"
     procs = []
     for node_rank, node in enumerate(NODES):
-        cmd = ["nsenter", "-t", Path(f"/run/slurm/slurmd-multinode-{node}.pid").read_text().strip(), "-n", "-u",
-               "-m", f"--wd={ROOT}", sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
+        cmd = [*on_node(node), f"--wd={ROOT}", sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+               "--node-rank", str(node_rank),
                "--nproc-per-node", "1", "--master-addr", NODES[0], "--master-port", port,
                "-m", "hpc_rlhf.cli.train_ppo", "--config", "configs/grpo_tiny_cpu.yaml", "train.max_steps=3",
                f"train.output_dir={run}", "train.collective_timeout_s=120"]
@@ -382,7 +352,7 @@ def test_torchrun_started_by_hand_on_two_nodes(shared_dir):
             if proc.poll() is None:
                 proc.kill()
     assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(o[-3000:] for o in outputs)
-    assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1, 2, 3]
+    assert [r["step"] for r in rows(run / "metrics.jsonl")] == [1, 2, 3]
     _assert_met_over_node_addresses(run)
 
 
@@ -391,6 +361,21 @@ def test_the_node_resolves_its_own_name_to_127_0_1_1():
     assert in_node(NODES[0], "getent", "hosts", NODES[0]).stdout.split()[0] == "127.0.1.1"
     assert in_node(NODES[1], "getent", "hosts", NODES[0]).stdout.split()[0] == ADDRESSES[NODES[0]]
     assert in_node(NODES[1], "hostname").stdout.strip() == NODES[1]
+
+
+def test_each_node_has_its_own_tmp_run_and_spool():
+    """Node-local state: a file a node writes into its /tmp, /run or slurmd spool, the other node and the login node
+    do not see (each node mounts its own; the slurmd spool path is the same on every node, as on a cluster)."""
+    name = f"hpc-rlhf-node-local-{uuid.uuid4().hex[:8]}"
+    for folder in ("/tmp", "/run", "/var/spool/slurmd-multinode"):
+        path = f"{folder}/{name}"
+        assert in_node(NODES[0], "touch", path).returncode == 0, path
+        try:
+            assert in_node(NODES[0], "test", "-e", path).returncode == 0, path
+            assert in_node(NODES[1], "test", "-e", path).returncode == 1, f"{NODES[1]} sees {NODES[0]}'s {path}"
+            assert not Path(path).exists(), f"the login node sees {NODES[0]}'s {path}"
+        finally:
+            in_node(NODES[0], "rm", "-f", path)
 
 
 def test_controller_traffic_across_the_nodes(shared_dir):
@@ -403,7 +388,7 @@ def test_controller_traffic_across_the_nodes(shared_dir):
                       "--samples 16 --prompt-len 16 --response-len 32 --repeats 2\n")
     job = sbatch("-o", str(log), *TWO_NODES, str(script))
     info = wait_job(job, 180, log)
-    text = _read(log)
+    text = read_log(log)
     assert info["JobState"] == "COMPLETED", text[-3000:]
     assert "2 gloo ranks on hpcmn1, hpcmn2" in text, text
     rows = [line for line in text.splitlines() if line.startswith("| dp |")]
@@ -426,9 +411,8 @@ def test_another_users_node_cannot_use_the_reward_server(shared_dir):
     AutoTokenizer.from_pretrained(tiny).save_pretrained(rm_dir)
     key, port = uuid.uuid4().hex, 29711
     url = f"http://{ADDRESSES[NODES[0]]}:{port}/get_reward"
-    pid = Path(f"/run/slurm/slurmd-multinode-{NODES[0]}.pid").read_text().strip()
     # nsenter execs the server (no fork): this Popen's pid is the server's, stopped by that pid below
-    server = subprocess.Popen(["nsenter", "-t", pid, "-n", "-u", "-m", f"--wd={ROOT}", sys.executable, "-m",
+    server = subprocess.Popen([*on_node(NODES[0]), f"--wd={ROOT}", sys.executable, "-m",
                                "hpc_rlhf.cli.serve_rm", "--reward_pretrain", str(rm_dir), "--host", "0.0.0.0",
                                "--port", str(port), "--max_len", "32"],
                               env={**slurm_env(), "HPC_RLHF_RM_API_KEY": key}, stdout=subprocess.PIPE,
@@ -441,7 +425,7 @@ def test_another_users_node_cannot_use_the_reward_server(shared_dir):
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    rank_node = ["nsenter", "-t", Path(f"/run/slurm/slurmd-multinode-{NODES[1]}.pid").read_text().strip(), "-n"]
+    rank_node = on_node(NODES[1])
     outsider = ["ip", "netns", "exec", OUTSIDER]
     try:
         deadline = time.monotonic() + 120
