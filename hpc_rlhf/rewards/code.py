@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpc_rlhf.config.sandbox import SandboxConfig
+from hpc_rlhf.sandbox.factory import run_sandbox, run_sandbox_config, sandbox_from_config
 from hpc_rlhf.sandbox.result import ExecRequest, ExecResult, Sandbox
 
 _CODE_BLOCK = re.compile(r"```(?:python|py|Python)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -181,7 +182,6 @@ def run_code_reward_func(config: SandboxConfig | None = None):
     ``sandbox.code_reward`` choosing the pass fraction or all-pass; the per-test limits are the ``sandbox`` ones.
     ``config``: a ``sandbox`` section to build a sandbox of its own from (default: the process's shared one, from
     the section the trainer configured)."""
-    from hpc_rlhf.sandbox.factory import run_sandbox, run_sandbox_config, sandbox_from_config
 
     if config is None:
         return make_code_reward_func(run_sandbox(), all_pass=run_sandbox_config().code_reward == "all_pass")

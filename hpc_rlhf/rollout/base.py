@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     import torch
 
-    from hpc_rlhf.config.schema import RolloutConfig
+    from hpc_rlhf.config.rollout import RolloutConfig
     from hpc_rlhf.rollout.visual import PromptVisual
 
 # "placeholder": cut before a vision placeholder token the engine sampled (hpc_rlhf.rollout.placeholder_tokens)

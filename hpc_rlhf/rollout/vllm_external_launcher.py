@@ -65,7 +65,8 @@ from hpc_rlhf.rollout.vllm_lora import VllmAdapterSlot, lora_engine_kwargs
 if TYPE_CHECKING:
     import torch
 
-    from hpc_rlhf.config.schema import LoraConfig, VllmConfig
+    from hpc_rlhf.config.rollout import VllmConfig
+    from hpc_rlhf.config.schema import LoraConfig
 
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.config.schema import RolloutConfig, rollout_engine_kind
+from hpc_rlhf.config.rollout import RolloutConfig, rollout_engine_kind
 from hpc_rlhf.rollout.base import RolloutEngine
 from hpc_rlhf.rollout.engine_restart import EngineFailure, EngineRestartLimitError, Restartable
 from hpc_rlhf.rollout.vllm_server import transfer_backend

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TypedDict
 
-from hpc_rlhf.config.schema import RunConfig, rollout_engine_kind
+from hpc_rlhf.config.rollout import rollout_engine_kind
+from hpc_rlhf.config.schema import RunConfig
 
 
 class Role(str, Enum):

@@ -256,7 +256,7 @@ def test_every_rl_recipe_is_a_layout_the_engines_run(config, world):
     placement rule (external launcher only when every rank hosts rollout) pass at the recipe's own world size,
     and the rule does bite: the same recipe moved to a layout it does not fit is refused, naming the key."""
     from hpc_rlhf.config import load_config
-    from hpc_rlhf.config.schema import resolved_vllm_mode
+    from hpc_rlhf.config.rollout import resolved_vllm_mode
     from hpc_rlhf.world.placement import PlacementError, build_placement
 
     cfg = load_config(ROOT / config)

@@ -15,7 +15,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from hpc_rlhf.config.schema import resolved_vllm_mode
+from hpc_rlhf.config.rollout import resolved_vllm_mode
 from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
 from hpc_rlhf.rollout.vllm_server import (
     LAUNCH_ENV_VARS,
@@ -658,7 +658,7 @@ def test_over_nccl_an_engine_lost_mid_round_ends_the_job_at_once(round_dying_vll
     ("vllm", "auto", False, "vllm_server_process"), ("vllm", "server_process", True, "vllm_server_process")])
 def test_one_engine_kind_decision(backend, mode, colocate_all, expected):
     from hpc_rlhf.config import load_config
-    from hpc_rlhf.config.schema import rollout_engine_kind
+    from hpc_rlhf.config.rollout import rollout_engine_kind
 
     cfg = load_config(None, [f"rollout.backend={backend}", f"rollout.vllm_mode={mode}"])
     assert rollout_engine_kind(cfg.rollout, colocate_all) == expected

@@ -38,7 +38,7 @@ from hpc_rlhf.agents.executor import GenerateFn
 from hpc_rlhf.ckpt.hf_exports import HFExports
 from hpc_rlhf.ckpt.layout import rl_layout
 from hpc_rlhf.config import RunConfig, save_resolved_config
-from hpc_rlhf.config.schema import rollout_engine_kind
+from hpc_rlhf.config.rollout import rollout_engine_kind
 from hpc_rlhf.data.prompts import Prompt, source_name
 from hpc_rlhf.models.loading import load_tokenizer
 from hpc_rlhf.resilience.fault_injection import fault_point

@@ -39,7 +39,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from hpc_rlhf.algos import count_tokens_and_seqs
-from hpc_rlhf.config.schema import DeepSpeedConfig, RolloutConfig, TrainConfig
+from hpc_rlhf.config.rollout import RolloutConfig
+from hpc_rlhf.config.schema import DeepSpeedConfig, TrainConfig
 from hpc_rlhf.trainers.rl.step_batch import StepBatch, TrainShard
 
 # ---------------------------------------------------------------------------------------------- row orders

@@ -21,7 +21,8 @@ from hpc_rlhf.agents.agent_loader import AgentLoadError, load_agent_executor
 from hpc_rlhf.agents.executor import AgentExecutor, SingleTurnExecutor
 from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor  # imports no openai / fastapi by itself
 from hpc_rlhf.algos import AdaptiveKLController, FixedKLController, RunningRewardNormalizer
-from hpc_rlhf.config.schema import RolloutConfig, RunConfig, rollout_engine_kind
+from hpc_rlhf.config.rollout import RolloutConfig, rollout_engine_kind
+from hpc_rlhf.config.schema import RunConfig
 from hpc_rlhf.data.prompts import Prompt, PromptDataset, PromptStream
 from hpc_rlhf.data.reasoning_gym import reasoning_gym_reward, write_prompt_file  # reasoning-gym itself: lazily
 from hpc_rlhf.data.vision_prompts import VisionPromptEncoder

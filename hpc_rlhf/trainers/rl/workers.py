@@ -32,7 +32,8 @@ from hpc_rlhf.algos import (
     total_loss,
     value_loss,
 )
-from hpc_rlhf.config.schema import AlgoConfig, DeepSpeedConfig, RolloutConfig, TrainConfig
+from hpc_rlhf.config.rollout import RolloutConfig
+from hpc_rlhf.config.schema import AlgoConfig, DeepSpeedConfig, TrainConfig
 from hpc_rlhf.models.micro_forward import SequenceParallel, forward_scope
 from hpc_rlhf.models.moe import MoESpec, load_balancing_loss, routing_statistics, trained_moe_spec
 from hpc_rlhf.trainers.rl.row_layout import Batching, split_to_count
