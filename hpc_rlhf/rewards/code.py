@@ -182,7 +182,6 @@ def run_code_reward_func(config: SandboxConfig | None = None):
     ``sandbox.code_reward`` choosing the pass fraction or all-pass; the per-test limits are the ``sandbox`` ones.
     ``config``: a ``sandbox`` section to build a sandbox of its own from (default: the process's shared one, from
     the section the trainer configured)."""
-
     if config is None:
         return make_code_reward_func(run_sandbox(), all_pass=run_sandbox_config().code_reward == "all_pass")
     return make_code_reward_func(sandbox_from_config(config), all_pass=config.code_reward == "all_pass")
