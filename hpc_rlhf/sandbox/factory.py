@@ -38,10 +38,19 @@ _lock = threading.Lock()
 
 
 def configure_run_sandbox(config: SandboxConfig) -> None:
-    """Record the run's ``sandbox`` section for :func:`run_sandbox` (a sandbox built from an older one is dropped)."""
+    """Record the run's ``sandbox`` section for :func:`run_sandbox` (a sandbox built from an older one is dropped).
+
+    A config that names ``sandbox.isolation`` demands that level: the sandbox is built here, at start-up, so a node
+    without it refuses the run before any model loads rather than at the first reward. A config that leaves the
+    section out builds it on first use (most runs execute no model-written code and need no bubblewrap).
+
+    Raises:
+        SandboxUnavailableError: the level the config names is not there on this node.
+    """
     global _run_config, _run_sandbox
+    built = sandbox_from_config(config) if "isolation" in config.model_fields_set else None
     with _lock:
-        _run_config, _run_sandbox = config, None
+        _run_config, _run_sandbox = config, built
 
 
 def sandbox_from_config(config: SandboxConfig) -> Sandbox:

@@ -119,3 +119,12 @@ def test_code_task_splits_are_disjoint_and_every_program_passes_its_own_tests(sa
     assert all(s.verdict == "pass" for s in right)
     swapped = score_programs(sandbox, [program(fn) for fn in heldout[1:9]], [r["label"] for r in rows[:8]])
     assert sum(s.verdict == "pass" for s in swapped) <= 1  # the tests tell the functions apart
+
+
+def test_a_config_naming_a_missing_isolation_level_refuses_at_start_up(run_sandbox_section):
+    """`sandbox.isolation` written in the config is a demand: recording the section builds the sandbox at once, so a
+    node without the level refuses the run at start-up, naming the key; a config without it waits for first use."""
+    absent = "/nonexistent/python3"  # bubblewrap cannot run this interpreter: the level is "not there"
+    with pytest.raises(SandboxUnavailableError, match="sandbox.isolation=bwrap: .*needs bubblewrap"):
+        run_sandbox_section(SandboxConfig(isolation="bwrap", python=absent))
+    run_sandbox_section(SandboxConfig(python=absent))  # isolation left to its default: nothing built yet
