@@ -12,7 +12,7 @@ This module imports nothing heavy (no torch, no transformers): light modules ann
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 
 @runtime_checkable
@@ -62,13 +62,22 @@ def eos_id(tokenizer: Tokenizer) -> int:
     return tokenizer.eos_token_id
 
 
+_Narrowed = TypeVar("_Narrowed", str, int)
+
+
+def _narrow(result: object, expected: type[_Narrowed], tokenizer: Tokenizer, call: str) -> _Narrowed:
+    """``result`` if it is of the one type the package asked for; else a TypeError naming the tokenizer and call."""
+    if not isinstance(result, expected):
+        raise TypeError(f"{type(tokenizer).__name__}.{call} returned {type(result).__name__}, "
+                        f"not {expected.__name__}")
+    return result
+
+
 def decode_text(tokenizer: Tokenizer, token_ids: list[int], skip_special_tokens: bool = False) -> str:
     """The text of one id list (``token_ids``: (L,) ids); a tokenizer that returns anything but a ``str`` for one
     id list is refused rather than passed on as text."""
-    text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-    if not isinstance(text, str):
-        raise TypeError(f"{type(tokenizer).__name__}.decode of one id list returned {type(text).__name__}, not str")
-    return text
+    return _narrow(tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens), str, tokenizer,
+                   "decode of one id list")
 
 
 def render_chat_text(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
@@ -76,25 +85,14 @@ def render_chat_text(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_g
     """``messages`` rendered by the tokenizer's chat template as text (``tokenize=False``)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          **render_kwargs)
-    if not isinstance(text, str):
-        raise TypeError(f"{type(tokenizer).__name__}.apply_chat_template(tokenize=False) returned "
-                        f"{type(text).__name__}, not str")
-    return text
+    return _narrow(text, str, tokenizer, "apply_chat_template(tokenize=False)")
 
 
 def token_id(tokenizer: Tokenizer, token: str) -> int:
     """The id of one token string."""
-    found = tokenizer.convert_tokens_to_ids(token)
-    if not isinstance(found, int):
-        raise TypeError(f"{type(tokenizer).__name__}.convert_tokens_to_ids({token!r}) returned "
-                        f"{type(found).__name__}, not int")
-    return found
+    return _narrow(tokenizer.convert_tokens_to_ids(token), int, tokenizer, f"convert_tokens_to_ids({token!r})")
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     """The token string of one id."""
-    found = tokenizer.convert_ids_to_tokens(token_id)
-    if not isinstance(found, str):
-        raise TypeError(f"{type(tokenizer).__name__}.convert_ids_to_tokens({token_id}) returned "
-                        f"{type(found).__name__}, not str")
-    return found
+    return _narrow(tokenizer.convert_ids_to_tokens(token_id), str, tokenizer, f"convert_ids_to_tokens({token_id})")
