@@ -20,7 +20,10 @@ class Tokenizer(Protocol):
     """The members of a (transformers) tokenizer that the package uses.
 
     ``isinstance(x, Tokenizer)`` checks only that the members exist, not their signatures: mypy checks those.
-    Special-token ids are ``None`` when the tokenizer defines no such token.
+    Special-token ids are ``None`` when the tokenizer defines no such token. ``chat_template`` is not a member: a
+    tokenizer may have none, so its readers ask ``getattr(tokenizer, "chat_template", None)`` and say what to do.
+    Transformers-only members stay with transformers' own type where they are used (``save_pretrained`` when a
+    checkpoint is exported, ``name_or_path`` in the teacher check, ``truncation_side`` in the reward server).
     """
 
     pad_token_id: int | None
