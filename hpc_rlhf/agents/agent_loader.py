@@ -43,6 +43,7 @@ from hpc_rlhf.agents.multi_turn import MultiTurnAgentExecutor
 from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor, import_openai, is_workflow
 from hpc_rlhf.agents.openrlhf_alias import openrlhf_agent_alias
 from hpc_rlhf.agents.tool_parsers import ParserConfigError
+from hpc_rlhf.models.tokenizer_protocol import Tokenizer
 from hpc_rlhf.utils.user_code import UserCodeImportError, accepted_kwargs, import_user_file
 
 _IMPORT_HINT = ("import AgentInstanceBase, AgentExecutorBase or MultiTurnAgentExecutor from "
@@ -156,7 +157,7 @@ def _openai_agent(module: Any, path: str, agent_kwargs: dict[str, Any]) -> Any:
                              f"train.agent_kwargs failed: {type(err).__name__}: {err}", path=path) from err
 
 
-def _openai_executor(agent: Any, path: str, tokenizer: Any, prompt_max_len: int, max_len: int | None,
+def _openai_executor(agent: Any, path: str, tokenizer: Tokenizer, prompt_max_len: int, max_len: int | None,
                      num_concurrent: int, episode_timeout_s: float | None, agent_kwargs: dict[str, Any],
                      tool_call_parser: str, reasoning_parser: str, endpoint_listen: str) -> AgentExecutor:
     try:
@@ -172,7 +173,7 @@ def _openai_executor(agent: Any, path: str, tokenizer: Any, prompt_max_len: int,
         raise AgentLoadError(f"{path} defines an OpenAI-client agent: {err}", path=path) from err
 
 
-def load_agent_executor(path: str, tokenizer: Any, prompt_max_len: int, max_len: int | None = None,
+def load_agent_executor(path: str, tokenizer: Tokenizer, prompt_max_len: int, max_len: int | None = None,
                         max_turns: int = 8, num_concurrent: int = 256,
                         step_timeout_s: float | None = 300.0,
                         agent_kwargs: dict[str, Any] | None = None,

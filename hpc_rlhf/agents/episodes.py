@@ -35,6 +35,7 @@ from hpc_rlhf.agents.step_output import AgentOutputError, apply_sampling, parse_
 from hpc_rlhf.data.prompts import Prompt, source_name, tokenize_prompts
 from hpc_rlhf.data.vision_prompts import VisionPromptEncoder
 from hpc_rlhf.models.routing_replay import continue_routes, pad_routes
+from hpc_rlhf.models.tokenizer_protocol import Tokenizer, decode_text
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams, Trajectory
 from hpc_rlhf.rollout.placeholder_tokens import PLACEHOLDER_FINISH
 from hpc_rlhf.utils.user_calls import UserCallRunner, UserCallTimeout
@@ -109,7 +110,7 @@ class RunStats:
 class EpisodeSettings(Protocol):
     """What the episode logic reads of its executor (``MultiTurnAgentExecutor`` has all of it)."""
 
-    tokenizer: Any
+    tokenizer: Tokenizer
     prompt_max_len: int
     max_len: int | None
     max_turns: int
@@ -231,7 +232,7 @@ class EpisodeDriver:
                           else continue_routes(episode.routes, result.routed_experts))
         episode.num_turns += 1
         episode.last_finish = result.finish_reason
-        episode.action_text = self.settings.tokenizer.decode(output_ids, skip_special_tokens=True)
+        episode.action_text = decode_text(self.settings.tokenizer, output_ids, skip_special_tokens=True)
         if result.finish_reason == PLACEHOLDER_FINISH:  # the turn was cut before it (rollout.placeholder_tokens)
             self.fail(episode, "generate", SampledPlaceholderError(
                 "the engine sampled a vision placeholder token, which only the image processor may place; the turn "

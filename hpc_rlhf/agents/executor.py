@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from hpc_rlhf.data.prompts import Prompt, source_name, tokenize_prompts
 from hpc_rlhf.data.vision_prompts import VisionPromptEncoder, encode_prompts
+from hpc_rlhf.models.tokenizer_protocol import Tokenizer
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams, Trajectory
 from hpc_rlhf.rollout.placeholder_tokens import PLACEHOLDER_FINISH
 from hpc_rlhf.rollout.visual import PromptVisual
@@ -52,7 +52,7 @@ class AgentExecutor(ABC):
     # Set on executors of a vision-language model (``hpc_rlhf.trainers.rl.setup``): encodes prompts with images.
     vision: VisionPromptEncoder | None = None
 
-    def __init__(self, tokenizer: Any, prompt_max_len: int):
+    def __init__(self, tokenizer: Tokenizer, prompt_max_len: int):
         self.tokenizer = tokenizer
         self.prompt_max_len = prompt_max_len
 

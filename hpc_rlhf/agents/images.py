@@ -27,6 +27,7 @@ import torch
 from hpc_rlhf.data.images import ImageRef, image_ref
 from hpc_rlhf.data.prompts import Prompt
 from hpc_rlhf.data.vision_prompts import VisionPromptEncoder
+from hpc_rlhf.models.tokenizer_protocol import Tokenizer
 from hpc_rlhf.rollout.visual import PromptVisual
 
 FEEDBACK_IMAGES_KEY = "environment_images"
@@ -103,7 +104,7 @@ def encode_observation(vision: VisionPromptEncoder | None, prompt: Prompt, text:
     return vision.encode(dataclasses.replace(prompt, text=text), prompt_max_len)
 
 
-def feedback_tokens(vision: VisionPromptEncoder | None, tokenizer: Any, feedback: str, values: Any,
+def feedback_tokens(vision: VisionPromptEncoder | None, tokenizer: Tokenizer, feedback: str, values: Any,
                     prompt: Prompt, visual: PromptVisual | None) -> tuple[list[int], PromptVisual | None]:
     """Token ids of one environment feedback (no special tokens added) and the episode's visual after it.
 

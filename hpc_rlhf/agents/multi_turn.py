@@ -94,6 +94,7 @@ from hpc_rlhf.agents.episodes import AgentTimeoutError, Episode, EpisodeDriver, 
 from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, check_samples_per_prompt
 from hpc_rlhf.agents.step_output import AgentOutputError, numeric_logs, to_float
 from hpc_rlhf.data.prompts import Prompt
+from hpc_rlhf.models.tokenizer_protocol import Tokenizer
 from hpc_rlhf.rollout.base import SamplingParams, Trajectory
 from hpc_rlhf.utils.user_calls import run_to_completion
 
@@ -140,7 +141,7 @@ class MultiTurnAgentExecutor(AgentExecutor):
     # train.agent_kwargs: given to AgentInstance(...) and reset(...); read-only here, so no instance shares a dict
     agent_kwargs: Mapping[str, Any] = MappingProxyType({})
 
-    def __init__(self, agent_instance_cls: type | None = None, tokenizer: Any = None,
+    def __init__(self, agent_instance_cls: type | None = None, tokenizer: Tokenizer | None = None,
                  prompt_max_len: int | None = None, *, max_len: int | None = None, max_turns: int = 8,
                  num_concurrent: int = 256, step_timeout_s: float | None = 300.0) -> None:
         super().__init__(tokenizer, prompt_max_len)  # type: ignore[arg-type]
@@ -152,7 +153,7 @@ class MultiTurnAgentExecutor(AgentExecutor):
         self.step_timeout_s = step_timeout_s
         self.last_run_stats: dict[str, float] = {}
 
-    def configure(self, *, tokenizer: Any, prompt_max_len: int, max_len: int | None = None,
+    def configure(self, *, tokenizer: Tokenizer, prompt_max_len: int, max_len: int | None = None,
                   max_turns: int | None = None, num_concurrent: int | None = None,
                   step_timeout_s: float | Literal["unchanged"] | None = "unchanged",
                   agent_kwargs: dict[str, Any] | None = None) -> MultiTurnAgentExecutor:
@@ -335,7 +336,7 @@ class AgentExecutorBase(MultiTurnAgentExecutor):
     """
 
     def __init__(self, agent_instance_cls: type | None = None, max_steps: int | None = None,
-                 max_length: int | None = None, llm_engine: Any = None, hf_tokenizer: Any = None,
+                 max_length: int | None = None, llm_engine: Any = None, hf_tokenizer: Tokenizer | None = None,
                  result_queue: Any = None, *args: Any, **kwargs: Any) -> None:
         super().__init__(agent_instance_cls, hf_tokenizer, max_len=max_length,
                          max_turns=max_steps if max_steps is not None else 8)

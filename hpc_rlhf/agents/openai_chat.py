@@ -31,24 +31,24 @@ from collections.abc import Callable
 from typing import Any
 
 from hpc_rlhf.agents.openai_recording import CompletionRecord
+from hpc_rlhf.models.tokenizer_protocol import Tokenizer, decode_text, render_chat_text
 
 
 class ChatTemplateError(ValueError):
     """The tokenizer has no chat template or the template rejected the request."""
 
 
-def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool, **render_kwargs: Any) -> str:
+def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool, **render_kwargs: Any) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("the actor tokenizer has no chat_template: use /v1/completions, or a model whose "
                                 "tokenizer_config.json has one")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **render_kwargs)
+        return render_chat_text(tokenizer, messages, add_generation_prompt, **render_kwargs)
     except Exception as err:  # template errors (jinja raise_exception) become a 400
         raise ChatTemplateError(f"chat template failed: {type(err).__name__}: {err}") from err
 
 
-def encode(tokenizer: Any, text: str) -> list[int]:
+def encode(tokenizer: Tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
@@ -93,7 +93,7 @@ def template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def _continuation(tokenizer: Any, record: CompletionRecord, messages: list[dict], full_text: str,
+def _continuation(tokenizer: Tokenizer, record: CompletionRecord, messages: list[dict], full_text: str,
                   render_kwargs: dict, expand: Callable[[str], str] = str) -> list[int] | None:
     """Prompt ids for ``messages`` continuing ``record`` (module docstring), or None if it does not."""
     earlier = record.messages or []
@@ -109,18 +109,18 @@ def _continuation(tokenizer: Any, record: CompletionRecord, messages: list[dict]
     output_ids = list(record.output_ids)
     # Special tokens the model generated are in the token sequence but not in the returned text: compare the
     # visible text, then skip an end-of-turn token the model already produced (it is in ``output_ids``).
-    visible = tokenizer.decode(output_ids, skip_special_tokens=True)
+    visible = decode_text(tokenizer, output_ids, skip_special_tokens=True)
     if not rendered_turn.startswith(visible):
         return None
     bridge = rendered_turn[len(visible):]
     if output_ids and output_ids[-1] in set(tokenizer.all_special_ids):
-        last = tokenizer.decode(output_ids[-1:], skip_special_tokens=False)
+        last = decode_text(tokenizer, output_ids[-1:])
         if bridge.startswith(last):
             bridge = bridge[len(last):]
     return list(record.prompt_ids) + output_ids + encode(tokenizer, expand(bridge + full_text[len(through):]))
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict], earlier: list[CompletionRecord],
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], earlier: list[CompletionRecord],
                     render_kwargs: dict, add_generation_prompt: bool = True,
                     expand: Callable[[str], str] = str) -> tuple[list[int], str]:
     """(prompt ids, prompt text) for a chat request; exact earlier tokens when it continues ``earlier``.
@@ -136,7 +136,7 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict], earlier: list[Completi
     return encode(tokenizer, expand(full_text)), full_text
 
 
-def completion_prompt_ids(tokenizer: Any, prompt: str, earlier: list[CompletionRecord]) -> list[int]:
+def completion_prompt_ids(tokenizer: Tokenizer, prompt: str, earlier: list[CompletionRecord]) -> list[int]:
     """A completion prompt that extends an earlier completion's prompt + returned text keeps its exact ids."""
     for record in sorted(earlier, key=lambda r: -r.call_index):
         if record.kind != "completion" or record.prompt_text is None:
@@ -147,10 +147,10 @@ def completion_prompt_ids(tokenizer: Any, prompt: str, earlier: list[CompletionR
     return list(tokenizer.encode(prompt))
 
 
-def apply_stop_strings(tokenizer: Any, output_ids: list[int], logprobs: list[float], finish_reason: str,
+def apply_stop_strings(tokenizer: Tokenizer, output_ids: list[int], logprobs: list[float], finish_reason: str,
                        stop: list[str]) -> tuple[list[int], list[float], str, str]:
     """(kept ids, their logprobs, text, finish reason) after cutting at the first stop string."""
-    text = tokenizer.decode(output_ids, skip_special_tokens=True)
+    text = decode_text(tokenizer, output_ids, skip_special_tokens=True)
     cuts = [i for i in (text.find(s) for s in stop if s) if i >= 0]
     if not cuts:
         return output_ids, logprobs, text, finish_reason
@@ -158,6 +158,6 @@ def apply_stop_strings(tokenizer: Any, output_ids: list[int], logprobs: list[flo
     keep = 0
     # The longest token prefix whose text lies within the returned text (decoding is prefix-monotone).
     while keep < len(output_ids) and text.startswith(
-            tokenizer.decode(output_ids[: keep + 1], skip_special_tokens=True)):
+            decode_text(tokenizer, output_ids[: keep + 1], skip_special_tokens=True)):
         keep += 1
     return output_ids[:keep], logprobs[:keep], text, "stop"

@@ -88,6 +88,7 @@ from hpc_rlhf.agents.openai_requests import (
 from hpc_rlhf.agents.openai_stream import sse_events
 from hpc_rlhf.agents.tool_parsers import OutputParser
 from hpc_rlhf.data.vision_prompts import VisionPromptEncoder
+from hpc_rlhf.models.tokenizer_protocol import Tokenizer, decode_text
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams
 from hpc_rlhf.rollout.visual import PromptVisual
 from hpc_rlhf.serving.connection_limits import (
@@ -131,7 +132,7 @@ class OpenAIEndpoint:
         max_connections, first_request_timeout_s: the server's connection bounds (``serving.connection_limits``).
     """
 
-    def __init__(self, tokenizer: Any, max_len: int | None = None, model_name: str = "policy",
+    def __init__(self, tokenizer: Tokenizer, max_len: int | None = None, model_name: str = "policy",
                  batch_wait_s: float = 0.05, parser: OutputParser | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int = DEFAULT_MAX_N,
                  vision: VisionPromptEncoder | None = None, max_images: int = DEFAULT_MAX_IMAGES,
@@ -372,8 +373,8 @@ class OpenAIEndpoint:
                                       "finish_reason": "tool_calls" if tool_calls else finish}
             if body.get("logprobs"):
                 choice["logprobs"] = {"content": [
-                    {"token": self.tokenizer.decode([t]), "logprob": lp,
-                     "bytes": list(self.tokenizer.decode([t]).encode()), "top_logprobs": []}
+                    {"token": decode_text(self.tokenizer, [t]), "logprob": lp,
+                     "bytes": list(decode_text(self.tokenizer, [t]).encode()), "top_logprobs": []}
                     for t, lp in zip(ids, logprobs, strict=True)]}
             choices.append(choice)
         return self._response(body, "chatcmpl", "chat.completion", len(prompt_ids), choices, completion_tokens)
@@ -432,9 +433,9 @@ class OpenAIEndpoint:
         (which end a turn, they are not part of it); ``text`` itself when a stop string cut inside a token."""
         ends = {*self.stop_token_ids, self.tokenizer.pad_token_id}
         kept = [t for t in ids if t not in ends]
-        if self.tokenizer.decode(kept, skip_special_tokens=True) != text:
+        if decode_text(self.tokenizer, kept, skip_special_tokens=True) != text:
             return text
-        return self.tokenizer.decode(kept, skip_special_tokens=False)
+        return decode_text(self.tokenizer, kept)
 
     def _stopped(self, results: list, stop: list[str]) -> list[tuple[list[int], list[float], str, str]]:
         """Each result cut at its first stop string: (output ids, their logprobs, text, finish reason)."""
@@ -470,7 +471,7 @@ class OpenAIEndpoint:
             completion_tokens += len(ids)
             choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
             if body.get("logprobs") is not None:
-                tokens = [self.tokenizer.decode([t]) for t in ids]
+                tokens = [decode_text(self.tokenizer, [t]) for t in ids]
                 offsets, at = [], 0
                 for token in tokens:
                     offsets.append(at)

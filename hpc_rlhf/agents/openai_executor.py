@@ -62,6 +62,7 @@ from hpc_rlhf.agents.openai_images import DEFAULT_MAX_EPISODE_PIXELS, DEFAULT_MA
 from hpc_rlhf.agents.openai_recording import CompletionRecord, TokenSequence, episode_sequences
 from hpc_rlhf.agents.tool_parsers import OutputParser
 from hpc_rlhf.data.prompts import Prompt, source_name
+from hpc_rlhf.models.tokenizer_protocol import Tokenizer, decode_text, eos_id
 from hpc_rlhf.rollout.base import SamplingParams, Trajectory
 from hpc_rlhf.rollout.placeholder_tokens import PLACEHOLDER_FINISH
 from hpc_rlhf.utils.user_calls import run_to_completion
@@ -135,7 +136,7 @@ class OpenAIAgentExecutor(AgentExecutor):
             (``rollout.agent_max_image_pixels_per_episode``).
     """
 
-    def __init__(self, run_episode: Any, tokenizer: Any, prompt_max_len: int, *, max_len: int | None = None,
+    def __init__(self, run_episode: Any, tokenizer: Tokenizer, prompt_max_len: int, *, max_len: int | None = None,
                  num_concurrent: int = 64, episode_timeout_s: float | None = 600.0,
                  agent_kwargs: dict[str, Any] | None = None, batch_wait_s: float = 0.05,
                  model_name: str = "policy", tool_call_parser: str = "auto",
@@ -311,7 +312,7 @@ class OpenAIAgentExecutor(AgentExecutor):
             last_call = max(r.call_index for r in episode.records)
             sequences = [next(s for s in sequences if last_call in s.calls)]
         if not sequences:  # no call: one masked eos keeps the row well formed
-            eos = self.tokenizer.eos_token_id
+            eos = eos_id(self.tokenizer)
             sequences = [TokenSequence(prompt_ids=self.tokenize([episode.prompt])[0], response_ids=[eos],
                                        action_mask=[0], logprobs=[0.0])]
         num_calls = len(episode.records)
@@ -325,7 +326,7 @@ class OpenAIAgentExecutor(AgentExecutor):
                 mask, logprobs = [0] * len(mask), [0.0] * len(logprobs)
                 finish = "agent_timeout" if episode.timed_out else "agent_error"
             row = Trajectory(
-                prompt=self.tokenizer.decode(sequence.prompt_ids), label=episode.prompt.label,
+                prompt=decode_text(self.tokenizer, sequence.prompt_ids), label=episode.prompt.label,
                 prompt_ids=list(sequence.prompt_ids), response_ids=list(sequence.response_ids),
                 action_mask=list(mask), rollout_logprobs=list(logprobs), reward=reward, score=score,
                 truncated=finish == "length", finish_reason=finish, extra_logs=dict(extra_logs),

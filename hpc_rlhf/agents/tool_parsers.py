@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpc_rlhf.models.tokenizer_protocol import Tokenizer
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TOOL_CALL_PARSER = "hermes"
@@ -205,18 +207,18 @@ def _vllm_request(tools: list[dict] | None) -> Any:
 # ---------------------------------------------------------------------- selection
 
 
-def _template_text(tokenizer: Any) -> str:
+def _template_text(tokenizer: Tokenizer) -> str:
     template = getattr(tokenizer, "chat_template", None) or ""
     return "\n".join(template.values()) if isinstance(template, dict) else str(template)
 
 
-def auto_tool_call_parser(tokenizer: Any) -> str:
+def auto_tool_call_parser(tokenizer: Tokenizer) -> str:
     """The tool-call parser a chat template implies (module docstring); ``hermes`` when it implies none."""
     template = _template_text(tokenizer)
     return next((name for marker, name in _TOOL_TEMPLATE_MARKERS if marker in template), DEFAULT_TOOL_CALL_PARSER)
 
 
-def auto_reasoning_parser(tokenizer: Any) -> str:
+def auto_reasoning_parser(tokenizer: Tokenizer) -> str:
     """``qwen3`` when the chat template writes ``</think>``; otherwise ``none``."""
     template = _template_text(tokenizer)
     return next((name for marker, name in _REASONING_TEMPLATE_MARKERS if marker in template), "none")
@@ -232,7 +234,7 @@ class OutputParser:
         use_vllm: take vLLM's parser when vLLM imports and has the name (False: the built-in one).
     """
 
-    def __init__(self, tokenizer: Any, tool_call_parser: str = "auto", reasoning_parser: str = "auto",
+    def __init__(self, tokenizer: Tokenizer, tool_call_parser: str = "auto", reasoning_parser: str = "auto",
                  use_vllm: bool = True) -> None:
         self.tokenizer = tokenizer
         managers = _vllm_managers() if use_vllm else None

@@ -18,6 +18,7 @@ from typing import Any
 from hpc_rlhf.data.packing import TokenSample
 from hpc_rlhf.data.sft import Piece, TextFormatter, _text, load_train_and_eval
 from hpc_rlhf.data.sources import row_error
+from hpc_rlhf.models.tokenizer_protocol import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -107,13 +108,13 @@ def make_kto_sample(formatter: TextFormatter, data: Any):
     return make
 
 
-def build_preference_datasets(data: Any, tokenizer: Any,
+def build_preference_datasets(data: Any, tokenizer: Tokenizer,
                               seed: int) -> tuple[list[PreferencePair], list[PreferencePair]]:
     return load_train_and_eval(data, make_pair(TextFormatter.from_config(data, tokenizer), data), seed,
                                "preference {} pairs")
 
 
-def build_kto_datasets(data: Any, tokenizer: Any, seed: int) -> tuple[list[KTOSample], list[KTOSample]]:
+def build_kto_datasets(data: Any, tokenizer: Tokenizer, seed: int) -> tuple[list[KTOSample], list[KTOSample]]:
     return load_train_and_eval(data, make_kto_sample(TextFormatter.from_config(data, tokenizer), data), seed,
                                "KTO {} samples")
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from hpc_rlhf.data.images import ImageRef, has_image_parts, require_no_images, row_images, with_image_parts
 from hpc_rlhf.data.sources import DataError, SkippedRows, concatenate_or_mix, load_source, row_error
+from hpc_rlhf.models.tokenizer_protocol import Tokenizer, render_chat_text
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class PromptDataset(Sequence[Prompt]):
         label_key: str | None = None,
         input_template: str | None = None,
         apply_chat_template: bool = False,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | None = None,
         probs: Sequence[float] | None = None,
         max_samples: int | None = None,
         seed: int = 42,
@@ -165,7 +166,7 @@ class PromptDataset(Sequence[Prompt]):
             raise DataError(f"no usable prompts in {self.paths} (skipped {self.num_skipped} bad rows)")
 
     @classmethod
-    def from_config(cls, data: Any, tokenizer: Any = None, seed: int = 42,
+    def from_config(cls, data: Any, tokenizer: Tokenizer | None = None, seed: int = 42,
                     text_only_model: str | None = None) -> PromptDataset:
         """Build from the ``data`` config section (``hpc_rlhf.config.schema.DataConfig``); ``text_only_model``: see
         the class."""
@@ -280,7 +281,8 @@ class PromptDataset(Sequence[Prompt]):
                 if users:
                     messages[users[-1]]["content"] = template.format(messages[users[-1]]["content"])
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            assert self.tokenizer is not None  # __init__ refuses apply_chat_template without a tokenizer
+            text = render_chat_text(self.tokenizer, messages, add_generation_prompt=True)
         except Exception as err:  # jinja raises on e.g. roles that do not alternate
             raise row_error(path, row_index, self.input_key,
                             f"chat template failed: {type(err).__name__}: {err}") from err
@@ -401,7 +403,7 @@ class PromptStream:
         self._order = [int(i) for i in state["order"]]
 
 
-def _special_prefix(tokenizer: Any) -> list[int]:
+def _special_prefix(tokenizer: Tokenizer) -> list[int]:
     """Token ids the tokenizer puts *before* a text with ``add_special_tokens=True`` (e.g. BOS).
 
     Suffix specials (an EOS some tokenizers append) are never wanted on a prompt, so only the prefix
@@ -415,7 +417,7 @@ def _special_prefix(tokenizer: Any) -> list[int]:
     return []
 
 
-def tokenize_prompts(tokenizer: Any, texts: Sequence[str], prompt_max_len: int) -> list[list[int]]:
+def tokenize_prompts(tokenizer: Tokenizer, texts: Sequence[str], prompt_max_len: int) -> list[list[int]]:
     """Token ids per prompt, at most ``prompt_max_len`` each.
 
     * Special tokens are not doubled: a chat-templated text already starts with BOS (the template

@@ -24,6 +24,7 @@ from typing import Any
 from hpc_rlhf.data.packing import TokenSample
 from hpc_rlhf.data.prompts import _check_messages, _check_template, _special_prefix
 from hpc_rlhf.data.sources import DataError, SkippedRows, concatenate_or_mix, load_source, row_error
+from hpc_rlhf.models.tokenizer_protocol import Tokenizer, render_chat_text
 
 log = logging.getLogger(__name__)
 
@@ -68,21 +69,22 @@ def load_examples(paths: Sequence[str], make: Callable[[Any, str, int], Any], *,
 class TextFormatter:
     """Templates and chat templates turned into text pieces; tokenises pieces into a :class:`TokenSample`."""
 
-    def __init__(self, tokenizer: Any, *, input_template: str | None = None, apply_chat_template: bool = False,
+    def __init__(self, tokenizer: Tokenizer, *, input_template: str | None = None, apply_chat_template: bool = False,
                  max_len: int = 512):
         _check_template(input_template)
         if apply_chat_template and getattr(tokenizer, "chat_template", None) is None:
             raise DataError("data.apply_chat_template=true needs a tokenizer with a chat_template")
-        if tokenizer.eos_token_id is None:
+        if tokenizer.eos_token_id is None or tokenizer.eos_token is None:
             raise DataError("the tokenizer has no eos_token; responses must end with one")
         self.tokenizer = tokenizer
+        self.eos_token: str = tokenizer.eos_token
         self.input_template = input_template
         self.apply_chat_template = apply_chat_template
         self.max_len = max_len
         self.prefix = _special_prefix(tokenizer)
 
     @classmethod
-    def from_config(cls, data: Any, tokenizer: Any) -> TextFormatter:
+    def from_config(cls, data: Any, tokenizer: Tokenizer) -> TextFormatter:
         """From the offline trainers' ``data`` section."""
         return cls(tokenizer, input_template=data.input_template, apply_chat_template=data.apply_chat_template,
                    max_len=data.max_len)
@@ -90,8 +92,7 @@ class TextFormatter:
     # -- text -----------------------------------------------------------------------------------
     def render(self, messages: list[dict], add_generation_prompt: bool, path: str, row: int, key: str) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            return render_chat_text(self.tokenizer, messages, add_generation_prompt)
         except Exception as err:  # jinja raises on e.g. roles that do not alternate
             raise row_error(path, row, key, f"chat template failed: {type(err).__name__}: {err}") from err
 
@@ -110,7 +111,7 @@ class TextFormatter:
             if not isinstance(prompt, str):
                 raise row_error(path, row, key, "a list of messages needs data.apply_chat_template=true")
             text = self.input_template.format(prompt) if self.input_template else prompt
-            return [(text, False), (response + self.tokenizer.eos_token, True)]
+            return [(text, False), (response + self.eos_token, True)]
         messages = self.prompt_messages(prompt)
         prompt_text = self.render(messages, True, path, row, key)
         full = self.render([*messages, {"role": "assistant", "content": response}], False, path, row, key)
@@ -121,8 +122,8 @@ class TextFormatter:
             raise row_error(path, row, key, "the chat template does not render the prompt as a prefix of the "
                                             "conversation; cannot tell prompt from response tokens")
         response = full[len(prompt_text):]
-        if self.tokenizer.eos_token not in response:
-            response += self.tokenizer.eos_token  # templates without EOS would never teach the model to stop
+        if self.eos_token not in response:
+            response += self.eos_token  # templates without EOS would never teach the model to stop
         return [(prompt_text, False), (response, True)]
 
     def conversation(self, messages: list, path: str, row: int, key: str) -> list[Piece]:
@@ -193,7 +194,7 @@ def make_sft_example(formatter: TextFormatter, data: Any) -> Callable[[Any, str,
                 raise row_error(path, index, data.messages_key, "expected a list of chat messages")
             pieces = formatter.conversation(row[data.messages_key], path, index, data.messages_key)
         elif data.pretrain_mode:
-            pieces = [(_text(row, data.input_key, path, index) + formatter.tokenizer.eos_token, True)]
+            pieces = [(_text(row, data.input_key, path, index) + formatter.eos_token, True)]
         else:
             prompt = _text(row, data.input_key, path, index, allow_list=formatter.apply_chat_template)
             response = _text(row, data.output_key, path, index)
@@ -214,7 +215,7 @@ def load_train_and_eval(data: Any, make: Callable[[Any, str, int], Any], seed: i
     return train, evals
 
 
-def build_sft_datasets(data: Any, tokenizer: Any, seed: int) -> tuple[list[TokenSample], list[TokenSample]]:
+def build_sft_datasets(data: Any, tokenizer: Tokenizer, seed: int) -> tuple[list[TokenSample], list[TokenSample]]:
     """(train, eval) token samples from the ``data`` section; eval is [] without ``data.eval_data``."""
     return load_train_and_eval(data, make_sft_example(TextFormatter.from_config(data, tokenizer), data), seed,
                                "SFT {} samples")

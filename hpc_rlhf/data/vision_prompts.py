@@ -18,6 +18,7 @@ import torch
 
 from hpc_rlhf.data.prompts import Prompt, tokenize_prompts
 from hpc_rlhf.data.sources import row_error
+from hpc_rlhf.models.tokenizer_protocol import Tokenizer, token_id, token_text
 from hpc_rlhf.rollout.visual import PromptVisual
 
 
@@ -31,25 +32,25 @@ class VisionPromptEncoder:
         min_pixels / max_pixels: the image area bounds (None: the processor's own).
     """
 
-    def __init__(self, image_processor: Any, tokenizer: Any, image_token: str, min_pixels: int | None = None,
+    def __init__(self, image_processor: Any, tokenizer: Tokenizer, image_token: str, min_pixels: int | None = None,
                  max_pixels: int | None = None) -> None:
         self.image_processor = image_processor
         self.tokenizer = tokenizer
         self.image_token = image_token
-        self.image_token_id = int(tokenizer.convert_tokens_to_ids(image_token))
+        self.image_token_id = token_id(tokenizer, image_token)
         self.merge_size = int(image_processor.merge_size)
         size = dict(getattr(image_processor, "size", None) or {})
         self.size = {"shortest_edge": min_pixels or size.get("shortest_edge"),
                      "longest_edge": max_pixels or size.get("longest_edge")}
 
     @classmethod
-    def from_pretrained(cls, path: str, tokenizer: Any, config: Any, min_pixels: int | None = None,
+    def from_pretrained(cls, path: str, tokenizer: Tokenizer, config: Any, min_pixels: int | None = None,
                         max_pixels: int | None = None) -> VisionPromptEncoder:
         """The encoder of the model folder ``path`` (its ``preprocessor_config.json``); ``config``: the model's."""
         from transformers import AutoImageProcessor
 
         image_processor = AutoImageProcessor.from_pretrained(path)
-        token = tokenizer.convert_ids_to_tokens(int(config.image_token_id))
+        token = token_text(tokenizer, int(config.image_token_id))
         return cls(image_processor, tokenizer, token, min_pixels, max_pixels)
 
     def encode_images(self, images: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +90,7 @@ class VisionPromptEncoder:
         return ids, visual
 
 
-def encode_prompts(prompts: Sequence[Prompt], tokenizer: Any, prompt_max_len: int,
+def encode_prompts(prompts: Sequence[Prompt], tokenizer: Tokenizer, prompt_max_len: int,
                    vision: VisionPromptEncoder | None) -> tuple[list[list[int]], list[PromptVisual | None]]:
     """Token ids of every prompt and the visual part of those with images (None for text prompts): text prompts are
     tokenized together as before (``tokenize_prompts``), image prompts one by one through ``vision``."""

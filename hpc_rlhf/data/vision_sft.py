@@ -29,6 +29,7 @@ from hpc_rlhf.data.sft import Piece, TextFormatter, make_sft_example
 from hpc_rlhf.data.sources import row_error
 from hpc_rlhf.data.vision_prompts import VisionPromptEncoder
 from hpc_rlhf.models.mrope import mrope_positions
+from hpc_rlhf.models.tokenizer_protocol import Tokenizer
 from hpc_rlhf.models.vision import is_vision_language
 
 
@@ -151,7 +152,7 @@ def visual_inputs(samples: Sequence[TokenSample], batch: CollatedBatch,
     return out
 
 
-def sft_vision_encoder(model_dir: str, tokenizer: Any, data: Any) -> VisionPromptEncoder | None:
+def sft_vision_encoder(model_dir: str, tokenizer: Tokenizer, data: Any) -> VisionPromptEncoder | None:
     """The image encoder of a vision-language model folder (``data.min_pixels`` / ``max_pixels``); None for a
     text-only model."""
     from transformers import AutoConfig

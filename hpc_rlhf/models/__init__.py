@@ -20,5 +20,6 @@ Where each kind of forward lives:
 
 The rest: ``loading`` (HF causal LMs and value models with the head ``score``), ``value_head``, ``precision``,
 ``kernels`` (Liger, attention implementation), ``lora`` / ``quantization`` (LoRA, QLoRA), ``tiny`` / ``tiny_vlm``
-(tiny local models) and ``tiny_tokenizer`` (their character tokenizer).
+(tiny local models), ``tiny_tokenizer`` (their character tokenizer) and ``tokenizer_protocol`` (what the
+package asks of any tokenizer: the ``Tokenizer`` protocol it annotates with).
 """

@@ -7,12 +7,13 @@ from typing import Any
 
 import torch
 
+from hpc_rlhf.models.tokenizer_protocol import Tokenizer
 from hpc_rlhf.rewards.functions import RewardFunction, RewardOutput, validate_reward_output
 from hpc_rlhf.rollout.base import Trajectory
 from hpc_rlhf.utils.user_code import accepted_kwargs
 
 
-def score_trajectories(trajectories: Sequence[Trajectory], reward_fn: Callable[..., Any], tokenizer: Any,
+def score_trajectories(trajectories: Sequence[Trajectory], reward_fn: Callable[..., Any], tokenizer: Tokenizer,
                        **kwargs: Any) -> RewardOutput:
     """Score trajectories and write ``reward``, ``score`` and ``extra_logs`` onto each.
 

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed import ProcessGroup
+from transformers import PreTrainedTokenizerBase
 
 from hpc_rlhf.config.schema import DeepSpeedConfig, ModelRole, TrainedRole
 from hpc_rlhf.models.hf_compat import enable_activation_checkpointing
@@ -553,7 +554,7 @@ class TrainEngine(_DeepSpeedRole):
             raise FileNotFoundError(f"no DeepSpeed checkpoint with tag {tag!r} under {path}")
         return client_state or {}
 
-    def save_hf(self, output_dir: str, tokenizer=None) -> None:
+    def save_hf(self, output_dir: str, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         """Rank 0 of the role writes a HF folder (safetensors); collective for all ranks of the role.
 
         With LoRA: merged weights under plain HF names, plus the adapter in ``output_dir/adapter``.

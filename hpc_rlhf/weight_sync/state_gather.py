@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from transformers import PreTrainedTokenizerBase
 
 from hpc_rlhf.models.checkpoint_names import to_checkpoint_names
 from hpc_rlhf.models.lora import (  # peft itself: lazily, inside
@@ -181,7 +182,8 @@ def _role_barrier(dp_group: ProcessGroup | None, tp_group: ProcessGroup | None) 
 
 
 def write_hf_folder(module: torch.nn.Module, buckets: Iterator[list[tuple[str, torch.Tensor]]], zero_stage: int,
-                    dp_group, output_dir: str, tokenizer=None, lora: bool = False, tp_group=None) -> None:
+                    dp_group, output_dir: str, tokenizer: PreTrainedTokenizerBase | None = None, lora: bool = False,
+                    tp_group=None) -> None:
     """Rank 0 of the role writes ``buckets`` as a HF folder (safetensors); collective for all ranks of the role.
 
     Every rank must pass its own ``buckets`` (exhausting them may be collective); with ``lora`` the adapter alone
@@ -206,7 +208,7 @@ def write_hf_folder(module: torch.nn.Module, buckets: Iterator[list[tuple[str, t
         if generation_config is not None:
             generation_config.save_pretrained(output_dir)
         save_torch_state_dict(state_dict, output_dir, max_shard_size="5GB")
-        if tokenizer is not None:
+        if tokenizer is not None:  # transformers' type, not the Tokenizer protocol: only it writes its own files
             tokenizer.save_pretrained(output_dir)
         copy_processor_files(module.config, output_dir)  # a vision-language model's processor beside its weights
     if lora:  # the merged weights above, plus the adapter alone for peft / `hpc-rlhf lora-merge`

@@ -29,6 +29,7 @@ from hpc_rlhf.algos import (
     reverse_kl_metrics,
 )
 from hpc_rlhf.config.schema import RunConfig
+from hpc_rlhf.models.tokenizer_protocol import Tokenizer
 from hpc_rlhf.rewards.scoring import score_trajectories
 from hpc_rlhf.rollout.base import Trajectory
 from hpc_rlhf.rollout.placeholder_tokens import PLACEHOLDER_FINISH
@@ -36,7 +37,7 @@ from hpc_rlhf.trainers.rl.rollout_health import extra_log_metrics, first_rows
 from hpc_rlhf.trainers.rl.step_batch import StepBatch, episode_index_of
 
 
-def attach_rewards(trajectories: list[Trajectory], reward_fn: Any, tokenizer: Any,
+def attach_rewards(trajectories: list[Trajectory], reward_fn: Any, tokenizer: Tokenizer,
                    model_scores: torch.Tensor | None) -> list[Trajectory]:
     """Set ``reward`` / ``score`` on every trajectory (and return them) from the reward-model role's
     ``model_scores`` (B,) when there is one, else from ``reward_fn`` (a reward function or remote server;

@@ -11,17 +11,17 @@ its engine.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
 
 from hpc_rlhf.algos.pass_at_k import pass_at_k, powers_of_two_up_to
 from hpc_rlhf.config.schema import RunConfig
 from hpc_rlhf.data.prompts import Prompt, PromptDataset, source_name
+from hpc_rlhf.models.tokenizer_protocol import Tokenizer
 from hpc_rlhf.rollout.base import SamplingParams, Trajectory
 
 ALL_SOURCES = "all"
 
 
-def load_eval_prompts(cfg: RunConfig, tokenizer: Any) -> list[Prompt]:
+def load_eval_prompts(cfg: RunConfig, tokenizer: Tokenizer) -> list[Prompt]:
     """The prompts of every ``eval.data`` entry (at most ``eval.max_samples`` from each), with the training data's
     keys and templates; the training prompt stream is not touched."""
     prompts: list[Prompt] = []

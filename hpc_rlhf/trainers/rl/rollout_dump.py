@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_rlhf.ckpt.atomic import atomic_write_text
+from hpc_rlhf.models.tokenizer_protocol import Tokenizer, decode_text
 
 ROLLOUTS_DIR = "rollouts"
 
@@ -35,7 +36,7 @@ def turn_segments(response_ids: list[int], action_mask: list[int]) -> list[tuple
     return segments
 
 
-def rollout_records(trajectories: list[Any], tokenizer: Any, step: int) -> list[dict[str, Any]]:
+def rollout_records(trajectories: list[Any], tokenizer: Tokenizer, step: int) -> list[dict[str, Any]]:
     """One JSON-ready dict per trajectory. Texts are decoded without special tokens, as the reward function's
     ``responses`` are; ``turns`` is present only when the response holds environment feedback (agents)."""
     records = []
@@ -43,7 +44,7 @@ def rollout_records(trajectories: list[Any], tokenizer: Any, step: int) -> list[
         record = {
             "step": step, "policy_version": t.policy_version, "group_index": t.group_index,
             "branch_index": t.branch_index, "prompt": t.prompt,
-            "response": tokenizer.decode(t.response_ids, skip_special_tokens=True), "label": t.label,
+            "response": decode_text(tokenizer, t.response_ids, skip_special_tokens=True), "label": t.label,
             "reward": t.reward, "score": t.score, "response_length": len(t.response_ids), "truncated": t.truncated,
             "finish_reason": t.finish_reason, "extra_logs": t.extra_logs,
         }
@@ -55,7 +56,7 @@ def rollout_records(trajectories: list[Any], tokenizer: Any, step: int) -> list[
             record["token_versions"] = list(t.token_versions)
         segments = turn_segments(t.response_ids, t.action_mask)
         if any(who == "environment" for who, _ in segments):
-            record["turns"] = [{"role": who, "text": tokenizer.decode(ids, skip_special_tokens=True)}
+            record["turns"] = [{"role": who, "text": decode_text(tokenizer, ids, skip_special_tokens=True)}
                                for who, ids in segments]
         records.append(record)
     return records

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from transformers import PreTrainedTokenizerBase
 
 from hpc_rlhf.agents.agent_loader import AgentLoadError, load_agent_executor
 from hpc_rlhf.agents.executor import AgentExecutor, SingleTurnExecutor
@@ -37,6 +38,7 @@ from hpc_rlhf.models.loading import (
 )
 from hpc_rlhf.models.moe import moe_spec
 from hpc_rlhf.models.precision import resolve_dtype
+from hpc_rlhf.models.tokenizer_protocol import Tokenizer, eos_id
 from hpc_rlhf.models.vision import is_vision_language
 from hpc_rlhf.planning.model_shape import ModelSizeError, check_moe_tensor_parallel, local_hf_config
 from hpc_rlhf.rewards.functions import RewardFunction
@@ -144,7 +146,7 @@ def check_vision_language(cfg: RunConfig, on_gpu: bool) -> None:
                          "Qwen-VL without torchvision (docs/vlm.md); use rollout.backend=transformers on CPU")
 
 
-def vision_encoder(cfg: RunConfig, tokenizer: Any) -> VisionPromptEncoder | None:
+def vision_encoder(cfg: RunConfig, tokenizer: Tokenizer) -> VisionPromptEncoder | None:
     """The prompt-image encoder of a vision-language actor (its image processor, ``data.min_pixels`` /
     ``max_pixels``); None for a text model."""
     if not actor_is_vision_language(cfg):
@@ -173,8 +175,10 @@ def check_model_paths(cfg: RunConfig) -> None:
             require_local_model(path, key)
 
 
-def check_teacher_tokenizer(cfg: RunConfig, tokenizer: Any) -> None:
+def check_teacher_tokenizer(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> None:
     """On-policy distillation: the teacher must read the student's token ids as the student does."""
+    # transformers' type, not the Tokenizer protocol: the check compares the two tokenizers loaded from their
+    # folders (name_or_path, bos_token_id), members no other call site needs.
     if cfg.needs_teacher:
         check_same_tokenizer(tokenizer, "actor.pretrain", model_path(cfg.teacher.pretrain, "teacher.pretrain"),
                              "teacher.pretrain")
@@ -189,7 +193,7 @@ def optimizer_steps(cfg: RunConfig, num_steps: int) -> int:
 class ControllerState:
     """Everything only rank 0 owns: prompt stream, reward function, KL controller, reward statistics."""
 
-    def __init__(self, cfg: RunConfig, tokenizer: Any) -> None:
+    def __init__(self, cfg: RunConfig, tokenizer: Tokenizer) -> None:
         self.cfg, self.tokenizer = cfg, tokenizer
         r = cfg.reward
         gym = cfg.data.reasoning_gym
@@ -260,7 +264,7 @@ def run_plan(cfg: RunConfig, num_steps: int, rank: int, is_controller: bool) -> 
                    resume=cfg.ckpt.load, requeue=cfg.slurm.requeue, progress_bar=is_controller)
 
 
-def reasoning_gym_prompts(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
+def reasoning_gym_prompts(cfg: RunConfig, tokenizer: Tokenizer) -> PromptDataset:
     """``data.reasoning_gym``: the task's questions, written once under ``<train.output_dir>/data`` and read like
     any prompt file (``data.input_template``, ``apply_chat_template``, ``max_samples`` apply)."""
     data, gym = cfg.data, cfg.data.reasoning_gym
@@ -380,7 +384,7 @@ def weight_sync(cfg: RunConfig, world: WorldGroups) -> WeightSync | None:
     return build_weight_sync(cfg.rollout, world, adapter=lora_sync_mode(cfg) == "adapter")
 
 
-def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool, actor: TrainEngine | None = None,
+def _rollout_engine(cfg: RunConfig, tokenizer: Tokenizer, on_gpu: bool, actor: TrainEngine | None = None,
                     rank: int = 0) -> RolloutEngine:
     """The rollout engine of this rank; with ``actor`` (:func:`rollout_shares_actor`) it runs on its module."""
     dtype = resolve_dtype(cfg.ds.param_dtype, on_gpu)
@@ -410,7 +414,7 @@ def _rollout_engine(cfg: RunConfig, tokenizer: Any, on_gpu: bool, actor: TrainEn
                                      lora=cfg.ds.lora if lora_sync_mode(cfg) == "adapter" else None)
 
 
-def check_agent_loads(cfg: RunConfig, tokenizer: Any, rank: int) -> None:
+def check_agent_loads(cfg: RunConfig, tokenizer: Tokenizer, rank: int) -> None:
     """Collective: rank 0 loads the agent file once before any rank builds its executor, so a broken file is
     reported once, with its traceback, by rank 0; the other ranks exit with a one-line pointer to it."""
     if not cfg.train.agent_func_path:
@@ -430,7 +434,7 @@ def check_agent_loads(cfg: RunConfig, tokenizer: Any, rank: int) -> None:
                          "load; rank 0 printed the error and its traceback")
 
 
-def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
+def _executor(cfg: RunConfig, tokenizer: Tokenizer) -> AgentExecutor:
     """Single-turn by default; the user's agent file (multi-turn or OpenAI-client) when ``train.agent_func_path``
     is set."""
     if not cfg.train.agent_func_path:
@@ -465,19 +469,19 @@ def _executor(cfg: RunConfig, tokenizer: Any) -> AgentExecutor:
     return executor
 
 
-def _rollout_side(cfg: RunConfig, world: WorldGroups, tokenizer: Any, on_gpu: bool,
+def _rollout_side(cfg: RunConfig, world: WorldGroups, tokenizer: Tokenizer, on_gpu: bool,
                   actor: TrainEngine | None = None) -> RolloutSide:
     engine, executor = _rollout_engine(cfg, tokenizer, on_gpu, actor, world.rank), _executor(cfg, tokenizer)
     if isinstance(executor, OpenAIAgentExecutor):
         executor.context_len = engine.max_context_len  # an over-long agent call is its own 400, not the batch's
-    side = RolloutSide(engine, executor, cfg.rollout, [tokenizer.eos_token_id])
+    side = RolloutSide(engine, executor, cfg.rollout, [eos_id(tokenizer)])
     # A rollout engine may seed the global RNGs itself, the same on every rank (vLLM's worker calls
     # set_random_seed(engine seed)): give each rank its own streams back, whatever the engine.
     seed_rank(cfg.train.seed, world.rank)
     return side
 
 
-def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Any, num_steps: int) -> Roles:
+def build_roles(cfg: RunConfig, world: WorldGroups, tokenizer: Tokenizer, num_steps: int) -> Roles:
     """Create the engines of every role this rank hosts. Collective within each role group."""
     on_gpu = torch.cuda.is_available()
     check_vision_language(cfg, on_gpu)
