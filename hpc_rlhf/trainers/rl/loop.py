@@ -150,8 +150,9 @@ class PPOTrainer(RunHooks):
         # Rank 0's: False makes each role's forward or update wait for the one before (the baseline of
         # benchmarks/experience_overlap.py); it travels to the training ranks inside the step's commands.
         self.overlap_forwards = True
-        # Training ranks: the step's commands from rank 0 (make_experience receives them, train serves the updates).
-        self.step_commands = StepCommands()
+        # Training ranks: the step's commands from rank 0 (make_experience receives them, train serves the updates
+        # and spends them; None: none decided for the next update).
+        self.step_commands: StepCommands | None = None
 
     @property
     def controller(self) -> rl_setup.ControllerState:
@@ -279,12 +280,13 @@ class PPOTrainer(RunHooks):
         if self.rank not in self.train_ranks:
             return False, None
         batch = self._training_batch(trajectories)
-        self.step_commands = exchange_commands(self._decide_commands(batch), self.train_group)
-        if not self.step_commands.trains:
+        commands = exchange_commands(self._decide_commands(batch), self.train_group)
+        if not commands.trains:
             return False, None  # dynamic filtering removed every group: skip the update this step
+        self.step_commands = commands  # train() serves its updates
         # Old log-probs, the reference's and the distillation teacher's, the critic's values: issued together,
         # so roles on disjoint ranks compute at once (``concurrent_moves``).
-        replies = run_forwards(self.handles, self.step_commands, batch)
+        replies = run_forwards(self.handles, commands, batch)
         self.role_seconds.update({f"experience/{r.role}": r.compute_seconds for r in replies})
         if batch is None:  # not the controller
             return True, None
@@ -322,7 +324,12 @@ class PPOTrainer(RunHooks):
         """The step's updates (critic, then actor; rank 0 decided them in :meth:`make_experience`), issued together
         (``concurrent_moves``: on disjoint ranks they train at once); every training rank calls it; ``batch``: rank
         0's step batch. Returns stats averaged over dp ranks (rank 0)."""
-        replies = {reply.role: reply for reply in run_updates(self.handles, self.step_commands, batch)}
+        if self.step_commands is None:
+            # an update outside the step loop (no make_experience decided one for this batch, e.g. after a resume):
+            # rank 0 decides it now; every training rank is here, so the exchange is the same collective as the step's
+            self.step_commands = exchange_commands(self._decide_commands(batch), self.train_group)
+        commands, self.step_commands = self.step_commands, None  # a step's commands serve one update, then are spent
+        replies = {reply.role: reply for reply in run_updates(self.handles, commands, batch)}
         stats: dict[str, float] = {}
         for role in UPDATE_ORDER:  # the metrics' order in the row, as before
             if role in replies:
