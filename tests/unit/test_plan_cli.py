@@ -238,8 +238,16 @@ def _quickstart_models(run: Path) -> None:
         build_tiny_model(run / stage / "model", **MODEL_SIZES)
 
 
+def _code_sft_model(run: Path) -> None:
+    """A stand-in of the code recipe's SFT export (the tiny char Llama's shape), which its GRPO half reads."""
+    from hpc_rlhf.models.tiny import build_tiny_model
+
+    build_tiny_model(run / "model")
+
+
 # Recipes that start from another run's outputs: what must exist before plan can size them.
-RECIPE_INPUTS = {"distill_tiny_cpu.yaml": lambda cwd: _quickstart_models(cwd / "runs" / "quickstart")}
+RECIPE_INPUTS = {"distill_tiny_cpu.yaml": lambda cwd: _quickstart_models(cwd / "runs" / "quickstart"),
+                 "grpo_code_tiny_cpu.yaml": lambda cwd: _code_sft_model(cwd / "runs" / "sft_code_tiny_cpu")}
 
 
 @pytest.mark.parametrize("recipe", ALL_RECIPES, ids=lambda p: p.name)
