@@ -117,10 +117,12 @@ def store_probes(address: str, ports: list[int]) -> dict[int, dict]:
     deadline = time.monotonic() + STORE_PROBE_S
     found = {}
     for port, child, receiver in children:
-        if receiver.poll(max(deadline - time.monotonic(), 0)):
-            seen = receiver.recv()
-            if seen is not None:
-                found[port] = seen
+        try:
+            seen = receiver.recv() if receiver.poll(max(deadline - time.monotonic(), 0)) else None
+        except (EOFError, OSError):  # the probe died without an answer (gloo aborts the process on some peers)
+            seen = None
+        if seen is not None:
+            found[port] = seen
         child.kill()
         child.join()
     return found
