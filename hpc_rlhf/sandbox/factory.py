@@ -48,6 +48,8 @@ def configure_run_sandbox(config: SandboxConfig) -> None:
         SandboxUnavailableError: the level the config names is not there on this node.
     """
     global _run_config, _run_sandbox
+    if config is _run_config:  # the trainer records its section before the reward file and again before the agent's
+        return
     built = sandbox_from_config(config) if "isolation" in config.model_fields_set else None
     with _lock:
         _run_config, _run_sandbox = config, built
