@@ -37,7 +37,7 @@ from typing import Any
 from hpc_rlhf.models.ring_flash_import import add_missing_transformers_name  # imports no transformers itself
 from hpc_rlhf.rollout.base import WAKE_TAGS, SamplingParams
 from hpc_rlhf.rollout.vllm_api import PAUSE_MODE, SLEEP_TAGS, VLLM_NAMES, VllmName, resolve
-from hpc_rlhf.rollout.vllm_external_launcher import llm_kwargs, vllm_sampling_kwargs
+from hpc_rlhf.rollout.vllm_external_launcher import cpu_scheduler_kwargs, llm_kwargs, vllm_sampling_kwargs
 from hpc_rlhf.rollout.vllm_server import bucket_update_info, server_engine_kwargs, worker_init_info
 
 # Imported lazily somewhere in hpc_rlhf on GPU paths (module name, distribution name).
@@ -209,7 +209,7 @@ def derived_checks() -> list[Check]:
     checks = []
     ours = llm_kwargs("/m", tensor_parallel_size=1, enable_sleep_mode=True, gpu_memory_utilization=0.5, seed=0,
                       enforce_eager=False, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                      max_model_len=128, enable_return_routed_experts=True)
+                      max_model_len=128, enable_return_routed_experts=True, **cpu_scheduler_kwargs(128))
     # LLM(**kwargs) forwards what its own signature lacks to EngineArgs.
     llm_params, _ = _signature_names(resolve("vllm:LLM").__init__)
     engine_args = _class_fields(importlib.import_module("vllm.engine.arg_utils").EngineArgs)
@@ -218,7 +218,8 @@ def derived_checks() -> list[Check]:
                         f"not LLM/EngineArgs fields: {missing}" if missing else ", ".join(sorted(ours))))
     server = server_engine_kwargs("/m", tensor_parallel_size=1, gpu_memory_utilization=0.9, seed=0,
                                   enforce_eager=False, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                                  max_model_len=128, enable_return_routed_experts=True)
+                                  max_model_len=128, enable_return_routed_experts=True,
+                                  **cpu_scheduler_kwargs(128))
     server["weight_transfer_config"] = None
     checks.append(_accepts("AsyncEngineArgs keywords (vllm_server.server_engine_kwargs)", set(server),
                            "vllm:AsyncEngineArgs"))

@@ -300,6 +300,8 @@ def spec_engine_kwargs(spec: VllmEngineSpec, on_gpu: bool) -> dict[str, Any]:
     if not on_gpu:
         check_cpu_head_dim(model_path, resolve_cpu_attention_head_sizes())
     kwargs: dict[str, Any] = {"dtype": engine_dtype(spec.param_dtype, on_gpu), "max_model_len": spec.max_model_len}
+    if not on_gpu:
+        kwargs.update(cpu_scheduler_kwargs(spec.max_model_len))
     if spec.vllm.kv_cache_memory_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(spec.vllm.kv_cache_memory_gib * (1 << 30))
     if spec.return_routed_experts:
@@ -307,6 +309,21 @@ def spec_engine_kwargs(spec: VllmEngineSpec, on_gpu: bool) -> dict[str, Any]:
     if spec.lora is not None:
         kwargs.update(lora_engine_kwargs(spec.lora))
     return kwargs
+
+
+CPU_TOKEN_BUDGET = 2048  # vLLM 0.32's default max_num_batched_tokens (SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS)
+
+
+def cpu_scheduler_kwargs(max_model_len: int) -> dict[str, Any]:
+    """Engine keywords for vLLM on CPU: every prompt is prefilled whole in one step, never cut by chunked prefill.
+
+    Why: when a step's prompts exceed its token budget, vLLM prefills the last one in part and discards the token it
+    sampled there, rewinding that request's generator by its offset (``gpu_model_runner._bookkeeping_sync``). Every
+    request with a seed has its own generator, and a CPU ``torch.Generator`` has no offset: the engine core dies
+    ("CPU Generator does not use offset"). Our rollouts seed every request, so a batch of agent turns over
+    ``CPU_TOKEN_BUDGET`` tokens killed the engine. vLLM itself does the same for MLA models on CPU. A GPU generator
+    has an offset; GPU engines keep chunked prefill."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, CPU_TOKEN_BUDGET)}
 
 
 def routed_experts_kwargs(spec: VllmEngineSpec, on_gpu: bool) -> dict[str, Any]:

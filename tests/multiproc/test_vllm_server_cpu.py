@@ -54,6 +54,7 @@ def tiny_model(tmp_path_factory) -> str:
 def linked_engine(tiny_model):
     """``(engine, sender)``: one ``VllmServerEngine`` on this machine's cores and the open gloo channel to its
     worker, sending from this process as an actor rank would."""
+    from hpc_rlhf.rollout.vllm_external_launcher import cpu_scheduler_kwargs
     from hpc_rlhf.rollout.vllm_server import VllmServerEngine
     from hpc_rlhf.weight_sync.vllm_gloo_transfer import GlooSenderChannel
     from hpc_rlhf.world.job_secret import JOB_SECRET_ENV, new_job_secret
@@ -63,7 +64,7 @@ def linked_engine(tiny_model):
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setenv(JOB_SECRET_ENV, new_job_secret())
     engine = VllmServerEngine(tiny_model, dtype="float32", enforce_eager=True, max_model_len=LONG + 64,
-                              kv_cache_memory_bytes=64 << 20, seed=0)
+                              kv_cache_memory_bytes=64 << 20, seed=0, **cpu_scheduler_kwargs(LONG + 64))
     try:
         assert engine.weight_transfer_backend == "gloo"
         with ThreadPoolExecutor(1) as pool:  # both ends block until the other has joined
@@ -156,6 +157,27 @@ def test_engine_samples_with_the_weights_it_was_sent(linked_engine, tiny_model):
         if previous is not None:  # the second round replaced the first one's weights everywhere
             assert worst_difference(previous, results) > 1e-2
         previous = model
+
+
+def test_seeded_prompts_beyond_one_steps_token_budget_are_all_sampled(linked_engine):
+    """More prompt tokens at once than one engine step takes, every request seeded (as rollouts and the agents'
+    endpoint send them): on CPU each prompt is prefilled whole (``cpu_scheduler_kwargs``). With vLLM's chunked
+    prefill the last prompt of the step would be cut, and rewinding its seeded generator, which a CPU generator
+    cannot, killed the engine core ("CPU Generator does not use offset")."""
+    from hpc_rlhf.rollout.vllm_external_launcher import CPU_TOKEN_BUDGET
+
+    engine, _ = linked_engine
+    prompt_len = LONG - 100
+    count = CPU_TOKEN_BUDGET // prompt_len + 2  # the step's budget ends inside a prompt
+    requests = [GenerationRequest([1] + [5 + (i + j) % 23 for j in range(prompt_len - 1)],
+                                  SamplingParams(max_new_tokens=4, temperature=1.0, seed=100 + i))
+                for i in range(count)]
+    restarts = engine.budget.restarts
+    first = engine.generate(requests)
+    again = engine.generate(requests)
+    assert engine.budget.restarts == restarts
+    assert [len(r.output_ids) for r in first] == [4] * count
+    assert [r.output_ids for r in again] == [r.output_ids for r in first]  # seeded: the same samples
 
 
 def test_a_round_during_generation_keeps_earlier_tokens_and_continues_with_the_new_weights(linked_engine, tiny_model):

@@ -222,6 +222,8 @@ def test_from_spec_maps_sections(monkeypatch, tmp_path):
     assert kwargs["enable_prefix_caching"] is False and kwargs["max_model_len"] == 164
     # CPU: the trainer's fp32 (vLLM would pick the model's bf16), and no sleep mode (vLLM refuses it off CUDA)
     assert kwargs["dtype"] == "float32" and kwargs["enable_sleep_mode"] is False
+    # CPU: prompts prefilled whole (a seeded request cut by chunked prefill kills vLLM's CPU worker)
+    assert kwargs["enable_chunked_prefill"] is False and kwargs["max_num_batched_tokens"] == 2048
     assert "kv_cache_memory_bytes" not in kwargs
     cfg.vllm.kv_cache_memory_gib = 0.25
     assert VllmRolloutEngine.from_spec(vllm_engine_spec(cfg)).llm.kwargs["kv_cache_memory_bytes"] == 1 << 28
