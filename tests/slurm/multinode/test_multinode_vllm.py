@@ -127,9 +127,6 @@ def _status_on_node(node: str, url: str) -> tuple[int | None, str]:
     return status, body
 
 
-@pytest.mark.skip(reason="known failure on main: the job (OpenAI-API agent over the endpoint, vLLM server_process "
-                  "engine on the other node) loses its vLLM engine core (EngineDeadError) within its first steps, "
-                  "with or without the stranger; it passed before the endpoint and job-secret changes were merged")
 def test_another_users_node_cannot_use_the_weight_channel_or_the_agent_endpoint(shared_dir):
     log, run = shared_dir / "job.out", shared_dir / "run"
     job = sbatch("-o", str(log), *TWO_NODES, *VLLM_JOB, *AGENT, "train.max_steps=100", "ckpt.save_steps=1000",
