@@ -32,8 +32,9 @@ from hpc_rlhf.agents.in_flight import InFlightEpisodes, in_flight_pool, versions
 from hpc_rlhf.config import RunConfig
 from hpc_rlhf.data.prompts import Prompt
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, Trajectory
+from hpc_rlhf.trainers.rl.controller_checkpoint import Buffers
 from hpc_rlhf.trainers.rl.controller_steps import rollout_metrics
-from hpc_rlhf.trainers.rl.loop import Buffers, PPOTrainer, sampling_seed
+from hpc_rlhf.trainers.rl.loop import PPOTrainer, sampling_seed
 from hpc_rlhf.trainers.rl.partial_rollout import continue_generation, stamp_versions
 from hpc_rlhf.trainers.rl.roles import Generated, RolloutResult
 from hpc_rlhf.trainers.run_skeleton import Row
