@@ -396,7 +396,7 @@ def _rollout_engine(cfg: RunConfig, tokenizer: Tokenizer, on_gpu: bool, actor: T
             vllm_engine_spec(cfg), torch.cuda.current_device() if on_gpu else None,
             max_restarts=cfg.rollout.max_engine_restarts, timeout_s=cfg.rollout.engine_timeout_s,
             name=f"rank {rank}'s vLLM rollout engine (rollout.vllm_mode=server_process)")
-        engine.fault_rank = rank
+        engine.faults.rank = rank
         return engine
     if kind == "vllm_external_launcher":
         return VllmRolloutEngine.from_spec(vllm_engine_spec(cfg))
