@@ -519,7 +519,7 @@ class PPOTrainer(RunHooks):
         improved at this step and rotates old exports (never the best)."""
         ckpt, actor, critic = self.cfg.ckpt, self.handles.actor, self.handles.critic
         exports = HFExports(self.cfg.train.output_dir, ckpt.max_num)
-        box = [str(exports.prepare(step)) if self.rank == 0 else None]
+        box = [str(exports.prepare(step)) if self.world.is_controller else None]
         dist.broadcast_object_list(box, src=0)
         tmp = Path(str(box[0]))
         if actor.hosts:
@@ -527,8 +527,13 @@ class PPOTrainer(RunHooks):
         if ckpt.save_critic_hf and critic is not None and critic.hosts:
             critic.require_engine().save_hf(str(tmp / "critic"), tokenizer=self.tokenizer)
         dist.barrier()  # every writer is done before the rename
-        if self.rank != 0:
-            return
+        if self.world.is_controller:
+            self._publish_hf_export(exports, step)
+
+    def _publish_hf_export(self, exports: HFExports, step: int) -> None:
+        """Rank 0, once every writer is done: rename the export into place, move ``hf/BEST`` if
+        ``ckpt.best_metric`` improved at this step, rotate old exports (never the best)."""
+        ckpt = self.cfg.ckpt
         exports.commit(step)
         if ckpt.best_metric:
             value = self.last_row.get(ckpt.best_metric)
