@@ -14,7 +14,7 @@ of its recovery that needs no vLLM, unit-tested against a fake engine (``tests/u
 - :func:`generate_with_restarts`: the loop ``attempt -> (failure -> restart -> continue the unfinished samples)``.
 
 What a restart does to the engine (new processes, reopening its weight channel, receiving the current weights) is
-the engine's and the weight sync's business (``vllm_server.VllmServerEngine.restart``,
+the engine's and the weight sync's business (``engine_supervision.RestartSupervisor.restart``,
 ``weight_sync.sharded.EngineChannelWeightSync.rejoin``); this module only calls ``restart(cause)``.
 
 Where in the step a restart happens, and why. The failure is noticed during generation, on the rollout rank, and

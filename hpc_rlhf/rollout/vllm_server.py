@@ -43,7 +43,8 @@ abort-and-resubmit because it keeps every finished token and needs no bookkeepin
 
 A dead engine is restarted, not the job: tokens stream back as they are sampled (``RequestOutputKind.DELTA``);
 when vLLM's engine-core process exits (``EngineDeadError``) or no token comes back for ``timeout_s``
-(``rollout.engine_timeout_s``), :meth:`VllmServerEngine.restart` stops what is left, starts new processes, and
+(``rollout.engine_timeout_s``), the engine's restart supervisor
+(:class:`hpc_rlhf.rollout.engine_supervision.RestartSupervisor`) stops what is left, starts new processes, and
 its ``rejoin`` hook (the trainer's ``EngineChannelWeightSync``) reopens the weight channel with the sender and
 receives the current weights; the unfinished samples then continue from their tokens, at most
 ``rollout.max_engine_restarts`` times over the run (:mod:`hpc_rlhf.rollout.engine_restart` says where in the
@@ -57,8 +58,10 @@ its model folder (training never changes it) and the last synced adapter again f
 (:mod:`hpc_rlhf.rollout.vllm_lora`), before it generates; an engine that dies during an adapter load, or is found
 dead at one, is restarted there the same way.
 
-Everything that does not need vLLM (environment isolation, payloads, request ids, the backend choice) is a pure
-helper, unit-tested without vLLM; :mod:`hpc_rlhf.rollout.vllm_contract` checks every vLLM name used here.
+The restart supervision (lock, incarnations, hang detection, budget) and the fault tests' hooks live in
+:mod:`hpc_rlhf.rollout.engine_supervision`; this class makes the vLLM calls. Everything that does not need vLLM
+(environment isolation, payloads, request ids, the backend choice) is a pure helper, unit-tested without vLLM;
+:mod:`hpc_rlhf.rollout.vllm_contract` checks every vLLM name used here.
 """
 
 from __future__ import annotations
@@ -69,7 +72,6 @@ import itertools
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -79,11 +81,10 @@ from typing import Any
 import torch
 
 from hpc_rlhf.config.schema import LoraConfig
-from hpc_rlhf.resilience.fault_injection import fault_armed, fault_point
+from hpc_rlhf.resilience.fault_injection import fault_point
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
 from hpc_rlhf.rollout.engine_restart import (
     EngineFailure,
-    EngineRestartLimitError,
     GenerationProgress,
     RejoinHook,
     RestartBudget,
@@ -91,6 +92,7 @@ from hpc_rlhf.rollout.engine_restart import (
     Submission,
     generate_with_restarts,
 )
+from hpc_rlhf.rollout.engine_supervision import FAULT_PHASE, ROUND_FAULT_PHASE, FaultHooks, RestartSupervisor
 from hpc_rlhf.rollout.placeholder_tokens import cut_at_placeholders, read_placeholder_token_ids
 from hpc_rlhf.rollout.vllm_api import PAUSE_MODE, resolve
 from hpc_rlhf.rollout.vllm_external_launcher import (
@@ -108,11 +110,7 @@ from hpc_rlhf.weight_sync.vllm_gloo_transfer import GLOO_BACKEND, gloo_worker_in
 from hpc_rlhf.world.job_secret import JOB_SECRET_ENV, JobSecretError, held_job_secret
 
 log = logging.getLogger(__name__)
-# Fault tests (tests/faults) stop here, once tokens of a generate call came back, to kill the engine-core process.
-FAULT_PHASE = "engine_generating"
-# ... and here, in a weight round (its n-th on this engine object), just before the engine is told about the first
-# bucket: the sender is then waiting in that bucket's broadcast.
-ROUND_FAULT_PHASE = "engine_weight_round"
+__all__ = ["FAULT_PHASE", "ROUND_FAULT_PHASE", "VllmServerEngine"]  # the fault phases: engine_supervision's
 # How often a weight round's engine call checks that the engine is still alive (vLLM's engine-dead flag).
 ROUND_POLL_S = 0.2
 
@@ -260,25 +258,10 @@ class VllmServerEngine(RolloutEngine):
         kwargs["weight_transfer_config"] = resolve("vllm.config:WeightTransferConfig")(backend=backend)
         self._engine_args = resolve("vllm:AsyncEngineArgs")(**kwargs)
         self._devices = devices
-        # Restarts (engine_restart): the bound, the silence that counts as a hang, and who reopens the weight channel.
+        # Restarts (engine_supervision): the bound, the silence that counts as a hang, who reopens the weight channel.
         self.name = name
-        self.budget = RestartBudget(max_restarts, name)
-        if timeout_s is not None and timeout_s <= 0:
-            raise ValueError(f"VllmServerEngine: timeout_s={timeout_s} must be > 0 (rollout.engine_timeout_s)")
-        self.timeout_s = timeout_s
-        self.rejoin: RejoinHook | None = None  # set by the trainer: channel reopened, current weights received
-        # Concurrent generate calls (agents) restart the engine once, and not in the middle of a weight round; a
-        # restart's own round (rejoin) takes it again on the same thread.
-        self._restart_lock = threading.RLock()
-        self._round_failure: EngineFailure | None = None  # the engine died in a weight round; not restarted yet
-        self._weight_rounds = 0  # receive_weights calls so far (fault tests count rounds by it)
-        self._incarnation = 0  # engines started so far - 1: a failure of an older one needs no new restart
-        self._last_output = time.monotonic()  # when the engine last streamed tokens back (or was resumed)
-        self._paused = False  # a weight round holds generation: silence then is no hang
-        self._generate_calls = 0
-        self._fault_hold: threading.Event | None = None  # fault tests only (_hold_for_fault)
-        self._fault_paused = threading.Event()
-        self.fault_rank: int | None = None  # the world rank driving this engine, for fault_point (tests/faults)
+        self.supervisor = RestartSupervisor(self, max_restarts=max_restarts, timeout_s=timeout_s, name=name)
+        self.faults = FaultHooks()  # fault tests only; the trainer sets faults.rank
         self._start_engine()
 
     @classmethod
@@ -318,7 +301,7 @@ class VllmServerEngine(RolloutEngine):
                 secret = held_job_secret()
         with isolated_environ(server_process_env(dict(os.environ), self._devices, secret)):
             self.engine = self._run(self._start(self._engine_args))
-        self._last_output = time.monotonic()
+        self.supervisor.heard()
 
     def _run(self, coroutine: Any) -> Any:
         """Run ``coroutine`` on the engine's loop and wait for its result."""
@@ -338,7 +321,7 @@ class VllmServerEngine(RolloutEngine):
             async for output in self.engine.generate(prompt=prompt,
                                                      sampling_params=resolve("vllm:SamplingParams")(**kwargs),
                                                      request_id=request_id, **self._adapter_kwargs()):
-                self._last_output = time.monotonic()
+                self.supervisor.heard()
                 for completion in output.outputs:
                     index = getattr(completion, "index", 0)  # test doubles of one-sample outputs may leave it out
                     ids = [int(t) for t in completion.token_ids]
@@ -346,11 +329,10 @@ class VllmServerEngine(RolloutEngine):
                     logprobs = sampled_logprobs(ids, completion.logprobs, where) if ids else []
                     progress.record(slots[index], ids, logprobs, completion.finish_reason,
                                     getattr(completion, "routed_experts", None))
-                if self._fault_hold is not None and not self._fault_hold.is_set():
-                    # fault tests: hold the requests right after the first tokens came back (_hold_for_fault)
-                    self._fault_hold.set()
+                if self.faults.take_hold():
+                    # fault tests: hold the requests right after the first tokens came back (FaultHooks.hold)
                     await self.engine.pause_generation(mode=PAUSE_MODE, clear_cache=False)
-                    self._fault_paused.set()
+                    self.faults.mark_paused()
         finally:
             self._in_flight.discard(request_id)
 
@@ -378,7 +360,7 @@ class VllmServerEngine(RolloutEngine):
         and the unfinished samples continue from the tokens that came back (``engine_restart``)."""
         if not requests:
             return []
-        self._generate_calls += 1
+        self.faults.generate_calls += 1
         results = generate_with_restarts(requests, self._attempt, self.restart, routes_from_vllm)
         cut_at_placeholders(results, self.placeholder_ids)  # the bias makes them ~impossible, not impossible
         return results
@@ -386,77 +368,54 @@ class VllmServerEngine(RolloutEngine):
     def _attempt(self, submissions: list[Submission], progress: GenerationProgress) -> None:
         """One try at ``submissions`` on the current engine; raises :class:`EngineFailure` when it dies or is silent
         for ``timeout_s`` (outside weight rounds)."""
-        lost = self._round_failure
+        lost = self.supervisor.round_failure
         if lost is not None:  # the engine died in the last weight round: restarted (whole round) before generating
             raise EngineFailure(lost.cause, lost.incarnation)
-        incarnation = self._incarnation
+        incarnation = self.supervisor.incarnation
         dead_error = resolve("vllm.v1.engine.exceptions:EngineDeadError")
-        point = (FAULT_PHASE, self._generate_calls, -1 if self.fault_rank is None else self.fault_rank)
-        armed = progress.attempts == 1 and fault_armed(*point)
-        self._fault_hold = threading.Event() if armed else None
-        self._fault_paused.clear()
+        fault = self.faults.arm(first_attempt=progress.attempts == 1)
+        timeout_s = self.supervisor.timeout_s
         future = asyncio.run_coroutine_threadsafe(self._stream(submissions, progress), self._loop)
         while True:
             try:
-                future.result(timeout=0.01 if armed else 1.0 if self.timeout_s is None else min(1.0, self.timeout_s))
+                future.result(timeout=0.01 if fault else 1.0 if timeout_s is None else min(1.0, timeout_s))
                 return
             except FutureTimeout:
-                if armed and self._fault_paused.is_set():
-                    armed = False
-                    self._hold_for_fault(point)
+                if fault and self.faults.paused():
+                    self.faults.hold(fault, self._resume_after_fault)
+                    fault = None
                     continue
-                silent = time.monotonic() - self._last_output
-                if self.timeout_s is not None and not self._paused and silent > self.timeout_s:
+                hang = self.supervisor.hang(incarnation)
+                if hang is not None:
                     future.cancel()
-                    raise EngineFailure(f"no token for {silent:.0f} s (rollout.engine_timeout_s={self.timeout_s:g}): "
-                                        "vLLM's processes stopped answering", incarnation) from None
+                    raise hang from None
             except dead_error as err:
                 raise EngineFailure(f"vLLM's engine-core process exited ({type(err).__name__}: {err})",
                                     incarnation) from err
 
-    def _hold_for_fault(self, point: tuple[str, int, int]) -> None:
-        """Fault tests: the requests in flight are held (paused by :meth:`_stream_one` as the first tokens came back,
-        tokens kept) while the driver kills vLLM's engine core at this fault point, so that the fault lands
-        mid-generation whatever the engine's speed."""
-        self._fault_hold = None
-        fault_point(*point)
-        if not self.engine.errored:  # the driver killed the engine: generate reports it, nothing to resume
+    def _resume_after_fault(self) -> None:
+        """Fault tests: the requests held for a fault point go on, unless the driver killed the engine (generate
+        reports that; nothing to resume)."""
+        if not self.engine.errored:
             with contextlib.suppress(Exception):
                 self._run_for(self.engine.resume_generation(), 10.0)
 
     def restart(self, failure: EngineFailure) -> None:
-        """Replace a failed engine: stop what is left of its processes, start new ones (the checkpoint's weights),
-        load the last synced LoRA adapter again under ``ds.lora.sync=adapter`` (:meth:`_reload_adapter`), then
-        :attr:`rejoin` (the trainer's weight sync reopens the channel with the sender and sends the current
-        weights). A new engine that dies in that round or that load is replaced again. Counted against the bound:
-        past it, :class:`EngineRestartLimitError` names this engine and the cause. Thread-safe: a failure of an
-        engine that another call already replaced restarts nothing; a restart waits for a weight round or an adapter
-        load in progress to end."""
-        with self._restart_lock:
-            if failure.incarnation is not None and failure.incarnation != self._incarnation:
-                return  # another caller restarted it after this failure
-            while True:
-                try:
-                    self.budget.spend(failure)
-                except EngineRestartLimitError as err:
-                    if self.rejoin is not None:
-                        self.rejoin.give_up(str(err))
-                    raise
-                log.warning("%s: restart %d of at most %d: %s", self.name, self.budget.restarts,
-                            self.budget.max_restarts, failure.cause)
-                self._stop_engine()
-                self._channel_open = False
-                self._round_failure = None
-                self._start_engine()
-                self._incarnation += 1
-                lost = self._reload_adapter()
-                if lost is None and self.rejoin is not None:
-                    self.rejoin.rejoin(self, failure.cause)
-                    lost = self._round_failure
-                if lost is None:
-                    break
-                failure = lost  # the new engine died while its weights or its adapter were loaded: once more
-            log.warning("%s: restarted (%s)", self.name, self._restored())
+        """Replace a failed engine and give it its weights again (:meth:`RestartSupervisor.restart`)."""
+        self.supervisor.restart(failure)
+
+    # ------------------------------------------------------------------ restarts: the supervisor's hooks
+    def stop_processes(self) -> None:
+        """Stop what is left of a failed engine's processes; its weight channel is gone with them."""
+        self._stop_engine()
+        self._channel_open = False
+
+    def start_processes(self) -> None:
+        """New processes, from the checkpoint's weights."""
+        self._start_engine()
+
+    def reload_adapter(self) -> EngineFailure | None:
+        return self._reload_adapter()
 
     def _reload_adapter(self) -> EngineFailure | None:
         """``ds.lora.sync=adapter``, on a restarted engine: load the last adapter written to the node-local folder
@@ -470,18 +429,17 @@ class VllmServerEngine(RolloutEngine):
         try:
             slot.require_files(self.name)
         except AdapterFolderLostError as err:
-            if self.rejoin is not None:
-                self.rejoin.give_up(str(err))
+            self.supervisor.give_up(str(err))
             raise
         try:
-            self._call_in_round(self.engine.add_lora(slot.load_request()), self._incarnation)
+            self._call_in_round(self.engine.add_lora(slot.load_request()), self.supervisor.incarnation)
         except EngineFailure as failure:
             return EngineFailure(f"while the restarted engine loaded the LoRA adapter again, {failure.cause}",
                                  failure.incarnation)
         slot.loaded = True
         return None
 
-    def _restored(self) -> str:
+    def restored(self) -> str:
         """What a restarted engine got back, for the log."""
         if self.adapter is not None:
             if self.adapter.written:
@@ -491,18 +449,37 @@ class VllmServerEngine(RolloutEngine):
             else "no weight round yet: the checkpoint's weights are current"
 
     @property
+    def budget(self) -> RestartBudget:
+        """``rollout.max_engine_restarts`` and the restarts spent."""
+        return self.supervisor.budget
+
+    @property
     def restarts(self) -> int:
         """Restarts so far (``rollout/engine_restarts``)."""
-        return self.budget.restarts
+        return self.supervisor.budget.restarts
+
+    @property
+    def timeout_s(self) -> float | None:
+        """``rollout.engine_timeout_s``: silence that counts as a hang."""
+        return self.supervisor.timeout_s
+
+    @property
+    def rejoin(self) -> RejoinHook | None:
+        """Set by the trainer: reopens the weight channel of a restarted engine and sends it the current weights."""
+        return self.supervisor.rejoin
+
+    @rejoin.setter
+    def rejoin(self, hook: RejoinHook | None) -> None:
+        self.supervisor.rejoin = hook
 
     def alive(self) -> bool:
         """Whether vLLM's processes are up (a dead engine-core is noticed by vLLM within a fraction of a second) and
         did not die in the last weight round."""
-        return self.engine is not None and not self.engine.errored and self._round_failure is None
+        return self.engine is not None and not self.engine.errored and self.supervisor.round_failure is None
 
     def round_failure(self) -> EngineFailure | None:
         """The engine's death in the last weight round, until it is restarted (the cause names the round)."""
-        return self._round_failure
+        return self.supervisor.round_failure
 
     def _stop_engine(self) -> None:
         """Stop a failed engine's processes (best effort: some are already gone)."""
@@ -548,10 +525,9 @@ class VllmServerEngine(RolloutEngine):
                                f"from an actor rank over {self.weight_transfer_backend} (a sender channel there, "
                                "open_weight_channel here), not through this rank")
         update_request = resolve("vllm.distributed.weight_transfer.base:WeightTransferUpdateRequest")
-        with self._restart_lock:  # a generation that sees the engine die restarts it once the round is over
-            self._weight_rounds += 1
-            incarnation = self._incarnation
-            point = (ROUND_FAULT_PHASE, self._weight_rounds, -1 if self.fault_rank is None else self.fault_rank)
+        with self.supervisor.lock:  # a generation that sees the engine die restarts it once the round is over
+            point = self.faults.round_point()
+            incarnation = self.supervisor.incarnation
             told = 0  # buckets the engine was told about
 
             def begin() -> None:
@@ -571,7 +547,7 @@ class VllmServerEngine(RolloutEngine):
                 self._call_in_round(self.engine.finish_weight_update(), incarnation)
                 self._call_in_round(self.engine.resume_generation(), incarnation)
 
-            with self._generation_held():
+            with self.supervisor.generation_held():
                 try:
                     failure = receive_round(buckets, begin=begin, load=load, finish=finish, engine_name=self.name,
                                             backend=self.weight_transfer_backend)
@@ -581,20 +557,9 @@ class VllmServerEngine(RolloutEngine):
                             self._run_for(self.engine.resume_generation(), 10.0)
                     raise
             if failure is not None:
-                self._round_failure = failure
+                self.supervisor.round_failure = failure
                 log.warning("%s died %s; the rest of the round went by without it, and it is restarted, with the "
                             "whole current round, before it generates again", self.name, failure.cause)
-
-    @contextmanager
-    def _generation_held(self) -> Iterator[None]:
-        """A weight round or an adapter load holds generation: the silence meanwhile is no hang
-        (``rollout.engine_timeout_s`` counts from its end)."""
-        self._paused = True
-        try:
-            yield
-        finally:
-            self._last_output = time.monotonic()
-            self._paused = False
 
     def _call_in_round(self, coroutine: Any, incarnation: int) -> Any:
         """One engine call of a weight round; raises :class:`EngineFailure` when the engine dies meanwhile. vLLM
@@ -633,11 +598,11 @@ class VllmServerEngine(RolloutEngine):
         if self.adapter is None:
             raise RuntimeError("VllmServerEngine.update_adapter: the engine was built without a LoRA adapter "
                                "(ds.lora.sync resolved to merged)")
-        with self._restart_lock:
+        with self.supervisor.lock:
             num_bytes = self.adapter.write(named_tensors)  # from here on a restart loads this adapter
-            failure = self._load_adapter(self.adapter) if self.alive() else self._round_failure or EngineFailure(
+            failure = self._load_adapter(self.adapter) if self.alive() else self.round_failure() or EngineFailure(
                 "vLLM's engine-core process exited while the engine was idle, found at a LoRA adapter sync",
-                self._incarnation)
+                self.supervisor.incarnation)
             if failure is not None:
                 self.restart(failure)
         return num_bytes
@@ -646,9 +611,9 @@ class VllmServerEngine(RolloutEngine):
         """Load the folder's adapter in place, generation paused (kept) meanwhile. Returns the engine's death during
         the load (vLLM may leave a call pending for good then: ``_call_in_round`` watches its engine-dead flag);
         any other error propagates, generation resumed."""
-        incarnation = self._incarnation
+        incarnation = self.supervisor.incarnation
         try:
-            with self._generation_held():
+            with self.supervisor.generation_held():
                 self._call_in_round(self.engine.pause_generation(mode=PAUSE_MODE, clear_cache=True), incarnation)
                 try:
                     self._call_in_round(self.engine.add_lora(slot.load_request()), incarnation)

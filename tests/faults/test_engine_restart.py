@@ -6,7 +6,7 @@ without it on both ends, and the engine is restarted with the whole round before
 
 Each kill lands where it is meant to: the rollout rank stops at a fault point, the driver kills the engine core, then
 releases the point. ``engine_generating``: its requests paused right after their first tokens came back
-(``VllmServerEngine._hold_for_fault``). ``engine_weight_round``: the engine paused for a round, just before it is told
+(``engine_supervision.FaultHooks.hold``). ``engine_weight_round``: the engine paused for a round, just before it is told
 about the round's first bucket, while the sender waits in that bucket's broadcast. Each test starts vLLM in its own
 processes on 2 cores (~20-40 s).
 """

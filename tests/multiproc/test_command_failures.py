@@ -22,11 +22,11 @@ def _reference_then_rollout_fail(rank: int, world_size: int) -> tuple[tuple[str,
     import torch
 
     from hpc_rlhf.trainers.rl import roles as roles_module
-    from hpc_rlhf.trainers.rl.concurrent_moves import experience_forwards
     from hpc_rlhf.trainers.rl.roles import RoleHandles
     from hpc_rlhf.trainers.rl.setup import Roles
     from hpc_rlhf.world.groups import build_world_groups
     from hpc_rlhf.world.placement import build_placement
+    from tests.multiproc.role_moves import experience_forwards
 
     def nan_reference(engine, rows, *args, **kwargs):
         if engine.value == 2.0:

@@ -56,11 +56,11 @@ def _wait_for(marker: Path, what: str) -> None:
 
 def _forwards(rank: int, world_size: int, folder: str) -> dict:
     from hpc_rlhf.trainers.rl import roles as roles_module
-    from hpc_rlhf.trainers.rl.concurrent_moves import experience_forwards, role_updates, start_order
     from hpc_rlhf.trainers.rl.roles import RoleHandles
     from hpc_rlhf.trainers.rl.setup import Roles
     from hpc_rlhf.world.groups import build_world_groups
     from hpc_rlhf.world.placement import build_placement
+    from tests.multiproc.role_moves import experience_forwards, role_updates, start_order
 
     started = Path(folder)
 
@@ -90,7 +90,7 @@ def _forwards(rank: int, world_size: int, folder: str) -> dict:
     engines = Roles(actor=_FakeEngine(1.0) if rank == 0 else None, ref=_FakeEngine(2.0) if rank == 1 else None,
                     critic=_FakeEngine(3.0) if rank == 2 else None)
     handles = RoleHandles.build(cfg, world, engines)  # type: ignore[arg-type]
-    order = [name for name, _, _ in start_order(handles, need_old_logprobs=True)]
+    order = start_order(handles, need_old_logprobs=True)
     if rank == 3:  # the rollout rank hosts no scoring role
         return {"order": order}
     batch = _batch() if rank == 0 else None
@@ -117,11 +117,11 @@ def test_moves_of_disjoint_roles_overlap_and_return_in_row_order(tmp_path):
 
 def _failing_forward(rank: int, world_size: int) -> str:
     from hpc_rlhf.trainers.rl import roles as roles_module
-    from hpc_rlhf.trainers.rl.concurrent_moves import experience_forwards
     from hpc_rlhf.trainers.rl.roles import RoleHandles
     from hpc_rlhf.trainers.rl.setup import Roles
     from hpc_rlhf.world.groups import build_world_groups
     from hpc_rlhf.world.placement import build_placement
+    from tests.multiproc.role_moves import experience_forwards
 
     def broken(engine, rows, *args, **kwargs):
         raise ValueError("reference weights are NaN")

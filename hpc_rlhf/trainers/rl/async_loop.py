@@ -32,8 +32,9 @@ from hpc_rlhf.agents.in_flight import InFlightEpisodes, in_flight_pool, versions
 from hpc_rlhf.config import RunConfig
 from hpc_rlhf.data.prompts import Prompt
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, Trajectory
+from hpc_rlhf.trainers.rl.controller_checkpoint import Buffers
 from hpc_rlhf.trainers.rl.controller_steps import rollout_metrics
-from hpc_rlhf.trainers.rl.loop import Buffers, PPOTrainer, sampling_seed
+from hpc_rlhf.trainers.rl.loop import PPOTrainer, sampling_seed
 from hpc_rlhf.trainers.rl.partial_rollout import continue_generation, stamp_versions
 from hpc_rlhf.trainers.rl.roles import Generated, RolloutResult
 from hpc_rlhf.trainers.run_skeleton import Row
@@ -86,13 +87,13 @@ class AsyncPPOTrainer(PPOTrainer):
         """
         more = self.generated < self.num_steps
         needed = more or self.partial_in_flight
-        if not self._broadcast_flag(self.rank == 0 and wanted and needed):
+        if not self._broadcast_flag(self.world.is_controller and wanted and needed):
             return False, None
         prompts: list[Prompt] | None = None
         if more:
             self.generated += 1
-            prompts = self.controller.next_prompts() if self.rank == 0 else None
-        elif self.rank == 0:
+            prompts = self.controller.next_prompts() if self.world.is_controller else None
+        elif self.world.is_controller:
             prompts = []  # last partial round: only finish the batch in flight
         self.partial_in_flight = self.cfg.train.partial_rollout and more
         mine = self.dispatch_prompts(prompts)
@@ -100,7 +101,7 @@ class AsyncPPOTrainer(PPOTrainer):
 
     def _finish_generation(self, pending: RolloutResult | None) -> None:
         trajectories, seconds = self.collect_trajectories(pending)
-        if self.rank == 0 and trajectories:
+        if self.world.is_controller and trajectories:
             self.ready.append((trajectories, seconds))
         # The engines' busy seconds of this round (time inside generate), for the engine idle fraction.
         busy = self.handles.rollout.collect(([], self._take_busy_seconds()) if self.handles.rollout.side else None)
@@ -175,7 +176,7 @@ class AsyncPPOTrainer(PPOTrainer):
         dist.broadcast_object_list(box, src=0)  # restored on rank 0 only
         self.generated, self.partial_in_flight = box[0]
         while True:
-            ran, pending = self._start_generation(self.rank == 0 and len(self.ready) < self.depth)
+            ran, pending = self._start_generation(self.world.is_controller and len(self.ready) < self.depth)
             if not ran:
                 break
             self._finish_generation(pending)
@@ -185,7 +186,7 @@ class AsyncPPOTrainer(PPOTrainer):
         # Rollout ranks generate inside this call; the training ranks only send the prompts and go on,
         # as they share no collective with the rollout ranks until the collect below.
         more, pending = self._start_generation(True)
-        popped, gen_seconds = self.ready.popleft() if self.rank == 0 else (None, 0.0)
+        popped, gen_seconds = self.ready.popleft() if self.world.is_controller else (None, 0.0)
         train_start = time.perf_counter()
         with timer("reward"):
             popped = self.score(popped)

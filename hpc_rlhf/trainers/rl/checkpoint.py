@@ -10,24 +10,25 @@ allocation) loads the trained states through DeepSpeed's universal checkpoint (`
 ``hpc_rlhf.ckpt.universal``); the controller state carries over as it is; what cannot be reproduced is said there.
 
 Runs on every rank: each saves and restores the states of the roles it hosts and its RNG; rank 0 also the
-controller's state, the manifest and ``LATEST``.
+controller's state (``hpc_rlhf.trainers.rl.controller_checkpoint``), the manifest and ``LATEST``.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.ckpt import CheckpointManager, load_json, load_rank_rng, save_json_atomic, save_rank_rng
+from hpc_rlhf.ckpt import CheckpointManager, load_rank_rng, save_rank_rng
 from hpc_rlhf.ckpt.layout import CheckpointLayout, compare_layouts, read_layout, write_layout
 from hpc_rlhf.ckpt.resume import agreed_checkpoint, warn_if_starting_over
 from hpc_rlhf.ckpt.universal import load_resharded
 from hpc_rlhf.config import RunConfig
 from hpc_rlhf.resilience.fault_injection import fault_point
+from hpc_rlhf.trainers.rl.controller_checkpoint import Buffers, ControllerCheckpoint
 from hpc_rlhf.trainers.rl.setup import Roles
 from hpc_rlhf.training.deepspeed_engine import TrainEngine
 from hpc_rlhf.world.groups import WorldGroups
@@ -35,8 +36,16 @@ from hpc_rlhf.world.placement import TRAINED_ROLES
 
 log = logging.getLogger(__name__)
 DS_TAG = "ds"
-CONTROLLER_FILE = "controller.json"
-BUFFERS_FILE = "controller_buffers.pt"
+
+
+@dataclass
+class Restored:
+    """What :func:`restore` gives this rank back besides its engines' and RNG's states."""
+
+    step: int  # the checkpoint's step (0: none found, the run starts fresh)
+    controller: ControllerCheckpoint | None  # rank 0: the controller's record; None elsewhere or when fresh
+    rank_buffers: Buffers | None  # this rank's own buffers, if it saved some (only when the world is the same)
+    same_world: bool  # saved by a world of this size and layout (else other ranks' per-rank buffers were dropped)
 
 
 def checkpoint_root(cfg: RunConfig) -> Path:
@@ -51,14 +60,13 @@ def make_manager(cfg: RunConfig) -> CheckpointManager:
 
 
 def save(manager: CheckpointManager, step: int, roles: Roles, world: WorldGroups,
-         controller_state: dict[str, Any] | None, buffers: dict[str, Any] | None = None,
-         rank_buffers: dict[str, Any] | None = None, layout: CheckpointLayout | None = None) -> None:
-    """Collective over the world: every rank calls it at the same step. ``layout`` (rank 0): this run's layout,
-    recorded so that a run laid out differently knows how to load it.
+         controller: ControllerCheckpoint | None, rank_buffers: Buffers | None = None,
+         layout: CheckpointLayout | None = None) -> None:
+    """Collective over the world: every rank calls it at the same step. ``controller`` (rank 0): the controller's
+    record. ``layout`` (rank 0): this run's layout, recorded so that a run laid out differently knows how to load it.
 
-    ``buffers`` (rank 0): Python objects too rich for JSON, such as generated but not yet trained
-    trajectories of an asynchronous run; pickled with ``torch.save``. ``rank_buffers`` (any rank):
-    the same for state that lives on that rank (a rollout rank's in-flight partial rollouts).
+    ``rank_buffers`` (any rank): Python objects too rich for JSON that live on that rank (a rollout rank's
+    in-flight partial rollouts); pickled with ``torch.save``.
     """
     engines = roles.trained_engines()
     with manager.saving(step) as tmp:
@@ -72,21 +80,18 @@ def save(manager: CheckpointManager, step: int, roles: Roles, world: WorldGroups
                 TrainEngine.mirror_save_collectives()
         save_rank_rng(tmp, world.rank)
         fault_point("checkpoint_write", step, world.rank)  # the engine states are written, nothing is committed
-        if controller_state is not None:
-            save_json_atomic(tmp / CONTROLLER_FILE, {"step": step, **controller_state})
+        if controller is not None:
+            controller.write(tmp)
         if layout is not None:
             write_layout(tmp, layout)
-        if buffers is not None:
-            torch.save(buffers, tmp / BUFFERS_FILE)
         if rank_buffers is not None:
             torch.save(rank_buffers, tmp / f"rank_buffers_{world.rank}.pt")
     log.info("checkpoint step %d saved to %s", step, manager.step_dir(step))
 
 
 def restore(manager: CheckpointManager, roles: Roles, world: WorldGroups,
-            layout: CheckpointLayout) -> tuple[int, dict[str, Any] | None]:
-    """Load ``LATEST`` into this rank's engines and RNG. Returns (step, state or None): the controller
-    state on rank 0, plus ``rank_buffers`` on any rank that saved some (only when the world is the same).
+            layout: CheckpointLayout) -> Restored:
+    """Load ``LATEST`` into this rank's engines and RNG; return the step and what the trainer restores itself.
 
     ``layout``: this run's. A checkpoint saved with another layout loads through DeepSpeed's universal checkpoint
     (converted once, by rank 0); one of another model or LoRA adapter raises ``CheckpointLayoutError`` on every rank.
@@ -95,7 +100,7 @@ def restore(manager: CheckpointManager, roles: Roles, world: WorldGroups,
     latest = agreed_checkpoint(manager)  # verified, and the same on every rank
     if latest is None:
         log.warning("ckpt.load=true but no complete checkpoint under %s: starting fresh", manager.root)
-        return 0, None
+        return Restored(step=0, controller=None, rank_buffers=None, same_world=True)
     saved = read_layout(latest)
     # A checkpoint from before layouts were recorded loads as saved (DeepSpeed refuses a mismatch itself).
     change = compare_layouts(saved, layout, latest) if saved is not None else None
@@ -117,15 +122,9 @@ def restore(manager: CheckpointManager, roles: Roles, world: WorldGroups,
     # Our own pickle (trajectories), written by this rank of the run being resumed (another world's rank
     # numbering hosts other roles: its in-flight rollouts are dropped, as the layout note says).
     rank_buffers = torch.load(rank_file, weights_only=False) if same_world and rank_file.is_file() else None
-    state = load_json(latest / CONTROLLER_FILE) if world.rank == 0 else None
-    if state is not None and (latest / BUFFERS_FILE).is_file():
-        # Our own pickle of trajectories (dataclasses), written by rank 0 of this run's code.
-        state["buffers"] = torch.load(latest / BUFFERS_FILE, weights_only=False)
-    step_box = [state["step"] if state else None]
+    controller = ControllerCheckpoint.read(latest) if world.rank == 0 else None
+    step_box = [controller.step if controller is not None else None]
     dist.broadcast_object_list(step_box, src=0)
     log.info("resumed from %s (step %d)", latest, step_box[0])
-    if rank_buffers is not None:
-        state = {**(state or {}), "rank_buffers": rank_buffers}
-    if state is not None:
-        state["same_world"] = same_world
-    return int(step_box[0] or 0), state
+    return Restored(step=int(step_box[0] or 0), controller=controller, rank_buffers=rank_buffers,
+                    same_world=same_world)

@@ -43,7 +43,6 @@ from hpc_rlhf.trainers.rl.roles import (
     PendingForward,
     PendingUpdate,
     RoleHandles,
-    RoleMembership,
 )
 from hpc_rlhf.trainers.rl.step_batch import StepBatch
 from hpc_rlhf.world.placement import Role
@@ -163,36 +162,3 @@ def run_updates(handles: RoleHandles, commands: StepCommands, batch: StepBatch |
     (empty elsewhere), in issue order. Collective over the trained roles' ranks and rank 0."""
     return _issue_and_wait(handles, commands.updates, lambda c: _start_update(handles, c, batch), commands.overlap,
                            lambda c, metrics, seconds: UpdateReply(c.role, metrics, seconds))
-
-
-# ---- the phases as one call, for callers that decide the same on every rank (tests, benchmarks) ----------------
-
-Starter = Callable[[StepBatch | None], PendingForward]
-
-
-def start_order(handles: RoleHandles, need_old_logprobs: bool) -> list[tuple[str, RoleMembership, Starter]]:
-    """``(output field, role, its forward's start)`` of the enabled forwards, in the order every rank starts them."""
-    return [(command.output_field, handles.membership(command.role),
-             lambda batch, command=command: _start_forward(handles, command, batch))  # type: ignore[misc]
-            for command in issue_order(handles, forward_commands(handles, need_old_logprobs))]
-
-
-def experience_forwards(handles: RoleHandles, batch: StepBatch | None, need_old_logprobs: bool, *,
-                        overlap: bool = True) -> ExperienceOutputs:
-    """Issue every enabled forward over rank 0's ``batch``, then wait on each (:func:`run_forwards`). Every rank of
-    the world must pass the same ``need_old_logprobs`` and ``overlap``."""
-    commands = StepCommands(forward_commands(handles, need_old_logprobs), overlap=overlap)
-    return ExperienceOutputs.from_replies(run_forwards(handles, commands, batch))
-
-
-def role_updates(handles: RoleHandles, batch: StepBatch | None, version: int, kl_coef: float, *,
-                 overlap: bool = True) -> dict[str, Pending[dict[str, float]]]:
-    """Issue the critic's update (if there is a critic) and the actor's over rank 0's ``batch``, then wait on each;
-    returns the waited futures by role (their results: the metrics on rank 0). ``version``: the policy version the
-    updates make; ``kl_coef``: the actor's KL loss coefficient (rank 0's). ``overlap=False``: one after the other.
-    Collective over the trained roles' ranks and rank 0."""
-    commands = update_commands(handles, version, kl_coef)
-    issued = _issue(handles, commands, lambda c: _start_update(handles, c, batch), overlap)
-    for _, pending in issued:
-        pending.wait()
-    return {command.role: pending for command, pending in issued}

@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,6 +56,7 @@ from hpc_rlhf.trainers.rl.concurrent_moves import (
     run_updates,
     update_commands,
 )
+from hpc_rlhf.trainers.rl.controller_checkpoint import Buffers
 from hpc_rlhf.trainers.rl.controller_steps import (
     append_groups,
     attach_rewards,
@@ -80,7 +80,6 @@ from hpc_rlhf.world.groups import WorldGroups, world_peers
 from hpc_rlhf.world.network import save_world_record
 
 log = logging.getLogger(__name__)
-Buffers = dict[str, Any]  # pickled with the checkpoint: trajectories and counters of an asynchronous run
 
 
 def sampling_seed(train_seed: int, step: int, engine_index: int) -> int:
@@ -508,10 +507,9 @@ class PPOTrainer(RunHooks):
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, step: int) -> None:
-        state = self.controller.checkpoint_state() if self.world.is_controller else None
-        rl_checkpoint.save(self.ckpt, step, self.roles, self.world, state,
-                           self.checkpoint_buffers() if self.world.is_controller else None,
-                           self.checkpoint_rank_buffers(), layout=self.layout)
+        saved = self.controller.checkpoint(step, self.checkpoint_buffers()) if self.world.is_controller else None
+        rl_checkpoint.save(self.ckpt, step, self.roles, self.world, saved, self.checkpoint_rank_buffers(),
+                           layout=self.layout)
         if self.cfg.ckpt.save_hf:
             self.save_hf_export(step)
 
@@ -521,7 +519,7 @@ class PPOTrainer(RunHooks):
         improved at this step and rotates old exports (never the best)."""
         ckpt, actor, critic = self.cfg.ckpt, self.handles.actor, self.handles.critic
         exports = HFExports(self.cfg.train.output_dir, ckpt.max_num)
-        box = [str(exports.prepare(step)) if self.rank == 0 else None]
+        box = [str(exports.prepare(step)) if self.world.is_controller else None]
         dist.broadcast_object_list(box, src=0)
         tmp = Path(str(box[0]))
         if actor.hosts:
@@ -529,8 +527,13 @@ class PPOTrainer(RunHooks):
         if ckpt.save_critic_hf and critic is not None and critic.hosts:
             critic.require_engine().save_hf(str(tmp / "critic"), tokenizer=self.tokenizer)
         dist.barrier()  # every writer is done before the rename
-        if self.rank != 0:
-            return
+        if self.world.is_controller:
+            self._publish_hf_export(exports, step)
+
+    def _publish_hf_export(self, exports: HFExports, step: int) -> None:
+        """Rank 0, once every writer is done: rename the export into place, move ``hf/BEST`` if
+        ``ckpt.best_metric`` improved at this step, rotate old exports (never the best)."""
+        ckpt = self.cfg.ckpt
         exports.commit(step)
         if ckpt.best_metric:
             value = self.last_row.get(ckpt.best_metric)
@@ -559,16 +562,17 @@ class PPOTrainer(RunHooks):
 
     def resume(self) -> int:
         """Restore ``LATEST`` (weights, optimizer, data position, controllers, RNG); returns its step."""
-        step, state = rl_checkpoint.restore(self.ckpt, self.roles, self.world, self.layout)
+        restored = rl_checkpoint.restore(self.ckpt, self.roles, self.world, self.layout)
+        step = restored.step
         if self.metrics is not None:
             # Rows after the checkpoint will be logged again; with nothing to load (step 0) that is all of them,
             # so a fresh start under ckpt.load=true leaves one row per step, as ckpt.load=false does.
             self.metrics.truncate_after(step)
-        if state is not None and "rank_buffers" in state:
-            self.restore_rank_buffers(state.pop("rank_buffers"))
-        if state is not None and self.world.is_controller:
-            self.controller.load_checkpoint_state(state)
-            self.restore_buffers(state.get("buffers"), same_world=state["same_world"])
+        if restored.rank_buffers is not None:
+            self.restore_rank_buffers(restored.rank_buffers)
+        if restored.controller is not None:  # rank 0, resuming from a checkpoint
+            self.controller.restore(restored.controller)
+            self.restore_buffers(restored.controller.buffers, same_world=restored.same_world)
         if step:
             self.policy_version = step - 1  # one sync per step; the sync below makes it ``step``
             self.sync_weights()  # the rollout engines start from the restored actor

@@ -49,6 +49,7 @@ from hpc_rlhf.rollout.transformers_engine import TransformersRolloutEngine
 from hpc_rlhf.rollout.vllm_external_launcher import VllmEngineSpec, VllmRolloutEngine  # vLLM itself: lazily
 from hpc_rlhf.rollout.vllm_server import VllmServerEngine
 from hpc_rlhf.sandbox.factory import configure_run_sandbox
+from hpc_rlhf.trainers.rl.controller_checkpoint import Buffers, ControllerCheckpoint
 from hpc_rlhf.trainers.rl.rollout_health import RolloutHealth
 from hpc_rlhf.trainers.run_skeleton import RunPlan
 from hpc_rlhf.training.deepspeed_engine import FrozenEngine, TrainEngine  # deepspeed itself: lazily
@@ -239,19 +240,20 @@ class ControllerState:
         if "kl" in row:
             self.kl_controller.update(row["kl"], int(row["num_samples"]))
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """What a checkpoint keeps of this state (JSON): the prompt streams' positions, the KL controller and the
-        reward statistics."""
-        return {"stream": self.stream.state_dict(), "kl": self.kl_controller.state_dict(),
-                "reward_norm": self.reward_normalizer.state_dict(), "refill_stream": self.refill_stream.state_dict()}
+    def checkpoint(self, step: int, buffers: Buffers | None = None) -> ControllerCheckpoint:
+        """What a checkpoint at ``step`` keeps of this state: the prompt streams' positions, the KL controller and
+        the reward statistics; ``buffers``: the trainer's objects beyond them (an asynchronous run's queue)."""
+        return ControllerCheckpoint(step=step, stream=self.stream.state_dict(), kl=self.kl_controller.state_dict(),
+                                    reward_norm=self.reward_normalizer.state_dict(),
+                                    refill_stream=self.refill_stream.state_dict(), buffers=buffers)
 
-    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`checkpoint_state`."""
-        self.stream.load_state_dict(state["stream"])
-        self.kl_controller.load_state_dict(state["kl"])
-        self.reward_normalizer.load_state_dict(state["reward_norm"])
-        if "refill_stream" in state:  # checkpoints written before refill existed lack it
-            self.refill_stream.load_state_dict(state["refill_stream"])
+    def restore(self, saved: ControllerCheckpoint) -> None:
+        """Restore :meth:`checkpoint` (the buffers are the trainer's to restore)."""
+        self.stream.load_state_dict(saved.stream)
+        self.kl_controller.load_state_dict(saved.kl)
+        self.reward_normalizer.load_state_dict(saved.reward_norm)
+        if saved.refill_stream is not None:  # checkpoints written before refill existed lack it
+            self.refill_stream.load_state_dict(saved.refill_stream)
 
 
 def run_plan(cfg: RunConfig, num_steps: int, rank: int, is_controller: bool) -> RunPlan:
@@ -394,7 +396,7 @@ def _rollout_engine(cfg: RunConfig, tokenizer: Tokenizer, on_gpu: bool, actor: T
             vllm_engine_spec(cfg), torch.cuda.current_device() if on_gpu else None,
             max_restarts=cfg.rollout.max_engine_restarts, timeout_s=cfg.rollout.engine_timeout_s,
             name=f"rank {rank}'s vLLM rollout engine (rollout.vllm_mode=server_process)")
-        engine.fault_rank = rank
+        engine.faults.rank = rank
         return engine
     if kind == "vllm_external_launcher":
         return VllmRolloutEngine.from_spec(vllm_engine_spec(cfg))
