@@ -1,9 +1,10 @@
 """The code recipe on 2 gloo ranks (``configs/sft_code_tiny_cpu.yaml`` then ``configs/grpo_code_tiny_cpu.yaml``,
 shortened): SFT on templated one-line programs, then GRPO with unit-test rewards run in the bubblewrap sandbox on
 functions SFT never showed. Greedy pass@1 is measured before SFT, after SFT (GRPO's step-0 evaluation) and after
-GRPO on two fixed sets of 64 functions SFT never showed: GRPO's own (it sees only their tests' verdicts, never a
-program), and functions no stage trains on. Pass@1 must rise through SFT on both; GRPO's training reward (its
-samples' unit-test pass rate) must rise; pass@1 after GRPO is printed (docs/rewards.md says what it shows)."""
+GRPO on two fixed sets of 128 functions SFT never showed: GRPO's own (it sees only their tests' verdicts, never a
+program), and functions no stage trains on. Pass@1 must rise through SFT on both, GRPO's training reward (its
+samples' unit-test pass rate) must rise, and held-out pass@1 must rise through GRPO (docs/rewards.md has the
+margins measured)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def _greedy_pass_at_1(model_dir: Path, heldout_file: Path) -> float:
     return float(scored.scores.mean())
 
 
-def test_code_recipe_sft_raises_pass_at_1_and_grpo_raises_the_tests_pass_rate(tmp_path):
+def test_code_recipe_sft_and_grpo_raise_heldout_pass_at_1(tmp_path):
     from hpc_rlhf.models.tiny import build_tiny_model
 
     # drawn with std 0.1, as the tests that check a learned behaviour are (greedy decoding needs a logit margin)
@@ -87,11 +88,13 @@ def test_code_recipe_sft_raises_pass_at_1_and_grpo_raises_the_tests_pass_rate(tm
         after_sft, after_grpo = evals[0][f"eval/{name}/pass@1"], evals[-1][f"eval/{name}/pass@1"]
         print(f"{name} pass@1: before SFT {before_sft:.3f}, after SFT {after_sft:.3f}, after GRPO {after_grpo:.3f}")
         assert before_sft < after_sft, (name, before_sft, after_sft)
+    # GRPO generalises: greedy pass@1 on the functions no stage trains on is above the SFT model's (by 6 and 4
+    # functions of 128 at train.seed 0 and 1 when measured; strictly above is asserted, a margin of one function).
+    heldout_after_sft, heldout_after_grpo = evals[0][HELDOUT], evals[-1][HELDOUT]
+    assert heldout_after_grpo > heldout_after_sft, (heldout_after_sft, heldout_after_grpo)
     # GRPO learns from the tests' verdicts alone: its sampled programs pass more often at the end than at the start.
-    # Greedy pass@1 after GRPO is printed, not asserted: on GRPO's functions it rose by one function of 64 here,
-    # a margin another CPU's rounding could flip, and on held-out functions it does not rise in 30 steps.
     steps = [r for r in rows if "reward" in r]
-    # means over 10 steps: a step's reward (64 samples) swings by about +-0.15 around its trend
+    # means over 10 steps: a step's reward (128 samples) swings by about +-0.1 around its trend
     first, last = (sum(r["reward"] for r in part) / len(part) for part in (steps[:10], steps[-10:]))
     print(f"GRPO training reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}")
     assert last > first + 0.05, (first, last)
