@@ -71,8 +71,9 @@ def _greedy_pass_at_1(model_dir: Path, heldout_file: Path) -> float:
 def test_code_recipe_sft_and_grpo_raise_heldout_pass_at_1(tmp_path):
     from hpc_rlhf.models.tiny import build_tiny_model
 
-    # drawn with std 0.1, as the tests that check a learned behaviour are (greedy decoding needs a logit margin)
-    base = build_tiny_model(tmp_path / "base", seed=0, initializer_range=0.1)
+    # drawn with std 0.1, as the tests that check a learned behaviour are (greedy decoding needs a logit margin), and
+    # with the recipe's seed: this is the recipe files' base model, so the run is theirs cut to 20 GRPO steps
+    base = build_tiny_model(tmp_path / "base", seed=42, initializer_range=0.1)
     sft, grpo, data = tmp_path / "sft", tmp_path / "grpo", tmp_path / "data"
     run_on_ranks(_sft_then_grpo, 2, [
         f"model.pretrain={base}", "model.build_tiny=false", f"train.output_dir={sft}",
@@ -80,7 +81,7 @@ def test_code_recipe_sft_and_grpo_raise_heldout_pass_at_1(tmp_path):
         "ckpt.save_steps=null", "train.eval_steps=1000"], [
         f"actor.pretrain={sft / 'model'}", f"train.output_dir={grpo}", f"data.prompt_data=[{data / 'rl.jsonl'}]",
         f"eval.data=[{data / 'heldout.jsonl'},{data / 'grpo_functions.jsonl'}]",
-        f"reward.reward_func_path={ROOT / 'examples/reward_funcs/code_tests.py'}", "train.max_steps=30", "eval.steps=30"])
+        f"reward.reward_func_path={ROOT / 'examples/reward_funcs/code_tests.py'}", "train.max_steps=20", "eval.steps=20"])
     rows = read_metrics(grpo)
     evals = [r for r in rows if HELDOUT in r]
     for name in ("grpo_functions", "heldout"):
@@ -88,14 +89,14 @@ def test_code_recipe_sft_and_grpo_raise_heldout_pass_at_1(tmp_path):
         after_sft, after_grpo = evals[0][f"eval/{name}/pass@1"], evals[-1][f"eval/{name}/pass@1"]
         print(f"{name} pass@1: before SFT {before_sft:.3f}, after SFT {after_sft:.3f}, after GRPO {after_grpo:.3f}")
         assert before_sft < after_sft, (name, before_sft, after_sft)
-    # GRPO generalises: greedy pass@1 on the functions no stage trains on is above the SFT model's (by 6 and 4
-    # functions of 128 at train.seed 0 and 1 when measured; strictly above is asserted, a margin of one function).
+    # GRPO generalises: greedy pass@1 on the functions no stage trains on rises by more than 6 functions of 128
+    # (measured: 0.445 -> 0.641 here, as the recipe files at step 20, and 0.445 -> 0.555 at train.seed=1)
     heldout_after_sft, heldout_after_grpo = evals[0][HELDOUT], evals[-1][HELDOUT]
-    assert heldout_after_grpo > heldout_after_sft, (heldout_after_sft, heldout_after_grpo)
+    assert heldout_after_grpo > heldout_after_sft + 0.05, (heldout_after_sft, heldout_after_grpo)
     # GRPO learns from the tests' verdicts alone: its sampled programs pass more often at the end than at the start.
     steps = [r for r in rows if "reward" in r]
     # means over 10 steps: a step's reward (128 samples) swings by about +-0.1 around its trend
     first, last = (sum(r["reward"] for r in part) / len(part) for part in (steps[:10], steps[-10:]))
     print(f"GRPO training reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}")
-    assert last > first + 0.05, (first, last)
+    assert last > first + 0.03, (first, last)  # measured: +0.068 here, +0.055 at train.seed=1
     assert all("extra/code/pass" in r and "extra/code/compile_error" in r for r in steps)
