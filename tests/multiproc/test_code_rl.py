@@ -1,9 +1,10 @@
 """The code recipe on 2 gloo ranks (``configs/sft_code_tiny_cpu.yaml`` then ``configs/grpo_code_tiny_cpu.yaml``,
 shortened): SFT on templated one-line programs, then GRPO with unit-test rewards run in the bubblewrap sandbox on
 functions SFT never showed. Greedy pass@1 is measured before SFT, after SFT (GRPO's step-0 evaluation) and after
-GRPO on two fixed sets of 64 functions SFT never showed: GRPO's own (it sees only their tests' verdicts, never a
-program), and functions no stage trains on. Pass@1 must rise through SFT on both; GRPO's training reward (its
-samples' unit-test pass rate) must rise; pass@1 after GRPO is printed (docs/rewards.md says what it shows)."""
+GRPO on two fixed sets of 128 functions SFT never showed: GRPO's own (it sees only their tests' verdicts, never a
+program), and functions no stage trains on. Pass@1 must rise through SFT on both, GRPO's training reward (its
+samples' unit-test pass rate) must rise, and held-out pass@1 must rise through GRPO (docs/rewards.md has the
+margins measured)."""
 
 from __future__ import annotations
 
@@ -67,11 +68,12 @@ def _greedy_pass_at_1(model_dir: Path, heldout_file: Path) -> float:
     return float(scored.scores.mean())
 
 
-def test_code_recipe_sft_raises_pass_at_1_and_grpo_raises_the_tests_pass_rate(tmp_path):
+def test_code_recipe_sft_and_grpo_raise_heldout_pass_at_1(tmp_path):
     from hpc_rlhf.models.tiny import build_tiny_model
 
-    # drawn with std 0.1, as the tests that check a learned behaviour are (greedy decoding needs a logit margin)
-    base = build_tiny_model(tmp_path / "base", seed=0, initializer_range=0.1)
+    # drawn with std 0.1, as the tests that check a learned behaviour are (greedy decoding needs a logit margin), and
+    # with the recipe's seed: this is the recipe files' base model, so the run is theirs cut to 20 GRPO steps
+    base = build_tiny_model(tmp_path / "base", seed=42, initializer_range=0.1)
     sft, grpo, data = tmp_path / "sft", tmp_path / "grpo", tmp_path / "data"
     run_on_ranks(_sft_then_grpo, 2, [
         f"model.pretrain={base}", "model.build_tiny=false", f"train.output_dir={sft}",
@@ -79,7 +81,7 @@ def test_code_recipe_sft_raises_pass_at_1_and_grpo_raises_the_tests_pass_rate(tm
         "ckpt.save_steps=null", "train.eval_steps=1000"], [
         f"actor.pretrain={sft / 'model'}", f"train.output_dir={grpo}", f"data.prompt_data=[{data / 'rl.jsonl'}]",
         f"eval.data=[{data / 'heldout.jsonl'},{data / 'grpo_functions.jsonl'}]",
-        f"reward.reward_func_path={ROOT / 'examples/reward_funcs/code_tests.py'}", "train.max_steps=30", "eval.steps=30"])
+        f"reward.reward_func_path={ROOT / 'examples/reward_funcs/code_tests.py'}", "train.max_steps=20", "eval.steps=20"])
     rows = read_metrics(grpo)
     evals = [r for r in rows if HELDOUT in r]
     for name in ("grpo_functions", "heldout"):
@@ -87,12 +89,14 @@ def test_code_recipe_sft_raises_pass_at_1_and_grpo_raises_the_tests_pass_rate(tm
         after_sft, after_grpo = evals[0][f"eval/{name}/pass@1"], evals[-1][f"eval/{name}/pass@1"]
         print(f"{name} pass@1: before SFT {before_sft:.3f}, after SFT {after_sft:.3f}, after GRPO {after_grpo:.3f}")
         assert before_sft < after_sft, (name, before_sft, after_sft)
+    # GRPO generalises: greedy pass@1 on the functions no stage trains on rises by more than 6 functions of 128
+    # (measured: 0.445 -> 0.641 here, as the recipe files at step 20, and 0.445 -> 0.555 at train.seed=1)
+    heldout_after_sft, heldout_after_grpo = evals[0][HELDOUT], evals[-1][HELDOUT]
+    assert heldout_after_grpo > heldout_after_sft + 0.05, (heldout_after_sft, heldout_after_grpo)
     # GRPO learns from the tests' verdicts alone: its sampled programs pass more often at the end than at the start.
-    # Greedy pass@1 after GRPO is printed, not asserted: on GRPO's functions it rose by one function of 64 here,
-    # a margin another CPU's rounding could flip, and on held-out functions it does not rise in 30 steps.
     steps = [r for r in rows if "reward" in r]
-    # means over 10 steps: a step's reward (64 samples) swings by about +-0.15 around its trend
+    # means over 10 steps: a step's reward (128 samples) swings by about +-0.1 around its trend
     first, last = (sum(r["reward"] for r in part) / len(part) for part in (steps[:10], steps[-10:]))
     print(f"GRPO training reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}")
-    assert last > first + 0.05, (first, last)
+    assert last > first + 0.03, (first, last)  # measured: +0.068 here, +0.055 at train.seed=1
     assert all("extra/code/pass" in r and "extra/code/compile_error" in r for r in steps)
