@@ -145,6 +145,9 @@ SlurmdLogFile=$LOG_DIR/slurmd-multinode-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SchedulerType=sched/backfill
+# Pending jobs are looked at every 2 s (defaults: the main loop every 60 s, backfill every 30 s, besides
+# event-driven passes): a requeued job otherwise waited up to a minute after its cred_expire delay.
+SchedulerParameters=sched_interval=2,bf_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 # A node that comes back after a failure returns to service by itself (the node-loss tests bring links back).

@@ -12,6 +12,7 @@ import importlib.util
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -198,12 +199,18 @@ def test_distillation_teacher_scores_the_models_tokens_of_agent_episodes_on_vllm
 
 
 def test_resume_with_vllm_equals_the_uninterrupted_run(tmp_path, vllm_model):
-    """vLLM samples with a per-request seed derived from the step, so a resumed run draws the same tokens."""
+    """vLLM samples with a per-request seed derived from the step, so a resumed run draws the same tokens. The
+    interrupted run is the uninterrupted one's folder as a job ended after step 2 leaves it (step 2's checkpoint
+    LATEST, no later one; metrics.jsonl still holds steps 3-4, which the resume must replace): one launch fewer
+    than running a 2-step job."""
     common = [f"actor.pretrain={vllm_model}", "ckpt.save_steps=2"]
     whole = _torchrun("configs/grpo_vllm_tiny_cpu.yaml", tmp_path / "whole", *common, "train.max_steps=4")
-    _torchrun("configs/grpo_vllm_tiny_cpu.yaml", tmp_path / "cut", *common, "train.max_steps=2")
-    resumed = _torchrun("configs/grpo_vllm_tiny_cpu.yaml", tmp_path / "cut", *common, "train.max_steps=4",
-                        "ckpt.load=true")
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "whole", cut)
+    shutil.rmtree(cut / "ckpt/step_4")
+    (cut / "ckpt/LATEST").write_text("step_2")
+    resumed = _torchrun("configs/grpo_vllm_tiny_cpu.yaml", cut, *common, "train.max_steps=4", "ckpt.load=true")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # steps 3-4 logged once, by the resumed run
     tail = {r["step"]: r for r in resumed}
     for step in (3, 4):
         for key in ("reward", "policy_loss", "response_length", "is/rollout_kl_k1"):

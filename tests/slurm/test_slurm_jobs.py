@@ -159,7 +159,7 @@ def test_preemption_twice_resumes_to_the_uninterrupted_result(tmp_path):
     """USR1 to every rank mid-run -> ranks agree -> atomic checkpoint -> scontrol requeue -> the same job
     restarts (SLURM_RESTART_COUNT, log appended) with ckpt.load=true -> resumes at the next step. Twice,
     and the final metrics equal an uninterrupted job's."""
-    num_steps = 60
+    num_steps = 30
     log, run = tmp_path / "job.out", tmp_path / "run"
     ref_log, ref_run = tmp_path / "ref.out", tmp_path / "ref"
     reference = sbatch("-o", str(ref_log), "slurm/cpu_debug.sbatch", f"train.max_steps={num_steps}",
@@ -208,7 +208,7 @@ def test_requeued_with_another_number_of_tasks_resumes_and_finishes(tmp_path):
     ckpt.load=true on 3 ranks, loads the 2-rank checkpoint through DeepSpeed's universal checkpoint (dp 2 -> 3),
     logs every step once and exports the model. Also covers slurm/launch.sh taking the task counts from the new
     allocation (the job's stored environment keeps SLURM_NTASKS=2)."""
-    num_steps = 60
+    num_steps = 30
     log, run = tmp_path / "job.out", tmp_path / "run"
     metrics = run / "metrics.jsonl"
     start = time.monotonic()
