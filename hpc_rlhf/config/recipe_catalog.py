@@ -96,7 +96,7 @@ H200_CHECKS = ("on one H200 (recorded 2026-11-27) the chunked log-probs, Liger k
                "PPO step on CUDA has finished yet")
 _SAME_SETUP = "a test trains the same setup from a config of its own"
 CODE_RECIPE_TEST = ("tests/multiproc/test_code_rl.py::"
-                    "test_code_recipe_sft_raises_pass_at_1_and_grpo_raises_the_tests_pass_rate")
+                    "test_code_recipe_sft_and_grpo_raise_heldout_pass_at_1")
 
 RECIPES: tuple[Recipe, ...] = (
     # ---- tiny recipes: any CPU, gloo
