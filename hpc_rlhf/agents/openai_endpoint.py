@@ -6,7 +6,7 @@ user of the node can connect) and the executor's clients reach it through that s
 (:meth:`OpenAIEndpoint.async_client`); with ``listen="tcp"`` (``rollout.agent_endpoint=tcp``, for frameworks
 that can only take a URL) it listens on ``127.0.0.1`` and a free port, which every user of the node can reach.
 Either way the server holds at most ``max_connections`` connections and closes one whose first request has not
-arrived within ``first_request_timeout_s`` (``hpc_rlhf.serving.connection_limits``).
+arrived within ``first_request_timeout_s`` (``hpc_rlhf.serving.connection_limits``; ``rollout.agent_endpoint_*``).
 
 Requests are not generated in the server's thread: each becomes a ``GenerationRequest`` put on a queue, and
 the thread that owns the engine (the executor's, which holds the ``generate`` callable) takes everything queued,
@@ -123,13 +123,16 @@ class OpenAIEndpoint:
         max_n: the largest ``n`` of one request.
         vision: the actor's image encoder (a vision-language actor): chat messages may then hold image content
             parts (``openai_images``); None refuses them.
-        max_images, max_image_pixels: images per request, pixels per image (``openai_images``).
+        max_images, max_image_pixels: images per request, pixels per image (``openai_images``;
+            ``rollout.agent_max_images_per_request`` / ``agent_max_pixels_per_image``).
         max_request_pixels, max_episode_pixels: decoded pixels of the new images of one request, of the distinct
             images of one episode (``rollout.agent_max_image_pixels_per_request`` / ``_per_episode``).
         context_len: the rollout engine's context length (``RolloutEngine.max_context_len``): no call's prompt +
             output may pass it, whatever ``max_len``; None when unknown.
         listen: ``"unix"`` (a Unix socket in a private folder; the default) or ``"tcp"`` (``127.0.0.1``).
-        max_connections, first_request_timeout_s: the server's connection bounds (``serving.connection_limits``).
+        max_connections, first_request_timeout_s: the server's connection bounds (``serving.connection_limits``;
+            ``rollout.agent_endpoint_max_connections`` / ``agent_endpoint_first_request_timeout_s``).
+        All the caps default to ``endpoint_limits``'s constants; ``EndpointLimits`` holds them under these names.
     """
 
     def __init__(self, tokenizer: Tokenizer, max_len: int | None = None, model_name: str = "policy",

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import inspect
 import logging
 import math
@@ -56,9 +57,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpc_rlhf.agents.endpoint_limits import EndpointLimits
 from hpc_rlhf.agents.executor import AgentExecutor, GenerateFn, check_samples_per_prompt
 from hpc_rlhf.agents.openai_endpoint import OpenAIEndpoint, run_batch
-from hpc_rlhf.agents.openai_images import DEFAULT_MAX_EPISODE_PIXELS, DEFAULT_MAX_REQUEST_PIXELS, row_visual
+from hpc_rlhf.agents.openai_images import row_visual
 from hpc_rlhf.agents.openai_recording import CompletionRecord, TokenSequence, episode_sequences
 from hpc_rlhf.agents.tool_parsers import OutputParser
 from hpc_rlhf.data.prompts import Prompt, source_name
@@ -130,10 +132,8 @@ class OpenAIAgentExecutor(AgentExecutor):
             an unknown name raises ``ParserConfigError`` here.
         endpoint_listen: where the endpoint listens (``rollout.agent_endpoint``): ``"unix"`` (a private Unix
             socket, the default) or ``"tcp"`` (``127.0.0.1``, for frameworks that take only a URL).
-        max_request_pixels: the endpoint's cap on the decoded pixels of a request's new images
-            (``rollout.agent_max_image_pixels_per_request``, ``openai_images``).
-        max_episode_pixels: the endpoint's cap on the decoded pixels of an episode's distinct images
-            (``rollout.agent_max_image_pixels_per_episode``).
+        limits: the endpoint's caps on images and connections (``endpoint_limits``; the run's setup sets
+            ``executor.limits`` from the ``rollout.agent_*`` keys); None: the defaults.
     """
 
     def __init__(self, run_episode: Any, tokenizer: Tokenizer, prompt_max_len: int, *, max_len: int | None = None,
@@ -141,8 +141,7 @@ class OpenAIAgentExecutor(AgentExecutor):
                  agent_kwargs: dict[str, Any] | None = None, batch_wait_s: float = 0.05,
                  model_name: str = "policy", tool_call_parser: str = "auto",
                  reasoning_parser: str = "auto", endpoint_listen: str = "unix",
-                 max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS,
-                 max_episode_pixels: int = DEFAULT_MAX_EPISODE_PIXELS) -> None:
+                 limits: EndpointLimits | None = None) -> None:
         super().__init__(tokenizer, prompt_max_len)
         if inspect.isclass(run_episode):
             raise ValueError(f"pass an instance of the workflow class {run_episode.__name__}, not the class")
@@ -160,7 +159,7 @@ class OpenAIAgentExecutor(AgentExecutor):
         if endpoint_listen not in ("unix", "tcp"):
             raise ValueError(f"endpoint_listen must be 'unix' or 'tcp', got {endpoint_listen!r}")
         self.endpoint_listen = endpoint_listen
-        self.max_request_pixels, self.max_episode_pixels = max_request_pixels, max_episode_pixels
+        self.limits = limits if limits is not None else EndpointLimits()
         # The rollout engine's context length (RolloutEngine.max_context_len), set by whoever pairs the executor
         # with its engine before the first run: the endpoint refuses a call past it as that call's 400.
         self.context_len: int | None = None
@@ -176,9 +175,8 @@ class OpenAIAgentExecutor(AgentExecutor):
             import_openai()  # fail before serving when the client package is missing
             self.endpoint = OpenAIEndpoint(self.tokenizer, self.max_len, self.model_name,
                                            self.batch_wait_s, self.parser, vision=self.vision,
-                                           max_request_pixels=self.max_request_pixels,
-                                           max_episode_pixels=self.max_episode_pixels,
-                                           context_len=self.context_len, listen=self.endpoint_listen).start()
+                                           context_len=self.context_len, listen=self.endpoint_listen,
+                                           **dataclasses.asdict(self.limits)).start()
             atexit.register(self.close)
         return self.endpoint
 

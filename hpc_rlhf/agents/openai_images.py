@@ -5,9 +5,10 @@ A chat message may hold ``{"type": "image_url", "image_url": {"url": "data:image
 them. Only base64 data URLs are accepted: a remote ``http(s)://`` URL is refused (compute nodes have no internet, as
 for prompt data), and so is a path or ``file://`` URL (the endpoint reads no files on a client's behalf).
 
-Caps, on top of the endpoint's body cap (``openai_guard``, which bounds the base64 bytes): at most ``max_images``
-images per request, and each image's pixel count (width x height, read from its header before anything is decoded)
-at most ``max_image_pixels``, so a small compressed file cannot decode into a huge image; the images a request
+Caps, on top of the endpoint's body cap (``openai_guard``, which bounds the base64 bytes; defaults and config keys in
+``endpoint_limits``): at most ``rollout.agent_max_images_per_request`` images per request, and each image's pixel
+count (width x height, read from its header before anything is decoded) at most
+``rollout.agent_max_pixels_per_image``, so a small compressed file cannot decode into a huge image; the images a request
 sends for the first time in its episode at most ``rollout.agent_max_image_pixels_per_request`` pixels together, and
 an episode's distinct images at most ``rollout.agent_max_image_pixels_per_episode``. Each distinct image of an
 episode is decoded and processed once (:class:`EpisodeImages`), off the endpoint's event loop. The model's image
@@ -27,16 +28,17 @@ from typing import Any
 
 import torch
 
+from hpc_rlhf.agents.endpoint_limits import (
+    DEFAULT_MAX_EPISODE_PIXELS,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES,
+    DEFAULT_MAX_REQUEST_PIXELS,
+)
 from hpc_rlhf.agents.images import pixel_bounds
 from hpc_rlhf.agents.openai_requests import EndpointRequestError
 from hpc_rlhf.data.images import IMAGE_PART_TYPES, ImageRef, image_ref, open_image
 from hpc_rlhf.data.vision_prompts import VisionPromptEncoder
 from hpc_rlhf.rollout.visual import PromptVisual
-
-DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
-DEFAULT_MAX_IMAGES = 32
-DEFAULT_MAX_REQUEST_PIXELS = 64 * 1024 * 1024  # new images of one request (4 images of 4096x4096)
-DEFAULT_MAX_EPISODE_PIXELS = 128 * 1024 * 1024  # distinct images of one episode (~380 MiB decoded RGB)
 
 
 def _part_url(part: dict) -> Any:
@@ -56,7 +58,8 @@ def _check_pixels(ref: ImageRef, where: str, max_image_pixels: int) -> int:
                                    param=where) from None
     if width * height > max_image_pixels:
         raise EndpointRequestError(f"'{where}' is a {width}x{height} image ({width * height} pixels), over the "
-                                   f"endpoint's limit of {max_image_pixels} pixels per image", param=where)
+                                   f"endpoint's limit of {max_image_pixels} pixels per image "
+                                   "(rollout.agent_max_pixels_per_image)", param=where)
     return width * height
 
 
@@ -95,8 +98,8 @@ def message_images(messages: list[dict], max_images: int = DEFAULT_MAX_IMAGES,
                 raise EndpointRequestError(f"'{where}': only base64 data URLs (data:image/png;base64,...) are "
                                            "accepted; the endpoint reads no files", param=where)
             if len(refs) >= max_images:
-                raise EndpointRequestError(f"the request holds more than {max_images} images, the endpoint's limit",
-                                           param=where)
+                raise EndpointRequestError(f"the request holds more than {max_images} images, the endpoint's limit "
+                                           "(rollout.agent_max_images_per_request)", param=where)
             try:
                 ref = image_ref(url, "request", 0, where)
             except ValueError as err:  # DataError: not base64

@@ -1,5 +1,6 @@
 """The rollout sections of the config tree (``rollout``, ``vllm``) and the one decision of which rollout engine a
-run starts. Split from ``schema.py``, which composes them into ``RunConfig``. This module imports no torch."""
+run starts. Split from ``schema.py``, which composes them into ``RunConfig``. This module imports no torch (the agents'
+endpoint's limits default to the constants of ``agents.endpoint_limits``, which imports none either)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,14 @@ from typing import Literal
 
 from pydantic import Field
 
+from hpc_rlhf.agents.endpoint_limits import (
+    DEFAULT_FIRST_REQUEST_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_EPISODE_PIXELS,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES,
+    DEFAULT_MAX_REQUEST_PIXELS,
+)
 from hpc_rlhf.config.section import Section
 
 
@@ -60,12 +69,21 @@ class RolloutConfig(Section):
         "auto", description="OpenAI-client agents: how the endpoint moves <think> reasoning into reasoning_content: "
                             "a vLLM reasoning parser name when vLLM is installed, else the built-in qwen3 or "
                             "deepseek_r1; none; auto picks qwen3 when the chat template writes </think>, else none")
+    agent_max_images_per_request: int = Field(
+        DEFAULT_MAX_IMAGES, ge=1,
+        description="OpenAI-client agents with a vision-language actor: image content parts one chat request may "
+                    "hold; more is that request's 400")
+    agent_max_pixels_per_image: int = Field(
+        DEFAULT_MAX_IMAGE_PIXELS, ge=1,
+        description="OpenAI-client agents with a vision-language actor: pixels (width x height, read from the image's "
+                    "header before it is decoded) of one image a chat request sends; a larger one is that request's "
+                    "400")
     agent_max_image_pixels_per_request: int = Field(
-        64 * 1024 * 1024, ge=1,
+        DEFAULT_MAX_REQUEST_PIXELS, ge=1,
         description="OpenAI-client agents with a vision-language actor: decoded pixels (width x height, summed) of the "
                     "images one chat request sends for the first time in its episode; more is that request's 400")
     agent_max_image_pixels_per_episode: int = Field(
-        128 * 1024 * 1024, ge=1,
+        DEFAULT_MAX_EPISODE_PIXELS, ge=1,
         description="OpenAI-client agents with a vision-language actor: decoded pixels of all the distinct images one "
                     "episode sends (each is decoded once, however many calls re-send it); a request past it is a 400")
     agent_endpoint: Literal["unix", "tcp"] = Field(
@@ -73,6 +91,15 @@ class RolloutConfig(Section):
                             "a private folder (mode 0700) that the client handed to the agent reaches; tcp, "
                             "127.0.0.1 and a free port, which every user of the node can reach (the episode key "
                             "still guards it), for frameworks that can only take a base URL")
+    agent_endpoint_max_connections: int = Field(
+        DEFAULT_MAX_CONNECTIONS, ge=1,
+        description="OpenAI-client agents: connections the endpoint holds at once (unix or tcp; it matters for tcp, "
+                    "which every user of the node can reach); one accepted past it closes the oldest idle one, or "
+                    "itself when every other one is serving a request; keep it under the open-files limit")
+    agent_endpoint_first_request_timeout_s: float = Field(
+        DEFAULT_FIRST_REQUEST_TIMEOUT_S, gt=0,
+        description="OpenAI-client agents: seconds a new connection to the endpoint may take to send its first "
+                    "request's headers before it is closed")
 
 
 class VllmConfig(Section):

@@ -55,6 +55,11 @@ def test_unknown_section():
         ("train.colocate_all=perhaps", "train.colocate_all"),
         ("rollout.n_samples_per_prompt=1", "n_samples_per_prompt >= 2"),
         ("train.train_batch_size=7", "multiple of train.train_batch_size"),
+        ("rollout.agent_max_images_per_request=0", "rollout.agent_max_images_per_request"),
+        ("rollout.agent_max_pixels_per_image=0", "rollout.agent_max_pixels_per_image"),
+        ("rollout.agent_endpoint_max_connections=0", "rollout.agent_endpoint_max_connections"),
+        ("rollout.agent_endpoint_first_request_timeout_s=0", "rollout.agent_endpoint_first_request_timeout_s"),
+        ("rollout.agent_endpoint_first_request_timeout_s=-1", "rollout.agent_endpoint_first_request_timeout_s"),
     ],
 )
 def test_bad_values_fail_naming_the_key(override, match):

@@ -318,3 +318,55 @@ def test_the_agents_client_reaches_the_endpoint_where_it_listens(tiny, listen):
     finally:
         executor.close()
     assert row.failure is None and sum(row.action_mask) > 0
+
+
+def _png_part(side: int) -> dict:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (side, side), (9, 99, 199)).save(buffer, format="PNG")
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                      + base64.b64encode(buffer.getvalue()).decode()}}
+
+
+def test_the_endpoint_limit_keys_reach_the_endpoint_the_run_builds(tiny, tmp_path, monkeypatch):
+    """rollout.agent_* limit keys, through the run's setup, are the limits of the endpoint its executor serves: the
+    server is built with the connection bounds, and a request past a lowered image cap is its 400 naming the key."""
+    import asyncio
+
+    from hpc_rlhf.agents import openai_endpoint
+    from hpc_rlhf.agents.openai_requests import EndpointRequestError
+    from hpc_rlhf.config import load_config
+    from hpc_rlhf.trainers.rl.setup import _executor
+
+    tokenizer, _ = tiny
+    built: list[tuple] = []
+    real = openai_endpoint.limited_http_protocol
+    monkeypatch.setattr(openai_endpoint, "limited_http_protocol", lambda *bounds: built.append(bounds) or real(*bounds))
+    agent = _agent_file(tmp_path, "agent.py", "async def run_episode(client, prompt, label):\n    return 0.0\n")
+    cfg = load_config(None, [f"train.agent_func_path={agent}", "rollout.agent_endpoint=tcp",
+                             "rollout.agent_max_images_per_request=1", "rollout.agent_max_pixels_per_image=64",
+                             "rollout.agent_endpoint_max_connections=7",
+                             "rollout.agent_endpoint_first_request_timeout_s=2.5"])
+    executor = _executor(cfg, tokenizer)
+    try:
+        endpoint = executor.start_endpoint()
+        assert built == [(7, 2.5)] and endpoint.port is not None
+        endpoint.recorder.open("ep-caps")
+
+        def chat(*parts: dict) -> None:
+            asyncio.run(endpoint.chat({"messages": [{"role": "user", "content": [*parts]}]}, "Bearer ep-caps"))
+
+        with pytest.raises(EndpointRequestError, match=r"more than 1 images.*rollout\.agent_max_images_per_request") \
+                as caught:
+            chat(_png_part(4), _png_part(4))
+        assert caught.value.status == 400
+        with pytest.raises(EndpointRequestError, match=r"\(81 pixels\).*64 pixels per image "
+                                                       r"\(rollout\.agent_max_pixels_per_image\)") as caught:
+            chat(_png_part(9))
+        assert caught.value.status == 400
+    finally:
+        executor.close()
