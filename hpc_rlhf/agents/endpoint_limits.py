@@ -2,19 +2,16 @@
 (``openai_images``), and its server's connection bounds (``hpc_rlhf.serving.connection_limits``).
 
 The defaults are the module constants; the config's ``rollout.agent_*`` keys default to them (``config.rollout``
-imports them from here, so this module imports no torch, PIL or uvicorn), and :func:`endpoint_limits` turns a
-``rollout`` section into the :class:`EndpointLimits` the executor builds its endpoint with.
+imports them from here, so this module imports no torch, PIL or uvicorn, and nothing of the config), and
+``RolloutConfig.endpoint_limits()`` turns a ``rollout`` section into the :class:`EndpointLimits` the executor builds its
+endpoint with.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from hpc_rlhf.serving.connection_limits import DEFAULT_FIRST_REQUEST_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
-
-if TYPE_CHECKING:
-    from hpc_rlhf.config.rollout import RolloutConfig
 
 DEFAULT_MAX_IMAGES = 32  # image content parts of one request
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096  # width x height of one image, read from its header before decoding
@@ -24,7 +21,8 @@ DEFAULT_MAX_EPISODE_PIXELS = 128 * 1024 * 1024  # distinct images of one episode
 
 @dataclass(frozen=True)
 class EndpointLimits:
-    """Keyword arguments of ``OpenAIEndpoint`` (same names); each field's config key is in :func:`endpoint_limits`."""
+    """Keyword arguments of ``OpenAIEndpoint`` (same names); each field's config key is in
+    ``RolloutConfig.endpoint_limits``."""
 
     max_images: int = DEFAULT_MAX_IMAGES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
@@ -34,15 +32,5 @@ class EndpointLimits:
     first_request_timeout_s: float = DEFAULT_FIRST_REQUEST_TIMEOUT_S
 
 
-def endpoint_limits(rollout: RolloutConfig) -> EndpointLimits:
-    """The limits a run's ``rollout`` section sets (validated there: every one > 0)."""
-    return EndpointLimits(max_images=rollout.agent_max_images_per_request,
-                          max_image_pixels=rollout.agent_max_pixels_per_image,
-                          max_request_pixels=rollout.agent_max_image_pixels_per_request,
-                          max_episode_pixels=rollout.agent_max_image_pixels_per_episode,
-                          max_connections=rollout.agent_endpoint_max_connections,
-                          first_request_timeout_s=rollout.agent_endpoint_first_request_timeout_s)
-
-
 __all__ = ["DEFAULT_MAX_EPISODE_PIXELS", "DEFAULT_MAX_IMAGES", "DEFAULT_MAX_IMAGE_PIXELS", "DEFAULT_MAX_REQUEST_PIXELS",
-           "EndpointLimits", "endpoint_limits"]
+           "EndpointLimits"]

@@ -15,6 +15,7 @@ from hpc_rlhf.agents.endpoint_limits import (
     DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_MAX_IMAGES,
     DEFAULT_MAX_REQUEST_PIXELS,
+    EndpointLimits,
 )
 from hpc_rlhf.config.section import Section
 
@@ -100,6 +101,15 @@ class RolloutConfig(Section):
         DEFAULT_FIRST_REQUEST_TIMEOUT_S, gt=0,
         description="OpenAI-client agents: seconds a new connection to the endpoint may take to send its first "
                     "request's headers before it is closed")
+
+    def endpoint_limits(self) -> EndpointLimits:
+        """The agents' endpoint's limits this section sets (each validated > 0 by its field)."""
+        return EndpointLimits(max_images=self.agent_max_images_per_request,
+                              max_image_pixels=self.agent_max_pixels_per_image,
+                              max_request_pixels=self.agent_max_image_pixels_per_request,
+                              max_episode_pixels=self.agent_max_image_pixels_per_episode,
+                              max_connections=self.agent_endpoint_max_connections,
+                              first_request_timeout_s=self.agent_endpoint_first_request_timeout_s)
 
 
 class VllmConfig(Section):

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from hpc_rlhf.agents.agent_loader import AgentLoadError, load_agent_executor
-from hpc_rlhf.agents.endpoint_limits import endpoint_limits
 from hpc_rlhf.agents.executor import AgentExecutor, SingleTurnExecutor
 from hpc_rlhf.agents.openai_executor import OpenAIAgentExecutor  # imports no openai / fastapi by itself
 from hpc_rlhf.algos import AdaptiveKLController, FixedKLController, RunningRewardNormalizer
@@ -458,7 +457,7 @@ def _executor(cfg: RunConfig, tokenizer: Tokenizer) -> AgentExecutor:
     # sends its images in its chat messages (base64 data URLs) and the endpoint encodes them.
     executor.vision = vision_encoder(cfg, tokenizer)
     if isinstance(executor, OpenAIAgentExecutor):  # the endpoint's caps on images and connections
-        executor.limits = endpoint_limits(cfg.rollout)
+        executor.limits = cfg.rollout.endpoint_limits()
     if isinstance(executor, OpenAIAgentExecutor) and cfg.algo.routing_replay == "rollout":
         # Its rows are the chat calls' prompts and completions, re-tokenized per call: no engine routes reach them.
         raise SetupError(f"algo.routing_replay=rollout with train.agent_func_path={cfg.train.agent_func_path}: an "
