@@ -3,7 +3,7 @@
 
 The defaults are the module constants; the config's ``rollout.agent_*`` keys default to them (``config.rollout``
 imports them from here, so this module imports no torch, PIL or uvicorn, and nothing of the config), and
-``RolloutConfig.endpoint_limits()`` turns a ``rollout`` section into the :class:`EndpointLimits` the executor builds its
+``RolloutConfig.endpoint_limits`` turns a ``rollout`` section into the :class:`EndpointLimits` the executor builds its
 endpoint with.
 """
 

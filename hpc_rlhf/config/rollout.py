@@ -102,6 +102,7 @@ class RolloutConfig(Section):
         description="OpenAI-client agents: seconds a new connection to the endpoint may take to send its first "
                     "request's headers before it is closed")
 
+    @property
     def endpoint_limits(self) -> EndpointLimits:
         """The agents' endpoint's limits this section sets (each validated > 0 by its field)."""
         return EndpointLimits(max_images=self.agent_max_images_per_request,

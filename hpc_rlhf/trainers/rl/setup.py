@@ -457,7 +457,7 @@ def _executor(cfg: RunConfig, tokenizer: Tokenizer) -> AgentExecutor:
     # sends its images in its chat messages (base64 data URLs) and the endpoint encodes them.
     executor.vision = vision_encoder(cfg, tokenizer)
     if isinstance(executor, OpenAIAgentExecutor):  # the endpoint's caps on images and connections
-        executor.limits = cfg.rollout.endpoint_limits()
+        executor.limits = cfg.rollout.endpoint_limits
     if isinstance(executor, OpenAIAgentExecutor) and cfg.algo.routing_replay == "rollout":
         # Its rows are the chat calls' prompts and completions, re-tokenized per call: no engine routes reach them.
         raise SetupError(f"algo.routing_replay=rollout with train.agent_func_path={cfg.train.agent_func_path}: an "
