@@ -415,9 +415,6 @@ class VllmServerEngine(RolloutEngine):
         self._start_engine()
 
     def reload_adapter(self) -> EngineFailure | None:
-        return self._reload_adapter()
-
-    def _reload_adapter(self) -> EngineFailure | None:
         """``ds.lora.sync=adapter``, on a restarted engine: load the last adapter written to the node-local folder
         (the dead engine's, or the one it died loading) before anything generates; the new engine's requests then
         carry it under the same name and id. Returns the new engine's own death during that load, else None.
