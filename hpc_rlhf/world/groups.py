@@ -132,13 +132,15 @@ def collective_timeout() -> datetime.timedelta | None:
     return _collective_timeout
 
 
-def new_group(ranks, *, use_local_synchronization: bool = False) -> dist.ProcessGroup | None:
+def new_group(ranks, *, use_local_synchronization: bool = False,
+              backend: str | None = None) -> dist.ProcessGroup | None:
     """``dist.new_group`` with the world's collective timeout; use it for every group (see _collective_timeout).
+    ``backend``: the group's own (default: the world's).
 
     Collective like ``dist.new_group``: every rank calls it in the same order, unless use_local_synchronization.
     """
     return dist.new_group(list(ranks), timeout=_collective_timeout,
-                          use_local_synchronization=use_local_synchronization)
+                          use_local_synchronization=use_local_synchronization, backend=backend)
 
 
 def set_collective_timeouts(timeout_s: float) -> bool:
@@ -189,10 +191,9 @@ class WorldGroups:
     placement: Placement
     rank: int
     roles: dict[str, RoleGroups] = field(default_factory=dict)
-    # Rank 0 plus every rank of a non-rollout role: the RL loop's decisions about the training batch go only to
-    # them, so rollout ranks busy generating (asynchronous mode) never hold the trainer up.
-    train_ranks: tuple[int, ...] = ()
-    train_group: dist.ProcessGroup | None = None
+    # Every rank, on gloo whatever the world's backend: rank 0's commands to the other ranks travel over it
+    # (``hpc_rlhf.trainers.rl.command_bus``), point to point, apart from every role's traffic.
+    command_group: dist.ProcessGroup | None = None
 
     def has_role(self, role: str) -> bool:
         return role in self.roles and self.rank in self.roles[role].ranks
@@ -268,8 +269,7 @@ def build_world_groups(placement: Placement) -> WorldGroups:
         for attr, handle in _grid_subgroups(grid, rank, cache).items():
             setattr(groups, attr, handle)
         out.roles[name] = groups
-    out.train_ranks = tuple(sorted({0} | {r for name, g in out.roles.items() if name != "rollout" for r in g.ranks}))
-    out.train_group = new_group(out.train_ranks)  # every rank creates it, member or not
+    out.command_group = new_group(range(placement.world_size), backend="gloo")
     if rank == placement.controller_rank:
         for row in placement.describe():
             log.info("role %(role)s on ranks %(ranks)s (dp %(dp)s, tp %(tp)s)", row)

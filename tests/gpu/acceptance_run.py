@@ -39,7 +39,7 @@ class Probes:
         self.train_tokens = 0
         self.train_seconds = 0.0
         engine, actor = trainer.roles.rollout.engine, trainer.roles.actor
-        generate, step, train = engine.generate, actor.step, trainer.train
+        generate, step, train = engine.generate, actor.step, trainer.rl_controller.train  # one rank: rank 0's
 
         def probed_generate(*args, **kwargs):
             torch.cuda.synchronize()
@@ -58,11 +58,11 @@ class Probes:
             out = train(batch)
             torch.cuda.synchronize()
             self.train_seconds += time.perf_counter() - start
-            if batch is not None:  # one rank: the controller holds the whole batch
+            if batch is not None:
                 self.train_tokens += int(batch.attention_mask.sum()) * trainer.cfg.train.max_epochs
             return out
 
-        engine.generate, actor.step, trainer.train = probed_generate, probed_step, probed_train
+        engine.generate, actor.step, trainer.rl_controller.train = probed_generate, probed_step, probed_train
 
 
 def gather_bandwidth(actor) -> tuple[float, float]:

@@ -36,7 +36,7 @@ def _groups_under_test(world_size: int) -> dict:
     tp_group, _ = tensor_data_parallel_groups(world_size)  # the offline trainers' tp x dp grid
     init_deepspeed_dist()
     dp_setup(None)  # a world-spanning DeepSpeed engine: ZeRO's clone of the world group
-    found = {"role group": world.roles["actor"].group, "train_group": world.train_group,
+    found = {"role group": world.roles["actor"].group, "command group": world.command_group,
              "offline tp group": tp_group, "deepspeed world clone": ds_groups._clone_world_group()}
     assert all(g is not None and g is not dist.group.WORLD for g in found.values()), found
     return found

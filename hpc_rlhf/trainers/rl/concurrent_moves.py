@@ -1,12 +1,12 @@
 """Rank 0's typed commands (``commands``) issued to the role workers: the make-experience forwards and the updates
 of the trained roles, each started at once and then waited on.
 
-Runs on the training ranks (the actor's, critic's, reference's and teacher's ranks, and rank 0): rank 0 builds the
-step's :class:`~hpc_rlhf.trainers.rl.commands.StepCommands` and every training rank receives them
-(:func:`exchange_commands`, one broadcast over the training group); then each rank issues the same commands in the
-same order, which on a worker rank means serving its part of each (``roles.RoleHandle._start_on_replicas``: the
-scatter, the role's work where the rank hosts the role, the gather at the wait); each command is collective over
-its role's controller ranks only.
+Runs on every rank: rank 0 builds the step's :class:`~hpc_rlhf.trainers.rl.commands.StepCommands` (the functions
+under "rank 0 decides"), which reach the other ranks inside a ``RunForwards`` / ``RunUpdates`` command
+(``role_worker``); then each rank issues the same commands in the same order, which on a worker rank means serving
+its part of each (``roles.RoleHandle._start_on_replicas``: the scatter, the role's work where the rank hosts the
+role, the gather at the wait) and on a rank outside a role nothing; each command is collective over its role's
+controller ranks only.
 
 Collective order, the same on every rank: the commands' own order (forwards: actor, ref, teacher, critic; updates:
 critic, actor; ``commands.FORWARD_ORDER``, ``commands.UPDATE_ORDER``), except that the roles rank 0 hosts move to
@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
-import torch.distributed as dist
 
 from hpc_rlhf.trainers.rl.commands import (
     FORWARD_ORDER,
@@ -82,19 +81,6 @@ def update_commands(handles: RoleHandles, version: int, kl_coef: float) -> tuple
     """The trained roles' updates, in :data:`~hpc_rlhf.trainers.rl.commands.UPDATE_ORDER`."""
     return tuple(Update(role, version, kl_coef if role == Role.ACTOR else 0.0) for role in UPDATE_ORDER
                  if handles.trained(role) is not None)
-
-
-def exchange_commands(commands: StepCommands | None, group: dist.ProcessGroup | None) -> StepCommands:
-    """Rank 0's ``commands`` on every rank of ``group`` (rank 0's: the training group); other ranks pass None.
-    Collective over ``group``: one object broadcast."""
-    if dist.get_rank() == CONTROLLER and commands is None:
-        raise ValueError("rank 0 must pass the step's commands")
-    box = [commands]
-    dist.broadcast_object_list(box, src=CONTROLLER, group=group)
-    received = box[0]
-    if not isinstance(received, StepCommands):
-        raise TypeError(f"rank {dist.get_rank()}: expected the step's commands from rank 0, got {type(received)}")
-    return received
 
 
 # ---- every training rank issues (rank 0) or serves (the others) ------------------------------------------------
