@@ -416,7 +416,7 @@ def train_fields(cfg: RunConfig, placement: Placement, role: str, need_old: bool
 
 
 def step_transfers(cfg: RunConfig, placement: Placement, need_old: bool) -> list[Transfer]:
-    """Every move of one RL step through rank 0, in the controller's order (``PPOTrainer.step``)."""
+    """Every move of one RL step through rank 0, in the controller's order (``RLController.step``)."""
     samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     prompt, response = cfg.data.prompt_max_len, cfg.rollout.generate_max_len
     columns = {"W": prompt + response, "R": response, "B": 1}

@@ -24,7 +24,7 @@ to collect the trajectories in the synchronous trainer, training in the asynchro
 from a thread on the actor rank would interleave with its collectives on other groups; an extra collective over the
 world in every step would make every rank pay for a rare event. So the weight resend is a service phase at two
 points that every rank of an engine's channel group reaches anyway, in the same order: just before the
-trajectories are collected (``PPOTrainer.collect_rollouts``) and at the start of every weight round. There the
+trajectories are collected (``RoleWorker.collect_rollouts``) and at the start of every weight round. There the
 sender hears each of its engines point to point (``done``, ``restarted``, ``failed``) until each says ``done``: a
 restarted engine's rank has been waiting in ``rejoin`` since its restart, gets the channel reopened and one round
 of the current weights, continues its requests, and says ``done`` when its generation is over. No rank waits in a

@@ -1,5 +1,5 @@
 """Actor -> rollout weight sync where the rollout ranks are a subset of the world (disaggregated, partial,
-asynchronous layouts). The colocated layout loads weights in-process instead (``PPOTrainer.sync_weights``).
+asynchronous layouts). The colocated layout loads weights in-process instead (``RoleWorker.sync_weights``).
 
 Two paths, one interface (``send(actor)`` on actor ranks, ``receive(engine)`` on rollout ranks, once per sync;
 ``build_weight_sync`` picks one from the config):
@@ -300,7 +300,7 @@ class EngineChannelWeightSync:
     # A restarted engine needs its channel reopened and the current weights, and its sender is an actor rank busy
     # with its own phases. So restarts are served at two known points where every rank of an engine's channel group
     # is anyway (``serve`` on the replica, ``checkpoint_engine`` / ``rejoin`` on the engine's rank): before the
-    # trajectories are collected (``PPOTrainer.collect_trajectories``) and at the start of each weight round. A
+    # trajectories are collected (``RoleWorker.collect_rollouts``) and at the start of each weight round. A
     # rollout rank whose engine failed while generating restarts it at once and blocks in ``rejoin`` until its sender
     # reaches the next service point; then it continues the unfinished requests. Messages go point to point over the
     # engine's channel group, one engine after another, so no rank waits on a collective that another skips. An engine

@@ -4,7 +4,7 @@
 
 The trainer is the real one (``PPOTrainer``: transformers rollout engine, DeepSpeed actor). Probes wrap three of
 its calls, changing nothing they do: the rollout engine's ``generate`` (device memory while generating), the
-actor's ``step`` (device memory while training) and ``PPOTrainer.train`` (tokens trained per second). After the
+actor's ``step`` (device memory while training) and ``RLController.train`` (tokens trained per second). After the
 run the script times one full gather of the actor's state dict and asks the planner (``rank_memory``, what
 ``hpc-rlhf plan`` prints) for its per-GPU estimate of the same run. Everything lands in ``--report`` as JSON.
 """

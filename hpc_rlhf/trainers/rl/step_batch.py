@@ -18,7 +18,7 @@ that is set, so the fields stay aligned row for row. Which rows go where is deci
 Between ranks a batch travels as a plain dict of tensors (:meth:`StepBatch.to_wire`): the controller channel
 (``hpc_rlhf.world.channel``) sends the tensors of dicts as raw collectives and pickles only the rest.
 
-Built on rank 0 (the batch, the shards); each role's ranks rebuild their shard from the wire.
+Runs on rank 0 (the batch, the shards) and on each role's ranks (they rebuild their shard from the wire).
 """
 
 from __future__ import annotations
