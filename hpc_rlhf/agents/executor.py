@@ -15,6 +15,7 @@ leave already-set rewards as they are.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
@@ -26,6 +27,17 @@ from hpc_rlhf.rollout.placeholder_tokens import PLACEHOLDER_FINISH
 from hpc_rlhf.rollout.visual import PromptVisual
 
 GenerateFn = Callable[[list[GenerationRequest]], list[GenerationResult]]
+
+
+def timed_generate(generate: GenerateFn, record: Callable[[float], None]) -> GenerateFn:
+    """``generate`` that hands ``record`` the seconds of every call (the engine's busy time), also of a failed one."""
+    def timed(requests: list[GenerationRequest]) -> list[GenerationResult]:
+        start = time.perf_counter()
+        try:
+            return generate(requests)
+        finally:
+            record(time.perf_counter() - start)
+    return timed
 
 # ``Trajectory.failure`` of a sample the engine cut at a vision placeholder token it sampled.
 PLACEHOLDER_FAILURE = ("generate: the engine sampled a vision placeholder token (which only the image processor "

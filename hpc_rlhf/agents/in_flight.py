@@ -22,16 +22,15 @@ of the same step seed, episode index and turn), so nothing finished is regenerat
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from hpc_rlhf.agents.episodes import Episode, EpisodeDriver, RunStats, new_episodes
-from hpc_rlhf.agents.executor import GenerateFn, check_samples_per_prompt
+from hpc_rlhf.agents.executor import GenerateFn, check_samples_per_prompt, timed_generate
 from hpc_rlhf.agents.multi_turn import MultiTurnAgentExecutor
 from hpc_rlhf.data.prompts import Prompt
-from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, SamplingParams, Trajectory
+from hpc_rlhf.rollout.base import SamplingParams, Trajectory
 from hpc_rlhf.utils.user_calls import run_to_completion
 
 
@@ -134,13 +133,10 @@ class InFlightEpisodes:
 
     # ------------------------------------------------------------------ rounds
     def _timed(self, generate: GenerateFn) -> GenerateFn:
-        def timed(requests: list[GenerationRequest]) -> list[GenerationResult]:
-            start = time.perf_counter()
-            try:
-                return generate(requests)
-            finally:
-                self.generate_seconds += time.perf_counter() - start
-        return timed
+        return timed_generate(generate, self._add_generate_seconds)
+
+    def _add_generate_seconds(self, seconds: float) -> None:
+        self.generate_seconds += seconds
 
     async def _rounds(self, generate: GenerateFn, version: int, finish_all: bool) -> None:
         if self._driver is None:

@@ -15,10 +15,10 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from hpc_rlhf.agents.executor import GenerateFn, SingleTurnExecutor
+from hpc_rlhf.agents.executor import GenerateFn, SingleTurnExecutor, timed_generate
 from hpc_rlhf.agents.in_flight import InFlightEpisodes, in_flight_pool
 from hpc_rlhf.data.prompts import Prompt
-from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, Trajectory
+from hpc_rlhf.rollout.base import Trajectory
 from hpc_rlhf.trainers.rl.commands import CloseRollouts, CollectRollouts, GeneratedSoFar, StartRollouts
 from hpc_rlhf.trainers.rl.controller_checkpoint import Buffers
 from hpc_rlhf.trainers.rl.partial_rollout import continue_generation, stamp_versions
@@ -110,13 +110,10 @@ class AsyncRoleWorker(RoleWorker):
 
     def engine_generate(self, generate: GenerateFn) -> GenerateFn:
         """``generate`` counting its seconds into this round's engine busy time."""
-        def timed(requests: list[GenerationRequest]) -> list[GenerationResult]:
-            start = time.perf_counter()
-            try:
-                return generate(requests)
-            finally:
-                self.round_busy_s += time.perf_counter() - start
-        return timed
+        return timed_generate(generate, self._add_busy_seconds)
+
+    def _add_busy_seconds(self, seconds: float) -> None:
+        self.round_busy_s += seconds
 
     def checkpoint_rank_buffers(self) -> Buffers | None:
         if self.in_flight:
