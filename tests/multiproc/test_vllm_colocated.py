@@ -116,14 +116,27 @@ def test_vllm_samples_with_the_weights_of_every_update(vllm_model):
 # ---------------------------------------------------------------------------- the trainer
 
 
-def test_colocated_grpo_with_vllm_learns_and_every_sync_reaches_the_engine(tmp_path, vllm_model):
-    rows = _torchrun("configs/grpo_vllm_tiny_cpu.yaml", tmp_path / "run", f"actor.pretrain={vllm_model}",
-                     "train.max_steps=30")
-    assert [r["step"] for r in rows] == list(range(1, 31))
+GRPO_STEPS = 30
+RESUMED_FROM = GRPO_STEPS - 2  # the resume test's interrupted job ended after this step
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory, vllm_model) -> tuple[Path, list[dict]]:
+    """The recipe's 30-step run, once for two tests: it must learn, and a job cut after step 28 must resume to its
+    metrics. Its checkpoints at steps 28 and 30 (and only these) are what the resume test cuts back to."""
+    run = tmp_path_factory.mktemp("grpo_vllm") / "run"
+    rows = _torchrun("configs/grpo_vllm_tiny_cpu.yaml", run, f"actor.pretrain={vllm_model}",
+                     f"train.max_steps={GRPO_STEPS}", f"ckpt.save_steps={RESUMED_FROM}")
+    return run, rows
+
+
+def test_colocated_grpo_with_vllm_learns_and_every_sync_reaches_the_engine(grpo_run):
+    run, rows = grpo_run
+    assert [r["step"] for r in rows] == list(range(1, GRPO_STEPS + 1))
     _assert_engine_matches_trainer(rows)
     first, last = (sum(r["reward"] for r in part) / len(part) for part in (rows[:5], rows[-5:]))
     assert last > first + 0.1, (first, last)
-    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+    assert (run / "model" / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -198,20 +211,22 @@ def test_distillation_teacher_scores_the_models_tokens_of_agent_episodes_on_vllm
     assert abs(rows[-1]["distill/reverse_kl"]) > 100 * MAX_ABS_K1, rows[-1]
 
 
-def test_resume_with_vllm_equals_the_uninterrupted_run(tmp_path, vllm_model):
+def test_resume_with_vllm_equals_the_uninterrupted_run(tmp_path, grpo_run, vllm_model):
     """vLLM samples with a per-request seed derived from the step, so a resumed run draws the same tokens. The
-    interrupted run is the uninterrupted one's folder as a job ended after step 2 leaves it (step 2's checkpoint
-    LATEST, no later one; metrics.jsonl still holds steps 3-4, which the resume must replace): one launch fewer
-    than running a 2-step job."""
-    common = [f"actor.pretrain={vllm_model}", "ckpt.save_steps=2"]
-    whole = _torchrun("configs/grpo_vllm_tiny_cpu.yaml", tmp_path / "whole", *common, "train.max_steps=4")
+    interrupted run is the uninterrupted 30-step run's folder as a job ended after step 28 leaves it (step 28's
+    checkpoint LATEST, no later one; metrics.jsonl still holds steps 29-30, which the resume must replace): no launch
+    of its own for the uninterrupted run, which the learning test above runs anyway."""
+    whole_run, whole = grpo_run
     cut = tmp_path / "cut"
-    shutil.copytree(tmp_path / "whole", cut)
-    shutil.rmtree(cut / "ckpt/step_4")
-    (cut / "ckpt/LATEST").write_text("step_2")
-    resumed = _torchrun("configs/grpo_vllm_tiny_cpu.yaml", cut, *common, "train.max_steps=4", "ckpt.load=true")
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # steps 3-4 logged once, by the resumed run
+    shutil.copytree(whole_run, cut)
+    assert (cut / "ckpt/LATEST").read_text().strip() == f"step_{GRPO_STEPS}"
+    shutil.rmtree(cut / f"ckpt/step_{GRPO_STEPS}")
+    (cut / "ckpt/LATEST").write_text(f"step_{RESUMED_FROM}")
+    resumed = _torchrun("configs/grpo_vllm_tiny_cpu.yaml", cut, f"actor.pretrain={vllm_model}",
+                        f"train.max_steps={GRPO_STEPS}", f"ckpt.save_steps={RESUMED_FROM}", "ckpt.load=true")
+    # the last steps logged once, by the resumed run
+    assert [r["step"] for r in resumed] == list(range(1, GRPO_STEPS + 1))
     tail = {r["step"]: r for r in resumed}
-    for step in (3, 4):
+    for step in range(RESUMED_FROM + 1, GRPO_STEPS + 1):
         for key in ("reward", "policy_loss", "response_length", "is/rollout_kl_k1"):
             assert tail[step][key] == pytest.approx(whole[step - 1][key], rel=1e-6, abs=1e-9), (step, key)
