@@ -46,6 +46,10 @@ JOB_TIMEOUT_S = 600
 COMPARED = ("reward", "score", "response_length", "policy_loss", "actor_grad_norm", "actor_lr")
 
 KINDS = ("sigkill_one", "sigkill_all", "sigstop_one", "sigusr1_all", "sigterm_all", "enospc_save")
+# Faults whose job is idle for most of its injection: a stopped rank's job waits out the running rank's phase limit
+# and then torchrun's 30 s SIGTERM -> SIGKILL grace (its --shutdown-timeout does not apply to a failed worker group).
+# The suite starts these injections at the start of the module, beside the others, and checks them last.
+IDLE_KINDS = ("sigstop_one",)
 PHASES = ("generation", "train", "weight_sync", "checkpoint_write")
 
 

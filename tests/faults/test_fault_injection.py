@@ -7,6 +7,7 @@ runs more; the table of outcomes is printed at the end (and goes into docs/relia
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -35,6 +36,34 @@ def reference(assets, tmp_path_factory):
     return rows
 
 
+@pytest.fixture(scope="module")
+def idle_injections(request, assets, reference, tmp_path_factory):
+    """The module's injections of an idle kind (driver.IDLE_KINDS), started together once the reference run is done
+    and left running beside the other tests: {fault: (run folder, future of its Outcome)}. Only the faults selected
+    for this run are started."""
+    faults = _selected_idle_faults(request)
+    if not faults:
+        yield {}
+        return
+    with ThreadPoolExecutor(max_workers=len(faults), thread_name_prefix="idle-injection") as pool:
+        started = {}
+        for fault in faults:
+            out = tmp_path_factory.mktemp("idle_injection") / "run"
+            started[fault] = (out, pool.submit(driver.inject, fault, assets, out))
+        yield started
+
+
+def _selected_idle_faults(request) -> list[driver.Fault]:
+    """This module's selected faults (after -k and --deselect) of an idle kind."""
+    faults = []
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        fault = callspec.params.get("fault") if callspec is not None else None
+        if item.module is request.module and fault is not None and fault.kind in driver.IDLE_KINDS:
+            faults.append(fault)
+    return faults
+
+
 def _check_diagnosis(fault: driver.Fault, outcome: driver.Outcome, out) -> None:
     """The job says what happened: the dead rank's number, the hang's dumps, the stop's checkpoint."""
     log = outcome.log
@@ -59,9 +88,13 @@ def _check_diagnosis(fault: driver.Fault, outcome: driver.Outcome, out) -> None:
         assert "No space left on device (injected" in log, log[-3000:]
 
 
-def test_fault_is_survived(fault, assets, reference, tmp_path):
-    out = tmp_path / "run"
-    outcome = driver.inject(fault, assets, out)
+def test_fault_is_survived(fault, assets, reference, idle_injections, tmp_path):
+    if fault in idle_injections:  # started at the module's start (driver.IDLE_KINDS)
+        out, future = idle_injections[fault]
+        outcome = future.result()
+    else:
+        out = tmp_path / "run"
+        outcome = driver.inject(fault, assets, out)
     OUTCOMES.append(outcome)
     print(f"{fault}: exit {outcome.exit_code} after {outcome.exit_s:.1f} s")
     last_step_signal = fault.kind in ("sigusr1_all", "sigterm_all") and fault.step == driver.NUM_STEPS
