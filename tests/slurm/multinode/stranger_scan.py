@@ -103,26 +103,26 @@ def store_probe(address: str, port: int) -> dict | None:
     return seen
 
 
-def store_probes(address: str, ports: list[int]) -> dict[int, dict]:
-    """:func:`store_probe` of every port, each in a child process of its own, all at once: a port that accepts and
-    never answers (gloo's listeners) holds a TCPStore client past its own timeout, so a child that is not done in
-    STORE_PROBE_S is killed (and its port is no store)."""
+def store_probes(targets: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
+    """:func:`store_probe` of every ``(address, port)``, each in a child process of its own, all at once (every
+    node's ports together): a port that accepts and never answers (gloo's listeners) holds a TCPStore client past its
+    own timeout, so a child that is not done in STORE_PROBE_S is killed (and its port is no store)."""
     context = multiprocessing.get_context("fork")
     children = []
-    for port in ports:
+    for target in targets:
         receiver, sender = context.Pipe(duplex=False)
-        child = context.Process(target=lambda p=port, out=sender: out.send(store_probe(address, p)), daemon=True)
+        child = context.Process(target=lambda t=target, out=sender: out.send(store_probe(*t)), daemon=True)
         child.start()
-        children.append((port, child, receiver))
+        children.append((target, child, receiver))
     deadline = time.monotonic() + STORE_PROBE_S
     found = {}
-    for port, child, receiver in children:
+    for target, child, receiver in children:
         try:
             seen = receiver.recv() if receiver.poll(max(deadline - time.monotonic(), 0)) else None
         except (EOFError, OSError):  # the probe died without an answer (gloo aborts the process on some peers)
             seen = None
         if seen is not None:
-            found[port] = seen
+            found[target] = seen
         child.kill()
         child.join()
     return found
@@ -132,12 +132,15 @@ deadline = time.monotonic() + 600
 while not go.exists() and time.monotonic() < deadline:
     time.sleep(0.05)
 report: dict = {"started": time.time(), "hosts": {}}
-for address in addresses:
-    ports = open_ports(address)
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        http = dict(zip(ports, pool.map(http_probe, [address] * len(ports), ports), strict=True))
-    stores = store_probes(address, ports)  # after the threads are gone: each probe forks
-    report["hosts"][address] = {"open": ports, "http": {str(p): http[p] for p in ports},
-                                "stores": {str(p): seen for p, seen in stores.items()}}
+open_by_host = {address: open_ports(address) for address in addresses}
+targets = [(address, port) for address, ports in open_by_host.items() for port in ports]
+with ThreadPoolExecutor(max_workers=16) as pool:
+    http = dict(zip(targets, pool.map(lambda target: http_probe(*target), targets), strict=True))
+# after the threads are gone: each probe forks. Every node's at once: each node's gloo listeners hold their probes
+# the whole STORE_PROBE_S, which the nodes then spend together, not one after the other.
+stores = store_probes(targets)
+for address, ports in open_by_host.items():
+    report["hosts"][address] = {"open": ports, "http": {str(p): http[address, p] for p in ports},
+                                "stores": {str(p): stores[address, p] for p in ports if (address, p) in stores}}
 report["finished"] = time.time()
 print(json.dumps(report), flush=True)
