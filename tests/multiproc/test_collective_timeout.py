@@ -74,22 +74,37 @@ def _rank(rank: int, world_size: int, port: int, out: str, set_after_creation: b
     os._exit(0)  # the world is broken on purpose; skip destroy_process_group
 
 
-@pytest.mark.parametrize("set_after_creation", [False, True], ids=["at-init", "set-per-phase"])
-def test_a_stopped_rank_times_out_every_group(tmp_path, set_after_creation):
-    out = tmp_path / "waited.json"
+MODES = {"at-init": False, "set-per-phase": True}  # set_after_creation
+
+
+@pytest.fixture(scope="module")
+def stopped_worlds(tmp_path_factory):
+    """Both worlds of the module's test, started together (each is mostly waiting: its rank 1 stopped, its rank 0 in
+    a collective until the timeout): {mode: (rank processes, where rank 0 writes what it waited)}."""
     ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, str(out), set_after_creation)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        procs[0].join(JOIN_LIMIT_S)
-        assert not procs[0].is_alive(), f"rank 0 still waiting {JOIN_LIMIT_S}s after rank 1 stopped"
-    finally:
+    worlds = {}
+    for mode, set_after_creation in MODES.items():
+        out = tmp_path_factory.mktemp(f"collective_timeout_{mode}") / "waited.json"
+        port = _free_port()
+        procs = [ctx.Process(target=_rank, args=(r, 2, port, str(out), set_after_creation)) for r in range(2)]
+        for p in procs:
+            p.start()
+        worlds[mode] = (procs, out)
+    yield worlds
+    for procs, _ in worlds.values():
         for p in procs:
             if p.is_alive():
                 p.kill()  # SIGKILL also ends a stopped process
                 p.join()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_stopped_rank_times_out_every_group(stopped_worlds, mode):
+    procs, out = stopped_worlds[mode]
+    procs[0].join(JOIN_LIMIT_S)
+    assert not procs[0].is_alive(), f"rank 0 still waiting {JOIN_LIMIT_S}s after rank 1 stopped"
+    procs[1].kill()  # stopped since the barrier
+    procs[1].join()
     waited = json.loads(out.read_text())
     for name, result in waited.items():
         assert result != "completed", f"{name}: a collective with a stopped peer completed"
