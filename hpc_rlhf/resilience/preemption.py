@@ -53,6 +53,21 @@ class PreemptionGuard:
         return bool(flag.item())
 
 
+def shield_children_from_time_limit_signal() -> None:
+    """Block ``SIGUSR1`` in the calling thread, so that processes started from it (fork, or fork and exec: both keep
+    the signal mask) never act on it. Call it first thing in a thread that starts helper processes.
+
+    SLURM delivers ``--signal=USR1@<grace>`` (and ``scancel --signal=USR1``) to every process of a job step, the
+    rank's descendants included (every ``ProctrackType`` signals the step's whole process tree or cgroup). A helper
+    that installs no handler for it dies on its default action: vLLM's engine-core and worker processes would all
+    die at the time-limit warning, and the rank would spend the grace restarting its engine instead of finishing its
+    step and checkpointing. The rank alone acts on the warning (its :class:`PreemptionGuard`) and stops its helpers
+    itself. The rank's own threads are unaffected: a process-directed signal goes to a thread that does not block
+    it, and Python runs its handler on the main thread. ``SIGTERM`` is left alone: vLLM stops its own workers
+    with it."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+
+
 _GUARD: PreemptionGuard | None = None
 
 

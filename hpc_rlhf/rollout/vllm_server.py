@@ -82,6 +82,7 @@ import torch
 
 from hpc_rlhf.config.schema import LoraConfig
 from hpc_rlhf.resilience.fault_injection import fault_point
+from hpc_rlhf.resilience.preemption import shield_children_from_time_limit_signal
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
 from hpc_rlhf.rollout.engine_restart import (
     EngineFailure,
@@ -161,6 +162,13 @@ def isolated_environ(env: dict[str, str]) -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def _run_shielded(loop: asyncio.AbstractEventLoop) -> None:
+    """The engine's event loop thread: SIGUSR1 blocked first, so that the vLLM processes it starts ignore SLURM's
+    time-limit warning (``preemption.shield_children_from_time_limit_signal``)."""
+    shield_children_from_time_limit_signal()
+    loop.run_forever()
 
 
 def server_engine_kwargs(model_path: str, *, tensor_parallel_size: int, gpu_memory_utilization: float, seed: int,
@@ -249,7 +257,10 @@ class VllmServerEngine(RolloutEngine):
         self.placeholder_ids = read_placeholder_token_ids(model_path)  # never sampled (vision-language models)
         self._in_flight: set[str] = set()  # request ids of generations not finished yet
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-server-loop", daemon=True)
+        # vLLM's processes are started from this thread and inherit its signal mask: SLURM's time-limit warning,
+        # which reaches every process of the step, is for the rank to act on, not for them to die of.
+        self._thread = threading.Thread(target=_run_shielded, args=(self._loop,), name="vllm-server-loop",
+                                        daemon=True)
         self._thread.start()
         kwargs = server_engine_kwargs(model_path, tensor_parallel_size=tensor_parallel_size,
                                       gpu_memory_utilization=gpu_memory_utilization, seed=seed,

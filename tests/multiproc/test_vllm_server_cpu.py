@@ -15,6 +15,7 @@ engine serves the engine tests (vLLM takes ~20 s to start); each trainer run sta
 from __future__ import annotations
 
 import importlib.util
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -209,6 +210,26 @@ def test_a_round_during_generation_keeps_earlier_tokens_and_continues_with_the_n
         assert result.output_ids[:kept] == before.output_ids[:kept]
         assert float((got[kept:] - under_new[kept:]).abs().max()) < LOGPROB_TOLERANCE
         assert float((got[kept:] - under_old[kept:]).abs().mean()) > 1e-2  # and not the old weights' any more
+
+
+def test_slurms_time_limit_warning_leaves_the_engines_processes_to_the_rank(linked_engine):
+    """SLURM sends its time-limit warning (``--signal=USR1@<grace>``) to every process of the job step, vLLM's
+    engine-core and worker processes included. They neither die of it (SIGUSR1's default action) nor stop
+    generating: the rank alone acts on it, finishing its step and checkpointing with its engine alive, and no
+    restart is spent. (Without the loop thread's blocked SIGUSR1 the engine core dies at once.)"""
+    import psutil
+
+    engine, _ = linked_engine
+    helpers = [proc for proc in psutil.Process().children(recursive=True) if "VLLM" in " ".join(proc.cmdline())]
+    assert len(helpers) >= 2, [" ".join(proc.cmdline()) for proc in helpers]  # the engine core and its worker
+    for proc in helpers:
+        proc.send_signal(signal.SIGUSR1)
+    time.sleep(2)  # a default action is immediate; a death is noticed by vLLM's monitor within this
+    dead = [proc.pid for proc in helpers if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE]
+    assert not dead, f"vLLM processes {dead} died of SIGUSR1"
+    restarts = engine.budget.restarts
+    results = engine.generate(sampled_requests(max_new_tokens=4))
+    assert len(results) == 8 and all(r.output_ids for r in results) and engine.budget.restarts == restarts
 
 
 # ---------------------------------------------------------------------------- the trainer
