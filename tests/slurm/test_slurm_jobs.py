@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -119,32 +118,19 @@ def test_one_failing_rank_ends_the_job_fast(tmp_path):
     print(f"fail-fast: job ended {elapsed:.1f}s after it started running")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def time_limit_job(slurm_cluster, tmp_path_factory) -> Iterator[tuple[str, Path]]:
-    """A job that waits for the scheduler's time-limit signal (--time=1 --signal=USR1@55) with nothing to compute:
-    submitted before the module's first test, so that its wait (20-35 s: slurmctld checks time limits every few
-    seconds) runs beside the tests before its own instead of alone. Its 2 tasks fit beside a 2-task job on the
-    node's 4 declared CPUs; its test comes long before slurmctld forgets the finished job (MinJobAge)."""
-    folder = tmp_path_factory.mktemp("time_limit")
+def test_time_limit_signal_reaches_every_task(tmp_path):
+    """--signal=USR1@N (no B:) is delivered by the scheduler to the tasks of the srun step, not the shell."""
+    log = tmp_path / "job.out"
     probe = ("import signal,sys,time,os\n"
              "def h(s,f): print(f'task {os.environ[\"SLURM_PROCID\"]} got USR1', flush=True); sys.exit(0)\n"
              "signal.signal(signal.SIGUSR1,h)\ntime.sleep(58)\nprint('no signal', flush=True)\nsys.exit(3)\n")
-    (folder / "probe.py").write_text(probe)
-    script = folder / "sig.sbatch"
+    (tmp_path / "probe.py").write_text(probe)
+    script = tmp_path / "sig.sbatch"
     script.write_text("#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --cpus-per-task=1\n#SBATCH --time=1\n"
                       "#SBATCH --signal=USR1@55\n"
                       "trap 'echo batch shell got USR1' USR1\n"
-                      f"srun --kill-on-bad-exit=1 {sys.executable} {folder / 'probe.py'}\necho batch done\n")
-    log = folder / "job.out"
+                      f"srun --kill-on-bad-exit=1 {sys.executable} {tmp_path / 'probe.py'}\necho batch done\n")
     job = sbatch("-o", str(log), str(script))
-    yield job, log
-    if job_info(job).get("JobState") not in FINAL:
-        subprocess.run(["scancel", job], check=False)
-
-
-def test_time_limit_signal_reaches_every_task(time_limit_job):
-    """--signal=USR1@N (no B:) is delivered by the scheduler to the tasks of the srun step, not the shell."""
-    job, log = time_limit_job
     info = wait_job(job, 150, log)
     text = _read(log)
     assert info["JobState"] == "COMPLETED", text
