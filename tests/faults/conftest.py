@@ -26,25 +26,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
             item.add_marker(pytest.mark.faults)
-    _check_idle_injections_last(items)
+    _idle_injections_last(items)
 
 
-def _check_idle_injections_last(items) -> None:
+def idle_fault(item):
+    """The item's ``fault`` parameter when it is of an idle kind (driver.IDLE_KINDS), else None."""
+    from tests.faults.driver import IDLE_KINDS
+
+    callspec = getattr(item, "callspec", None)
+    fault = callspec.params.get("fault") if callspec is not None else None
+    return fault if fault is not None and fault.kind in IDLE_KINDS else None
+
+
+def _idle_injections_last(items) -> None:
     """Injections of an idle kind run in the background from their module's start (test_fault_injection.py): their
     checks go last within that module, so that the module's other tests run while they wait. Only the positions of
     that module's items are reordered (stably), so it stays one block and its fixtures are built once."""
-    from tests.faults.driver import IDLE_KINDS
-
-    def is_idle(item) -> bool:
-        callspec = getattr(item, "callspec", None)
-        fault = callspec.params.get("fault") if callspec is not None else None
-        return fault is not None and fault.kind in IDLE_KINDS
-
     by_module: dict = {}
     for position, item in enumerate(items):
-        by_module.setdefault(item.module if hasattr(item, "module") else None, []).append(position)
+        by_module.setdefault(getattr(item, "module", None), []).append(position)
     for positions in by_module.values():
-        ordered = sorted((items[p] for p in positions), key=is_idle)
+        ordered = sorted((items[p] for p in positions), key=lambda item: idle_fault(item) is not None)
         for position, item in zip(positions, ordered, strict=True):
             items[position] = item
 

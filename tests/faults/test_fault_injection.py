@@ -15,7 +15,7 @@ from hpc_rlhf.ckpt.atomic import CheckpointManager
 from hpc_rlhf.resilience.watchdog import STALL_EXIT_CODE
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.faults import driver
-from tests.faults.conftest import OUTCOMES
+from tests.faults.conftest import OUTCOMES, idle_fault
 from tests.multiproc.rl_fixtures import make_assets
 
 pytestmark = pytest.mark.slow
@@ -41,7 +41,9 @@ def idle_injections(request, assets, reference, tmp_path_factory):
     """The module's injections of an idle kind (driver.IDLE_KINDS), started together once the reference run is done
     and left running beside the other tests: {fault: (run folder, future of its Outcome)}. Only the faults selected
     for this run are started."""
-    faults = _selected_idle_faults(request)
+    # this module's selected faults (after -k and --deselect) of an idle kind
+    faults = [fault for item in request.session.items
+              if item.module is request.module and (fault := idle_fault(item)) is not None]
     if not faults:
         yield {}
         return
@@ -51,17 +53,6 @@ def idle_injections(request, assets, reference, tmp_path_factory):
             out = tmp_path_factory.mktemp("idle_injection") / "run"
             started[fault] = (out, pool.submit(driver.inject, fault, assets, out))
         yield started
-
-
-def _selected_idle_faults(request) -> list[driver.Fault]:
-    """This module's selected faults (after -k and --deselect) of an idle kind."""
-    faults = []
-    for item in request.session.items:
-        callspec = getattr(item, "callspec", None)
-        fault = callspec.params.get("fault") if callspec is not None else None
-        if item.module is request.module and fault is not None and fault.kind in driver.IDLE_KINDS:
-            faults.append(fault)
-    return faults
 
 
 def _check_diagnosis(fault: driver.Fault, outcome: driver.Outcome, out) -> None:
