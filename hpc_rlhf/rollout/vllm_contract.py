@@ -38,7 +38,8 @@ from hpc_rlhf.models.ring_flash_import import add_missing_transformers_name  # i
 from hpc_rlhf.rollout.base import WAKE_TAGS, SamplingParams
 from hpc_rlhf.rollout.vllm_api import PAUSE_MODE, SLEEP_TAGS, VLLM_NAMES, VllmName, resolve
 from hpc_rlhf.rollout.vllm_external_launcher import cpu_scheduler_kwargs, llm_kwargs, vllm_sampling_kwargs
-from hpc_rlhf.rollout.vllm_server import bucket_update_info, server_engine_kwargs, worker_init_info
+from hpc_rlhf.rollout.vllm_server_launch import server_engine_kwargs
+from hpc_rlhf.weight_sync.vllm_transfer_info import bucket_update_info, worker_init_info
 
 # Imported lazily somewhere in hpc_rlhf on GPU paths (module name, distribution name).
 GPU_PACKAGES = (("vllm", "vllm"), ("flash_attn", "flash-attn"), ("ring_flash_attn", "ring-flash-attn"),
@@ -221,7 +222,7 @@ def derived_checks() -> list[Check]:
                                   max_model_len=128, enable_return_routed_experts=True,
                                   **cpu_scheduler_kwargs(128))
     server["weight_transfer_config"] = None
-    checks.append(_accepts("AsyncEngineArgs keywords (vllm_server.server_engine_kwargs)", set(server),
+    checks.append(_accepts("AsyncEngineArgs keywords (vllm_server_launch.server_engine_kwargs)", set(server),
                            "vllm:AsyncEngineArgs"))
     sampling = vllm_sampling_kwargs(SamplingParams(max_new_tokens=4, top_k=5, stop_token_ids=[2], seed=1), n=2,
                                     forbidden_token_ids=[3])  # logit_bias: a vision model's placeholders
@@ -231,10 +232,10 @@ def derived_checks() -> list[Check]:
     checks.append(_accepts("TokensPrompt", {"prompt_token_ids"}, "vllm:TokensPrompt",
                            construct={"prompt_token_ids": [1, 2]}))
     init = worker_init_info({"nccl_unique_id_b64": base64.b64encode(bytes(128)).decode()}, 2)
-    checks.append(_accepts("weight transfer init_info (vllm_server.worker_init_info)", set(init),
+    checks.append(_accepts("weight transfer init_info (vllm_transfer_info.worker_init_info)", set(init),
                            "vllm.distributed.weight_transfer.nccl_engine:NCCLWeightTransferInitInfo", construct=init))
     update = bucket_update_info([("model.norm.weight", torch.empty(8, dtype=torch.bfloat16, device="meta"))])
-    checks.append(_accepts("weight transfer update_info (vllm_server.bucket_update_info)", set(update),
+    checks.append(_accepts("weight transfer update_info (vllm_transfer_info.bucket_update_info)", set(update),
                            "vllm.distributed.weight_transfer.nccl_engine:NCCLWeightTransferUpdateInfo",
                            construct=update))
     checks.append(_accepts("WeightTransferConfig(backend='nccl')", {"backend"}, "vllm.config:WeightTransferConfig",

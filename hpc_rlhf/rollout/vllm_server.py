@@ -19,14 +19,14 @@ parallel. One round: ``start_weight_update`` -> ``update_weights`` per bucket (n
 dtypes, shapes: the tensors themselves come over the communicator) -> ``finish_weight_update``. The trainer opens
 both ends at its first weight sync and picks each engine's sender
 (``hpc_rlhf.weight_sync.sharded.EngineChannelWeightSync``). The backend follows the hardware
-(:func:`transfer_backend`, the same rule on both ends):
+(``vllm_transfer_info.transfer_backend``, the same rule on both ends):
 
 - ``gloo`` without CUDA: our backend (:mod:`hpc_rlhf.weight_sync.vllm_gloo_transfer`, registered in vLLM's processes
   by :mod:`hpc_rlhf.rollout.vllm_plugin`); buckets packed one flat buffer per dtype. Runs on CPU and is tested
   there against a real vLLM (``tests/multiproc/test_vllm_server_cpu.py``).
 - ``nccl`` on CUDA: vLLM's own (``WeightTransferConfig(backend="nccl")``), joined by a unique id that travels
   through vLLM's control plane (``nccl_unique_id_b64``), never through vLLM's TCP-store rendezvous (its workers
-  unpickle what that store holds: :func:`worker_init_info` refuses it), the sender
+  unpickle what that store holds: ``vllm_transfer_info.worker_init_info`` refuses it), the sender
   (:mod:`hpc_rlhf.weight_sync.vllm_nccl_transfer`) packing with vLLM's ``packed_nccl_broadcast_producer``.
   This path has never run on a GPU: only against fakes (``tests/unit/test_vllm_server.py``,
   ``tests/security/test_weight_channel.py``) and vLLM's API contract (:mod:`hpc_rlhf.rollout.vllm_contract`);
@@ -72,17 +72,15 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from hpc_rlhf.config.schema import LoraConfig
 from hpc_rlhf.resilience.fault_injection import fault_point
-from hpc_rlhf.resilience.preemption import shield_children_from_time_limit_signal
 from hpc_rlhf.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
 from hpc_rlhf.rollout.engine_restart import (
     EngineFailure,
@@ -106,118 +104,26 @@ from hpc_rlhf.rollout.vllm_external_launcher import (
 )
 from hpc_rlhf.rollout.vllm_images import require_vllm_images_supported, tokens_prompt_kwargs
 from hpc_rlhf.rollout.vllm_lora import AdapterFolderLostError, VllmAdapterSlot
+from hpc_rlhf.rollout.vllm_server_launch import (
+    isolated_environ,
+    run_shielded_loop,
+    server_engine_kwargs,
+    server_process_env,
+)
 from hpc_rlhf.rollout.weight_round_failure import receive_round
-from hpc_rlhf.weight_sync.vllm_gloo_transfer import GLOO_BACKEND, gloo_worker_init_info  # imports no vLLM
-from hpc_rlhf.world.job_secret import JOB_SECRET_ENV, JobSecretError, held_job_secret
+from hpc_rlhf.weight_sync.vllm_gloo_transfer import GLOO_BACKEND  # imports no vLLM
+from hpc_rlhf.weight_sync.vllm_transfer_info import (
+    TRANSFER_BACKENDS,
+    bucket_update_info,
+    transfer_backend,
+    worker_init_info,
+)
+from hpc_rlhf.world.job_secret import JobSecretError, held_job_secret
 
 log = logging.getLogger(__name__)
 __all__ = ["FAULT_PHASE", "ROUND_FAULT_PHASE", "VllmServerEngine"]  # the fault phases: engine_supervision's
 # How often a weight round's engine call checks that the engine is still alive (vLLM's engine-dead flag).
 ROUND_POLL_S = 0.2
-
-# Our launch layer's variables (torchrun / srun via hpc_rlhf.world): vLLM's processes must not see
-# them, or they would read our world's rank and size as theirs.
-LAUNCH_ENV_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                   "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-# vLLM's packed transfer: two 1 GiB staging buffers on each side (vLLM's defaults).
-PACKED_BUFFER_BYTES = 1 << 30
-PACKED_NUM_BUFFERS = 2
-# Weight-transfer backends: vLLM's NCCL one on CUDA, ours over gloo elsewhere (vllm_gloo_transfer).
-TRANSFER_BACKENDS = ("nccl", "gloo")
-
-
-def transfer_backend(on_gpu: bool) -> str:
-    """The weight-transfer backend of engines in processes of their own: ``nccl`` where CUDA is, ``gloo`` where it
-    is not (NCCL does not exist on CPU). Both ends of a channel call this with ``torch.cuda.is_available()``."""
-    return "nccl" if on_gpu else "gloo"
-
-
-def server_process_env(environ: dict[str, str], devices: Sequence[int] | None,
-                       job_secret: str | None = None) -> dict[str, str]:
-    """The environment vLLM's processes start with: our world's launch variables removed, the engine's
-    GPUs made visible (``devices``: node-local indices, one per tensor-parallel worker), worker processes
-    spawned (the rollout rank may already hold a CUDA context) and vLLM's engine core in its own process.
-
-    ``job_secret``: handed to vLLM's processes as ``HPC_RLHF_JOB_SECRET`` (their workers join the gloo weight
-    channel's sealed store with it); the only child processes of a rank that get it (``hpc_rlhf.world.job_secret``).
-    """
-    env = {k: v for k, v in environ.items() if k not in LAUNCH_ENV_VARS and k != JOB_SECRET_ENV}
-    if job_secret is not None:
-        env[JOB_SECRET_ENV] = job_secret
-    if devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
-    env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    return env
-
-
-@contextmanager
-def isolated_environ(env: dict[str, str]) -> Iterator[None]:
-    """Run the block with ``os.environ == env`` (vLLM's child processes inherit it); restore afterwards."""
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def _run_shielded(loop: asyncio.AbstractEventLoop) -> None:
-    """The engine's event loop thread: SIGUSR1 blocked first, so that the vLLM processes it starts ignore SLURM's
-    time-limit warning (``preemption.shield_children_from_time_limit_signal``)."""
-    shield_children_from_time_limit_signal()
-    loop.run_forever()
-
-
-def server_engine_kwargs(model_path: str, *, tensor_parallel_size: int, gpu_memory_utilization: float, seed: int,
-                         enforce_eager: bool, enable_prefix_caching: bool, logprobs_mode: str,
-                         **extra: Any) -> dict[str, Any]:
-    """``vllm.AsyncEngineArgs`` keywords (without ``weight_transfer_config``, added by the engine)."""
-    return {"model": model_path, "tensor_parallel_size": tensor_parallel_size,
-            "distributed_executor_backend": "mp", "gpu_memory_utilization": gpu_memory_utilization,
-            "seed": seed, "enforce_eager": enforce_eager, "enable_prefix_caching": enable_prefix_caching,
-            "logprobs_mode": logprobs_mode, **extra}
-
-
-def worker_init_info(rendezvous: Mapping[str, Any], num_workers: int, backend: str = "nccl") -> dict[str, Any]:
-    """``init_info`` of ``init_weight_transfer_engine``: workers take ranks ``1 .. num_workers`` of a
-    communicator whose rank 0 is the sending actor rank; ``rendezvous`` is that sender's (its channel's
-    ``rendezvous``: the NCCL unique id, or where the gloo group's sealed store is).
-
-    Raises:
-        ValueError: an unknown backend, or an NCCL rendezvous through a TCP store (``master_address`` /
-            ``master_port``): vLLM's workers unpickle what they read from that plain store, so anyone who reaches
-            its port would run code in them. NCCL channels join by unique id only.
-    """
-    if backend == "gloo":
-        return gloo_worker_init_info(rendezvous, num_workers)
-    if backend != "nccl":
-        raise ValueError(f"unknown weight-transfer backend {backend!r}; choose one of {TRANSFER_BACKENDS}")
-    if "master_address" in rendezvous or "master_port" in rendezvous:
-        raise ValueError("an NCCL weight channel through a TCP store (master_address / master_port) is refused: "
-                         "vLLM's workers unpickle the NCCL id they read from that unauthenticated store, so anyone "
-                         "who reaches its port runs code in them. Pass the sender's nccl_unique_id_b64 instead "
-                         "(vllm_nccl_transfer.SenderChannel.rendezvous)")
-    unique_id = rendezvous.get("nccl_unique_id_b64")
-    if not isinstance(unique_id, str) or not unique_id:
-        raise ValueError("an NCCL weight channel's rendezvous needs nccl_unique_id_b64 "
-                         f"(got keys {sorted(rendezvous)})")
-    return {"nccl_unique_id_b64": unique_id, "rank_offset": 1, "world_size": 1 + num_workers, "packed": True,
-            "packed_buffer_size_bytes": PACKED_BUFFER_BYTES, "packed_num_buffers": PACKED_NUM_BUFFERS}
-
-
-def bucket_update_info(bucket: Iterable[tuple[str, torch.Tensor]]) -> dict[str, list]:
-    """``update_info`` announcing one bucket to the workers: names, dtype names, shapes, in send order.
-    The tensors may be ``device="meta"``: only their description crosses the control plane."""
-    names, dtypes, shapes = [], [], []
-    for name, tensor in bucket:
-        names.append(name)
-        dtypes.append(str(tensor.dtype).removeprefix("torch."))
-        shapes.append(list(tensor.shape))
-    return {"names": names, "dtype_names": dtypes, "shapes": shapes}
-
 
 class VllmServerEngine(RolloutEngine):
     """vLLM's asynchronous engine in its own processes, driven from one rollout rank.
@@ -259,7 +165,7 @@ class VllmServerEngine(RolloutEngine):
         self._loop = asyncio.new_event_loop()
         # vLLM's processes are started from this thread and inherit its signal mask: SLURM's time-limit warning,
         # which reaches every process of the step, is for the rank to act on, not for them to die of.
-        self._thread = threading.Thread(target=_run_shielded, args=(self._loop,), name="vllm-server-loop",
+        self._thread = threading.Thread(target=run_shielded_loop, args=(self._loop,), name="vllm-server-loop",
                                         daemon=True)
         self._thread.start()
         kwargs = server_engine_kwargs(model_path, tensor_parallel_size=tensor_parallel_size,

@@ -11,7 +11,7 @@ Two paths, one interface (``send(actor)`` on actor ranks, ``receive(engine)`` on
   among the others: it carries its share of the bytes, not the whole model.
 - ``EngineChannelWeightSync``, for vLLM in processes of its own (``rollout.vllm_mode=server_process``): each
   engine takes every bucket from one actor rank over a communicator of its own (vLLM's weight transfer allows one
-  sender per engine: NCCL on CUDA, our gloo backend on CPU, ``vllm_server.transfer_backend``), the engines spread
+  sender per engine: NCCL on CUDA, our gloo backend on CPU, ``vllm_transfer_info.transfer_backend``), the engines spread
   round-robin over the replicas (``assign_engine_senders``) so they are fed in parallel. The main world carries
   only the rendezvous and the buckets' descriptions, once.
 """
@@ -28,7 +28,6 @@ import torch.distributed as dist
 from hpc_rlhf.config.rollout import RolloutConfig, rollout_engine_kind
 from hpc_rlhf.rollout.base import RolloutEngine
 from hpc_rlhf.rollout.engine_restart import EngineFailure, EngineRestartLimitError, Restartable
-from hpc_rlhf.rollout.vllm_server import transfer_backend
 from hpc_rlhf.rollout.weight_round_failure import LostReceivers
 from hpc_rlhf.weight_sync.plan import (
     WeightSyncPlan,
@@ -46,6 +45,7 @@ from hpc_rlhf.weight_sync.transport import (
 )
 from hpc_rlhf.weight_sync.vllm_gloo_transfer import GlooSenderChannel
 from hpc_rlhf.weight_sync.vllm_nccl_transfer import SenderChannel  # vLLM itself: only when a channel opens
+from hpc_rlhf.weight_sync.vllm_transfer_info import transfer_backend
 from hpc_rlhf.world.channel import broadcast_to_role
 from hpc_rlhf.world.groups import WorldGroups, comm_device, new_group
 from hpc_rlhf.world.launch_env import host_address
@@ -143,8 +143,8 @@ OpenChannel = Callable[[int], EngineChannel]
 
 
 def _open_vllm_channel(num_workers: int) -> EngineChannel:
-    """The sender's end for this machine's backend (``vllm_server.transfer_backend``, the rule the engine follows):
-    vLLM's NCCL on CUDA (never run on a GPU yet), our gloo group without it."""
+    """The sender's end for this machine's backend (``vllm_transfer_info.transfer_backend``, the rule the engine
+    follows): vLLM's NCCL on CUDA (never run on a GPU yet), our gloo group without it."""
     if transfer_backend(torch.cuda.is_available()) == "nccl":
         return SenderChannel(num_workers)
     return GlooSenderChannel(num_workers, host_address())

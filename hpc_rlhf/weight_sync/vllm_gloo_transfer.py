@@ -12,13 +12,13 @@ The group: the sending actor rank is rank 0 and hosts the rendezvous ``TCPStore`
 side's default process group, nor vLLM's own groups, are touched. The sender binds the store on a port the kernel
 picks and keeps it (no gap between choosing a port and binding it for another process to take it), then tells the
 engine where it is. The store is sealed with the job's secret (:mod:`hpc_rlhf.world.sealed_store`), which the
-rank that starts vLLM's processes hands to them alone (:func:`hpc_rlhf.rollout.vllm_server.server_process_env`),
+rank that starts vLLM's processes hands to them alone (:func:`hpc_rlhf.rollout.vllm_server_launch.server_process_env`),
 under a namespace of its own per channel (``channel``, fresh random bytes): another user who reaches the port can
 neither read the group's rendezvous nor join it, and a value sealed for one channel does not open in another.
 
 One bucket on the wire: the engine's owner sends ``update_info`` (names, dtype names, shapes; the same fields as
-vLLM's NCCL update info, so ``vllm_server.bucket_update_info`` serves both backends) through vLLM's control plane;
-the sender broadcasts the tensors as one flat buffer per dtype (:func:`bucket_layout`: dtypes in order of first
+vLLM's NCCL update info, so ``vllm_transfer_info.bucket_update_info`` serves both backends) through vLLM's control
+plane; the sender broadcasts the tensors as one flat buffer per dtype (:func:`bucket_layout`: dtypes in order of first
 appearance, each dtype's tensors in bucket order), so a bucket costs one broadcast per dtype, not one per tensor.
 
 Loading (every worker): ``start_weight_update`` starts vLLM's layerwise reload, each bucket goes to

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from hpc_rlhf.rollout.vllm_api import resolve
-from hpc_rlhf.rollout.vllm_server import PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS
+from hpc_rlhf.weight_sync.vllm_transfer_info import PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS
 
 NCCL_UNIQUE_ID_KEY = "nccl_unique_id_b64"
 

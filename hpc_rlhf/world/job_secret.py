@@ -18,7 +18,7 @@ Its reach: the first read takes it out of the environment (``os.environ``), and 
 module. So the processes a rank starts do not inherit it: not a tool's subprocess, not an agent's, not a sandbox, not
 DeepSpeed's helper scripts. The one kind of child that needs it, vLLM's engine in processes of its own (whose workers
 join the gloo weight channel's sealed store), gets it explicitly in the environment it is started with
-(:func:`hpc_rlhf.rollout.vllm_server.server_process_env`), and its worker takes it out again on first use. What this
+(``vllm_server_launch.server_process_env``), and its worker takes it out again on first use. What this
 does not hide: ``/proc/<pid>/environ`` of a rank shows the environment the rank was started with, to the same user
 and root; code run as that user outside a sandbox can read it (the sandbox's ``/proc`` shows its own processes only).
 
@@ -144,7 +144,7 @@ def held_job_secret(environ: MutableMapping[str, str] | None = None) -> str:
     default ``os.environ``, on the first call; a newer one handed replaces it), else the one read before.
 
     A rank holds it once ``init_world`` ran; a process a rank started explicitly with it (vLLM's engine: see
-    :func:`hpc_rlhf.rollout.vllm_server.server_process_env`) holds it from its environment.
+    :func:`hpc_rlhf.rollout.vllm_server_launch.server_process_env`) holds it from its environment.
 
     Raises:
         JobSecretError: none was handed and none is held: such a process cannot derive it (its launch variables

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from hpc_rlhf.rollout.vllm_server import server_process_env
+from hpc_rlhf.rollout.vllm_server_launch import server_process_env
 from hpc_rlhf.world.job_secret import JOB_SECRET_ENV, new_job_secret
 
 pytestmark = pytest.mark.security

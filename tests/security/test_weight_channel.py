@@ -32,8 +32,8 @@ pytest.importorskip("vllm")
 from vllm.distributed.device_communicators import pynccl, pynccl_wrapper  # noqa: E402
 from vllm.distributed.weight_transfer import nccl_common  # noqa: E402
 
-from hpc_rlhf.rollout.vllm_server import worker_init_info  # noqa: E402
 from hpc_rlhf.weight_sync import sharded  # noqa: E402
+from hpc_rlhf.weight_sync.vllm_transfer_info import worker_init_info  # noqa: E402
 from tests.security.waits import join_or_fail  # noqa: E402
 
 JOIN_TIMEOUT_S = 30

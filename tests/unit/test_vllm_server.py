@@ -17,15 +17,8 @@ import torch
 
 from hpc_rlhf.config.rollout import resolved_vllm_mode
 from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
-from hpc_rlhf.rollout.vllm_server import (
-    LAUNCH_ENV_VARS,
-    VllmServerEngine,
-    bucket_update_info,
-    isolated_environ,
-    server_process_env,
-    transfer_backend,
-    worker_init_info,
-)
+from hpc_rlhf.rollout.vllm_server import VllmServerEngine
+from hpc_rlhf.rollout.vllm_server_launch import LAUNCH_ENV_VARS, isolated_environ, server_process_env
 from hpc_rlhf.weight_sync import vllm_gloo_transfer
 from hpc_rlhf.weight_sync.vllm_gloo_transfer import (
     GlooGroup,
@@ -38,6 +31,7 @@ from hpc_rlhf.weight_sync.vllm_gloo_transfer import (
     unpack_by_dtype,
     worker_group_rank,
 )
+from hpc_rlhf.weight_sync.vllm_transfer_info import bucket_update_info, transfer_backend, worker_init_info
 from tests.unit.test_vllm_external_launcher_contract import FakeRequestOutput, completion
 
 # What a sender's channel hands the engine's rank: NCCL's unique id (128 bytes, base64); the gloo store's place.
