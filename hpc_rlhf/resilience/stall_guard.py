@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from hpc_rlhf.resilience.stall_limits import StallLimits
 from hpc_rlhf.resilience.watchdog import STALL_EXIT_CODE, Watchdog
 from hpc_rlhf.world.groups import set_collective_timeouts
@@ -82,11 +84,11 @@ class StallGuard:
             self.watchdog.stop()
 
     def explain_failure(self, exc: BaseException, wait_s: float = 6.0) -> None:
-        """After a collective failed (a RuntimeError, DistBackendError among them), log which peers are dead or
-        silent. A peer on this host whose process is gone is named at once; one on another host once its heartbeat
-        is older than the watchdog's staleness limit, so this waits up to ``wait_s`` for one to show. Other errors
-        are this rank's own and need no peer to explain them."""
-        if self.watchdog is None or not isinstance(exc, RuntimeError):
+        """After a collective failed (:func:`may_be_a_peers_failure`), log which peers are dead or silent. A peer on
+        this host whose process is gone is named at once; one on another host once its heartbeat is older than the
+        watchdog's staleness limit, so this waits up to ``wait_s`` for one to show. Other errors are this rank's own
+        and need no peer to explain them: the rank exits at once."""
+        if self.watchdog is None or not may_be_a_peers_failure(exc):
             return
         deadline = time.monotonic() + wait_s
         while True:
@@ -105,3 +107,12 @@ class StallGuard:
         limit = self.limits.for_phase(phase)
         self.watchdog.set_limit(limit, phase)
         set_collective_timeouts(limit + COLLECTIVE_MARGIN_S)
+
+
+def may_be_a_peers_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` may be a collective that failed because a peer died or stopped: torch.distributed's own errors
+    (``DistError``: backend, network, store) and gloo's, which are plain RuntimeError instances ("Connection closed
+    by peer", "Timed out waiting"). This project's errors derived from RuntimeError (a reward function that raised, an
+    engine past its restart bound, a worker's reported failure) already name their cause: waiting seconds for a peer
+    to explain them only delays the job's end."""
+    return isinstance(exc, dist.DistError) or type(exc) is RuntimeError

@@ -72,6 +72,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -313,9 +314,7 @@ class VllmServerEngine(RolloutEngine):
     def _resume_after_fault(self) -> None:
         """Fault tests: the requests held for a fault point go on, unless the driver killed the engine (generate
         reports that; nothing to resume)."""
-        if not self.engine.errored:
-            with contextlib.suppress(Exception):
-                self._run_for(self.engine.resume_generation(), 10.0)
+        self._call_unless_dead(self.engine.resume_generation(), 10.0)
 
     def restart(self, failure: EngineFailure) -> None:
         """Replace a failed engine and give it its weights again (:meth:`RestartSupervisor.restart`)."""
@@ -398,8 +397,7 @@ class VllmServerEngine(RolloutEngine):
     def _stop_engine(self) -> None:
         """Stop a failed engine's processes (best effort: some are already gone)."""
         if self._in_flight:
-            with contextlib.suppress(Exception):
-                self._run_for(self.engine.abort(request_id=list(self._in_flight)), 10.0)
+            self._call_unless_dead(self.engine.abort(request_id=list(self._in_flight)), 10.0)
             self._in_flight.clear()
         with contextlib.suppress(Exception):
             self._run_for(self._shutdown(), 60.0)
@@ -407,6 +405,23 @@ class VllmServerEngine(RolloutEngine):
 
     def _run_for(self, coroutine: Any, timeout_s: float) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=timeout_s)
+
+    def _call_unless_dead(self, coroutine: Any, timeout_s: float) -> None:
+        """A best-effort engine call (resume, abort): wait for it at most ``timeout_s``, and not at all once vLLM
+        flags its engine dead. A call sent to an engine core that has just died stays pending for good (vLLM 0.32
+        fails no pending utility call then), and vLLM raises its engine-dead flag a moment after the death: checking
+        the flag once before the call is not enough."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        deadline = time.monotonic() + timeout_s
+        while not self.engine.errored and time.monotonic() < deadline:
+            try:
+                future.result(timeout=ROUND_POLL_S)
+                return
+            except FutureTimeout:
+                continue
+            except Exception:  # noqa: BLE001 -- best effort: the caller reports the engine's state, not this call's
+                return
+        future.cancel()
 
     # ------------------------------------------------------------------ weights
     def open_weight_channel(self, rendezvous: Mapping[str, Any]) -> None:
@@ -467,8 +482,7 @@ class VllmServerEngine(RolloutEngine):
                                             backend=self.weight_transfer_backend)
                 except BaseException:
                     if self.alive():  # a failed round still resumes generation; the round's error is the one reported
-                        with contextlib.suppress(Exception):
-                            self._run_for(self.engine.resume_generation(), 10.0)
+                        self._call_unless_dead(self.engine.resume_generation(), 10.0)
                     raise
             if failure is not None:
                 self.supervisor.round_failure = failure
