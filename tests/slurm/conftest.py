@@ -97,3 +97,32 @@ def wait_for_state(job_info: Callable[[str], dict[str, str]], job_id: str, state
                                              f"({info.get('JobState')}, {info.get('Reason')}): "
                                              + read_log(log)[-3000:])
         time.sleep(0.2)
+
+
+# A time limit of one minute whose warning comes at least 15 s after the start (--signal=USR1@45): by then every
+# task has set its trap. With @55 it came as early as 5 s in, and once reached a Python task of a loaded machine
+# before the task had installed its handler.
+TIME_LIMIT_OPTIONS = ("#SBATCH --time=1", "#SBATCH --signal=USR1@45")
+# One task of the time-limit job: its trap is the first thing it runs. `sleep` gets the step's USR1 too and dies;
+# the loop goes on until bash runs the trap.
+TIME_LIMIT_TASK = """#!/bin/bash
+trap 'echo "task $SLURM_PROCID on $(hostname) got USR1"; exit 0' USR1
+while [ "$SECONDS" -lt 58 ]; do sleep 0.2; done
+echo "no signal"
+exit 3
+"""
+
+
+def write_time_limit_job(folder: Path, *options: str) -> Path:
+    """A batch script (more ``#SBATCH`` ``options``) whose srun tasks wait for the scheduler's time-limit signal
+    with nothing to compute. Without ``B:`` the signal goes to the step's tasks, not the batch shell: each task
+    prints ``task N on HOST got USR1``, the shell ``batch done`` (and ``batch shell got USR1`` if it were
+    signalled)."""
+    task = folder / "probe.sh"
+    task.write_text(TIME_LIMIT_TASK)
+    task.chmod(0o755)
+    script = folder / "sig.sbatch"
+    script.write_text("\n".join(["#!/bin/bash", *TIME_LIMIT_OPTIONS, *options,
+                                 "trap 'echo batch shell got USR1' USR1",
+                                 f"srun --kill-on-bad-exit=1 {task}", "echo batch done", ""]))
+    return script

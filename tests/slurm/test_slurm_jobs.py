@@ -9,6 +9,7 @@ Each test submits a job from the repository root with its outputs in a tmp dir a
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import FINAL, ROOT, job_info, sbatch, wait_for_state, wait_job
+from .conftest import FINAL, ROOT, job_info, sbatch, wait_for_state, wait_job, write_time_limit_job
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 TINY = ["train.max_steps=2"]
@@ -118,23 +119,25 @@ def test_one_failing_rank_ends_the_job_fast(tmp_path):
     print(f"fail-fast: job ended {elapsed:.1f}s after it started running")
 
 
-def test_time_limit_signal_reaches_every_task(tmp_path):
+@pytest.fixture(scope="module", autouse=True)
+def time_limit_job(slurm_cluster, tmp_path_factory) -> tuple[str, Path]:
+    """The time-limit job (``write_time_limit_job``), submitted before the module's first test so that its wait for
+    the signal runs beside the other tests' jobs (the node takes them together)."""
+    folder = tmp_path_factory.mktemp("time_limit")
+    log = folder / "sig.out"
+    job = sbatch("-o", str(log), str(write_time_limit_job(folder, "#SBATCH --ntasks=2", "#SBATCH --cpus-per-task=1")))
+    yield job, log
+    if job_info(job).get("JobState") not in FINAL:
+        subprocess.run(["scancel", job], check=False)
+
+
+def test_time_limit_signal_reaches_every_task(time_limit_job):
     """--signal=USR1@N (no B:) is delivered by the scheduler to the tasks of the srun step, not the shell."""
-    log = tmp_path / "job.out"
-    probe = ("import signal,sys,time,os\n"
-             "def h(s,f): print(f'task {os.environ[\"SLURM_PROCID\"]} got USR1', flush=True); sys.exit(0)\n"
-             "signal.signal(signal.SIGUSR1,h)\ntime.sleep(58)\nprint('no signal', flush=True)\nsys.exit(3)\n")
-    (tmp_path / "probe.py").write_text(probe)
-    script = tmp_path / "sig.sbatch"
-    script.write_text("#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --cpus-per-task=1\n#SBATCH --time=1\n"
-                      "#SBATCH --signal=USR1@55\n"
-                      "trap 'echo batch shell got USR1' USR1\n"
-                      f"srun --kill-on-bad-exit=1 {sys.executable} {tmp_path / 'probe.py'}\necho batch done\n")
-    job = sbatch("-o", str(log), str(script))
+    job, log = time_limit_job
     info = wait_job(job, 150, log)
     text = _read(log)
     assert info["JobState"] == "COMPLETED", text
-    assert "task 0 got USR1" in text and "task 1 got USR1" in text
+    assert re.search(r"task 0 on \S+ got USR1", text) and re.search(r"task 1 on \S+ got USR1", text), text
     assert "batch shell got USR1" not in text and "batch done" in text
 
 

@@ -26,7 +26,7 @@ import pytest
 from hpc_rlhf.world.launch_env import port_from_job_id
 from hpc_rlhf.world.sealed_store import SEALED_KEY_PREFIX, SECRET_CHECK_PREFIX
 
-from ..conftest import FINAL, ROOT, read_log, wait_for_state
+from ..conftest import FINAL, ROOT, read_log, wait_for_state, write_time_limit_job
 from .conftest import (
     ADDRESSES,
     NODES,
@@ -282,29 +282,19 @@ def test_node_lost_mid_step_and_mid_checkpoint_write(shared_dir, reference_run):
 
 @pytest.fixture(scope="module", autouse=True)
 def time_limit_job(multinode_cluster):
-    """A job that waits for the scheduler's time-limit signal (--time=1 --signal=USR1@55) with nothing to compute:
-    submitted before the module's first test, so that its wait runs beside the other jobs instead of after them.
-    """
+    """The time-limit job (``write_time_limit_job``) on both nodes: submitted before the module's first test, so
+    that its wait runs beside the other jobs instead of after them."""
     folder = SHARED_ROOT / f"time-limit-{uuid.uuid4().hex[:8]}"
     folder.mkdir(parents=True)
-    probe = ("import os, signal, socket, sys, time\n"
-             "def h(s, f): print(f'task {os.environ[\"SLURM_PROCID\"]} on {socket.gethostname()} got USR1', "
-             "flush=True); sys.exit(0)\n"
-             "signal.signal(signal.SIGUSR1, h)\ntime.sleep(58)\nprint('no signal', flush=True)\nsys.exit(3)\n")
-    (folder / "probe.py").write_text(probe)
-    script = folder / "sig.sbatch"
-    script.write_text("#!/bin/bash\n#SBATCH --time=1\n#SBATCH --signal=USR1@55\n"
-                      "trap 'echo batch shell got USR1' USR1\n"
-                      f"srun --kill-on-bad-exit=1 {sys.executable} {folder / 'probe.py'}\necho batch done\n")
     log = folder / "sig.out"
-    job = WatchedJob(sbatch("-o", str(log), *TWO_NODES, str(script)), log, timeout_s=150)
+    job = WatchedJob(sbatch("-o", str(log), *TWO_NODES, str(write_time_limit_job(folder))), log, timeout_s=150)
     yield job
     job.cancel()
     shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_time_limit_signal_reaches_every_rank_on_every_node(time_limit_job):
-    """--signal=USR1@55 with --time=1: the scheduler signals the step's tasks on both nodes, not the batch shell."""
+    """--signal=USR1@45 with --time=1: the scheduler signals the step's tasks on both nodes, not the batch shell."""
     info = time_limit_job.result()
     text = read_log(time_limit_job.log)
     assert info["JobState"] == "COMPLETED", text
