@@ -9,6 +9,7 @@ import base64
 import os
 import sys
 import threading
+import time
 from types import ModuleType, SimpleNamespace
 from typing import ClassVar
 
@@ -229,6 +230,54 @@ def test_close_aborts_generations_in_flight(fake_vllm):
     pending.result(timeout=60)  # released by the abort, not left waiting
     engine.close()  # idempotent: nothing is shut down twice
     assert [c for c in fake.calls if c[0] != "generate"] == [("abort", ["hpc-rlhf-0"]), ("shutdown",)]
+
+
+def _answers_nothing_once_dead(fake: FakeAsyncEngine, name: str):
+    """A call to ``fake`` as vLLM 0.32 leaves it when its engine core has just died: it never returns, and its
+    engine-dead flag rises a moment after the call was sent. Records the call and its cancellation."""
+
+    async def call(*args, **kwargs):
+        fake.calls.append((name,))
+        threading.Timer(0.2, lambda: setattr(fake, "errored", True)).start()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            fake.calls.append((f"{name} cancelled",))
+            raise
+
+    return call
+
+
+def _wait_for_call(fake: FakeAsyncEngine, call: tuple, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while call not in fake.calls:
+        assert time.monotonic() < deadline, f"{call} never came: {fake.calls}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("call", ["resume", "abort"])
+def test_a_best_effort_call_to_an_engine_that_just_died_is_dropped_once_vllm_flags_it(fake_vllm, call):
+    """Resuming held requests (fault hooks) and aborting the requests of a failed engine (restart): sent just as the
+    engine core died, the call would never return; it is cancelled once vLLM flags the engine dead, not left
+    pending on the engine's loop after a fixed wait (the restart then goes on at once)."""
+    engine = VllmServerEngine("/models/tiny")
+    fake = engine.engine
+    try:
+        if call == "resume":
+            fake.resume_generation = _answers_nothing_once_dead(fake, call)
+            engine._resume_after_fault()
+        else:
+            engine._in_flight.add("hpc-rlhf-0")  # a request of the engine that died
+            fake.abort = _answers_nothing_once_dead(fake, call)
+            engine._stop_engine()
+            assert engine.engine is None and ("shutdown",) in fake.calls  # and the restart goes on
+        _wait_for_call(fake, (f"{call} cancelled",))
+    finally:
+        if engine.engine is not None:
+            engine.close()
+        else:
+            engine._loop.call_soon_threadsafe(engine._loop.stop)
+            engine._thread.join(timeout=30)
 
 
 def test_from_spec_refuses_tensor_parallel_engines_per_rank(fake_vllm):
