@@ -123,8 +123,10 @@ from hpc_rlhf.world.job_secret import JobSecretError, held_job_secret
 
 log = logging.getLogger(__name__)
 __all__ = ["FAULT_PHASE", "ROUND_FAULT_PHASE", "VllmServerEngine"]  # the fault phases: engine_supervision's
-# How often a weight round's engine call checks that the engine is still alive (vLLM's engine-dead flag).
+# How often a pending engine call checks that the engine is still alive (vLLM's engine-dead flag).
 ROUND_POLL_S = 0.2
+# The longest a best-effort call (resume, abort) waits for an engine that is alive but slow to answer.
+BEST_EFFORT_CALL_S = 10.0
 
 class VllmServerEngine(RolloutEngine):
     """vLLM's asynchronous engine in its own processes, driven from one rollout rank.
@@ -314,7 +316,7 @@ class VllmServerEngine(RolloutEngine):
     def _resume_after_fault(self) -> None:
         """Fault tests: the requests held for a fault point go on, unless the driver killed the engine (generate
         reports that; nothing to resume)."""
-        self._call_unless_dead(self.engine.resume_generation(), 10.0)
+        self._call_unless_dead(self.engine.resume_generation())
 
     def restart(self, failure: EngineFailure) -> None:
         """Replace a failed engine and give it its weights again (:meth:`RestartSupervisor.restart`)."""
@@ -397,7 +399,7 @@ class VllmServerEngine(RolloutEngine):
     def _stop_engine(self) -> None:
         """Stop a failed engine's processes (best effort: some are already gone)."""
         if self._in_flight:
-            self._call_unless_dead(self.engine.abort(request_id=list(self._in_flight)), 10.0)
+            self._call_unless_dead(self.engine.abort(request_id=list(self._in_flight)))
             self._in_flight.clear()
         with contextlib.suppress(Exception):
             self._run_for(self._shutdown(), 60.0)
@@ -406,22 +408,27 @@ class VllmServerEngine(RolloutEngine):
     def _run_for(self, coroutine: Any, timeout_s: float) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=timeout_s)
 
-    def _call_unless_dead(self, coroutine: Any, timeout_s: float) -> None:
-        """A best-effort engine call (resume, abort): wait for it at most ``timeout_s``, and not at all once vLLM
-        flags its engine dead. A call sent to an engine core that has just died stays pending for good (vLLM 0.32
-        fails no pending utility call then), and vLLM raises its engine-dead flag a moment after the death: checking
-        the flag once before the call is not enough."""
+    def _await_while_alive(self, coroutine: Any, timeout_s: float | None = None) -> tuple[bool, Any]:
+        """Run an engine call on the loop: ``(True, its result)``, or ``(False, None)`` once vLLM flags the engine
+        dead (or after ``timeout_s``), the call then cancelled. vLLM 0.32 leaves a call pending for good when its
+        engine core dies under it (it fails no pending utility call), and raises the engine-dead flag a moment after
+        the death, so the flag is checked every ``ROUND_POLL_S`` while waiting, not once before the call. The call's
+        own errors propagate."""
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        deadline = time.monotonic() + timeout_s
-        while not self.engine.errored and time.monotonic() < deadline:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
             try:
-                future.result(timeout=ROUND_POLL_S)
-                return
+                return True, future.result(timeout=ROUND_POLL_S)
             except FutureTimeout:
-                continue
-            except Exception:  # noqa: BLE001 -- best effort: the caller reports the engine's state, not this call's
-                return
-        future.cancel()
+                if self.engine.errored or (deadline is not None and time.monotonic() >= deadline):
+                    future.cancel()
+                    return False, None
+
+    def _call_unless_dead(self, coroutine: Any) -> None:
+        """A best-effort engine call (resume, abort), at most ``BEST_EFFORT_CALL_S``: its errors and a dead engine
+        are the caller's to find out."""
+        with contextlib.suppress(Exception):
+            self._await_while_alive(coroutine, BEST_EFFORT_CALL_S)
 
     # ------------------------------------------------------------------ weights
     def open_weight_channel(self, rendezvous: Mapping[str, Any]) -> None:
@@ -482,7 +489,7 @@ class VllmServerEngine(RolloutEngine):
                                             backend=self.weight_transfer_backend)
                 except BaseException:
                     if self.alive():  # a failed round still resumes generation; the round's error is the one reported
-                        self._call_unless_dead(self.engine.resume_generation(), 10.0)
+                        self._call_unless_dead(self.engine.resume_generation())
                     raise
             if failure is not None:
                 self.supervisor.round_failure = failure
@@ -490,21 +497,17 @@ class VllmServerEngine(RolloutEngine):
                             "whole current round, before it generates again", self.name, failure.cause)
 
     def _call_in_round(self, coroutine: Any, incarnation: int) -> Any:
-        """One engine call of a weight round; raises :class:`EngineFailure` when the engine dies meanwhile. vLLM
-        may leave a call pending for good when its engine core dies under it (vLLM 0.32 fails no pending utility
-        call then), so the wait checks vLLM's engine-dead flag every ``ROUND_POLL_S``."""
+        """One engine call of a weight round; raises :class:`EngineFailure` when the engine dies meanwhile
+        (:meth:`_await_while_alive`)."""
         dead_error = resolve("vllm.v1.engine.exceptions:EngineDeadError")
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        while True:
-            try:
-                return future.result(timeout=ROUND_POLL_S)
-            except FutureTimeout:
-                if self.engine.errored:
-                    future.cancel()
-                    raise EngineFailure("vLLM's engine-core process exited", incarnation) from None
-            except dead_error as err:
-                raise EngineFailure(f"vLLM's engine-core process exited ({type(err).__name__}: {err})",
-                                    incarnation) from err
+        try:
+            returned, result = self._await_while_alive(coroutine)
+        except dead_error as err:
+            raise EngineFailure(f"vLLM's engine-core process exited ({type(err).__name__}: {err})",
+                                incarnation) from err
+        if not returned:
+            raise EngineFailure("vLLM's engine-core process exited", incarnation)
+        return result
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """A round of one bucket (the sender broadcasts exactly these tensors)."""

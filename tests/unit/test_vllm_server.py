@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hpc_rlhf.config.rollout import resolved_vllm_mode
+from hpc_rlhf.rollout import vllm_server
 from hpc_rlhf.rollout.base import GenerationRequest, SamplingParams
 from hpc_rlhf.rollout.vllm_server import VllmServerEngine
 from hpc_rlhf.rollout.vllm_server_launch import LAUNCH_ENV_VARS, isolated_environ, server_process_env
@@ -248,7 +249,8 @@ def _answers_nothing_once_dead(fake: FakeAsyncEngine, name: str):
     return call
 
 
-def _wait_for_call(fake: FakeAsyncEngine, call: tuple, timeout_s: float = 30.0) -> None:
+def _wait_for_call(fake: FakeAsyncEngine, call: tuple, timeout_s: float = 5.0) -> None:
+    """Until ``call`` is among the fake's calls (a cancellation reaches the loop in milliseconds)."""
     deadline = time.monotonic() + timeout_s
     while call not in fake.calls:
         assert time.monotonic() < deadline, f"{call} never came: {fake.calls}"
@@ -256,23 +258,29 @@ def _wait_for_call(fake: FakeAsyncEngine, call: tuple, timeout_s: float = 30.0) 
 
 
 @pytest.mark.parametrize("call", ["resume", "abort"])
-def test_a_best_effort_call_to_an_engine_that_just_died_is_dropped_once_vllm_flags_it(fake_vllm, call):
+def test_a_best_effort_call_to_an_engine_that_just_died_is_dropped_once_vllm_flags_it(fake_vllm, monkeypatch, call):
     """Resuming held requests (fault hooks) and aborting the requests of a failed engine (restart): sent just as the
-    engine core died, the call would never return; it is cancelled once vLLM flags the engine dead, not left
-    pending on the engine's loop after a fixed wait (the restart then goes on at once)."""
+    engine core died, the call would never return; it is cancelled once vLLM flags the engine dead, not after a
+    fixed wait (made 600 s here, so that only the flag can end it), and the restart goes on at once."""
+    monkeypatch.setattr(vllm_server, "BEST_EFFORT_CALL_S", 600.0)
     engine = VllmServerEngine("/models/tiny")
     fake = engine.engine
+    if call == "resume":
+        fake.resume_generation = _answers_nothing_once_dead(fake, call)
+        caller = threading.Thread(target=engine._resume_after_fault, daemon=True)
+    else:
+        engine._in_flight.add("hpc-rlhf-0")  # a request of the engine that died
+        fake.abort = _answers_nothing_once_dead(fake, call)
+        caller = threading.Thread(target=engine._stop_engine, daemon=True)
     try:
-        if call == "resume":
-            fake.resume_generation = _answers_nothing_once_dead(fake, call)
-            engine._resume_after_fault()
-        else:
-            engine._in_flight.add("hpc-rlhf-0")  # a request of the engine that died
-            fake.abort = _answers_nothing_once_dead(fake, call)
-            engine._stop_engine()
-            assert engine.engine is None and ("shutdown",) in fake.calls  # and the restart goes on
+        caller.start()
         _wait_for_call(fake, (f"{call} cancelled",))
+        caller.join(timeout=30)
+        assert not caller.is_alive()
+        if call == "abort":
+            assert engine.engine is None and ("shutdown",) in fake.calls
     finally:
+        monkeypatch.setattr(vllm_server, "BEST_EFFORT_CALL_S", 1.0)  # a failed test ends, whatever the call does
         if engine.engine is not None:
             engine.close()
         else:
