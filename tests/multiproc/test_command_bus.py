@@ -1,7 +1,7 @@
 """The command bus (``hpc_rlhf.trainers.rl.command_bus``) on three gloo ranks: every worker receives rank 0's
 commands in the order they were sent, and a worker that is busy does not hold rank 0 (or the free workers) up:
 rank 0 sends all its commands and then meets rank 1 in a collective of their own while rank 2 has not yet asked
-for its first command."""
+for its first command. Commands posted by a bus that is then freed still arrive."""
 
 from __future__ import annotations
 
@@ -54,3 +54,38 @@ def test_commands_arrive_in_order_and_a_busy_worker_holds_nobody_up():
     assert results[0] == {"sent": 5}
     for rank in (1, 2):
         assert results[rank]["received"] == results[rank]["expected"], rank
+
+
+def _serve_after_the_bus_is_gone(rank: int, world_size: int) -> list:
+    import gc
+    import time
+
+    import torch.distributed as dist
+
+    from hpc_rlhf.trainers.rl.command_bus import CommandBus
+    from hpc_rlhf.trainers.rl.commands import EndPhase, Save, SyncWeights
+    from hpc_rlhf.world.groups import build_world_groups
+    from hpc_rlhf.world.placement import build_placement
+
+    world = build_world_groups(build_placement(load_config(None, LAYOUT), world_size))
+    bus = CommandBus(world)
+    received = []
+    if rank == 0:
+        for command in (Save(1), SyncWeights(2), EndPhase()):
+            bus.send(command)
+        del bus  # what a script that drives a trainer by hand does when it returns (no flush)
+        gc.collect()
+    else:
+        time.sleep(1.0)  # the workers ask only after rank 0 freed the bus, so its sends are still pending then
+        while not isinstance(command := bus.receive(), EndPhase):
+            received.append(command)
+    dist.barrier()
+    return received
+
+
+@pytest.mark.slow
+def test_commands_of_a_freed_bus_still_arrive():
+    from hpc_rlhf.trainers.rl.commands import Save, SyncWeights
+
+    results = run_on_ranks(_serve_after_the_bus_is_gone, 3)
+    assert results[1] == results[2] == [Save(1), SyncWeights(2)]

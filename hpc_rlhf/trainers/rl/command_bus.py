@@ -12,6 +12,11 @@ gloo matches the sends and receives of one pair of ranks in the order they were 
 worker's commands in rank 0's order. The bus has a gloo group of its own (``WorldGroups.command_group``) whatever
 the world's backend, so its messages never interleave with a role's traffic.
 
+A posted send lives in this module (``_UNDELIVERED``), not in the bus, until it is known to be delivered: gloo loses a
+send whose work handle is freed before the receiver took it (the peer then waits out its timeout, or sees the
+connection close), and a script that drives a trainer phase by phase frees its trainer, bus included, right after
+the last phase's ``EndPhase`` was posted.
+
 Each message is two sends: the payload's length (one int64), then the pickled command (bytes). Only rank 0 writes
 to the bus and the group is the job's own (its rendezvous is sealed, ``hpc_rlhf.world.sealed_store``), which is why
 unpickling what arrives is as safe as the ``broadcast_object_list`` it replaces.
@@ -31,6 +36,9 @@ from hpc_rlhf.world.groups import WorldGroups
 
 CONTROLLER = 0
 
+# Rank 0's posted sends not known to be delivered: (group, work, the tensors it reads), of every bus of this process.
+_UNDELIVERED: list[tuple[Any, Any, tuple[torch.Tensor, ...]]] = []
+
 
 class CommandBus:
     """The control stream of one run over ``world.command_group``."""
@@ -38,19 +46,18 @@ class CommandBus:
     def __init__(self, world: WorldGroups) -> None:
         self.rank, self.world_size = world.rank, world.placement.world_size
         self.group = world.command_group
-        self._in_flight: list[tuple[Any, torch.Tensor, torch.Tensor]] = []  # rank 0: sends not known to be done
         self.sent = 0  # rank 0: commands sent so far (each to every other rank)
 
     def send(self, command: Any) -> None:
         """Rank 0: post ``command`` to every other rank; returns without waiting for any of them."""
         if self.rank != CONTROLLER:
             raise RuntimeError(f"rank {self.rank} sent a command; only rank {CONTROLLER} (the controller) does")
-        self._forget_delivered()
+        _forget_delivered()
         payload = torch.frombuffer(bytearray(pickle.dumps(command)), dtype=torch.uint8)
         length = torch.tensor([payload.numel()], dtype=torch.int64)
         for dst in range(1, self.world_size):
             for tensor in (length, payload):
-                self._in_flight.append((dist.isend(tensor, dst, group=self.group), length, payload))
+                _UNDELIVERED.append((self.group, dist.isend(tensor, dst, group=self.group), (length, payload)))
         self.sent += 1
 
     def receive(self) -> Any:
@@ -66,10 +73,12 @@ class CommandBus:
     def flush(self) -> None:
         """Rank 0: wait until every command sent has been received (at the end of a run: nothing left in flight
         when the process group goes away)."""
-        for work, _, _ in self._in_flight:
-            work.wait()
-        self._in_flight.clear()
+        for group, work, _ in _UNDELIVERED:
+            if group is self.group:
+                work.wait()
+        _forget_delivered()
 
-    def _forget_delivered(self) -> None:
-        """Drop the sends that completed (their buffers were kept alive until then)."""
-        self._in_flight = [entry for entry in self._in_flight if not entry[0].is_completed()]
+
+def _forget_delivered() -> None:
+    """Drop the sends that completed (their works and buffers were kept alive until then)."""
+    _UNDELIVERED[:] = [entry for entry in _UNDELIVERED if not entry[1].is_completed()]
