@@ -57,16 +57,21 @@ def test_commands_arrive_in_order_and_a_busy_worker_holds_nobody_up():
 
 
 def _serve_after_the_bus_is_gone(rank: int, world_size: int) -> list:
+    import datetime
     import gc
-    import time
 
     import torch.distributed as dist
 
     from hpc_rlhf.trainers.rl.command_bus import CommandBus
     from hpc_rlhf.trainers.rl.commands import EndPhase, Save, SyncWeights
+    from hpc_rlhf.world import groups
     from hpc_rlhf.world.groups import build_world_groups
     from hpc_rlhf.world.placement import build_placement
 
+    if rank != 0:  # a lost command ends a worker in seconds, before rank 0's 120 s, with the message below. A
+        # group's timeout at its creation is the one gloo's point-to-point receive keeps (set_collective_timeouts
+        # changes that of collectives only), hence the world's value for the groups made next.
+        groups._collective_timeout = datetime.timedelta(seconds=15)
     world = build_world_groups(build_placement(load_config(None, LAYOUT), world_size))
     bus = CommandBus(world)
     received = []
@@ -75,10 +80,14 @@ def _serve_after_the_bus_is_gone(rank: int, world_size: int) -> list:
             bus.send(command)
         del bus  # what a script that drives a trainer by hand does when it returns (no flush)
         gc.collect()
-    else:
-        time.sleep(1.0)  # the workers ask only after rank 0 freed the bus, so its sends are still pending then
-        while not isinstance(command := bus.receive(), EndPhase):
-            received.append(command)
+    dist.barrier()  # the workers ask only after rank 0 freed the bus: its sends are still pending then
+    if rank != 0:
+        try:
+            while not isinstance(command := bus.receive(), EndPhase):
+                received.append(command)
+        except RuntimeError as err:
+            raise AssertionError(f"rank {rank}: rank 0's commands were lost when it freed its bus; "
+                                 f"received {received}") from err
     dist.barrier()
     return received
 
