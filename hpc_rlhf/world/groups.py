@@ -149,7 +149,10 @@ def set_collective_timeouts(timeout_s: float) -> bool:
     torch fixes a group's timeout when it is created; ``distributed_c10d._set_pg_timeout`` (private, present since
     torch 2.3, gloo and NCCL) changes it afterwards, which is what lets a step's collectives be bounded by the
     step's limit while start-up and checkpoint loads keep a long one (``hpc_rlhf.resilience.stall_guard``).
-    Returns False, changing nothing, where torch lacks it; the watchdog still bounds every phase then.
+    Returns False, changing nothing, where torch lacks it; the watchdog still bounds every phase then. gloo's
+    point-to-point ``recv`` (the command bus's) keeps the timeout its group was created with (torch 2.13: a recv
+    on a group set to 3 s here waited until its peer exited 8 s later, while an all_reduce failed after 3 s); the
+    watchdog bounds it.
     """
     setter, registry = getattr(c10d, "_set_pg_timeout", None), getattr(c10d, "_world", None)
     if setter is None or registry is None or not dist.is_initialized():
